@@ -45,7 +45,7 @@ test-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP)
 test: test-unit test-vllm
 
 demo: $(STAMP) $(FIXTURES)/.done
-	$(BIN)/python -m extproc.demo --fixtures $(FIXTURES)
+	$(BIN)/python -m tools.demo --fixtures $(FIXTURES)
 
 bench-gateway: $(STAMP) $(FIXTURES)/.done
 	$(BIN)/python -m bench.gateway_overhead --out reports/gateway_overhead.json
