@@ -1,0 +1,250 @@
+"""Speculative prefetch: which adapter a session needs next, and whether it is worth a slot.
+
+Three small pieces, all plain Python and bounded in memory:
+
+- ``TransitionModel``: per tenant, counts of "adapter A was followed by adapter B in the
+  same session", learned online from traffic (agentic workflows such as code -> review ->
+  sql). ``predict_next(tenant, adapter, k)`` returns the k likeliest next adapters with
+  their empirical probabilities; a tenant with too little history (a new tenant: churn)
+  falls back to the model learned over all tenants. Counts age (halved when a row grows
+  past ``halve_at``) so a changed workflow is relearned.
+- ``DecayedPopularity``: an exponentially decayed request rate per adapter (half-life
+  ``half_life_s``): how hot an adapter is now.
+- ``should_speculate(candidate_score, victim_score)``: the bound. Both scores are the
+  probability that the adapter is used within the same horizon, so speculation never
+  evicts something hotter than what it brings in.
+
+``PredictionLedger`` counts every prediction as used (the session's next step asked for
+it) or wasted (it asked for something else, or never came back).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable
+
+__all__ = [
+    "DecayedPopularity",
+    "PredictionLedger",
+    "TransitionModel",
+    "candidate_score",
+    "should_speculate",
+    "use_probability",
+    "victim_score",
+]
+
+
+def use_probability(rate_per_s: float, horizon_s: float) -> float:
+    """P(at least one request within ``horizon_s``) for a Poisson rate: 1 - exp(-rate*horizon)."""
+    if rate_per_s <= 0.0:
+        return 0.0
+    return 1.0 - math.exp(-rate_per_s * horizon_s)
+
+
+def candidate_score(p_next: float, rate_per_s: float, horizon_s: float) -> float:
+    """Use probability of a predicted adapter: the session's next step, or anyone else's demand."""
+    return 1.0 - (1.0 - p_next) * (1.0 - use_probability(rate_per_s, horizon_s))
+
+
+def victim_score(rate_per_s: float, horizon_s: float, pending: float = 0.0) -> float:
+    """Use probability of an adapter a prefetch would evict.
+
+    ``pending`` is the prediction score of a victim that was itself prefetched and not
+    used yet: it was brought in for a reason, which still counts.
+    """
+    return max(use_probability(rate_per_s, horizon_s), pending)
+
+
+def should_speculate(candidate_score: float, victim_score: float, *, min_score: float = 0.0) -> bool:
+    """Prefetch only what is likelier to be used than what it evicts (0 = free slot).
+
+    Score tiers: a candidate below ``min_score`` is never loaded (a load costs bandwidth
+    even into a free slot); otherwise it must beat the victim strictly, so ties keep what
+    is already resident.
+    """
+    return candidate_score >= min_score and candidate_score > victim_score
+
+
+class DecayedPopularity:
+    """Exponentially decayed request count per key; ``rate`` is in requests per second."""
+
+    __slots__ = ("half_life_s", "_lambda", "_state", "max_keys")
+
+    def __init__(self, half_life_s: float = 300.0, max_keys: int = 1_000_000) -> None:
+        self.half_life_s = half_life_s
+        self._lambda = math.log(2.0) / half_life_s
+        self._state: dict[Hashable, tuple[float, float]] = {}
+        self.max_keys = max_keys
+
+    def hit(self, key: Hashable, now: float) -> None:
+        old = self._state.get(key)
+        if old is None:
+            if len(self._state) >= self.max_keys:
+                self._forget_coldest(now)
+            self._state[key] = (1.0, now)
+        else:
+            value, t = old
+            self._state[key] = (value * math.exp(-self._lambda * (now - t)) + 1.0, now)
+
+    def rate(self, key: Hashable, now: float) -> float:
+        old = self._state.get(key)
+        if old is None:
+            return 0.0
+        value, t = old
+        return value * math.exp(-self._lambda * (now - t)) * self._lambda
+
+    def top(self, n: int, now: float) -> list[Hashable]:
+        """The ``n`` hottest keys, hottest first (ties by key for determinism)."""
+        ranked = sorted(self._state, key=lambda k: (-self.rate(k, now), str(k)))
+        return ranked[:n]
+
+    def _forget_coldest(self, now: float) -> None:
+        coldest = min(self._state, key=lambda k: self.rate(k, now))
+        del self._state[coldest]
+
+
+class _Row:
+    """Successor counts of one (tenant, adapter)."""
+
+    __slots__ = ("total", "counts")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.counts: dict[Hashable, float] = {}
+
+
+class TransitionModel:
+    """Online per-tenant first-order model of adapter transitions within sessions."""
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int = 200_000,
+        max_tenants: int = 10_000,
+        max_successors: int = 16,
+        halve_at: float = 512.0,
+        min_support: float = 3.0,
+    ) -> None:
+        self.max_sessions = max_sessions
+        self.max_tenants = max_tenants
+        self.max_successors = max_successors
+        self.halve_at = halve_at
+        self.min_support = min_support
+        self._last: OrderedDict[tuple[Hashable, Hashable], Hashable] = OrderedDict()
+        self._tenants: OrderedDict[Hashable, dict[Hashable, _Row]] = OrderedDict()
+        self._global: dict[Hashable, _Row] = {}
+
+    def observe(self, tenant: Hashable, session: Hashable, adapter: Hashable) -> Hashable | None:
+        """A session step: learn ``previous -> adapter``; returns the previous adapter or None."""
+        key = (tenant, session)
+        last = self._last
+        prev = last.get(key)
+        last[key] = adapter
+        last.move_to_end(key)
+        if len(last) > self.max_sessions:
+            last.popitem(last=False)
+        if prev is not None:
+            rows = self._tenants.get(tenant)
+            if rows is None:
+                rows = self._tenants[tenant] = {}
+                if len(self._tenants) > self.max_tenants:
+                    self._tenants.popitem(last=False)
+            else:
+                self._tenants.move_to_end(tenant)
+            self._count(rows, prev, adapter)
+            self._count(self._global, prev, adapter)
+        return prev
+
+    def _count(self, rows: dict[Hashable, _Row], prev: Hashable, nxt: Hashable) -> None:
+        row = rows.get(prev)
+        if row is None:
+            row = rows[prev] = _Row()
+        counts = row.counts
+        counts[nxt] = counts.get(nxt, 0.0) + 1.0
+        row.total += 1.0
+        if len(counts) > self.max_successors:
+            weakest = min(counts, key=counts.__getitem__)
+            row.total -= counts.pop(weakest)
+        if row.total > self.halve_at:
+            for k in list(counts):
+                v = counts[k] * 0.5
+                if v < 0.5:
+                    del counts[k]
+                else:
+                    counts[k] = v
+            row.total = sum(counts.values())
+
+    def predict_next(self, tenant: Hashable, adapter: Hashable, k: int = 2) -> list[tuple[Hashable, float]]:
+        """The ``k`` likeliest next adapters after ``adapter`` for ``tenant``, with probabilities.
+
+        Uses the tenant's own counts when it has ``min_support`` observations after this
+        adapter, else the all-tenant counts; empty when neither knows the adapter.
+        """
+        rows = self._tenants.get(tenant)
+        row = rows.get(adapter) if rows is not None else None
+        if row is None or row.total < self.min_support:
+            row = self._global.get(adapter)
+            if row is None or row.total <= 0.0:
+                return []
+        total = row.total
+        counts = row.counts
+        if k == 1:
+            best = max(counts, key=counts.__getitem__)
+            return [(best, counts[best] / total)]
+        ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:k]
+        return [(a, c / total) for a, c in ranked]
+
+    def last_adapter(self, tenant: Hashable, session: Hashable) -> Hashable | None:
+        return self._last.get((tenant, session))
+
+
+@dataclass
+class LedgerStats:
+    predictions: int = 0
+    used: int = 0
+    wasted: int = 0
+
+    @property
+    def precision(self) -> float:
+        done = self.used + self.wasted
+        return self.used / done if done else 0.0
+
+
+class PredictionLedger:
+    """Counts each prediction as used or wasted when its session's next step is seen."""
+
+    def __init__(self, max_pending: int = 200_000) -> None:
+        self.max_pending = max_pending
+        self.stats = LedgerStats()
+        self._pending: OrderedDict[tuple[Hashable, Hashable], tuple[Hashable, ...]] = OrderedDict()
+
+    def resolve(self, tenant: Hashable, session: Hashable, adapter: Hashable) -> bool:
+        """The session's next step asked for ``adapter``: settle its pending predictions."""
+        pending = self._pending.pop((tenant, session), None)
+        if not pending:
+            return False
+        hit = adapter in pending
+        self.stats.used += 1 if hit else 0
+        self.stats.wasted += len(pending) - (1 if hit else 0)
+        return hit
+
+    def record(self, tenant: Hashable, session: Hashable, predicted: tuple[Hashable, ...]) -> None:
+        if not predicted:
+            return
+        key = (tenant, session)
+        old = self._pending.pop(key, None)
+        if old:
+            self.stats.wasted += len(old)
+        self._pending[key] = predicted
+        self.stats.predictions += len(predicted)
+        if len(self._pending) > self.max_pending:
+            _, dropped = self._pending.popitem(last=False)
+            self.stats.wasted += len(dropped)
+
+    def flush(self) -> None:
+        """End of trace: whatever is still pending was never used."""
+        for predicted in self._pending.values():
+            self.stats.wasted += len(predicted)
+        self._pending.clear()

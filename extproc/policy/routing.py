@@ -1,0 +1,148 @@
+"""Adapter-affinity routing: which engine host serves a request for an adapter.
+
+A pure function over the agents' residency view (``extproc.residency.ResidencySnapshot``:
+upstream -> adapter -> residency with a ``tier``) and the gateway's own in-flight counts.
+Hosts absent from the snapshot do not exist for routing: the residency watcher drops a
+host whose agent stream is gone, and the next decision no longer sees it.
+
+Score tiers, best first (the first non-empty tier wins):
+
+1. ``resident``: hosts where the adapter is in the device pool (tier ``device``/``pool``)
+   and that are not overloaded; the least loaded of them.
+2. ``staged``: hosts holding it in host memory (tier ``host``), not overloaded: the
+   load is a host-to-device copy; the least loaded of them.
+3. ``hashed``: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
+   2018) on the adapter digest: walk the ring from the digest's point and take the first
+   host under the bound, so an adapter keeps landing on the same host instead of
+   thrashing across all of them. A hot adapter (``replicas`` > 1) may live on the first
+   ``replicas`` hosts of its walk; the least loaded of them is taken. When its resident
+   hosts are all overloaded, tier 3 places it on one more host: that is how a hot
+   adapter spreads.
+4. ``none``: no hosts at all.
+
+Overloaded: ``load + 1 > ceil(load_factor * (total_load + 1) / hosts)``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Hashable, Mapping
+
+__all__ = ["RoutingDecision", "choose_endpoint", "load_bound", "ring_walk"]
+
+RESIDENT_TIERS = frozenset({"device", "pool", "gpu", "vram"})
+STAGED_TIERS = frozenset({"host", "cpu"})
+VNODES = 64
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """Where to send the request (``host:port`` for ``x-ace-destination-endpoint``) and why."""
+
+    endpoint: str | None
+    reason: str  # resident | staged | hashed | none
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@lru_cache(maxsize=64)
+def _ring(hosts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    points = sorted((_hash64(f"{h}#{i}"), h) for h in hosts for i in range(VNODES))
+    return tuple(p for p, _ in points), tuple(h for _, h in points)
+
+
+def ring_walk(hosts: tuple[str, ...], key: str) -> list[str]:
+    """All hosts in the order the consistent-hash ring visits them from ``key``'s point."""
+    if not hosts:
+        return []
+    points, owners = _ring(tuple(sorted(hosts)))
+    start = bisect.bisect_left(points, _hash64(key))
+    seen: list[str] = []
+    n = len(points)
+    for i in range(n):
+        h = owners[(start + i) % n]
+        if h not in seen:
+            seen.append(h)
+            if len(seen) == len(hosts):
+                break
+    return seen
+
+
+def load_bound(loads: Mapping[str, int], hosts: tuple[str, ...], load_factor: float) -> int:
+    """The most requests one host may carry, counting the one being placed."""
+    total = sum(loads.get(h, 0) for h in hosts)
+    return max(1, math.ceil(load_factor * (total + 1) / len(hosts)))
+
+
+def _tier_name(residency: Any) -> str:
+    tier = getattr(residency, "tier", residency)
+    tier = getattr(tier, "value", tier)  # an Enum
+    if isinstance(tier, str):
+        return tier.lower()
+    name = getattr(tier, "name", None)  # an IntEnum from protobuf
+    return str(name or tier).lower()
+
+
+def _upstreams(snapshot: Any) -> Mapping[str, Mapping[Hashable, Any]]:
+    for attr in ("upstreams", "by_upstream", "hosts"):
+        view = getattr(snapshot, attr, None)
+        if isinstance(view, Mapping):
+            return view
+    if isinstance(snapshot, Mapping):
+        return snapshot
+    raise TypeError(f"not a residency snapshot: {type(snapshot).__name__}")
+
+
+def choose_endpoint(
+    snapshot: Any,
+    adapter: Hashable,
+    digest: str,
+    *,
+    loads: Mapping[str, int] | None = None,
+    load_factor: float = 1.25,
+    replicas: int = 1,
+) -> RoutingDecision:
+    """Pick the engine host for ``adapter`` (content ``digest``), by the tiers above.
+
+    ``snapshot``: upstream -> adapter -> residency (a mapping, or an object exposing one
+    as ``upstreams``); ``loads``: in-flight requests per upstream (missing = 0);
+    ``replicas``: how many ring hosts a hot adapter may occupy.
+    """
+    view = _upstreams(snapshot)
+    hosts = tuple(sorted(view))
+    if not hosts:
+        return RoutingDecision(None, "none")
+    loads = loads or {}
+    bound = load_bound(loads, hosts, load_factor)
+
+    def ok(h: str) -> bool:
+        return loads.get(h, 0) + 1 <= bound
+
+    resident: list[str] = []
+    staged: list[str] = []
+    for h in hosts:
+        residency = view[h].get(adapter)
+        if residency is None or not ok(h):
+            continue
+        tier = _tier_name(residency)
+        if tier in RESIDENT_TIERS:
+            resident.append(h)
+        elif tier in STAGED_TIERS:
+            staged.append(h)
+    if resident:
+        return RoutingDecision(min(resident, key=lambda h: (loads.get(h, 0), h)), "resident")
+    if staged:
+        return RoutingDecision(min(staged, key=lambda h: (loads.get(h, 0), h)), "staged")
+
+    walk = ring_walk(hosts, digest)
+    owners = [h for h in walk if ok(h)][: max(1, replicas)]
+    if not owners:  # everyone at the bound (tiny totals): the ring's first choice
+        return RoutingDecision(walk[0], "hashed")
+    order = {h: i for i, h in enumerate(walk)}
+    return RoutingDecision(min(owners, key=lambda h: (loads.get(h, 0), order[h])), "hashed")

@@ -1,0 +1,96 @@
+import math
+
+import pytest
+
+from extproc.policy.prediction import (
+    DecayedPopularity,
+    PredictionLedger,
+    TransitionModel,
+    candidate_score,
+    should_speculate,
+    use_probability,
+    victim_score,
+)
+
+
+@pytest.mark.parametrize(
+    "cand, victim, min_score, expected",
+    [
+        (0.6, 0.0, 0.0, True),  # free slot
+        (0.6, 0.5, 0.0, True),
+        (0.5, 0.5, 0.0, False),  # a tie keeps what is resident
+        (0.4, 0.9, 0.0, False),  # never evict something hotter
+        (0.1, 0.0, 0.2, False),  # below the floor even into a free slot
+    ],
+)
+def test_should_speculate_tiers(cand, victim, min_score, expected):
+    assert should_speculate(cand, victim, min_score=min_score) is expected
+
+
+def test_scores():
+    assert use_probability(0.0, 10) == 0.0
+    assert use_probability(0.1, 10) == pytest.approx(1 - math.exp(-1))
+    assert candidate_score(0.5, 0.0, 10) == pytest.approx(0.5)
+    assert candidate_score(0.5, 0.1, 10) > 0.5
+    assert victim_score(0.0, 10, pending=0.7) == 0.7
+
+
+def test_workflow_chain_is_learned_per_tenant():
+    model = TransitionModel(min_support=2)
+    for s in range(5):
+        for adapter in ("code", "review", "sql"):
+            model.observe("t1", s, adapter)
+    assert model.predict_next("t1", "code", 1) == [("review", 1.0)]
+    assert model.predict_next("t1", "review", 2) == [("sql", 1.0)]
+    assert model.predict_next("t1", "sql", 2) == []  # chain ends, nothing learned after sql
+
+
+def test_new_tenant_falls_back_to_global_model():
+    model = TransitionModel(min_support=2)
+    for s in range(3):
+        model.observe("old", s, "a")
+        model.observe("old", s, "b")
+    assert model.predict_next("new", "a", 1) == [("b", 1.0)]
+
+
+def test_probabilities_and_aging():
+    model = TransitionModel(min_support=1, halve_at=8)
+    for s in range(6):
+        model.observe("t", s, "a")
+        model.observe("t", s, "b" if s < 4 else "c")
+    top = model.predict_next("t", "a", 2)
+    assert [a for a, _ in top] == ["b", "c"]
+    assert sum(p for _, p in top) == pytest.approx(1.0)
+    for s in range(6, 30):  # the workflow changes: a -> c now
+        model.observe("t", s, "a")
+        model.observe("t", s, "c")
+    assert model.predict_next("t", "a", 1)[0][0] == "c"
+
+
+def test_sessions_are_bounded():
+    model = TransitionModel(max_sessions=2)
+    for s in range(5):
+        model.observe("t", s, "a")
+    assert model.last_adapter("t", 0) is None
+    assert model.last_adapter("t", 4) == "a"
+
+
+def test_ledger_counts_used_and_wasted():
+    ledger = PredictionLedger()
+    ledger.record("t", 1, ("b", "c"))
+    assert ledger.resolve("t", 1, "b") is True
+    ledger.record("t", 1, ("d",))
+    assert ledger.resolve("t", 1, "e") is False
+    ledger.record("t", 2, ("x",))
+    ledger.flush()
+    assert (ledger.stats.predictions, ledger.stats.used, ledger.stats.wasted) == (4, 1, 3)
+
+
+def test_decayed_popularity():
+    pop = DecayedPopularity(half_life_s=10)
+    for i in range(10):
+        pop.hit("hot", float(i))
+    pop.hit("cold", 0.0)
+    assert pop.top(1, 10.0) == ["hot"]
+    assert pop.rate("hot", 20.0) == pytest.approx(pop.rate("hot", 10.0) / 2)
+    assert pop.rate("never", 0.0) == 0.0

@@ -1,0 +1,112 @@
+from dataclasses import dataclass
+
+import pytest
+
+from extproc.policy.routing import choose_endpoint, ring_walk
+from extproc.policy.warmset import warm_set
+
+
+@dataclass(frozen=True)
+class Res:
+    tier: str
+
+
+def snap(**hosts):
+    """snap(h1={"a": "device"}) -> {"h1": {"a": Res("device")}}"""
+    return {h: {a: Res(t) for a, t in adapters.items()} for h, adapters in hosts.items()}
+
+
+HOSTS3 = dict(h1={}, h2={}, h3={})
+
+
+@pytest.mark.parametrize(
+    "snapshot, loads, expected",
+    [
+        (snap(h1={}, h2={"a": "device"}, h3={}), {}, ("h2", "resident")),
+        # resident on two hosts: the less loaded one
+        (snap(h1={"a": "device"}, h2={"a": "device"}, h3={}), {"h1": 3, "h2": 1}, ("h2", "resident")),
+        # host memory beats a cold host
+        (snap(h1={"a": "host"}, h2={}, h3={}), {}, ("h1", "staged")),
+        # device beats host memory
+        (snap(h1={"a": "host"}, h2={"a": "device"}), {}, ("h2", "resident")),
+        # disk/remote tiers are not affinity: consistent hashing decides
+        (snap(h1={"a": "disk"}, h2={"a": "remote"}), {}, (None, "hashed")),
+        ({}, {}, (None, "none")),
+    ],
+)
+def test_tiers(snapshot, loads, expected):
+    d = choose_endpoint(snapshot, "a", "digest-a", loads=loads)
+    if expected[0] is None and expected[1] == "hashed":
+        assert d.reason == "hashed" and d.endpoint in snapshot
+    else:
+        assert (d.endpoint, d.reason) == expected
+
+
+def test_overloaded_resident_host_spills_to_another_host():
+    s = snap(h1={"a": "device"}, h2={}, h3={})
+    d = choose_endpoint(s, "a", "digest-a", loads={"h1": 10, "h2": 0, "h3": 0})
+    assert d.reason == "hashed" and d.endpoint in ("h2", "h3")
+
+
+def test_consistent_hashing_is_stable_and_spreads():
+    s = snap(**HOSTS3)
+    picks = {choose_endpoint(s, f"a{i}", f"d{i}").endpoint for i in range(60)}
+    assert picks == {"h1", "h2", "h3"}
+    # the same digest always lands on the same host
+    assert len({choose_endpoint(s, "x", "dx").endpoint for _ in range(5)}) == 1
+
+
+def test_removed_host_only_moves_its_own_adapters():
+    full = snap(**HOSTS3)
+    part = snap(h1={}, h2={})
+    for i in range(40):
+        before = choose_endpoint(full, "a", f"d{i}").endpoint
+        after = choose_endpoint(part, "a", f"d{i}").endpoint
+        assert after in ("h1", "h2")
+        if before != "h3":
+            assert after == before
+
+
+def test_absent_host_is_never_chosen_even_if_resident_in_old_view():
+    s = snap(h1={}, h2={})
+    assert choose_endpoint(s, "a", "da").endpoint in ("h1", "h2")
+
+
+def test_hot_adapter_replicas_pick_least_loaded_owner():
+    s = snap(**HOSTS3)
+    walk = ring_walk(("h1", "h2", "h3"), "dhot")
+    loads = {walk[0]: 1, walk[1]: 0, walk[2]: 0}
+    pick = lambda r: choose_endpoint(s, "hot", "dhot", loads=loads, replicas=r, load_factor=2).endpoint
+    assert pick(1) == walk[0]  # under the bound: the ring owner
+    assert pick(2) == walk[1]  # two owners: the less loaded
+
+
+def test_object_snapshot_with_enum_tiers():
+    import enum
+
+    class Tier(enum.Enum):
+        DEVICE = "device"
+
+    class Snapshot:
+        upstreams = {"h1": {}, "h2": {"a": Res(Tier.DEVICE)}}
+
+    assert choose_endpoint(Snapshot(), "a", "da").endpoint == "h2"
+
+
+def test_warm_set_follows_routing_and_fills_hosts():
+    pop = {f"a{i}": 100 - i for i in range(20)}
+    digests = {a: f"d-{a}" for a in pop}
+    ws = warm_set(pop, digests, ["h1", "h2"], per_host=3)
+    assert sum(len(v) for v in ws.values()) == 6
+    placed = [a for v in ws.values() for a in v]
+    assert set(placed) == {f"a{i}" for i in range(6)}  # the 6 hottest
+    s = snap(h1={}, h2={})
+    for h, adapters in ws.items():
+        for a in adapters[:1]:  # the hottest on each host is where routing sends it
+            assert choose_endpoint(s, a, digests[a]).endpoint == h
+
+
+def test_warm_set_replicates_the_hottest():
+    pop = {"hot": 10, "b": 5, "c": 1}
+    ws = warm_set(pop, {}, ["h1", "h2"], per_host=2, replicas_for_top=1)
+    assert "hot" in ws["h1"] and "hot" in ws["h2"]
