@@ -1,0 +1,65 @@
+"""Errors raised by the GPU agent's memory and compute core.
+
+One hierarchy, so callers (the engine, the agent service) map them to HTTP / gRPC
+statuses at exactly one boundary::
+
+    AgentError
+    ├── AdapterInvalid          the adapter directory is not one we can serve
+    │   ├── BaseModelMismatch   base_model_name_or_path names another model
+    │   └── UnsupportedFeature  DoRA, modules_to_save, rank_pattern, ...
+    ├── DigestMismatch          SHA-256 of adapter_model.safetensors differs
+    ├── AdapterNotFound         no such adapter directory / unsafe name
+    ├── PoolExhausted           a load cannot be satisfied even after eviction
+    ├── AdapterNotResident      a batch names an adapter that is not in the pool
+    └── AdapterBusy             evicting an adapter that is pinned or in use
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentError",
+    "AdapterInvalid",
+    "BaseModelMismatch",
+    "UnsupportedFeature",
+    "DigestMismatch",
+    "AdapterNotFound",
+    "PoolExhausted",
+    "AdapterNotResident",
+    "AdapterBusy",
+]
+
+
+class AgentError(Exception):
+    """Base of every error the agent core raises on purpose."""
+
+
+class AdapterInvalid(AgentError):
+    """The adapter files do not describe a LoRA adapter for the served base model."""
+
+
+class BaseModelMismatch(AdapterInvalid):
+    """The adapter was trained for another base model."""
+
+
+class UnsupportedFeature(AdapterInvalid):
+    """The adapter uses a PEFT feature the pool cannot represent."""
+
+
+class DigestMismatch(AgentError):
+    """adapter_model.safetensors does not hash to the catalog's SHA-256."""
+
+
+class AdapterNotFound(AgentError):
+    """No adapter directory for this name (or the name is not a safe path part)."""
+
+
+class PoolExhausted(AgentError):
+    """Not enough evictable pages for the requested load."""
+
+
+class AdapterNotResident(AgentError):
+    """A batch refers to an adapter that is not loaded in the pool."""
+
+
+class AdapterBusy(AgentError):
+    """The adapter is pinned or in use by a running batch and cannot be evicted."""

@@ -1,0 +1,75 @@
+"""Batched mixed-rank LoRA: one call for a batch whose rows use different adapters.
+
+The torch formulation is SGMV-style: :class:`~gpu_agent.pool.LoraBatch` groups the rows
+by adapter once per batch; per adapter segment we run two small matmuls straight on the
+pool pages (``A`` and ``B^T`` are views of consecutive pages), so every adapter weight is
+read exactly once, no weight is copied or padded to the max rank, and rows without an
+adapter cost nothing. On CPU this op is bound by the memory bandwidth of reading the
+weights; see ``docs/pool.md`` for the alternatives measured (pad-to-max-rank ``bmm``,
+per-row gather, per-adapter loop over ungrouped rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .pool import AdapterPool, LoraBatch
+
+__all__ = ["apply_lora", "lora_delta_reference"]
+
+
+def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, module: str) -> Any:
+    """In place: ``y[i] += scale[a] * (x[i] @ A[a]^T) @ B[a]^T`` with ``a = adapter(i)``.
+
+    ``x [n, in]``, ``y [n, out]`` (rows are tokens); rows without adapter untouched.
+    Mixed ranks in one call; A/B are read from the pool pages. Returns ``y``.
+    """
+    import torch
+
+    segments = batch.segments
+    if not segments:
+        return y
+    if _triton_ok(x):
+        from . import lora_triton  # optional; only with CUDA + Triton
+        return lora_triton.apply(y, x, pool, batch, layer, module)
+    matrices = pool.matrices
+    if batch.perm is None:
+        # Every adapter's rows are consecutive in x: slice, no gather / scatter.
+        for seg in segments:
+            a, bt = matrices(seg.entry, layer, module)
+            t = torch.mm(x[seg.start:seg.end], a.t())
+            t.mul_(seg.entry.scale)
+            y[seg.start:seg.end].addmm_(t, bt)
+        return y
+    perm = batch.perm
+    xs = x.index_select(0, perm)
+    out = torch.empty((xs.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
+    for seg in segments:
+        a, bt = matrices(seg.entry, layer, module)
+        t = torch.mm(xs[seg.start:seg.end], a.t())
+        t.mul_(seg.entry.scale)
+        torch.mm(t, bt, out=out[seg.start:seg.end])
+    y.index_add_(0, perm, out)
+    return y
+
+
+_TRITON: bool | None = None
+
+
+def _triton_ok(x: Any) -> bool:
+    global _TRITON
+    if not x.is_cuda:
+        return False
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+            from . import lora_triton  # noqa: F401
+            _TRITON = True
+        except Exception:  # no Triton: the torch path works on CUDA too
+            _TRITON = False
+    return _TRITON
+
+
+def lora_delta_reference(x: Any, a: Any, b: Any, scale: float) -> Any:
+    """``scale * (x @ A^T) @ B^T``: the dense formula the batched op must match."""
+    return scale * (x @ a.t()) @ b.t()

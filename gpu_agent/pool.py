@@ -1,0 +1,440 @@
+"""Unified paged adapter pool (the S-LoRA idea).
+
+ONE preallocated tensor ``pages [num_pages, W]`` holds every resident adapter, where the
+row width ``W`` is the model's hidden size. A rank-r adapter stores, per layer and per
+target module with ``(in, out)`` features::
+
+    A   [r, in]   -> r * ceil(in / W)  pages   (row i of A spans ceil(in/W) pages)
+    B^T [r, out]  -> r * ceil(out / W) pages   (B is stored transposed: rows are r x out)
+
+A matrix row narrower than W (k/v projections with GQA) leaves the rest of its page
+unused; a wider one (MLP up/gate, in=W out=I>W) spans several consecutive pages. Either
+way a matrix is ``pages[p : p + r*c].view(r, c*W)[:, :width]``: a strided view, no copy.
+Ranks 8..128 therefore share one pool and one allocator, and every page is the same size,
+so any request that fits in the free pages succeeds (no external fragmentation).
+
+The allocator prefers one contiguous run per adapter (best fit over free runs) so
+matrices are views; when free pages are scattered it takes any free pages, and a
+matrix whose pages are not consecutive is gathered (``index_select``) when a batch
+uses it. ``stats()['scattered_adapters']`` says how often that happens.
+
+Slot table in both directions (``_slots[slot] -> entry`` with ``EMPTY`` = None,
+``_entries[name] -> entry`` with ``entry.slot``), a per-slot scale tensor, and
+preallocated per-batch index tensors that are only copied into.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .errors import AdapterBusy, AdapterInvalid, AdapterNotResident, PoolExhausted
+from .eviction import EvictionPolicy, LRUPolicy
+from .peft import BaseModelSpec, LoraAdapter
+
+__all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT"]
+
+EMPTY_SLOT = -1  # row_slots value of a row without adapter
+
+
+@dataclass
+class PoolEntry:
+    """One resident adapter: its slot, its pages and (lazily) views of its matrices."""
+
+    name: str
+    slot: int
+    rank: int
+    scale: float
+    nbytes: int
+    page_ids: np.ndarray             # logical order -> physical page
+    contiguous: bool                 # page_ids is one run: every matrix is a view
+    layout: dict[tuple[int, str], tuple[int, int, int, int]]  # (layer,module) -> (a_off, b_off, c_in, c_out)
+    pinned: bool = False
+    in_use: int = 0
+    load_ms: float = 0.0
+    _mats: dict[tuple[int, str], tuple[Any, Any]] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[start, end)`` of the grouped batch that use ``entry``."""
+
+    entry: PoolEntry
+    start: int
+    end: int
+
+
+class LoraBatch:
+    """Kernel metadata of one forward: which rows use which resident adapter.
+
+    ``row_slots[i]`` is the pool slot of row i (``EMPTY_SLOT`` for none);
+    ``slot_scales[s]`` the scale of slot s. Rows are grouped by adapter once per batch:
+    ``segments`` are runs of ``perm`` (rows sorted by adapter); when every adapter's
+    rows are already consecutive, ``perm`` is None and segments index ``x`` directly.
+    """
+
+    __slots__ = ("pool", "num_rows", "row_slots", "slot_scales", "perm", "segments", "entries")
+
+    def __init__(self, pool: "AdapterPool", num_rows: int, row_slots: Any, perm: Any,
+                 segments: list[Segment], entries: list[PoolEntry]) -> None:
+        self.pool = pool
+        self.num_rows = num_rows
+        self.row_slots = row_slots
+        self.slot_scales = pool.slot_scales
+        self.perm = perm
+        self.segments = segments
+        self.entries = entries
+
+    def weights(self, seg: Segment, layer: int, module: str) -> tuple[Any, Any]:
+        """(A [r, in], B^T [r, out]) of the segment's adapter, read from pool pages."""
+        return self.pool.matrices(seg.entry, layer, module)
+
+
+class AdapterPool:
+    """Paged pool of LoRA adapters for one base model.
+
+    ``budget_bytes`` is the size of the single page tensor; ``eviction`` orders
+    victims (LRU default); pinned and in-use adapters are never evicted.
+    """
+
+    def __init__(self, spec: BaseModelSpec, budget_bytes: int, *, dtype: Any = None,
+                 device: Any = None, eviction: EvictionPolicy | None = None,
+                 max_rows: int = 4096) -> None:
+        import torch
+
+        self.spec = spec
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype = dtype if dtype is not None else torch.float32
+        self.row_width = spec.hidden_size
+        self.page_bytes = self.row_width * torch.empty((), dtype=self.dtype).element_size()
+        self.num_pages = int(budget_bytes // self.page_bytes)
+        if self.num_pages <= 0:
+            raise PoolExhausted(f"budget {budget_bytes} B holds no page of {self.page_bytes} B")
+        self.pages = torch.zeros(self.num_pages, self.row_width, dtype=self.dtype, device=self.device)
+        self.policy: EvictionPolicy = eviction if eviction is not None else LRUPolicy()
+        self._free = np.ones(self.num_pages, dtype=bool)   # free-page bitmap
+        self._num_free = self.num_pages
+        self._entries: dict[str, PoolEntry] = {}
+        self._slots: list[PoolEntry | None] = []          # None = EMPTY slot
+        self._free_slots: list[int] = []
+        self.slot_scales = torch.zeros(64, dtype=torch.float32, device=self.device)
+        self._row_slots = torch.full((max_rows,), EMPTY_SLOT, dtype=torch.int64, device=self.device)
+        self._perm = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
+        self._lock = threading.RLock()
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.evictions = 0
+        self.loads = 0
+        self.load_ms_total = 0.0
+        self.scattered_loads = 0
+        self._layouts: dict[int, tuple[dict[tuple[int, str], tuple[int, int, int, int]], int]] = {}
+
+    # ---- layout ---------------------------------------------------------------------
+    def _layout(self, rank: int, keys: Sequence[tuple[int, str]]):
+        """Page offsets of every matrix of a rank-``rank`` adapter with these keys."""
+        w = self.row_width
+        layout: dict[tuple[int, str], tuple[int, int, int, int]] = {}
+        off = 0
+        for key in sorted(keys):
+            fan_in, fan_out = self.spec.modules[key[1]]
+            c_in, c_out = math.ceil(fan_in / w), math.ceil(fan_out / w)
+            layout[key] = (off, off + rank * c_in, c_in, c_out)
+            off += rank * (c_in + c_out)
+        return layout, off
+
+    def pages_for(self, adapter: LoraAdapter) -> int:
+        """Pages ``adapter`` needs in this pool."""
+        return self._layout(adapter.rank, list(adapter.weights))[1]
+
+    # ---- allocation -----------------------------------------------------------------
+    def _alloc(self, n: int) -> tuple[np.ndarray, bool]:
+        """n free pages: best-fit contiguous run if one exists, else any free pages."""
+        free = self._free
+        padded = np.concatenate(([False], free, [False]))
+        edges = np.flatnonzero(padded[1:] != padded[:-1])
+        starts, ends = edges[0::2], edges[1::2]
+        lengths = ends - starts
+        fits = np.flatnonzero(lengths >= n)
+        if fits.size:
+            best = fits[np.argmin(lengths[fits])]
+            ids = np.arange(starts[best], starts[best] + n)
+            contiguous = True
+        else:
+            ids = np.flatnonzero(free)[:n]
+            contiguous = False
+        free[ids] = False
+        self._num_free -= n
+        return ids, contiguous
+
+    def _release(self, entry: PoolEntry) -> None:
+        self._free[entry.page_ids] = True
+        self._num_free += len(entry.page_ids)
+        self._slots[entry.slot] = None
+        self._free_slots.append(entry.slot)
+        self.slot_scales[entry.slot] = 0.0
+        del self._entries[entry.name]
+        self.policy.on_remove(entry.name)
+
+    def _make_room(self, n: int, loading: str) -> None:
+        if n > self.num_pages:
+            raise PoolExhausted(f"{loading}: needs {n} pages, pool has {self.num_pages}")
+        if self._num_free >= n:
+            return
+        for name in self.policy.candidates():
+            entry = self._entries.get(name)
+            if entry is None or entry.pinned or entry.in_use:
+                continue
+            self._release(entry)
+            self.evictions += 1
+            if self._num_free >= n:
+                return
+        raise PoolExhausted(
+            f"{loading}: needs {n} pages, {self._num_free} free and the rest pinned or in use")
+
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        self._slots.append(None)
+        slot = len(self._slots) - 1
+        if slot >= self.slot_scales.numel():
+            import torch
+            grown = torch.zeros(2 * self.slot_scales.numel(), dtype=torch.float32, device=self.device)
+            grown[: self.slot_scales.numel()] = self.slot_scales
+            self.slot_scales = grown
+        return slot
+
+    # ---- public API -----------------------------------------------------------------
+    def _validate(self, adapter: LoraAdapter) -> None:
+        if adapter.base_model != self.spec.name:
+            raise AdapterInvalid(f"{adapter.name}: for base model {adapter.base_model!r}, pool serves {self.spec.name!r}")
+        for (layer, module), (a, b) in adapter.weights.items():
+            if module not in self.spec.modules or not 0 <= layer < self.spec.num_layers:
+                raise AdapterInvalid(f"{adapter.name}: layer {layer} module {module!r} not in {self.spec.name}")
+            fan_in, fan_out = self.spec.modules[module]
+            if tuple(a.shape) != (adapter.rank, fan_in) or tuple(b.shape) != (fan_out, adapter.rank):
+                raise AdapterInvalid(f"{adapter.name}: layer {layer} {module}: bad shapes")
+
+    def load(self, adapter: LoraAdapter, pin: bool = False) -> PoolEntry:
+        """Make ``adapter`` resident (evicting unpinned, unused adapters as needed).
+
+        Idempotent for a resident name. Raises PoolExhausted when the pages cannot be
+        found, AdapterInvalid when the adapter does not fit the served model.
+        """
+        with self._lock:
+            entry = self._entries.get(adapter.name)
+            if entry is not None:
+                self.policy.on_access(adapter.name)
+                entry.pinned = entry.pinned or pin
+                return entry
+            self._validate(adapter)
+            t0 = time.perf_counter()
+            layout, n = self._layout(adapter.rank, list(adapter.weights))
+            self._make_room(n, adapter.name)
+            ids, contiguous = self._alloc(n)
+            try:
+                self._copy_in(adapter, layout, ids, contiguous)
+            except BaseException:
+                self._free[ids] = True
+                self._num_free += n
+                raise
+            slot = self._take_slot()
+            entry = PoolEntry(name=adapter.name, slot=slot, rank=adapter.rank, scale=adapter.scale,
+                              nbytes=adapter.nbytes, page_ids=ids, contiguous=contiguous,
+                              layout=layout, pinned=pin)
+            self._slots[slot] = entry
+            self.slot_scales[slot] = adapter.scale
+            self._entries[adapter.name] = entry
+            self.policy.on_load(adapter.name)
+            entry.load_ms = (time.perf_counter() - t0) * 1e3
+            self.loads += 1
+            self.load_ms_total += entry.load_ms
+            self.scattered_loads += not contiguous
+            return entry
+
+    def _copy_in(self, adapter: LoraAdapter, layout, ids: np.ndarray, contiguous: bool) -> None:
+        import torch
+
+        stream = self._copy_stream
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        non_blocking = stream is not None
+        with ctx:
+            if contiguous:
+                p0 = int(ids[0])
+                for key, (a, b) in adapter.weights.items():
+                    a_off, b_off, c_in, c_out = layout[key]
+                    r = adapter.rank
+                    self._view(p0 + a_off, r, c_in, a.shape[1]).copy_(a, non_blocking=non_blocking)
+                    self._view(p0 + b_off, r, c_out, b.shape[0]).copy_(b.t(), non_blocking=non_blocking)
+            else:
+                idx = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+                w = self.row_width
+                for key, (a, b) in adapter.weights.items():
+                    a_off, b_off, c_in, c_out = layout[key]
+                    r = adapter.rank
+                    for off, c, m in ((a_off, c_in, a), (b_off, c_out, b.t())):
+                        block = torch.zeros(r, c * w, dtype=self.dtype, device=self.device)
+                        block[:, : m.shape[1]].copy_(m, non_blocking=non_blocking)
+                        self.pages.index_copy_(0, idx[off: off + r * c], block.view(r * c, w))
+        if stream is not None:
+            stream.synchronize()  # the pages are ready before any batch can name them
+
+    def _view(self, p: int, r: int, c: int, width: int):
+        return self.pages[p: p + r * c].view(r, c * self.row_width)[:, :width]
+
+    def matrices(self, entry: PoolEntry, layer: int, module: str) -> tuple[Any, Any]:
+        """(A [r, in], B^T [r, out]) of a resident adapter, as views of the pool pages
+        (or gathered copies when its pages are scattered)."""
+        key = (layer, module)
+        mats = entry._mats.get(key)
+        if mats is not None:
+            return mats
+        a_off, b_off, c_in, c_out = entry.layout[key]
+        fan_in, fan_out = self.spec.modules[module]
+        r = entry.rank
+        ids = entry.page_ids
+        out = []
+        cacheable = True
+        for off, c, width in ((a_off, c_in, fan_in), (b_off, c_out, fan_out)):
+            run = ids[off: off + r * c]
+            if entry.contiguous or bool(np.all(np.diff(run) == 1)):
+                out.append(self._view(int(run[0]), r, c, width))
+            else:
+                import torch
+                idx = torch.as_tensor(run, dtype=torch.int64, device=self.device)
+                out.append(self.pages.index_select(0, idx).view(r, c * self.row_width)[:, :width])
+                cacheable = False  # a gathered copy would go stale if the pages change
+        mats = (out[0], out[1])
+        if cacheable:
+            entry._mats[key] = mats
+        return mats
+
+    def contains(self, name: str) -> bool:
+        return name in self._entries
+
+    def entry(self, name: str) -> PoolEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise AdapterNotResident(f"adapter {name!r} is not resident") from None
+
+    def touch(self, name: str) -> bool:
+        """Resident lookup: True (and counts as an access) when ``name`` is in the pool."""
+        if name in self._entries:
+            self.policy.on_access(name)
+            return True
+        return False
+
+    def resident(self) -> list[str]:
+        return list(self._entries)
+
+    def evict(self, name: str) -> None:
+        """Remove ``name``; AdapterBusy if pinned or in use, AdapterNotResident if absent."""
+        with self._lock:
+            entry = self.entry(name)
+            if entry.pinned or entry.in_use:
+                raise AdapterBusy(f"adapter {name!r} is {'pinned' if entry.pinned else 'in use'}")
+            self._release(entry)
+
+    def pin(self, name: str) -> None:
+        with self._lock:
+            self.entry(name).pinned = True
+
+    def unpin(self, name: str) -> None:
+        with self._lock:
+            self.entry(name).pinned = False
+
+    @contextmanager
+    def batch(self, row_adapters: Sequence[str | None]) -> Iterator[LoraBatch]:
+        """Kernel metadata for rows naming adapters (None = base model only); the
+        adapters are marked in use (not evictable) until the block exits."""
+        import torch
+
+        n = len(row_adapters)
+        with self._lock:
+            entries: dict[str, PoolEntry] = {}
+            for name in row_adapters:
+                if name is not None and name not in entries:
+                    entries[name] = self.entry(name)
+            for e in entries.values():
+                e.in_use += 1
+                self.policy.on_access(e.name)
+        try:
+            if n > self._row_slots.numel():
+                self._row_slots = torch.full((2 * n,), EMPTY_SLOT, dtype=torch.int64, device=self.device)
+                self._perm = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+            slots = [entries[a].slot if a is not None else EMPTY_SLOT for a in row_adapters]
+            # Group rows by adapter (stable: order of first appearance, then row order).
+            groups: dict[str, list[int]] = {}
+            for i, a in enumerate(row_adapters):
+                if a is not None:
+                    groups.setdefault(a, []).append(i)
+            order: list[int] = []
+            segments: list[Segment] = []
+            consecutive = True
+            for a, rows in groups.items():
+                if rows[-1] - rows[0] + 1 != len(rows):
+                    consecutive = False
+                segments.append(Segment(entries[a], len(order), len(order) + len(rows)))
+                order.extend(rows)
+            if consecutive:
+                segments = [Segment(s.entry, order[s.start], order[s.start] + s.end - s.start) for s in segments]
+                perm = None
+            else:
+                perm = self._perm[: len(order)]
+                perm.copy_(torch.tensor(order, dtype=torch.int64), non_blocking=True)
+            row_slots = self._row_slots[:n]
+            row_slots.copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+            yield LoraBatch(self, n, row_slots, perm, segments, list(entries.values()))
+        finally:
+            with self._lock:
+                for e in entries.values():
+                    e.in_use -= 1
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            used = self.num_pages - self._num_free
+            return {
+                "pages_total": self.num_pages,
+                "pages_used": used,
+                "pages_free": self._num_free,
+                "page_bytes": self.page_bytes,
+                "pool_bytes": self.num_pages * self.page_bytes,
+                "used_bytes": used * self.page_bytes,
+                "adapter_bytes": sum(e.nbytes for e in self._entries.values()),
+                "adapters": len(self._entries),
+                "pinned": sum(e.pinned for e in self._entries.values()),
+                "in_use": sum(bool(e.in_use) for e in self._entries.values()),
+                "loads": self.loads,
+                "evictions": self.evictions,
+                "scattered_adapters": sum(not e.contiguous for e in self._entries.values()),
+                "scattered_loads": self.scattered_loads,
+                "load_ms_total": self.load_ms_total,
+            }
+
+    # ---- checks (tests) -------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if page tables and the free bitmap disagree (tests)."""
+        owner = np.full(self.num_pages, -1)
+        for e in self._entries.values():
+            if np.any(owner[e.page_ids] != -1):
+                raise AssertionError(f"{e.name}: page owned twice")
+            owner[e.page_ids] = e.slot
+            if self._slots[e.slot] is not e:
+                raise AssertionError(f"{e.name}: slot table disagrees")
+            if len(e.page_ids) != self._layout(e.rank, list(e.layout))[1]:
+                raise AssertionError(f"{e.name}: page count")
+        if not np.array_equal(owner == -1, self._free) or int(self._free.sum()) != self._num_free:
+            raise AssertionError("free bitmap disagrees with page tables")
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from gpu_agent.eviction import FIFOPolicy, LRUPolicy, make_policy
+from gpu_agent.pool import AdapterPool
+
+from .lora_testing import SPEC, make_adapter
+
+PAGES_R8 = 8 * 16
+
+
+def _run(policy, budget_adapters, sequence, pinned=()):
+    """Replay an access sequence: 'x' loads/uses x. Returns residents in policy order."""
+    pool = AdapterPool(SPEC, budget_adapters * PAGES_R8 * 32 * 4, eviction=policy)
+    evicted = []
+    for name in sequence:
+        before = set(pool.resident())
+        if pool.contains(name):
+            pool.touch(name)
+        else:
+            pool.load(make_adapter(name, 8), pin=name in pinned)
+        evicted += sorted(before - set(pool.resident()))
+    return evicted, sorted(pool.resident())
+
+
+@pytest.mark.parametrize("policy, sequence, pinned, evicted, resident", [
+    # budget = 3 adapters
+    ("lru", "abcd", (), ["a"], ["b", "c", "d"]),
+    ("lru", "abcad", (), ["b"], ["a", "c", "d"]),
+    ("lru", "abcaeda", (), ["b", "c"], ["a", "d", "e"]),
+    ("fifo", "abcad", (), ["a"], ["b", "c", "d"]),
+    ("fifo", "abcaeda", (), ["a", "b", "c"], ["a", "d", "e"]),
+    ("lru", "abcd", ("a",), ["b"], ["a", "c", "d"]),
+    ("lru", "abcdef", ("a", "b"), ["c", "d", "e"], ["a", "b", "f"]),
+    ("fifo", "abcde", ("a",), ["b", "c"], ["a", "d", "e"]),
+])
+def test_access_sequences(policy, sequence, pinned, evicted, resident):
+    assert _run(make_policy(policy), 3, sequence, pinned) == (evicted, resident)
+
+
+def test_policy_orders_directly():
+    p = LRUPolicy()
+    for n in "abc":
+        p.on_load(n)
+    p.on_access("a")
+    p.on_remove("b")
+    assert list(p.candidates()) == ["c", "a"]
+    f = FIFOPolicy()
+    for n in "abc":
+        f.on_load(n)
+    f.on_access("a")
+    assert list(f.candidates()) == ["a", "b", "c"]
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError):
+        make_policy("random")
+
+
+def test_in_use_skipped_by_policy():
+    pool = AdapterPool(SPEC, 2 * PAGES_R8 * 32 * 4)
+    pool.load(make_adapter("a", 8))
+    pool.load(make_adapter("b", 8))
+    with pool.batch(["a"]):
+        pool.load(make_adapter("c", 8))   # a is LRU but in use: b goes
+    assert sorted(pool.resident()) == ["a", "c"]
+    assert torch.is_tensor(pool.pages)

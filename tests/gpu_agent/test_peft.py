@@ -1,0 +1,114 @@
+import hashlib
+
+import pytest
+import torch
+
+from gpu_agent.errors import (AdapterInvalid, AdapterNotFound, BaseModelMismatch,
+                              DigestMismatch, UnsupportedFeature)
+from gpu_agent.peft import adapter_dir, load_peft_dir
+
+from .lora_testing import SPEC, make_adapter, write_peft_dir
+
+
+def _sha(path):
+    return hashlib.sha256((path / "adapter_model.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_valid_dir_loads_with_digest(tmp_path, dtype):
+    ad = make_adapter("code-py", 8, dtype=dtype, modules=("q_proj", "v_proj", "up_proj"))
+    path = write_peft_dir(tmp_path, ad)
+    got = load_peft_dir(path, SPEC, sha256=_sha(path))
+    assert (got.name, got.rank, got.alpha, got.base_model) == ("code-py", 8, 16.0, "tiny-base")
+    assert got.scale == 2.0
+    assert set(got.weights) == set(ad.weights)
+    for key, (a, b) in ad.weights.items():
+        assert got.weights[key][0].dtype == dtype
+        assert torch.equal(got.weights[key][0], a) and torch.equal(got.weights[key][1], b)
+    assert got.nbytes == ad.nbytes
+
+
+def test_rslora_scale(tmp_path):
+    path = write_peft_dir(tmp_path, make_adapter("rs", 16, alpha=8, use_rslora=True))
+    assert load_peft_dir(path, SPEC).scale == pytest.approx(8 / 4)
+
+
+def test_base_model_by_path_basename(tmp_path):
+    path = write_peft_dir(tmp_path, make_adapter("a", 8),
+                          config_overrides={"base_model_name_or_path": "/models/tiny-base/"})
+    assert load_peft_dir(path, SPEC).rank == 8
+
+
+@pytest.mark.parametrize("overrides, error", [
+    ({"base_model_name_or_path": "meta-llama/Llama-2-7b"}, BaseModelMismatch),
+    ({"base_model_name_or_path": None}, BaseModelMismatch),
+    ({"target_modules": ["q_proj", "gate_proj"]}, AdapterInvalid),
+    ({"target_modules": ["q_proj"]}, AdapterInvalid),           # k/v/o tensors not targeted
+    ({"r": 16}, AdapterInvalid),                                # shapes say 8
+    ({"r": 0}, AdapterInvalid),
+    ({"use_dora": True}, UnsupportedFeature),
+    ({"modules_to_save": ["lm_head"]}, UnsupportedFeature),
+    ({"rank_pattern": {"q_proj": 4}}, UnsupportedFeature),
+    ({"peft_type": "IA3"}, UnsupportedFeature),
+    ({"fan_in_fan_out": True}, UnsupportedFeature),
+])
+def test_invalid_configs_rejected(tmp_path, overrides, error):
+    path = write_peft_dir(tmp_path, make_adapter("bad", 8), config_overrides=overrides)
+    with pytest.raises(error):
+        load_peft_dir(path, SPEC)
+
+
+def test_wrong_shapes_rejected(tmp_path):
+    bad = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 31)}
+    path = write_peft_dir(tmp_path, make_adapter("bad", 8), tensor_overrides=bad)
+    with pytest.raises(AdapterInvalid, match="shapes"):
+        load_peft_dir(path, SPEC)
+
+
+def test_layer_out_of_range_and_missing_half(tmp_path):
+    extra = {"base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(8, 32)}
+    with pytest.raises(AdapterInvalid, match="layer 7"):
+        load_peft_dir(write_peft_dir(tmp_path / "x", make_adapter("a", 8), tensor_overrides=extra), SPEC)
+    ad = make_adapter("b", 8)
+    path = write_peft_dir(tmp_path / "y", ad)
+    from safetensors.torch import load_file, save_file
+    t = load_file(str(path / "adapter_model.safetensors"))
+    del t["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"]
+    save_file(t, str(path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterInvalid, match="both"):
+        load_peft_dir(path, SPEC)
+
+
+def test_non_lora_tensor_rejected(tmp_path):
+    extra = {"base_model.model.lm_head.weight": torch.zeros(4, 32)}
+    path = write_peft_dir(tmp_path, make_adapter("a", 8), tensor_overrides=extra)
+    with pytest.raises(UnsupportedFeature):
+        load_peft_dir(path, SPEC)
+
+
+def test_digest_mismatch(tmp_path):
+    path = write_peft_dir(tmp_path, make_adapter("a", 8))
+    with pytest.raises(DigestMismatch):
+        load_peft_dir(path, SPEC, sha256="0" * 64)
+
+
+def test_missing_files_and_garbage(tmp_path):
+    with pytest.raises(AdapterNotFound):
+        load_peft_dir(tmp_path / "nope", SPEC)
+    path = write_peft_dir(tmp_path, make_adapter("g", 8))
+    (path / "adapter_model.safetensors").write_bytes(b"\xff" * 20)
+    with pytest.raises(AdapterInvalid):
+        load_peft_dir(path, SPEC)
+    (path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterInvalid):
+        load_peft_dir(path, SPEC)
+
+
+@pytest.mark.parametrize("name", ["../etc", "a/b", "..", ".hidden", "", "x" * 200, "a\x00b", "/abs"])
+def test_adapter_names_never_become_paths_unchecked(tmp_path, name):
+    with pytest.raises(AdapterNotFound):
+        adapter_dir(tmp_path, name)
+
+
+def test_adapter_dir_ok(tmp_path):
+    assert adapter_dir(tmp_path, "code-python.v2") == (tmp_path / "code-python.v2").resolve()
