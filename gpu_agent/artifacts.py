@@ -1,0 +1,291 @@
+"""Adapter identity (the catalog) and the two outer tiers: remote source and disk cache.
+
+An adapter is known only through the catalog (docs/contracts.md): a name, a content
+digest (SHA-256 of `adapter_model.safetensors`) and a `uri`. Names are never joined into
+paths: files land in the disk cache under their digest, and a catalog `uri` that is a
+local path must stay inside the catalog's directory.
+
+Sources (`uri`):
+- relative path or `file://` URL: a local directory. It already is "disk"; its digest is
+  verified once, the first time the agent uses it (the file enters from outside).
+- `http(s)://` URL of a directory: `adapter_config.json` and `adapter_model.safetensors`
+  are fetched with httpx, hashed while streaming, and renamed into the cache only when the
+  digest matches.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+from urllib.parse import unquote, urlparse
+
+import httpx
+import yaml
+
+from gpu_agent.errors import AdapterNotFound, AgentError, DigestMismatch
+
+__all__ = ["AdapterSpec", "Catalog", "CatalogError", "DiskCache", "ArtifactStore",
+           "FetchError", "valid_adapter_name", "sha256_file"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+
+
+class CatalogError(AgentError):
+    """catalog.yaml is malformed or names an unsafe location."""
+
+
+class FetchError(AgentError):
+    """The remote source did not deliver the adapter files."""
+
+
+def valid_adapter_name(name: str) -> bool:
+    """A name the agent accepts: letters, digits, `._-`, no path parts, not `.`/`..`."""
+    return bool(_NAME.match(name or "")) and ".." not in name
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One catalog entry: what the adapter is and where its weights live."""
+
+    name: str
+    base_model: str
+    rank: int
+    sha256: str
+    size_bytes: int
+    uri: str
+    alpha: float = 0.0
+    target_modules: tuple[str, ...] = ()
+    owner: str = "public"
+
+    @property
+    def is_remote(self) -> bool:
+        return urlparse(self.uri).scheme in ("http", "https")
+
+
+class Catalog:
+    """The adapters this agent may load, by name; immutable once built."""
+
+    def __init__(self, base_model: str, adapters: Iterable[AdapterSpec], root: Path,
+                 base_model_path: Path | None = None):
+        self.base_model = base_model
+        self.root = root.resolve()
+        self.base_model_path = base_model_path
+        self._by_name = {a.name: a for a in adapters}
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Catalog":
+        path = Path(path)
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise CatalogError(f"cannot read catalog {path}: {exc}") from exc
+        base = doc.get("base_model") or {}
+        base_name = base.get("name") if isinstance(base, dict) else str(base)
+        if not base_name:
+            raise CatalogError("catalog has no base_model.name")
+        base_path = (path.parent / base["path"]).resolve() if isinstance(base, dict) and base.get("path") else None
+        specs = []
+        for raw in doc.get("adapters") or []:
+            name = str(raw.get("name", ""))
+            if not valid_adapter_name(name):
+                raise CatalogError(f"unsafe adapter name {name!r}")
+            digest = str(raw.get("sha256", "")).lower()
+            if not _HEX64.match(digest):
+                raise CatalogError(f"adapter {name}: sha256 must be 64 hex digits")
+            specs.append(AdapterSpec(
+                name=name, base_model=str(raw.get("base_model", base_name)),
+                rank=int(raw["rank"]), sha256=digest, size_bytes=int(raw.get("size_bytes", 0)),
+                uri=str(raw["uri"]), alpha=float(raw.get("alpha", 0) or 0),
+                target_modules=tuple(raw.get("target_modules") or ()),
+                owner=str(raw.get("owner", "public"))))
+        return cls(base_name, specs, path.parent, base_path)
+
+    def get(self, name: str) -> AdapterSpec | None:
+        if not valid_adapter_name(name):
+            return None
+        return self._by_name.get(name)
+
+    def __iter__(self):
+        return iter(self._by_name.values())
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def local_dir(self, spec: AdapterSpec) -> Path:
+        """The directory of a local-source adapter, refused if it leaves the catalog root."""
+        parsed = urlparse(spec.uri)
+        if parsed.scheme == "file":
+            candidate = Path(unquote(parsed.path))
+        elif parsed.scheme == "":
+            candidate = self.root / spec.uri
+        else:
+            raise CatalogError(f"adapter {spec.name}: {spec.uri} is not a local path")
+        resolved = candidate.resolve()
+        if parsed.scheme == "" and not resolved.is_relative_to(self.root):
+            raise AdapterNotFound(f"adapter {spec.name}: {spec.uri} leaves the catalog directory")
+        return resolved
+
+
+class DiskCache:
+    """Verified adapter directories under `root/<sha256>/`, bounded by bytes, LRU.
+
+    Entries named in `protected` (pinned or on a higher tier) are skipped by eviction;
+    if nothing else can go, the cache refuses the new entry rather than grow.
+    """
+
+    def __init__(self, root: Path, budget_bytes: int):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self._lru: OrderedDict[str, int] = OrderedDict()  # digest -> bytes
+        for entry in sorted(self.root.iterdir(), key=lambda p: p.stat().st_mtime):
+            weights = entry / WEIGHTS
+            if _HEX64.match(entry.name) and weights.is_file() and (entry / CONFIG).is_file():
+                self._lru[entry.name] = weights.stat().st_size
+            elif entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)  # a torn download from a crash
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._lru.values())
+
+    def path(self, digest: str) -> Path | None:
+        if digest in self._lru:
+            self._lru.move_to_end(digest)
+            return self.root / digest
+        return None
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._lru
+
+    def make_room(self, nbytes: int, protected: set[str]) -> list[str]:
+        """Evict LRU entries until `nbytes` more fit; returns the evicted digests."""
+        if nbytes > self.budget_bytes:
+            raise FetchError(f"adapter of {nbytes} bytes exceeds the disk budget {self.budget_bytes}")
+        evicted = []
+        for digest in list(self._lru):
+            if self.used_bytes + nbytes <= self.budget_bytes:
+                break
+            if digest in protected:
+                continue
+            self.remove(digest)
+            evicted.append(digest)
+        if self.used_bytes + nbytes > self.budget_bytes:
+            raise FetchError("disk cache full of pinned or resident adapters")
+        return evicted
+
+    def remove(self, digest: str) -> bool:
+        if self._lru.pop(digest, None) is None:
+            return False
+        shutil.rmtree(self.root / digest, ignore_errors=True)
+        return True
+
+    def admit(self, digest: str, staged: Path) -> Path:
+        final = self.root / digest
+        os.replace(staged, final)
+        self._lru[digest] = (final / WEIGHTS).stat().st_size
+        return final
+
+
+class ArtifactStore:
+    """Brings an adapter's files to a verified local directory, from wherever they live."""
+
+    def __init__(self, catalog: Catalog, cache: DiskCache, client: httpx.AsyncClient | None = None,
+                 timeout_s: float = 60.0):
+        self.catalog = catalog
+        self.cache = cache
+        self._client = client
+        self._timeout = timeout_s
+        self._verified_local: set[str] = set()  # digests of local sources already hashed
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def local_path(self, spec: AdapterSpec) -> Path | None:
+        """The verified local directory if the adapter is on disk now (no I/O beyond stat)."""
+        if spec.is_remote:
+            return self.cache.path(spec.sha256)
+        if spec.sha256 in self._verified_local:
+            return self.catalog.local_dir(spec)
+        return None
+
+    async def ensure_local(self, spec: AdapterSpec, protected: set[str]) -> tuple[Path, bool]:
+        """A verified directory for `spec`; returns (path, fetched_from_remote)."""
+        if (path := self.local_path(spec)) is not None:
+            return path, False
+        if spec.is_remote:
+            return await self._fetch(spec, protected), True
+        directory = self.catalog.local_dir(spec)
+        weights = directory / WEIGHTS
+        if not weights.is_file() or not (directory / CONFIG).is_file():
+            raise AdapterNotFound(f"adapter {spec.name}: no adapter files at {spec.uri}")
+        digest = await asyncio.to_thread(sha256_file, weights)
+        if digest != spec.sha256:
+            raise DigestMismatch(f"adapter {spec.name}: sha256 {digest} != catalog {spec.sha256}")
+        self._verified_local.add(spec.sha256)
+        return directory, False
+
+    def forget_local(self, spec: AdapterSpec) -> bool:
+        """Drop the disk tier of `spec` (cache entry, or the verified mark of a local source)."""
+        if spec.is_remote:
+            return self.cache.remove(spec.sha256)
+        if spec.sha256 in self._verified_local:
+            self._verified_local.discard(spec.sha256)
+            return True
+        return False
+
+    async def _fetch(self, spec: AdapterSpec, protected: set[str]) -> Path:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout, follow_redirects=False)
+        base = spec.uri.rstrip("/") + "/"
+        self.cache.make_room(max(spec.size_bytes, 1), protected)
+        staged = self.cache.root / f".partial-{spec.sha256}-{time.monotonic_ns()}"
+        staged.mkdir()
+        try:
+            await self._download(base + CONFIG, staged / CONFIG, None)
+            digest = await self._download(base + WEIGHTS, staged / WEIGHTS, spec.size_bytes)
+            if digest != spec.sha256:
+                raise DigestMismatch(f"adapter {spec.name}: fetched sha256 {digest} != catalog {spec.sha256}")
+            return self.cache.admit(spec.sha256, staged)
+        finally:
+            if staged.exists():
+                shutil.rmtree(staged, ignore_errors=True)
+
+    async def _download(self, url: str, dest: Path, expect_bytes: int | None) -> str:
+        h = hashlib.sha256()
+        limit = (expect_bytes or 0) + (1 << 20) if expect_bytes else 64 << 20
+        got = 0
+        try:
+            async with self._client.stream("GET", url) as resp:
+                if resp.status_code != 200:
+                    raise FetchError(f"GET {url}: HTTP {resp.status_code}")
+                with open(dest, "wb") as out:
+                    async for block in resp.aiter_bytes(1 << 20):
+                        got += len(block)
+                        if got > limit:
+                            raise FetchError(f"GET {url}: more than {limit} bytes")
+                        h.update(block)
+                        out.write(block)
+        except httpx.HTTPError as exc:
+            raise FetchError(f"GET {url}: {exc}") from exc
+        return h.hexdigest()

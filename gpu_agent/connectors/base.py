@@ -1,0 +1,66 @@
+"""The seam between the residency manager and a serving engine.
+
+A connector translates "make adapter X resident / drop it / what do you hold" into one
+engine's API. It keeps no residency policy of its own: budgets, LRU and pinning live in
+`gpu_agent.residency`, which calls these methods one at a time per adapter.
+
+    ConnectorError          the engine refused or failed a load/unload
+    └── EngineUnavailable   the engine cannot be reached (down, restarting)
+"""
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+from gpu_agent.artifacts import AdapterSpec
+from gpu_agent.errors import AgentError
+
+__all__ = ["ConnectorError", "EngineUnavailable", "EngineConnector"]
+
+
+class ConnectorError(AgentError):
+    """The engine answered a load/unload with a failure."""
+
+
+class EngineUnavailable(ConnectorError):
+    """The engine did not answer (connection refused, timeout, 5xx on a probe)."""
+
+
+class EngineConnector(abc.ABC):
+    """One serving engine's adapter API."""
+
+    kind: str = "abstract"
+    #: How many adapters the engine holds at once (vLLM: --max-cpu-loras); None = no
+    #: count limit (the builtin pool is bounded by bytes instead).
+    capacity: int | None = None
+
+    async def start(self) -> None:
+        """Open clients / start the in-process engine."""
+
+    async def close(self) -> None:
+        """Release clients; never raises."""
+
+    @abc.abstractmethod
+    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
+        """Make `spec` (files verified at `path`) resident. Already resident is success."""
+
+    @abc.abstractmethod
+    async def unload(self, name: str) -> None:
+        """Drop `name` from the engine. Not loaded is success."""
+
+    @abc.abstractmethod
+    async def loaded(self) -> set[str]:
+        """Adapter names the engine holds now; EngineUnavailable when it cannot tell."""
+
+    async def busy(self) -> set[str]:
+        """Adapters used by running or waiting requests (never evicted)."""
+        return set()
+
+    def pool_stats(self) -> dict[str, int]:
+        """Pool gauges for /metrics (`pages_used`, `pages_free`, ...) where the engine has one."""
+        return {}
+
+    @property
+    def url(self) -> str | None:
+        """Where requests for this engine go (None for in-process without HTTP)."""
+        return None

@@ -1,0 +1,126 @@
+"""vLLM's runtime LoRA API (needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` on the engine).
+
+- `POST /v1/load_lora_adapter {"lora_name", "lora_path"}`: 200 text on success; 400
+  when the name is already loaded, which is success for us (idempotent load).
+- `POST /v1/unload_lora_adapter {"lora_name"}`: 200 text; 404 when unknown (success).
+- `GET /v1/models`: adapters are the entries with a `parent` (their base model).
+- `GET /metrics`: `vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters}`
+  (the current series is the one with the largest value, a timestamp) and, in newer vLLM,
+  `vllm:lora_adapter_loaded{adapter_name, ...}`; running and waiting adapters are busy.
+
+`capacity` mirrors the engine's `--max-cpu-loras`: vLLM keeps that many adapters in its
+own CPU LRU and silently re-reads evicted ones from `lora_path` on the next request, so
+the agent keeps its device tier at the same size and unloads its own LRU adapter
+explicitly. Then the agent's view and the engine's agree, and `/v1/models` says so.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+
+from gpu_agent.artifacts import AdapterSpec
+from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
+
+__all__ = ["VLLMConnector", "parse_lora_metrics"]
+
+_SERIES = re.compile(r'^(vllm:lora_requests_info|vllm:lora_adapter_loaded)\{([^}]*)\}\s+(\S+)', re.M)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_lora_metrics(text: str) -> tuple[set[str], set[str]]:
+    """(busy adapters, loaded adapters) from vLLM's Prometheus text."""
+    best: tuple[float, dict[str, str]] | None = None
+    loaded: set[str] = set()
+    for name, labels, value in _SERIES.findall(text):
+        lab = dict(_LABEL.findall(labels))
+        try:
+            val = float(value)
+        except ValueError:
+            continue
+        if name == "vllm:lora_requests_info":
+            if best is None or val > best[0]:
+                best = (val, lab)
+        elif val > 0 and lab.get("adapter_name"):
+            loaded.add(lab["adapter_name"])
+    busy: set[str] = set()
+    if best is not None:
+        for key in ("running_lora_adapters", "waiting_lora_adapters"):
+            busy.update(a for a in best[1].get(key, "").split(",") if a)
+    return busy, loaded
+
+
+class VLLMConnector(EngineConnector):
+    kind = "vllm"
+
+    def __init__(self, url: str, max_cpu_loras: int | None = 4, timeout_s: float = 30.0,
+                 api_key: str | None = None, client: httpx.AsyncClient | None = None):
+        self._url = url.rstrip("/")
+        self.capacity = max_cpu_loras
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = client or httpx.AsyncClient(base_url=self._url, timeout=timeout_s, headers=headers)
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _post(self, path: str, body: dict) -> httpx.Response:
+        try:
+            return await self._client.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"vLLM {self._url}{path}: {exc!r}") from exc
+
+    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
+        resp = await self._post("/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": str(path)})
+        if resp.status_code == 200:
+            return
+        message = _error_message(resp)
+        if resp.status_code == 400 and "already" in message.lower():
+            return
+        if resp.status_code == 404 and not message:
+            raise ConnectorError("vLLM has no /v1/load_lora_adapter: start it with "
+                                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+        raise ConnectorError(f"vLLM load {spec.name}: HTTP {resp.status_code}: {message[:300]}")
+
+    async def unload(self, name: str) -> None:
+        resp = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        if resp.status_code in (200, 404):
+            return
+        if resp.status_code == 400 and "not" in _error_message(resp).lower():
+            return  # older vLLM: 400 "... cannot be found"
+        raise ConnectorError(f"vLLM unload {name}: HTTP {resp.status_code}: {_error_message(resp)[:300]}")
+
+    async def loaded(self) -> set[str]:
+        try:
+            resp = await self._client.get("/v1/models")
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"vLLM {self._url}/v1/models: {exc!r}") from exc
+        if resp.status_code != 200:
+            raise EngineUnavailable(f"vLLM /v1/models: HTTP {resp.status_code}")
+        return {m["id"] for m in resp.json().get("data", []) if m.get("parent")}
+
+    async def busy(self) -> set[str]:
+        try:
+            resp = await self._client.get("/metrics")
+        except httpx.HTTPError:
+            return set()
+        if resp.status_code != 200:
+            return set()
+        return parse_lora_metrics(resp.text)[0]
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message", body))
+        return str(err)
+    return str(body)

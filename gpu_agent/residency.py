@@ -1,0 +1,460 @@
+"""Where each catalog adapter lives, and the background work that moves it up or down.
+
+Tiers, best first: device (the engine holds it) > host (its bytes in the agent's
+memory) > disk (a verified local copy) > remote (only at its URL); `absent` = not in the
+catalog. Every tier has a budget (device: a count mirroring the engine's own cache and/or
+bytes; host and disk: bytes) and evicts least-recently-used adapters, never a pinned
+one, one being loaded, or one the engine reports busy. A budget that cannot be met
+without evicting those fails the load; nothing grows past its budget.
+
+Prefetches go into a bounded priority queue (duplicates coalesce with the queued or
+running load) and are worked off by background tasks; `ensure_resident` is the same
+load awaited. A reconcile loop asks the engine what it holds: adapters that vanished
+(engine restart) drop to their lower tier, are announced, and are loaded again.
+Observers subscribe to a stream of `AdapterView` changes.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+
+from gpu_agent.artifacts import WEIGHTS, AdapterSpec, ArtifactStore, Catalog
+from gpu_agent.connectors.base import EngineConnector, EngineUnavailable
+from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
+from gpu_agent.metrics import AgentMetrics
+
+__all__ = ["Tier", "AdapterView", "PrefetchOutcome", "PrefetchResult", "ResidencyManager",
+           "ResidencyBudgets", "Subscription"]
+
+log = logging.getLogger(__name__)
+
+
+class Tier(str, Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+    REMOTE = "remote"
+    ABSENT = "absent"
+
+
+class PrefetchOutcome(str, Enum):
+    ACCEPTED = "accepted"
+    ALREADY_RESIDENT = "already_resident"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    outcome: PrefetchOutcome
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AdapterView:
+    """One adapter's residency as observers see it (immutable)."""
+
+    name: str
+    tier: Tier
+    cold_load_ms: float | None = None
+    bytes: int = 0
+    pinned: bool = False
+    digest: str = ""
+    loading: bool = False
+
+
+@dataclass(frozen=True)
+class ResidencyBudgets:
+    device_count: int | None = None     # None: the connector's capacity (vLLM --max-cpu-loras)
+    device_bytes: int | None = None     # None: no byte budget on the device tier
+    host_bytes: int = 0                 # 0: no host tier (the engine reads files itself)
+    queue_size: int = 64                # pending prefetches; beyond this they are rejected
+    workers: int = 1                    # concurrent background loads
+    reconcile_interval_s: float = 2.0
+
+
+@dataclass
+class _State:
+    spec: AdapterSpec
+    pinned: bool = False
+    cold_load_ms: float | None = None
+    loading: bool = False
+
+
+class Subscription:
+    """An observer's queue of changes; closed (and ends) when it falls too far behind."""
+
+    def __init__(self, manager: "ResidencyManager", maxsize: int):
+        self._manager = manager
+        self.queue: asyncio.Queue[AdapterView | None] = asyncio.Queue(maxsize)
+        self.overflowed = False
+
+    def push(self, view: AdapterView) -> None:
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(view)
+        except asyncio.QueueFull:
+            self.overflowed = True  # the client reconnects and gets a fresh snapshot
+
+    def close(self) -> None:
+        self._manager._subs.discard(self)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> AdapterView:
+        if self.overflowed and self.queue.empty():
+            raise StopAsyncIteration
+        return await self.queue.get()
+
+
+class ResidencyManager:
+    def __init__(self, catalog: Catalog, store: ArtifactStore, connector: EngineConnector,
+                 budgets: ResidencyBudgets = ResidencyBudgets(), metrics: AgentMetrics | None = None):
+        self.catalog = catalog
+        self.store = store
+        self.connector = connector
+        self.budgets = budgets
+        self.metrics = metrics or AgentMetrics()
+        self.device_count = budgets.device_count if budgets.device_count is not None else connector.capacity
+        self._states = {spec.name: _State(spec) for spec in catalog}
+        self._device: OrderedDict[str, int] = OrderedDict()   # name -> bytes, LRU first
+        self._host: OrderedDict[str, bytes] = OrderedDict()
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._queue: list[tuple[int, int, str]] = []
+        self._queued: set[str] = set()
+        self._seq = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._device_lock = asyncio.Lock()
+        self._subs: set[Subscription] = set()
+        self._tasks: list[asyncio.Task] = []
+        self.engine_up = True
+        self.version = 0
+        self.metrics.add_gauges(self._gauges)
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.connector.start()
+        await self.reconcile()
+        for _ in range(max(1, self.budgets.workers)):
+            self._tasks.append(asyncio.create_task(self._worker()))
+        if self.budgets.reconcile_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._reconcile_loop()))
+
+    async def close(self) -> None:
+        for task in self._tasks + list(self._inflight.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._inflight.values(), return_exceptions=True)
+        self._tasks.clear()
+        for sub in list(self._subs):
+            sub.push(None)  # type: ignore[arg-type]
+        await self.connector.close()
+        await self.store.aclose()
+
+    # ---- reads -----------------------------------------------------------------------
+    def view(self, name: str) -> AdapterView:
+        state = self._states.get(name) if self.catalog.get(name) else None
+        if state is None:
+            return AdapterView(name=name, tier=Tier.ABSENT)
+        spec = state.spec
+        if name in self._device:
+            tier = Tier.DEVICE
+        elif name in self._host:
+            tier = Tier.HOST
+        elif self.store.local_path(spec) is not None or not spec.is_remote:
+            tier = Tier.DISK
+        else:
+            tier = Tier.REMOTE
+        return AdapterView(name=name, tier=tier, cold_load_ms=state.cold_load_ms,
+                           bytes=spec.size_bytes, pinned=state.pinned, digest=spec.sha256,
+                           loading=name in self._inflight or name in self._queued)
+
+    def snapshot(self) -> list[AdapterView]:
+        return [self.view(name) for name in self._states]
+
+    def subscribe(self, maxsize: int = 1024) -> Subscription:
+        sub = Subscription(self, maxsize)
+        self._subs.add(sub)
+        return sub
+
+    def _publish(self, name: str) -> None:
+        self.version += 1
+        view = self.view(name)
+        for sub in list(self._subs):
+            sub.push(view)
+
+    # ---- prefetch --------------------------------------------------------------------
+    def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "") -> PrefetchResult:
+        """Decide at once; the load itself runs in the background."""
+        spec = self.catalog.get(name)
+        if spec is None:
+            self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_unknown")
+            return PrefetchResult(PrefetchOutcome.REJECTED, "unknown_adapter")
+        if digest and digest.lower() != spec.sha256:
+            self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_digest")
+            return PrefetchResult(PrefetchOutcome.REJECTED, "digest_mismatch")
+        if name in self._device:
+            self._device.move_to_end(name)
+            self.metrics.inc("ace_agent_prefetch_total", outcome="already_resident")
+            return PrefetchResult(PrefetchOutcome.ALREADY_RESIDENT)
+        if name in self._inflight or name in self._queued:
+            self.metrics.inc("ace_agent_prefetch_total", outcome="coalesced")
+            return PrefetchResult(PrefetchOutcome.ACCEPTED, "coalesced")
+        if len(self._queued) >= self.budgets.queue_size:
+            self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_queue_full")
+            return PrefetchResult(PrefetchOutcome.REJECTED, "queue_full")
+        heapq.heappush(self._queue, (-priority, next(self._seq), name))
+        self._queued.add(name)
+        self._wakeup.set()
+        self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
+        self._publish(name)
+        return PrefetchResult(PrefetchOutcome.ACCEPTED)
+
+    async def _worker(self) -> None:
+        while True:
+            while not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            _, _, name = heapq.heappop(self._queue)
+            try:
+                await self.ensure_resident(name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a failed prefetch is logged and counted, never fatal
+                log.warning("prefetch of %s failed: %s", name, exc)
+
+    # ---- loading ---------------------------------------------------------------------
+    async def ensure_resident(self, name: str) -> AdapterView:
+        """Load `name` to the device tier (coalesced with any load already running)."""
+        spec = self.catalog.get(name)
+        if spec is None:
+            raise AgentError(f"unknown adapter {name!r}")
+        if name in self._device:
+            self._device.move_to_end(name)
+            self.metrics.inc("ace_agent_tier_hits_total", tier="device")
+            self._queued.discard(name)
+            return self.view(name)
+        task = self._inflight.get(name)
+        if task is None:
+            task = asyncio.create_task(self._load(spec))
+            self._inflight[name] = task
+            task.add_done_callback(lambda _t, n=name: self._load_done(n))
+        self._queued.discard(name)
+        await asyncio.shield(task)
+        return self.view(name)
+
+    def _load_done(self, name: str) -> None:
+        self._inflight.pop(name, None)
+        self._publish(name)
+
+    def _protected_digests(self) -> set[str]:
+        names = set(self._device) | set(self._inflight) | {n for n, s in self._states.items() if s.pinned}
+        return {self._states[n].spec.sha256 for n in names if n in self._states}
+
+    async def _load(self, spec: AdapterSpec) -> None:
+        name = spec.name
+        t0 = time.perf_counter()
+        start_tier = self.view(name).tier
+        self.metrics.inc("ace_agent_tier_misses_total", tier="device")
+        if start_tier is Tier.HOST:
+            self.metrics.inc("ace_agent_tier_hits_total", tier="host")
+        else:
+            self.metrics.inc("ace_agent_tier_misses_total", tier="host")
+            self.metrics.inc("ace_agent_tier_hits_total" if start_tier is Tier.DISK else "ace_agent_tier_misses_total", tier="disk")
+            if start_tier is Tier.REMOTE:
+                self.metrics.inc("ace_agent_tier_hits_total", tier="remote")
+        self._publish(name)
+        try:
+            t = time.perf_counter()
+            was_local = self.store.local_path(spec) is not None
+            path, fetched = await self.store.ensure_local(spec, self._protected_digests())
+            if not was_local:  # fetched from remote, or a local source hashed the first time
+                stage = "fetch" if fetched else "verify"
+                self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage=stage)
+            if fetched:
+                self._publish(name)
+            if self.budgets.host_bytes > 0 and name not in self._host:
+                t = time.perf_counter()
+                blob = await asyncio.to_thread((path / WEIGHTS).read_bytes)
+                self._admit_host(name, blob)
+                self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="read")
+            async with self._device_lock:
+                if name not in self._device:
+                    await self._make_device_room(spec)
+                    t = time.perf_counter()
+                    await self.connector.load(spec, path, pinned=self._states[name].pinned)
+                    self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="device")
+                    self._device[name] = spec.size_bytes
+                    self.engine_up = True
+        except DigestMismatch:
+            self.metrics.inc("ace_agent_load_failures_total", reason="digest_mismatch")
+            raise
+        except EngineUnavailable:
+            self.metrics.inc("ace_agent_load_failures_total", reason="engine_unavailable")
+            raise
+        except Exception as exc:
+            self.metrics.inc("ace_agent_load_failures_total", reason=type(exc).__name__)
+            raise
+        elapsed_ms = (time.perf_counter() - t0) * 1000.0
+        self._states[name].cold_load_ms = elapsed_ms
+        self.metrics.observe("ace_agent_load_seconds", elapsed_ms / 1000.0, stage="cold")
+        log.info("adapter %s resident on device in %.1f ms (from %s)", name, elapsed_ms, start_tier.value)
+
+    def _admit_host(self, name: str, blob: bytes) -> None:
+        budget = self.budgets.host_bytes
+        if len(blob) > budget:
+            return  # larger than the whole tier: skip it rather than evict everything
+        used = sum(len(b) for b in self._host.values())
+        for victim in list(self._host):
+            if used + len(blob) <= budget:
+                break
+            if self._states[victim].pinned or victim in self._inflight:
+                continue
+            used -= len(self._host.pop(victim))
+            self.metrics.inc("ace_agent_evictions_total", tier="host")
+            self._publish(victim)
+        if used + len(blob) <= budget:
+            self._host[name] = blob
+
+    def host_bytes(self, name: str) -> bytes | None:
+        return self._host.get(name)
+
+    async def _make_device_room(self, spec: AdapterSpec) -> None:
+        def over() -> bool:
+            count = self.device_count is not None and len(self._device) + 1 > self.device_count
+            nbytes = (self.budgets.device_bytes is not None
+                      and sum(self._device.values()) + spec.size_bytes > self.budgets.device_bytes)
+            return count or nbytes
+
+        if not over():
+            return
+        busy = await self.connector.busy()
+        for victim in list(self._device):
+            if not over():
+                break
+            if self._states[victim].pinned or victim in busy:
+                continue
+            await self.connector.unload(victim)
+            self._device.pop(victim, None)
+            self.metrics.inc("ace_agent_evictions_total", tier="device")
+            self._publish(victim)
+        if over():
+            raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
+
+    # ---- operator actions ------------------------------------------------------------
+    async def evict(self, name: str, down_to: Tier = Tier.DISK) -> tuple[bool, str]:
+        """Drop `name` from every tier above `down_to`. Pinned adapters are refused."""
+        spec = self.catalog.get(name)
+        if spec is None:
+            return False, "unknown_adapter"
+        state = self._states[name]
+        if state.pinned:
+            return False, "pinned"
+        if name in self._inflight:
+            return False, "loading"
+        evicted = False
+        async with self._device_lock:
+            if name in self._device:
+                if name in await self.connector.busy():
+                    return False, "busy"
+                await self.connector.unload(name)
+                self._device.pop(name, None)
+                self.metrics.inc("ace_agent_evictions_total", tier="device")
+                evicted = True
+        if down_to in (Tier.DISK, Tier.REMOTE) and self._host.pop(name, None) is not None:
+            self.metrics.inc("ace_agent_evictions_total", tier="host")
+            evicted = True
+        if down_to is Tier.REMOTE and self.store.forget_local(spec):
+            self.metrics.inc("ace_agent_evictions_total", tier="disk")
+            evicted = True
+        self._publish(name)
+        return evicted, "" if evicted else "not_resident"
+
+    def pin(self, name: str) -> tuple[bool, str]:
+        """Never evict `name`; it is also loaded (at top priority) if it is not resident."""
+        if self.catalog.get(name) is None:
+            return False, "unknown_adapter"
+        self._states[name].pinned = True
+        if name not in self._device:
+            result = self.prefetch(name, priority=1 << 30, reason="pin")
+            if result.outcome is PrefetchOutcome.REJECTED:
+                self._states[name].pinned = False
+                return False, result.reason
+        self._publish(name)
+        return True, ""
+
+    def unpin(self, name: str) -> tuple[bool, str]:
+        if self.catalog.get(name) is None:
+            return False, "unknown_adapter"
+        self._states[name].pinned = False
+        self._publish(name)
+        return True, ""
+
+    # ---- engine reconciliation -------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.budgets.reconcile_interval_s)
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("reconcile failed: %s", exc)
+
+    async def reconcile(self) -> None:
+        """Align the device tier with what the engine holds; rebuild after a restart."""
+        async with self._device_lock:
+            try:
+                loaded = await self.connector.loaded()
+            except EngineUnavailable as exc:
+                if self.engine_up:
+                    log.warning("engine unavailable: %s", exc)
+                    self.engine_up = False
+                    self._publish_all()
+                return
+            was_up, self.engine_up = self.engine_up, True
+            lost = [n for n in self._device if n not in loaded and n not in self._inflight]
+            for name in lost:
+                self._device.pop(name, None)
+                self._publish(name)
+            adopted = [n for n in loaded if n in self._states and n not in self._device]
+            for name in adopted:  # loaded by a previous agent run, from the catalog's files
+                if self.device_count is None or len(self._device) < self.device_count:
+                    self._device[name] = self._states[name].spec.size_bytes
+                    self._publish(name)
+            if not was_up:
+                self._publish_all()
+        if lost:
+            self.metrics.inc("ace_agent_engine_resets_total")
+            log.warning("engine lost %d adapters (%s); reloading them", len(lost), ", ".join(lost))
+            # pinned first, then most recently used first
+            recency = {n: i for i, n in enumerate(lost)}  # _device order: LRU first
+            lost.sort(key=lambda n: (not self._states[n].pinned, -recency[n]))
+            for rank, name in enumerate(lost):
+                self.prefetch(name, priority=(1 << 20) - rank, reason="engine_restart")
+
+    def _publish_all(self) -> None:
+        for name in self._states:
+            self._publish(name)
+
+    # ---- metrics ---------------------------------------------------------------------
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        out = {
+            'ace_agent_tier_adapters{tier="device"}': ("Adapters resident per tier.", len(self._device)),
+            'ace_agent_tier_adapters{tier="host"}': ("Adapters resident per tier.", len(self._host)),
+            'ace_agent_tier_bytes{tier="device"}': ("Adapter bytes resident per tier.", sum(self._device.values())),
+            'ace_agent_tier_bytes{tier="host"}': ("Adapter bytes resident per tier.", sum(len(b) for b in self._host.values())),
+            'ace_agent_tier_bytes{tier="disk"}': ("Adapter bytes resident per tier.", self.store.cache.used_bytes),
+            "ace_agent_prefetch_queue_depth": ("Prefetches waiting for a worker.", len(self._queued)),
+            "ace_agent_engine_up": ("1 when the engine answered the last reconcile.", 1.0 if self.engine_up else 0.0),
+        }
+        for key, value in self.connector.pool_stats().items():
+            out[f"ace_agent_pool_{key}"] = ("The engine's adapter pool (builtin paged pool).", float(value))
+        return out

@@ -1,0 +1,91 @@
+"""The agent's one settings object: flags (`python -m gpu_agent serve --help`) and env.
+
+Validated once at start-up; nothing reads configuration from module globals afterwards.
+Secrets come from the environment or a file, never from a flag (flags show up in `ps`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["AgentSettings", "SettingsError", "parse_args"]
+
+ENGINES = ("builtin", "vllm", "sglang")
+
+
+class SettingsError(ValueError):
+    """A setting is missing or inconsistent (reported before anything starts)."""
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    catalog: Path = _f(None, "catalog.yaml listing the adapters this agent may load (required)")
+    engine: str = _f("builtin", "engine connector: builtin (in-process), vllm or sglang")
+    engine_url: str = _f("", "base URL of the vLLM/SGLang server (vllm, sglang)")
+    engine_port: int = _f(0, "builtin only: port of the in-process engine's OpenAI HTTP API (0 = ephemeral)")
+    engine_api_key_env: str = _f("", "name of the env var holding the engine's API key, if it has one")
+    grpc_host: str = _f("127.0.0.1", "address the gRPC API binds")
+    grpc_port: int = _f(50061, "gRPC API port (0 = ephemeral; the bound port is printed)")
+    metrics_port: int = _f(0, "Prometheus /metrics port (0 = ephemeral, -1 = off)")
+    cache_dir: Path = _f(Path("var/agent-cache"), "disk tier: verified copies of remote adapters, by digest")
+    disk_budget_mb: int = _f(4096, "disk tier budget (MiB), LRU")
+    host_budget_mb: int = _f(-1, "host tier budget (MiB), LRU; -1 = 512 for builtin, 0 (off) for vllm/sglang")
+    device_max_adapters: int = _f(0, "device tier count budget; 0 = the engine's (vLLM: --max-cpu-loras)")
+    device_budget_mb: int = _f(0, "device tier byte budget (MiB); 0 = none (builtin: the pool's)")
+    max_cpu_loras: int = _f(4, "vllm: the engine's --max-cpu-loras, mirrored by the device tier")
+    max_loaded_loras: int = _f(0, "sglang: the engine's --max-loaded-loras (0 = no count limit)")
+    queue_size: int = _f(64, "pending prefetches beyond which new ones are rejected")
+    workers: int = _f(1, "concurrent background loads")
+    reconcile_interval_s: float = _f(2.0, "how often the engine's adapter list is compared with ours")
+    auth: str = _f("token", "gRPC auth: token (shared token in metadata), mtls, or none")
+    token_env: str = _f("ACE_AGENT_TOKEN", "env var holding the shared token (auth=token)")
+    token_file: Path | None = _f(None, "file holding the shared token (auth=token; wins over env)")
+    tls_cert: Path | None = _f(None, "server certificate, PEM (auth=mtls)")
+    tls_key: Path | None = _f(None, "server private key, PEM (auth=mtls)")
+    tls_client_ca: Path | None = _f(None, "CA that signs client certificates, PEM (auth=mtls)")
+    pool_mb: int = _f(64, "builtin only: bytes of the paged adapter pool (MiB)")
+    log_level: str = _f("INFO", "logging level")
+
+    def token(self) -> str:
+        if self.token_file is not None:
+            return self.token_file.read_text().strip()
+        return os.environ.get(self.token_env, "").strip()
+
+    def effective_host_budget_bytes(self) -> int:
+        mb = self.host_budget_mb if self.host_budget_mb >= 0 else (512 if self.engine == "builtin" else 0)
+        return mb << 20
+
+    def validate(self) -> "AgentSettings":
+        if self.catalog is None or not Path(self.catalog).is_file():
+            raise SettingsError(f"--catalog must name an existing catalog.yaml (got {self.catalog})")
+        if self.engine not in ENGINES:
+            raise SettingsError(f"--engine must be one of {', '.join(ENGINES)}")
+        if self.engine in ("vllm", "sglang") and not self.engine_url.startswith(("http://", "https://")):
+            raise SettingsError(f"--engine-url (http[s]://host:port) is required for {self.engine}")
+        if self.auth not in ("token", "mtls", "none"):
+            raise SettingsError("--auth must be token, mtls or none")
+        if self.auth == "token" and not self.token():
+            raise SettingsError(f"auth=token needs a token in ${self.token_env} or --token-file")
+        if self.auth == "mtls" and not (self.tls_cert and self.tls_key and self.tls_client_ca):
+            raise SettingsError("auth=mtls needs --tls-cert, --tls-key and --tls-client-ca")
+        if self.queue_size < 1 or self.workers < 1:
+            raise SettingsError("--queue-size and --workers must be >= 1")
+        return self
+
+
+def parse_args(argv: Sequence[str] | None = None) -> AgentSettings:
+    parser = argparse.ArgumentParser(prog="python -m gpu_agent serve",
+                                     description="GPU agent: adapter residency and prefetch API")
+    for f in fields(AgentSettings):
+        flag = "--" + f.name.replace("_", "-")
+        kind = {int: int, float: float, str: str}.get(type(f.default), Path if "Path" in str(f.type) else str)
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
+    ns = parser.parse_args(argv)
+    return AgentSettings(**vars(ns)).validate()

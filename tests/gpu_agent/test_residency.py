@@ -1,0 +1,309 @@
+"""ResidencyManager with a fake in-memory engine; the remote tier is a real loopback HTTP server."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gpu_agent.artifacts import Catalog, CatalogError
+from gpu_agent.errors import AdapterNotFound, DigestMismatch
+from gpu_agent.residency import PrefetchOutcome, Tier
+
+from tests.gpu_agent.agent_support import (FakeConnector, make_catalog, make_manager, static_server,
+                                            wait_for)
+
+NAMES = ["a1", "a2", "a3", "a4"]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_prefetch_moves_local_adapter_to_device_and_records_cold_load(tmp_path):
+    async def main():
+        eng = FakeConnector()
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            assert mgr.view("a1").tier is Tier.DISK
+            assert mgr.view("a1").cold_load_ms is None
+            res = mgr.prefetch("a1", reason="test")
+            assert res.outcome is PrefetchOutcome.ACCEPTED
+            await wait_for(lambda: mgr.view("a1").tier is Tier.DEVICE)
+            view = mgr.view("a1")
+            assert view.cold_load_ms is not None and view.cold_load_ms > 0
+            assert view.bytes == 4096
+            assert "a1" in eng.held
+            assert mgr.prefetch("a1").outcome is PrefetchOutcome.ALREADY_RESIDENT
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_unknown_and_digest_mismatch_and_unsafe_names_are_rejected(tmp_path):
+    async def main():
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", FakeConnector())
+        await mgr.start()
+        try:
+            assert mgr.prefetch("nope").reason == "unknown_adapter"
+            assert mgr.prefetch("../a1").reason == "unknown_adapter"
+            assert mgr.prefetch("a1/../../etc").reason == "unknown_adapter"
+            r = mgr.prefetch("a1", digest="0" * 64)
+            assert (r.outcome, r.reason) == (PrefetchOutcome.REJECTED, "digest_mismatch")
+            assert mgr.view("../a1").tier is Tier.ABSENT
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_duplicates_coalesce_and_queue_is_bounded(tmp_path):
+    async def main():
+        eng = FakeConnector(load_delay_s=0.2)
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng, queue_size=2)
+        await mgr.start()
+        try:
+            outcomes = [mgr.prefetch("a1") for _ in range(5)]
+            assert outcomes[0].outcome is PrefetchOutcome.ACCEPTED
+            assert all(o.reason == "coalesced" for o in outcomes[1:])
+            assert mgr.prefetch("a2").outcome is PrefetchOutcome.ACCEPTED
+            await asyncio.sleep(0.05)  # a1 is running now, a2 queued
+            assert mgr.prefetch("a3").outcome is PrefetchOutcome.ACCEPTED
+            r = mgr.prefetch("a4")
+            assert (r.outcome, r.reason) == (PrefetchOutcome.REJECTED, "queue_full")
+            await wait_for(lambda: mgr.view("a3").tier is Tier.DEVICE)
+            assert [c for c in eng.calls if c == ("load", "a1")] == [("load", "a1")]
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_higher_priority_runs_first(tmp_path):
+    async def main():
+        eng = FakeConnector(load_delay_s=0.05)
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            mgr.prefetch("a1", priority=0)
+            await asyncio.sleep(0.01)
+            mgr.prefetch("a2", priority=1)
+            mgr.prefetch("a3", priority=9)
+            await wait_for(lambda: all(mgr.view(n).tier is Tier.DEVICE for n in ("a1", "a2", "a3")))
+            assert [n for op, n in eng.calls if op == "load"] == ["a1", "a3", "a2"]
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_device_count_budget_evicts_lru_but_never_pinned_or_busy(tmp_path):
+    async def main():
+        eng = FakeConnector(capacity=2)
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            assert mgr.pin("a1") == (True, "")
+            await wait_for(lambda: mgr.view("a1").tier is Tier.DEVICE)
+            await mgr.ensure_resident("a2")
+            await mgr.ensure_resident("a3")          # evicts a2 (a1 pinned)
+            assert set(eng.held) == {"a1", "a3"}
+            assert ("unload", "a2") in eng.calls
+            eng.busy_set = {"a3"}
+            with pytest.raises(Exception, match="pinned or busy"):
+                await mgr.ensure_resident("a4")       # a1 pinned, a3 busy: nothing may go
+            assert set(eng.held) == {"a1", "a3"}
+            eng.busy_set = set()
+            mgr.unpin("a1")
+            await mgr.ensure_resident("a4")           # now LRU a1 goes
+            assert set(eng.held) == {"a3", "a4"}
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device") == 2
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_evict_refuses_pinned_and_drops_tiers(tmp_path):
+    async def main():
+        eng = FakeConnector()
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng, host_bytes=1 << 20)
+        await mgr.start()
+        try:
+            await mgr.ensure_resident("a1")
+            mgr.pin("a1")
+            assert await mgr.evict("a1") == (False, "pinned")
+            mgr.unpin("a1")
+            assert await mgr.evict("a1", Tier.HOST) == (True, "")
+            assert mgr.view("a1").tier is Tier.HOST
+            assert await mgr.evict("a1", Tier.DISK) == (True, "")
+            assert mgr.view("a1").tier is Tier.DISK
+            assert "a1" not in eng.held
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_host_tier_budget_is_lru(tmp_path):
+    async def main():
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", FakeConnector(capacity=1),
+                           host_bytes=2 * 4096)
+        await mgr.start()
+        try:
+            for name in ("a1", "a2", "a3"):
+                await mgr.ensure_resident(name)
+            assert mgr.view("a3").tier is Tier.DEVICE
+            assert mgr.view("a2").tier is Tier.HOST
+            assert mgr.view("a1").tier is Tier.DISK    # fell out of host (2 x 4 KiB budget)
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="host") == 1
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_remote_tier_fetch_verifies_digest_and_caches_on_disk(tmp_path):
+    async def main():
+        async with static_server(tmp_path / "adapters") as (base, hits):
+            cat = make_catalog(tmp_path, NAMES, remote_base=base)
+            eng = FakeConnector()
+            mgr = make_manager(cat, tmp_path / "cache", eng)
+            await mgr.start()
+            try:
+                assert mgr.view("a1").tier is Tier.REMOTE
+                await mgr.ensure_resident("a1")
+                assert mgr.view("a1").tier is Tier.DEVICE
+                # weights landed in the cache under their digest, not their name
+                digest = mgr.view("a1").digest
+                assert eng.held["a1"] == tmp_path / "cache" / digest
+                await mgr.evict("a1")
+                assert mgr.view("a1").tier is Tier.DISK
+                await mgr.ensure_resident("a1")           # from disk: no second download
+                assert hits["a1/adapter_model.safetensors"] == 1
+                await mgr.evict("a1", Tier.REMOTE)
+                assert mgr.view("a1").tier is Tier.REMOTE
+                assert not (tmp_path / "cache" / digest).exists()
+            finally:
+                await mgr.close()
+    run(main())
+
+
+def test_remote_digest_mismatch_is_refused_and_nothing_is_cached(tmp_path):
+    async def main():
+        async with static_server(tmp_path / "adapters", corrupt={"a2"}) as (base, _):
+            mgr = make_manager(make_catalog(tmp_path, NAMES, remote_base=base), tmp_path / "cache", FakeConnector())
+            await mgr.start()
+            try:
+                with pytest.raises(DigestMismatch):
+                    await mgr.ensure_resident("a2")
+                assert mgr.view("a2").tier is Tier.REMOTE
+                assert [p.name for p in (tmp_path / "cache").iterdir()] == []
+                assert mgr.metrics.counter("ace_agent_load_failures_total", reason="digest_mismatch") == 1
+            finally:
+                await mgr.close()
+    run(main())
+
+
+def test_local_digest_mismatch_is_refused(tmp_path):
+    async def main():
+        cat = make_catalog(tmp_path, NAMES)
+        (tmp_path / "adapters" / "a3" / "adapter_model.safetensors").write_bytes(b"tampered")
+        eng = FakeConnector()
+        mgr = make_manager(cat, tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            with pytest.raises(DigestMismatch):
+                await mgr.ensure_resident("a3")
+            assert "a3" not in eng.held
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_disk_cache_budget_evicts_lru_remote_copies(tmp_path):
+    async def main():
+        async with static_server(tmp_path / "adapters") as (base, _):
+            cat = make_catalog(tmp_path, NAMES, remote_base=base)
+            mgr = make_manager(cat, tmp_path / "cache", FakeConnector(capacity=1), disk_bytes=2 * 4096)
+            await mgr.start()
+            try:
+                for name in ("a1", "a2", "a3"):
+                    await mgr.ensure_resident(name)
+                tiers = {n: mgr.view(n).tier for n in ("a1", "a2", "a3")}
+                assert tiers == {"a1": Tier.REMOTE, "a2": Tier.DISK, "a3": Tier.DEVICE}
+                assert mgr.store.cache.used_bytes <= 2 * 4096
+            finally:
+                await mgr.close()
+    run(main())
+
+
+def test_catalog_refuses_path_traversal(tmp_path):
+    cat = make_catalog(tmp_path, ["ok"])
+    text = cat.read_text().replace("uri: adapters/ok", "uri: ../../etc")
+    cat.write_text(text)
+    catalog = Catalog.from_yaml(cat)
+    with pytest.raises(AdapterNotFound):
+        catalog.local_dir(catalog.get("ok"))
+    bad = cat.read_text().replace("name: ok", "name: ../evil")
+    cat.write_text(bad)
+    with pytest.raises(CatalogError):
+        Catalog.from_yaml(cat)
+
+
+def test_engine_restart_is_noticed_and_residency_rebuilt(tmp_path):
+    async def main():
+        eng = FakeConnector()
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng, reconcile_interval_s=0.05)
+        await mgr.start()
+        sub = mgr.subscribe()
+        try:
+            await mgr.ensure_resident("a1")
+            await mgr.ensure_resident("a2")
+            eng.down = True
+            await wait_for(lambda: not mgr.engine_up)
+            eng.down = False
+            eng.restart()                       # came back with no adapters
+            await wait_for(lambda: mgr.metrics.counter("ace_agent_engine_resets_total") == 1)
+            await wait_for(lambda: set(eng.held) == {"a1", "a2"})
+            assert mgr.view("a1").tier is Tier.DEVICE
+            seen = []
+            while not sub.queue.empty():
+                seen.append(sub.queue.get_nowait())
+            # observers saw a1 leave the device and come back
+            a1 = [v.tier for v in seen if v and v.name == "a1"]
+            assert Tier.DISK in a1 and a1[-1] is Tier.DEVICE
+        finally:
+            sub.close()
+            await mgr.close()
+    run(main())
+
+
+def test_engine_down_fails_prefetch_without_crashing(tmp_path):
+    async def main():
+        eng = FakeConnector()
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            eng.down = True
+            assert mgr.prefetch("a1").outcome is PrefetchOutcome.ACCEPTED
+            await wait_for(lambda: mgr.metrics.counter("ace_agent_load_failures_total",
+                                                       reason="engine_unavailable") == 1)
+            eng.down = False
+            mgr.prefetch("a1")
+            await wait_for(lambda: mgr.view("a1").tier is Tier.DEVICE)
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_metrics_render_prometheus_text(tmp_path):
+    async def main():
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", FakeConnector())
+        await mgr.start()
+        try:
+            await mgr.ensure_resident("a1")
+            await mgr.ensure_resident("a1")
+            text = mgr.metrics.render()
+            assert 'ace_agent_tier_hits_total{tier="device"} 1' in text
+            assert 'ace_agent_tier_misses_total{tier="device"} 1' in text
+            assert 'ace_agent_load_seconds_bucket{stage="cold",le="+Inf"} 1' in text
+            assert 'ace_agent_tier_adapters{tier="device"} 1' in text
+            assert "# TYPE ace_agent_load_seconds histogram" in text
+        finally:
+            await mgr.close()
+    run(main())
