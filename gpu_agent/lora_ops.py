@@ -38,8 +38,7 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
         for seg in segments:
             a, bt = matrices(seg.entry, layer, module)
             t = torch.mm(x[seg.start:seg.end], a.t())
-            t.mul_(seg.entry.scale)
-            y[seg.start:seg.end].addmm_(t, bt)
+            y[seg.start:seg.end].addmm_(t, bt, alpha=seg.entry.scale)
         return y
     perm = batch.perm
     xs = x.index_select(0, perm)
@@ -47,8 +46,9 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
     for seg in segments:
         a, bt = matrices(seg.entry, layer, module)
         t = torch.mm(xs[seg.start:seg.end], a.t())
-        t.mul_(seg.entry.scale)
-        torch.mm(t, bt, out=out[seg.start:seg.end])
+        o = out[seg.start:seg.end]
+        # the scale rides on the expand GEMM (alpha); beta=0 ignores o's old contents
+        torch.addmm(o, t, bt, beta=0, alpha=seg.entry.scale, out=o)
     y.index_add_(0, perm, out)
     return y
 

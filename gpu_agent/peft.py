@@ -18,6 +18,7 @@ import math
 import os
 import re
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,10 +179,12 @@ def _same_base(declared: Any, spec: BaseModelSpec) -> bool:
     return declared == spec.name or declared.rstrip("/").rsplit("/", 1)[-1] == spec.name
 
 
-def _read_safetensors(path: Path, sha256: str | None, pin_memory: bool):
+def _read_safetensors(path: Path, sha256: str | None, pin_memory: bool,
+                      timings: dict[str, float] | None = None):
     """Read the file into one uint8 host tensor; return (buffer, header, data_offset)."""
     import torch
 
+    t0 = time.perf_counter()
     try:
         size = os.path.getsize(path)
         f = open(path, "rb", buffering=0)
@@ -198,10 +201,14 @@ def _read_safetensors(path: Path, sha256: str | None, pin_memory: bool):
             got += n
     if got != size:
         raise AdapterInvalid(f"{path}: short read ({got} of {size} bytes)")
+    t1 = time.perf_counter()
     if sha256 is not None:
         digest = hashlib.sha256(view).hexdigest()
         if digest != sha256.lower():
             raise DigestMismatch(f"{path}: sha256 {digest} != expected {sha256}")
+    if timings is not None:
+        timings["read_ms"] = (t1 - t0) * 1e3
+        timings["verify_ms"] = (time.perf_counter() - t1) * 1e3
     if size < 8:
         raise AdapterInvalid(f"{path}: not a safetensors file")
     (hlen,) = struct.unpack("<Q", bytes(view[:8]))
@@ -235,7 +242,8 @@ def _tensor_view(buf, info: Any, base: int, key: str, where: str):
 
 
 def load_peft_dir(path: str | os.PathLike[str], spec: BaseModelSpec, sha256: str | None = None,
-                  *, name: str | None = None, pin_memory: bool = False) -> LoraAdapter:
+                  *, name: str | None = None, pin_memory: bool = False,
+                  timings: dict[str, float] | None = None) -> LoraAdapter:
     """Load and validate a PEFT LoRA directory for ``spec``.
 
     Checks: peft_type LORA without DoRA / modules_to_save / rank_pattern / bias /
@@ -243,7 +251,8 @@ def load_peft_dir(path: str | os.PathLike[str], spec: BaseModelSpec, sha256: str
     tensor belongs to a known layer and target module; shapes ``A [r, in]`` and
     ``B [out, r]`` with the config's ``r``; both halves present. ``sha256`` (hex of
     adapter_model.safetensors) is verified when given -- pass it when the file enters
-    from outside, not on every load from the local cache.
+    from outside, not on every load from the local cache. ``timings``, when given,
+    receives ``read_ms`` (disk -> host) and ``verify_ms`` (SHA-256).
     """
     p = Path(path)
     where = str(p)
@@ -262,7 +271,7 @@ def load_peft_dir(path: str | os.PathLike[str], spec: BaseModelSpec, sha256: str
         raise AdapterInvalid(f"{where}: lora_alpha must be a number, got {alpha!r}")
     targets = _target_modules(cfg, spec, where)
 
-    buf, header, base = _read_safetensors(p / WEIGHTS_FILE, sha256, pin_memory)
+    buf, header, base = _read_safetensors(p / WEIGHTS_FILE, sha256, pin_memory, timings)
     halves: dict[tuple[int, str], dict[str, Any]] = {}
     for key, info in header.items():
         if key == "__metadata__":
