@@ -1,0 +1,155 @@
+"""The engine object: model + tokenizer + adapter pool + residency + batcher.
+
+Embed it in-process (the agent service does)::
+
+    settings = EngineSettings(model=Path(".fixtures/model"), catalog=Path(".fixtures/catalog.yaml"))
+    engine = Engine.create(settings)            # loads the model, allocates the pool
+    await engine.residency.prefetch("code-sql")  # drive residency directly
+    async for ev in engine.generate("code-sql", prompt_ids, max_tokens=8): ...
+    await engine.close()
+
+or serve it over HTTP with :func:`gpu_agent.engine.server.serve`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+from gpu_agent.engine.batcher import Batcher, GenerationRequest, TokenEvent
+from gpu_agent.engine.errors import InvalidRequest, ModelNotFound
+from gpu_agent.engine.residency import AdapterResidency, AdapterSource, read_catalog
+
+__all__ = ["EngineSettings", "Engine"]
+
+DEFAULT_POOL_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything the engine is configured with; validated by :meth:`validate`."""
+
+    model: Path | None = field(default=None, metadata={
+        "help": "HF-format Llama checkpoint directory (default: the catalog's base_model.path)"})
+    catalog: Path | None = field(default=None, metadata={
+        "help": "catalog.yaml listing the adapters this engine may serve"})
+    model_name: str | None = field(default=None, metadata={
+        "help": "name clients use for the base model (default: the catalog's base_model.name)"})
+    pool_bytes: int = field(default=DEFAULT_POOL_BYTES, metadata={
+        "help": "size of the paged adapter pool in bytes (one preallocated tensor)"})
+    host_cache_bytes: int = field(default=1 << 30, metadata={
+        "help": "host-memory tier for parsed adapters (LRU), in bytes"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    max_batch_sequences: int = field(default=32, metadata={
+        "help": "most sequences in one forward pass"})
+    max_batch_tokens: int = field(default=4096, metadata={
+        "help": "most token rows in one forward pass (prefill rows count)"})
+    batch_window_ms: float = field(default=2.0, metadata={
+        "help": "when idle, wait this long after a request so requests arriving together share a pass"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length (prompt + max_tokens); default max_position_embeddings"})
+
+    def validate(self) -> "EngineSettings":
+        if self.model is None and self.catalog is None:
+            raise ValueError("give --model or --catalog (whose base_model.path names the model)")
+        if self.pool_bytes <= 0:
+            raise ValueError("pool_bytes must be positive")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        if self.max_batch_sequences < 1 or self.max_batch_tokens < 1:
+            raise ValueError("batch limits must be >= 1")
+        return self
+
+    @staticmethod
+    def help(name: str) -> str:
+        return next(f.metadata.get("help", "") for f in fields(EngineSettings) if f.name == name)
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings, *, model: Any, tokenizer: Any, pool: Any,
+                 residency: AdapterResidency, model_name: str, model_dir: Path):
+        self.settings = settings
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.residency = residency
+        self.model_name = model_name
+        self.model_dir = model_dir
+        self.batcher = Batcher(model, pool, max_batch_sequences=settings.max_batch_sequences,
+                               max_batch_tokens=settings.max_batch_tokens,
+                               batch_window_ms=settings.batch_window_ms,
+                               max_model_len=settings.max_model_len)
+        stop = set(model.cfg.eos_ids())
+        if tokenizer.eos_id is not None:
+            stop.add(tokenizer.eos_id)
+        self.stop_ids = tuple(sorted(stop))
+
+    @classmethod
+    def create(cls, settings: EngineSettings, *, source: AdapterSource | None = None) -> "Engine":
+        import torch
+
+        from gpu_agent.model import LlamaModel
+        from gpu_agent.peft import BaseModelSpec
+        from gpu_agent.pool import AdapterPool
+        from gpu_agent.tokenizer import ModelTokenizer
+
+        settings.validate()
+        entries: dict = {}
+        name, model_dir = settings.model_name, settings.model
+        if settings.catalog is not None:
+            cat_name, cat_dir, entries = read_catalog(settings.catalog)
+            name = name or cat_name
+            model_dir = model_dir or cat_dir
+        if model_dir is None:
+            raise ValueError("the catalog names no base_model.path; pass --model")
+        model_dir = Path(model_dir)
+        name = name or model_dir.name
+        device = settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = getattr(torch, settings.dtype)
+        model = LlamaModel.from_dir(model_dir, device=device, dtype=dtype)
+        spec = BaseModelSpec(name=name, num_layers=model.cfg.num_layers,
+                             hidden_size=model.cfg.hidden_size, modules=model.cfg.module_shapes())
+        pool = AdapterPool(spec, settings.pool_bytes, dtype=dtype, device=device)
+        residency = AdapterResidency(pool, spec, entries, source=source,
+                                     host_budget_bytes=settings.host_cache_bytes)
+        return cls(settings, model=model, tokenizer=ModelTokenizer(model_dir), pool=pool,
+                   residency=residency, model_name=name, model_dir=model_dir)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.batcher.max_model_len
+
+    def adapter_for(self, model: str) -> str | None:
+        """The adapter a request's ``model`` selects (None: the base model)."""
+        if model == self.model_name:
+            return None
+        if not isinstance(model, str) or not self.residency.knows(model):
+            raise ModelNotFound(str(model))
+        return model
+
+    async def generate(self, adapter: str | None, prompt: Sequence[int], *, max_tokens: int,
+                       temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                       ignore_eos: bool = False) -> AsyncIterator[TokenEvent]:
+        """Tokens for ``prompt`` through ``adapter``; the adapter must be held resident
+        (``await residency.ensure_resident(adapter, hold=True)``, then ``release``)."""
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens; the request "
+                f"has {len(prompt)} prompt tokens and max_tokens={max_tokens}.", param="max_tokens")
+        req = GenerationRequest(prompt=list(prompt), adapter=adapter, max_tokens=max_tokens,
+                                temperature=temperature, top_p=top_p, seed=seed,
+                                stop_ids=() if ignore_eos else self.stop_ids)
+        async for ev in self.batcher.generate(req):
+            yield ev
+
+    async def close(self) -> None:
+        await self.batcher.stop()
+
+    def memory(self, n_instances: int | None = None):
+        from gpu_agent.memory import account
+
+        sizes = {n: e.size_bytes for n, e in self.residency._entries.items()}
+        return account(self.model.nbytes, self.pool.stats()["pool_bytes"], sizes, n_instances)

@@ -1,0 +1,310 @@
+"""Where each adapter lives (remote → disk → host → pool) and how it moves up.
+
+:class:`AdapterResidency` is the seam the agent service drives in-process:
+
+- ``await ensure_resident(name, hold=False) -> (tier_before, wait_ms)``: make the adapter
+  usable by a batch; ``hold=True`` also keeps it in the pool until :meth:`release`
+  (the engine holds an adapter for as long as one of its sequences runs).
+- ``await prefetch(name, tier="pool") -> tier_before``: move it up ahead of a request.
+- ``evict(name, tier="pool")``: drop it from the pool (and from host memory with
+  ``tier="host"``); refused (AdapterBusy) while a sequence holds it.
+- ``pin`` / ``unpin``: keep an adapter in the pool regardless of LRU.
+- ``register`` / ``unregister``: adapters added at run time (vLLM-style load endpoint).
+
+Tiers: ``pool`` (in the paged device pool), ``host`` (a parsed copy in host memory),
+``disk`` (a local directory), ``remote`` (an http(s) uri the source must fetch).
+
+Pool calls are thread-safe (the pool has its own lock); disk reads and host→pool copies
+run in a worker thread so the event loop keeps serving while a cold load is under way.
+Concurrent loads of the same adapter share one future.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
+from urllib.parse import unquote, urlparse
+
+from gpu_agent import errors as core
+from gpu_agent.engine.errors import AdapterUnavailable, ModelNotFound
+
+__all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "AdapterResidency",
+           "TIERS"]
+
+TIERS = ("pool", "host", "disk", "remote")
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    name: str
+    uri: str
+    base_model: str
+    rank: int = 0
+    sha256: str | None = None
+    size_bytes: int = 0
+    owner: str = "public"
+    domain: str | None = None
+    root: Path = Path(".")
+
+    @property
+    def is_remote(self) -> bool:
+        return urlparse(self.uri).scheme in ("http", "https")
+
+    def local_dir(self) -> Path:
+        parsed = urlparse(self.uri)
+        if parsed.scheme == "file":
+            return Path(unquote(parsed.path))
+        if parsed.scheme == "":
+            return (self.root / self.uri).resolve()
+        raise AdapterUnavailable(f"adapter {self.name}: {self.uri} is not a local path", param="model")
+
+
+def read_catalog(path: str | Path) -> tuple[str, Path | None, dict[str, CatalogEntry]]:
+    """``(base model name, base model dir or None, adapters by name)`` of a catalog.yaml."""
+    import yaml
+
+    p = Path(path)
+    doc = yaml.safe_load(p.read_text()) or {}
+    base = doc.get("base_model") or {}
+    base_name = base.get("name") if isinstance(base, dict) else str(base)
+    if not base_name:
+        raise ValueError(f"{p}: catalog has no base_model.name")
+    base_dir = (p.parent / base["path"]).resolve() if isinstance(base, dict) and base.get("path") else None
+    entries: dict[str, CatalogEntry] = {}
+    for raw in doc.get("adapters") or []:
+        name = str(raw["name"])
+        entries[name] = CatalogEntry(
+            name=name, uri=str(raw["uri"]), base_model=str(raw.get("base_model", base_name)),
+            rank=int(raw.get("rank", 0)), sha256=raw.get("sha256"),
+            size_bytes=int(raw.get("size_bytes", 0)), owner=str(raw.get("owner", "public")),
+            domain=raw.get("domain"), root=p.parent.resolve())
+    return base_name, base_dir, entries
+
+
+class AdapterSource(Protocol):
+    """Turns a catalog entry into a local directory (fetching it when remote)."""
+
+    def tier(self, entry: CatalogEntry) -> str:
+        """``disk`` when a local copy exists, else ``remote``."""
+
+    async def local_dir(self, entry: CatalogEntry) -> tuple[Path, bool]:
+        """The adapter's directory and whether its digest still needs checking."""
+
+
+class LocalSource:
+    """Local paths and file:// URIs only; http(s) needs a fetching source (the agent's)."""
+
+    def tier(self, entry: CatalogEntry) -> str:
+        return "remote" if entry.is_remote else "disk"
+
+    async def local_dir(self, entry: CatalogEntry) -> tuple[Path, bool]:
+        if entry.is_remote:
+            raise AdapterUnavailable(
+                f"adapter {entry.name} is remote ({entry.uri}) and this engine has no fetcher",
+                param="model")
+        return entry.local_dir(), True
+
+
+@dataclass
+class LoadRecord:
+    tier_before: str
+    ms: float
+    at: float
+
+
+class AdapterResidency:
+    def __init__(self, pool: Any, spec: Any, entries: Mapping[str, CatalogEntry], *,
+                 source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30,
+                 loader: Callable[..., Any] | None = None):
+        from gpu_agent import peft
+
+        self.pool = pool
+        self.spec = spec
+        self._entries: dict[str, CatalogEntry] = dict(entries)
+        self.source: AdapterSource = source or LocalSource()
+        self.host_budget_bytes = host_budget_bytes
+        self._load_peft = loader or peft.load_peft_dir
+        self._host: OrderedDict[str, Any] = OrderedDict()  # name -> peft.LoraAdapter, LRU
+        self._host_bytes = 0
+        self._verified: set[str] = set()  # digests checked once, when first read from disk
+        self._holds: dict[str, int] = {}
+        self._user_pins: set[str] = set()
+        self._inflight: dict[str, asyncio.Future] = {}
+        self.loads: dict[str, int] = {t: 0 for t in TIERS}  # cold loads by the tier they came from
+        self.last_load: dict[str, LoadRecord] = {}
+
+    # -- names and tiers ---------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def entry(self, name: str) -> CatalogEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ModelNotFound(name) from None
+
+    def knows(self, name: str) -> bool:
+        return name in self._entries
+
+    def register(self, name: str, path: str | Path, sha256: str | None = None) -> CatalogEntry:
+        """Add (or replace) an adapter at run time from a local directory."""
+        entry = CatalogEntry(name=name, uri=str(Path(path).resolve()), base_model=self.spec.name,
+                             sha256=sha256)
+        self._entries[name] = entry
+        return entry
+
+    def unregister(self, name: str) -> None:
+        self.entry(name)
+        self.evict(name, tier="host")
+        self._entries.pop(name, None)
+
+    def tier(self, name: str) -> str:
+        entry = self.entry(name)
+        if self.pool.contains(name):
+            return "pool"
+        if name in self._host:
+            return "host"
+        return self.source.tier(entry)
+
+    def held(self, name: str) -> int:
+        return self._holds.get(name, 0)
+
+    # -- moving up ---------------------------------------------------------------------
+
+    async def ensure_resident(self, name: str, *, hold: bool = False) -> tuple[str, float]:
+        """Make ``name`` resident in the pool; ``(tier it was in, measured wait in ms)``."""
+        t0 = time.perf_counter()
+        tier_before = self.tier(name)
+        if hold and self._holds.get(name, 0) > 0:
+            self._holds[name] += 1  # pinned already by an earlier holder
+            self.pool.touch(name)
+            return "pool", (time.perf_counter() - t0) * 1e3
+        if tier_before == "pool":
+            try:
+                if hold:
+                    self.pool.pin(name)
+                else:
+                    self.pool.touch(name)
+            except core.AdapterNotResident:  # evicted between the check and the pin
+                tier_before = self.tier(name)
+            else:
+                if hold:
+                    self._holds[name] = 1
+                return "pool", (time.perf_counter() - t0) * 1e3
+        await self._load(name, pin=hold)
+        if hold:
+            self._holds[name] = self._holds.get(name, 0) + 1
+        ms = (time.perf_counter() - t0) * 1e3
+        self.loads[tier_before] = self.loads.get(tier_before, 0) + 1
+        self.last_load[name] = LoadRecord(tier_before, ms, time.time())
+        return tier_before, ms
+
+    def release(self, name: str) -> None:
+        """One holder is done; the last one unpins (unless pinned on purpose)."""
+        n = self._holds.get(name, 0) - 1
+        if n > 0:
+            self._holds[name] = n
+            return
+        self._holds.pop(name, None)
+        if name not in self._user_pins:
+            try:
+                self.pool.unpin(name)
+            except core.AdapterNotResident:
+                pass
+
+    async def prefetch(self, name: str, tier: str = "pool") -> str:
+        """Move ``name`` up to ``tier`` (``pool`` or ``host``); returns where it was."""
+        if tier not in ("pool", "host"):
+            raise ValueError(f"prefetch tier must be pool or host, got {tier!r}")
+        before = self.tier(name)
+        if tier == "pool":
+            await self.ensure_resident(name)
+        elif before not in ("pool", "host"):
+            await self._to_host(name)
+        return before
+
+    def evict(self, name: str, tier: str = "pool") -> bool:
+        """Drop ``name`` from the pool (``tier="host"``: from host memory too).
+
+        AdapterBusy while a running sequence holds it or it is pinned.
+        """
+        self.entry(name)
+        if self._holds.get(name):
+            raise core.AdapterBusy(f"adapter {name!r} is used by running requests")
+        removed = False
+        if self.pool.contains(name):
+            try:
+                self.pool.evict(name)
+                removed = True
+            except core.AdapterNotResident:
+                pass
+        if tier == "host" and name in self._host:
+            self._host_bytes -= self._host.pop(name).nbytes
+            removed = True
+        return removed
+
+    def pin(self, name: str) -> None:
+        self._user_pins.add(name)
+        self.pool.pin(name)  # AdapterNotResident: load it first (ensure_resident)
+
+    def unpin(self, name: str) -> None:
+        self._user_pins.discard(name)
+        if not self._holds.get(name):
+            try:
+                self.pool.unpin(name)
+            except core.AdapterNotResident:
+                pass
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, e in self._entries.items():
+            rec = self.last_load.get(name)
+            out[name] = {"tier": self.tier(name), "held": self._holds.get(name, 0),
+                         "pinned": name in self._user_pins, "size_bytes": e.size_bytes,
+                         "last_cold_load_ms": rec.ms if rec else None}
+        return out
+
+    # -- internals ---------------------------------------------------------------------
+
+    async def _load(self, name: str, *, pin: bool) -> None:
+        fut = self._inflight.get(name)
+        if fut is None:
+            fut = asyncio.ensure_future(self._load_once(name))
+            self._inflight[name] = fut
+            fut.add_done_callback(lambda _f, n=name: self._inflight.pop(n, None))
+        await asyncio.shield(fut)
+        if pin:
+            try:
+                self.pool.pin(name)
+            except core.AdapterNotResident:  # evicted right after the shared load: load again
+                adapter = await self._to_host(name)
+                await asyncio.to_thread(self.pool.load, adapter, True)
+
+    async def _load_once(self, name: str) -> None:
+        adapter = await self._to_host(name)
+        await asyncio.to_thread(self.pool.load, adapter, False)
+
+    async def _to_host(self, name: str) -> Any:
+        adapter = self._host.get(name)
+        if adapter is not None:
+            self._host.move_to_end(name)
+            return adapter
+        entry = self.entry(name)
+        path, verify = await self.source.local_dir(entry)
+        digest = entry.sha256 if verify and entry.sha256 and entry.sha256 not in self._verified else None
+        try:
+            adapter = await asyncio.to_thread(self._load_peft, path, self.spec, digest, name=name)
+        except FileNotFoundError as exc:
+            raise core.AdapterNotFound(f"adapter {name}: {exc}") from exc
+        if digest:
+            self._verified.add(digest)
+        self._host[name] = adapter
+        self._host_bytes += adapter.nbytes
+        while self._host_bytes > self.host_budget_bytes and len(self._host) > 1:
+            old, a = self._host.popitem(last=False)
+            self._host_bytes -= a.nbytes
+        return adapter

@@ -1,0 +1,438 @@
+"""OpenAI-compatible HTTP front of the builtin engine (aiohttp).
+
+Thin: parse the body into plain values, resolve the model, hold the adapter resident,
+stream tokens from the batcher, write JSON or SSE. Every error goes through
+:func:`gpu_agent.engine.errors.http_error` (one status + OpenAI-style body).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's
+runtime ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from gpu_agent.engine.core import Engine
+from gpu_agent.engine.errors import EngineError, InvalidRequest, error_body, http_error
+from gpu_agent.engine.metrics import render_metrics
+
+__all__ = ["build_app", "serve", "ENGINE_KEY"]
+
+log = logging.getLogger("gpu_agent.engine")
+ENGINE_KEY = web.AppKey("engine", Engine)
+TIER_HEADER = "x-ace-adapter-tier"
+WAIT_HEADER = "x-ace-adapter-wait-ms"
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+def _num(body: dict, key: str, kind: type, default: Any, lo: float | None = None,
+         hi: float | None = None) -> Any:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise InvalidRequest(f"`{key}` must be {'an integer' if kind is int else 'a number'}", param=key)
+    v = kind(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidRequest(f"`{key}` must be in [{lo}, {hi}], got {v}", param=key)
+    return v
+
+
+def parse_sampling(body: dict, *, chat: bool) -> Sampling:
+    max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    n = _num(body, "n", int, 1, 1, 1)
+    del n  # only n=1 is served
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise InvalidRequest("`stop` must be a string or a list of strings", param="stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("`stream` must be a boolean", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise InvalidRequest("`stream_options` must be an object", param="stream_options")
+    return Sampling(
+        max_tokens=_num(body, max_key, int, 16, 1, None),
+        temperature=_num(body, "temperature", float, 0.0, 0.0, 2.0),
+        top_p=_num(body, "top_p", float, 1.0, 0.0, 1.0) or 1.0,
+        seed=_num(body, "seed", int, None),
+        stop=[s for s in stop if s],
+        stream=stream,
+        include_usage=bool(opts.get("include_usage", False)),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+    )
+
+
+class StopText:
+    """Cuts the output at the first stop string; holds back text that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        self.text += delta
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.sent = self.text[self.sent:cut], cut
+            self.text = self.text[:cut]
+            return out, True
+        safe = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be a JSON object")
+    return body
+
+
+def _prompt_ids(engine: Engine, body: dict) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = engine.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 or t >= engine.model.cfg.vocab_size for t in prompt):
+            raise InvalidRequest("prompt token id out of range", param="prompt")
+        ids = list(prompt)
+    else:
+        raise InvalidRequest("`prompt` must be a string or a list of token ids (batches of one)",
+                             param="prompt")
+    if not ids:
+        raise InvalidRequest("`prompt` is empty", param="prompt")
+    return ids
+
+
+def _chat_ids(engine: Engine, body: dict) -> list[int]:
+    from gpu_agent.tokenizer import ChatTemplateError
+
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise InvalidRequest("`messages` must be a non-empty list", param="messages")
+    norm = []
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest("each message needs a string `role`", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            try:
+                content = "".join(p["text"] for p in content if p.get("type") == "text")
+            except (TypeError, KeyError, AttributeError) as exc:
+                raise InvalidRequest("unsupported message content parts", param="messages") from exc
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise InvalidRequest("message `content` must be a string", param="messages")
+        norm.append({"role": m["role"], "content": content})
+    try:
+        return engine.tokenizer.encode_chat(norm)
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc), param="messages") from exc
+
+
+def _error_response(exc: BaseException) -> web.Response:
+    status, body = http_error(exc)
+    if status >= 500 and not isinstance(exc, EngineError):
+        log.exception("request failed", exc_info=exc)
+    return web.json_response(body, status=status)
+
+
+class _Completion:
+    """One request's run: hold the adapter, generate, release."""
+
+    def __init__(self, engine: Engine, model: str, adapter: str | None, ids: list[int], sp: Sampling):
+        self.engine, self.model, self.adapter, self.ids, self.sp = engine, model, adapter, ids, sp
+        self.tier, self.wait_ms = "none", 0.0
+        self.held = False
+
+    async def acquire(self) -> None:
+        if self.adapter is not None:
+            self.tier, self.wait_ms = await self.engine.residency.ensure_resident(self.adapter, hold=True)
+            self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.engine.residency.release(self.adapter)
+
+    def headers(self) -> dict[str, str]:
+        return {TIER_HEADER: self.tier, WAIT_HEADER: f"{self.wait_ms:.3f}"}
+
+    async def text_deltas(self) -> AsyncIterator[tuple[str, str | None, int]]:
+        """(text delta, finish_reason or None, completion tokens so far)."""
+        from gpu_agent.tokenizer import IncrementalDecoder
+
+        dec = IncrementalDecoder(self.engine.tokenizer)
+        stop = StopText(self.sp.stop)
+        n = 0
+        gen = self.engine.generate(self.adapter, self.ids, max_tokens=self.sp.max_tokens,
+                                   temperature=self.sp.temperature, top_p=self.sp.top_p,
+                                   seed=self.sp.seed, ignore_eos=self.sp.ignore_eos)
+        try:
+            async for ev in gen:
+                delta = ""
+                if ev.token_id is not None:
+                    n += 1
+                    if ev.finish_reason != "stop" or ev.token_id not in self.engine.stop_ids:
+                        delta = dec.push(ev.token_id)
+                out, hit = stop.feed(delta)
+                if hit:
+                    yield out, "stop", n
+                    return
+                if ev.finish_reason is not None:
+                    yield out + stop.flush(), ev.finish_reason, n
+                    return
+                if out:
+                    yield out, None, n
+        finally:
+            await gen.aclose()
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
+    engine: Engine = request.app[ENGINE_KEY]
+    stats = request.app["http_stats"]
+    route = "chat" if chat else "completions"
+    try:
+        body = await _json_body(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("`model` is required", param="model")
+        adapter = engine.adapter_for(model)
+        sp = parse_sampling(body, chat=chat)
+        ids = _chat_ids(engine, body) if chat else _prompt_ids(engine, body)
+        if len(ids) + sp.max_tokens > engine.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {engine.max_model_len} tokens; the request "
+                f"has {len(ids)} prompt tokens and max_tokens={sp.max_tokens}.", param="max_tokens")
+        run = _Completion(engine, model, adapter, ids, sp)
+        await run.acquire()
+    except Exception as exc:  # noqa: BLE001 - the one boundary that maps errors to HTTP
+        stats.count(route, http_error(exc)[0])
+        return _error_response(exc)
+    try:
+        if sp.stream:
+            return await _stream(request, run, chat)
+        text, finish, n = "", "length", 0
+        async for delta, fin, n in run.text_deltas():
+            text += delta
+            finish = fin or finish
+        stats.count(route, 200)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        payload = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                   "created": int(time.time()), "model": model, "choices": [choice],
+                   "usage": _usage(len(ids), n)}
+        return web.json_response(payload, headers=run.headers())
+    except Exception as exc:  # noqa: BLE001
+        stats.count(route, http_error(exc)[0])
+        return _error_response(exc)
+    finally:
+        run.release()
+
+
+async def _stream(request: web.Request, run: _Completion, chat: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", **run.headers()})
+    await resp.prepare(request)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(choices: list, usage: dict | None = None) -> None:
+        chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": run.model,
+                                 "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+    def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    n = 0
+    if chat:
+        await send([choice(None, None, first=True)])
+    try:
+        async for delta, fin, n in run.text_deltas():
+            if delta or fin:
+                await send([choice(delta, fin)])
+        if run.sp.include_usage:
+            await send([], _usage(len(run.ids), n))
+        await resp.write(b"data: [DONE]\n\n")
+        request.app["http_stats"].count("chat" if chat else "completions", 200)
+    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+        status, body = http_error(exc)
+        request.app["http_stats"].count("chat" if chat else "completions", status)
+        try:
+            await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        except ConnectionError:
+            return resp  # the client is gone
+    try:
+        await resp.write_eof()
+    except ConnectionError:
+        pass
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _run(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _run(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    engine: Engine = request.app[ENGINE_KEY]
+    now = int(time.time())
+    data = [{"id": engine.model_name, "object": "model", "created": now, "owned_by": "ace",
+             "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len}]
+    res = engine.residency
+    for name in res.names():
+        e = res.entry(name)
+        data.append({"id": name, "object": "model", "created": now, "owned_by": e.owner,
+                     "root": e.uri, "parent": engine.model_name, "ace_tier": res.tier(name)})
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine: Engine = request.app[ENGINE_KEY]
+    text = render_metrics(engine, request.app["http_stats"])
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's runtime route: register ``lora_name`` at ``lora_path`` and load it."""
+    engine: Engine = request.app[ENGINE_KEY]
+    try:
+        body = await _json_body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise InvalidRequest("`lora_name` and `lora_path` are required")
+        if engine.residency.knows(name) and engine.residency.tier(name) == "pool":
+            # vLLM answers 400 for an adapter already loaded; callers treat it as success.
+            raise InvalidRequest(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        if not engine.residency.knows(name):
+            engine.residency.register(name, path)
+        await engine.residency.ensure_resident(name)
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    engine: Engine = request.app[ENGINE_KEY]
+    try:
+        body = await _json_body(request)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not engine.residency.knows(name):
+            return web.json_response(error_body(404, f"The lora adapter '{name}' cannot be found.",
+                                                "not_found_error", "lora_name"), status=404)
+        engine.residency.evict(name, tier="host")
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc)
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+class HttpStats:
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+
+    def count(self, route: str, status: int) -> None:
+        key = (route, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:  # 404/405 of aiohttp's router, as OpenAI-style JSON
+        if exc.status >= 400:
+            return web.json_response(error_body(exc.status, exc.reason, "invalid_request_error"),
+                                     status=exc.status)
+        raise
+    except Exception as exc:  # noqa: BLE001 - never a bare 500 page
+        return _error_response(exc)
+
+
+def build_app(engine: Engine) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=8 << 20)
+    app[ENGINE_KEY] = engine
+    app["http_stats"] = HttpStats()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
+
+    async def _close(app: web.Application) -> None:
+        await engine.close()
+
+    app.on_cleanup.append(_close)
+    return app
+
+
+async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
+    """Start serving in the running loop; returns the runner (``await runner.cleanup()``)
+    and the bound port (``port=0`` picks a free one)."""
+    runner = web.AppRunner(build_app(engine), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, bound
