@@ -166,7 +166,7 @@ class ResidencyManager:
         spec = state.spec
         if name in self._device:
             tier = Tier.DEVICE
-        elif name in self._host:
+        elif name in self._host or self.connector.in_host(name):
             tier = Tier.HOST
         elif self.store.local_path(spec) is not None or not spec.is_remote:
             tier = Tier.DISK
@@ -431,7 +431,9 @@ class ResidencyManager:
                     self._publish(name)
             if not was_up:
                 self._publish_all()
-        if lost:
+        if lost and self.connector.self_managed:
+            self.metrics.inc("ace_agent_evictions_total", float(len(lost)), tier="device")
+        elif lost:
             self.metrics.inc("ace_agent_engine_resets_total")
             log.warning("engine lost %d adapters (%s); reloading them", len(lost), ", ".join(lost))
             # pinned first, then most recently used first

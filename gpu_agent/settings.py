@@ -36,7 +36,8 @@ class AgentSettings:
     metrics_port: int = _f(0, "Prometheus /metrics port (0 = ephemeral, -1 = off)")
     cache_dir: Path = _f(Path("var/agent-cache"), "disk tier: verified copies of remote adapters, by digest")
     disk_budget_mb: int = _f(4096, "disk tier budget (MiB), LRU")
-    host_budget_mb: int = _f(-1, "host tier budget (MiB), LRU; -1 = 512 for builtin, 0 (off) for vllm/sglang")
+    host_budget_mb: int = _f(0, "agent host tier budget (MiB), LRU; 0 = off (vLLM/SGLang read files themselves)")
+    engine_host_mb: int = _f(512, "builtin only: the engine's own host tier of parsed adapters (MiB)")
     device_max_adapters: int = _f(0, "device tier count budget; 0 = the engine's (vLLM: --max-cpu-loras)")
     device_budget_mb: int = _f(0, "device tier byte budget (MiB); 0 = none (builtin: the pool's)")
     max_cpu_loras: int = _f(4, "vllm: the engine's --max-cpu-loras, mirrored by the device tier")
@@ -58,9 +59,6 @@ class AgentSettings:
             return self.token_file.read_text().strip()
         return os.environ.get(self.token_env, "").strip()
 
-    def effective_host_budget_bytes(self) -> int:
-        mb = self.host_budget_mb if self.host_budget_mb >= 0 else (512 if self.engine == "builtin" else 0)
-        return mb << 20
 
     def validate(self) -> "AgentSettings":
         if self.catalog is None or not Path(self.catalog).is_file():

@@ -33,6 +33,10 @@ class EngineConnector(abc.ABC):
     #: How many adapters the engine holds at once (vLLM: --max-cpu-loras); None = no
     #: count limit (the builtin pool is bounded by bytes instead).
     capacity: int | None = None
+    #: True when the engine evicts adapters by itself (the builtin pool's own LRU): an
+    #: adapter missing from `loaded()` then just dropped a tier; False (vLLM, SGLang): the
+    #: agent is the only one that unloads, so a missing adapter means the engine restarted.
+    self_managed: bool = False
 
     async def start(self) -> None:
         """Open clients / start the in-process engine."""
@@ -55,6 +59,10 @@ class EngineConnector(abc.ABC):
     async def busy(self) -> set[str]:
         """Adapters used by running or waiting requests (never evicted)."""
         return set()
+
+    def in_host(self, name: str) -> bool:
+        """The engine keeps its own host-memory copy of `name` (builtin)."""
+        return False
 
     def pool_stats(self) -> dict[str, int]:
         """Pool gauges for /metrics (`pages_used`, `pages_free`, ...) where the engine has one."""

@@ -1,0 +1,106 @@
+"""`python -m gpu_agent serve --catalog ... --engine builtin|vllm|sglang ...`
+
+Starts the residency manager, the gRPC API and /metrics; for `--engine builtin` also the
+builtin engine in-process (its OpenAI API on --engine-port). Prints one JSON line with
+the bound ports once everything is up (tests and scripts read it), then runs until
+SIGTERM/SIGINT.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+__all__ = ["main", "run"]
+
+
+async def run(settings) -> None:
+    from aiohttp import web
+
+    from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
+    from gpu_agent.connectors import make_connector
+    from gpu_agent.metrics import AgentMetrics
+    from gpu_agent.residency import ResidencyBudgets, ResidencyManager
+    from gpu_agent.service import start_server
+
+    catalog = Catalog.from_yaml(settings.catalog)
+    store = ArtifactStore(catalog, DiskCache(settings.cache_dir, settings.disk_budget_mb << 20))
+    api_key = None
+    if settings.engine_api_key_env:
+        import os
+        api_key = os.environ.get(settings.engine_api_key_env)
+    if settings.engine == "vllm":
+        connector = make_connector("vllm", url=settings.engine_url, max_cpu_loras=settings.max_cpu_loras,
+                                   api_key=api_key)
+    elif settings.engine == "sglang":
+        connector = make_connector("sglang", url=settings.engine_url,
+                                   max_loaded_loras=settings.max_loaded_loras or None, api_key=api_key)
+    else:
+        from gpu_agent.engine.core import EngineSettings
+        engine_settings = EngineSettings(catalog=Path(settings.catalog), pool_bytes=settings.pool_mb << 20,
+                                         host_cache_bytes=settings.engine_host_mb << 20)
+        connector = make_connector("builtin", store=store, engine_settings=engine_settings,
+                                   http_port=settings.engine_port)
+    budgets = ResidencyBudgets(
+        device_count=settings.device_max_adapters or None,
+        device_bytes=(settings.device_budget_mb << 20) or None,
+        host_bytes=settings.host_budget_mb << 20, queue_size=settings.queue_size,
+        workers=settings.workers, reconcile_interval_s=settings.reconcile_interval_s)
+    metrics = AgentMetrics()
+    manager = ResidencyManager(catalog, store, connector, budgets, metrics)
+    await manager.start()
+    tls = (settings.tls_cert, settings.tls_key, settings.tls_client_ca) if settings.auth == "mtls" else None
+    token = settings.token() if settings.auth == "token" else None
+    server, grpc_port, health_task = await start_server(manager, settings.grpc_host, settings.grpc_port,
+                                                        token=token, tls=tls)
+    runner = None
+    metrics_port = None
+    if settings.metrics_port >= 0:
+        app = web.Application()
+
+        async def scrape(_request):
+            return web.Response(text=metrics.render(), content_type="text/plain", charset="utf-8")
+
+        app.router.add_get("/metrics", scrape)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, settings.grpc_host, settings.metrics_port)
+        await site.start()
+        metrics_port = site._server.sockets[0].getsockname()[1]
+    print(json.dumps({"event": "ready", "grpc_port": grpc_port, "metrics_port": metrics_port,
+                      "engine": settings.engine, "engine_url": connector.url}), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    health_task.cancel()
+    await server.stop(grace=1.0)
+    if runner is not None:
+        await runner.cleanup()
+    await manager.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gpu_agent.settings import SettingsError, parse_args
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "serve":
+        print("usage: python -m gpu_agent serve --catalog CATALOG [--engine builtin|vllm|sglang] ...",
+              file=sys.stderr)
+        return 2
+    try:
+        settings = parse_args(argv[1:])
+    except SettingsError as exc:
+        print(f"gpu_agent: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

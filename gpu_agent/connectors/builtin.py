@@ -1,0 +1,107 @@
+"""The builtin engine (gpu_agent.engine), run in-process and driven through its residency seam.
+
+The engine keeps its own tiers (paged device pool, parsed host copies); the agent gives it
+an `AdapterSource` backed by the agent's `ArtifactStore`, so remote fetches, the disk
+cache and digest checks are the agent's, and the engine only ever reads verified
+directories. The pool evicts by its own LRU when a request needs room, so this connector
+is `self_managed`: an adapter that left the pool just dropped a tier.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpu_agent.artifacts import AdapterSpec, ArtifactStore
+from gpu_agent.connectors.base import ConnectorError, EngineConnector
+from gpu_agent.errors import AdapterBusy
+
+__all__ = ["BuiltinConnector", "StoreSource"]
+
+
+class StoreSource:
+    """`gpu_agent.engine.residency.AdapterSource` over the agent's artifact store."""
+
+    def __init__(self, store: ArtifactStore):
+        self.store = store
+
+    def tier(self, entry: Any) -> str:
+        spec = self.store.catalog.get(entry.name)
+        if spec is None:  # registered at run time from a local directory
+            return "remote" if entry.is_remote else "disk"
+        return "remote" if spec.is_remote and self.store.local_path(spec) is None else "disk"
+
+    async def local_dir(self, entry: Any) -> tuple[Path, bool]:
+        spec = self.store.catalog.get(entry.name)
+        if spec is None:
+            return entry.local_dir(), True
+        path, _ = await self.store.ensure_local(spec, set())
+        return path, False  # the store verified the digest when the files entered
+
+
+class BuiltinConnector(EngineConnector):
+    kind = "builtin"
+    self_managed = True
+
+    def __init__(self, store: ArtifactStore, engine_settings: Any = None, engine: Any = None,
+                 http_host: str = "127.0.0.1", http_port: int | None = None):
+        """`engine`: an existing `gpu_agent.engine.Engine`; otherwise one is created from
+        `engine_settings` at `start()`. `http_port`: also serve its OpenAI API (0 = ephemeral)."""
+        self.store = store
+        self._settings = engine_settings
+        self.engine = engine
+        self._http = (http_host, http_port)
+        self._runner = None
+        self._url: str | None = None
+
+    async def start(self) -> None:
+        if self.engine is None:
+            from gpu_agent.engine.core import Engine
+            self.engine = Engine.create(self._settings, source=StoreSource(self.store))
+        host, port = self._http
+        if port is not None and self._runner is None:
+            from gpu_agent.engine import server as engine_server
+            self._runner, bound = await engine_server.start(self.engine, host, port)
+            self._url = f"http://{host}:{bound}"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.engine is not None:
+            await self.engine.close()
+
+    @property
+    def url(self) -> str | None:
+        return self._url
+
+    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
+        try:
+            await self.engine.residency.ensure_resident(spec.name)
+            if pinned:
+                self.engine.residency.pin(spec.name)
+        except Exception as exc:
+            raise ConnectorError(f"builtin load {spec.name}: {exc}") from exc
+
+    async def unload(self, name: str) -> None:
+        try:
+            self.engine.residency.evict(name)
+        except AdapterBusy as exc:
+            raise ConnectorError(str(exc)) from exc
+
+    async def loaded(self) -> set[str]:
+        res = self.engine.residency
+        return {n for n in res.names() if res.tier(n) == "pool"}
+
+    async def busy(self) -> set[str]:
+        res, batcher = self.engine.residency, self.engine.batcher
+        return ({n for n in res.names() if res.held(n)}
+                | set(batcher.running_adapters()) | set(batcher.waiting_adapters()))
+
+    def in_host(self, name: str) -> bool:
+        res = self.engine.residency
+        return res.knows(name) and res.tier(name) == "host"
+
+    def pool_stats(self) -> dict[str, int]:
+        stats = self.engine.pool.stats()
+        return {k: int(stats[k]) for k in ("pages_total", "pages_used", "pages_free", "used_bytes")
+                if k in stats}
