@@ -59,3 +59,13 @@ def test_sizes_in_bytes():
     assert cache.admit("huge", 0.0, size=101) is None
     assert cache.admit("big", 0.0, size=60) == ["small", "mid"]
     assert cache.used == 60
+
+
+def test_coldest_spares_a_hot_lru_entry():
+    cache = AdapterCache(3)
+    for k in "abc":
+        cache.admit(k, 0.0)
+    scores = {"a": 0.9, "b": 0.1, "c": 0.0}
+    assert cache.coldest(lambda k, e: scores[k], window=2) == "b"  # c is outside the window
+    assert cache.coldest(lambda k, e: scores[k], window=1) == "a"  # plain LRU
+    assert cache.coldest(lambda k, e: 0.0, window=3) == "a"  # ties: least recent

@@ -1,0 +1,42 @@
+"""Who is calling: ``Authorization: Bearer <key>`` -> key -> tenant.
+
+Keys are known only by their SHA-256; the plaintext never leaves this function.
+``x-ace-tenant-id`` is accepted only when it names the key's own tenant (else 403).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from extproc.catalog import DevKey, Tenant
+from extproc.errors import Forbidden, Unauthorized
+from extproc.store import Snapshot
+
+__all__ = ["Principal", "authenticate", "hash_key"]
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    key: DevKey
+    tenant: Tenant
+
+
+def hash_key(plaintext: str) -> str:
+    return hashlib.sha256(plaintext.encode()).hexdigest()
+
+
+def authenticate(snapshot: Snapshot, authorization: str | None, tenant_header: str | None) -> Principal:
+    if not authorization:
+        raise Unauthorized("missing Authorization: Bearer <key>", code="missing_api_key")
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("Authorization must be 'Bearer <key>'")
+    key = snapshot.keys.get(hash_key(token))
+    if key is None:
+        raise Unauthorized("invalid API key")
+    tenant = snapshot.tenants[key.tenant]
+    if tenant_header is not None and tenant_header.strip() != tenant.id:
+        raise Forbidden("x-ace-tenant-id does not match the tenant of this API key",
+                        param="x-ace-tenant-id")
+    return Principal(key=key, tenant=tenant)

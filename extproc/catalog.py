@@ -1,0 +1,82 @@
+"""What the gateway knows about adapters, tenants and keys: plain immutable values.
+
+The adapter entry follows the catalog format of docs/contracts.md. ``sha256`` is the
+digest of the adapter weights: it is the cache key, so a changed adapter is a new key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from extproc.errors import ConfigError
+
+__all__ = ["Adapter", "Tenant", "DevKey", "Upstream", "PUBLIC", "FLAVOURS", "HINT_MODES"]
+
+PUBLIC = "public"
+FLAVOURS = ("builtin", "vllm", "sglang")
+HINT_MODES = ("body", "headers", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    name: str
+    base_model: str
+    rank: int
+    target_modules: tuple[str, ...]
+    size_bytes: int
+    owner: str          # a tenant id or PUBLIC
+    uri: str
+    sha256: str
+    alpha: int | None = None
+    domain: str | None = None
+
+    def visible_to(self, tenant_id: str) -> bool:
+        return self.owner == PUBLIC or self.owner == tenant_id
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Adapter":
+        try:
+            return cls(
+                name=str(raw["name"]), base_model=str(raw["base_model"]), rank=int(raw["rank"]),
+                target_modules=tuple(str(m) for m in raw.get("target_modules", ())),
+                size_bytes=int(raw.get("size_bytes", 0)), owner=str(raw.get("owner", PUBLIC)),
+                uri=str(raw.get("uri", "")), sha256=str(raw.get("sha256", "")),
+                alpha=int(raw["alpha"]) if raw.get("alpha") is not None else None,
+                domain=raw.get("domain"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"bad adapter entry {raw!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    id: str
+    default_adapter: str | None = None
+    skills: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class DevKey:
+    """An API key, known only by the SHA-256 of its plaintext."""
+    sha256: str
+    tenant: str
+    name: str = ""
+    skills: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    name: str
+    address: str        # host:port, what Envoy's ORIGINAL_DST cluster connects to
+    flavour: str        # builtin | vllm | sglang
+    base_model: str
+    hints: str = "body"  # body | headers | off
+    agent: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.flavour not in FLAVOURS:
+            raise ConfigError(f"upstream {self.name}: flavour must be one of {FLAVOURS}")
+        if self.hints not in HINT_MODES:
+            raise ConfigError(f"upstream {self.name}: hints must be one of {HINT_MODES}")
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"upstream {self.name}: address must be host:port, got {self.address!r}")

@@ -1,0 +1,111 @@
+"""The gateway's decision for one inference request: a pure function, no I/O.
+
+``decide(snapshot, residency, request, route=choose_upstream) -> Decision``
+
+multi_lora actions (prod):
+- ``adapter_resident_applied``: the adapter is in the upstream's GPU pool,
+- ``adapter_prefetched_applied``: it sits in host memory (a fast copy away),
+- ``adapter_cold_loaded``: on disk, remote or nowhere: the upstream loads it,
+- ``adapter_applied``: residency unknown (no agent data): applied, honest about it,
+- ``passthrough``: the skill is off, or no adapter is selected (base model).
+In ``shadow`` the action is ``shadow`` and ``would`` names what prod would have done.
+
+dynamic_lora_prefetch actions: ``prefetch_signalled`` (prod, adapter not known resident),
+``not_needed`` (in pool or host), ``not_applicable`` (no adapter), ``passthrough`` (off),
+``shadow`` (would signal). Whether the signal was queued is added by the caller.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from extproc.auth import Principal
+from extproc.catalog import Adapter, Upstream
+from extproc.prefetch import PrefetchSignal
+from extproc.residency import UNKNOWN, AdapterResidency, ResidencySnapshot
+from extproc.routing import RoutePolicy, choose_upstream
+from extproc.selection import select_adapter
+from extproc.skills import (DYNAMIC_LORA_PREFETCH, MULTI_LORA, OFF, PROD, SHADOW, resolve,
+                            validate_skills)
+from extproc.store import Snapshot
+
+__all__ = ["InferenceRequest", "Decision", "decide"]
+
+_NO_FIELDS: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    principal: Principal
+    body: Mapping[str, Any]                 # the parsed JSON body (chat/completions shape)
+    header_skills: Mapping[str, str] = field(default_factory=lambda: _NO_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    upstream: Upstream
+    adapter: Adapter | None
+    selected_by: str
+    skills: Mapping[str, str]
+    residency: AdapterResidency
+    multi_lora_action: str
+    multi_lora_would: str | None
+    prefetch_action: str
+    prefetch_signal: PrefetchSignal | None
+
+    @property
+    def applies_adapter(self) -> bool:
+        """True when the request is rewritten for the adapter (multi_lora prod)."""
+        return self.adapter is not None and self.skills[MULTI_LORA] == PROD
+
+
+def _applied_action(res: AdapterResidency) -> str:
+    if res.tier == "pool":
+        return "adapter_resident_applied"
+    if res.tier == "host":
+        return "adapter_prefetched_applied"
+    if res.tier in ("disk", "remote", "none"):
+        return "adapter_cold_loaded"
+    return "adapter_applied"
+
+
+def decide(snapshot: Snapshot, residency: ResidencySnapshot, request: InferenceRequest,
+           route: RoutePolicy = choose_upstream) -> Decision:
+    body = request.body
+    principal = request.principal
+    body_skills = validate_skills(body.get("skill_overrides"), "skill_overrides")
+    skills = resolve(request.header_skills, body_skills, principal.key.skills,
+                     principal.tenant.skills, snapshot.default_skills)
+    selection = select_adapter(snapshot, principal.tenant, body)
+    adapter = selection.adapter
+    ml_mode = skills[MULTI_LORA]
+    # Only prod may move the request; off and shadow go where the request would go anyway.
+    upstream = route(snapshot.upstreams, adapter if ml_mode == PROD else None, residency)
+    res = residency.of(upstream.name, adapter.name) if adapter is not None else UNKNOWN
+
+    would = None
+    if adapter is None or ml_mode == OFF:
+        ml_action = "passthrough"
+    elif ml_mode == SHADOW:
+        ml_action, would = "shadow", _applied_action(res)
+    else:
+        ml_action = _applied_action(res)
+
+    pf_mode = skills[DYNAMIC_LORA_PREFETCH]
+    signal = None
+    if pf_mode == OFF:
+        pf_action = "passthrough"
+    elif adapter is None:
+        pf_action = "not_applicable"
+    elif res.tier in ("pool", "host"):
+        pf_action = "not_needed"
+    elif pf_mode == SHADOW:
+        pf_action = "shadow"
+    else:
+        pf_action = "prefetch_signalled"
+        signal = PrefetchSignal(upstream=upstream.name, adapter=adapter.name, digest=adapter.sha256,
+                                priority=1, reason="request_unknown" if not res.known else "request_cold")
+    return Decision(upstream=upstream, adapter=adapter, selected_by=selection.source, skills=skills,
+                    residency=res, multi_lora_action=ml_action, multi_lora_would=would,
+                    prefetch_action=pf_action, prefetch_signal=signal)

@@ -1,0 +1,58 @@
+"""Render envoy/envoy.template.yaml for a local stack, a test or the benchmark.
+
+``python -m extproc.envoy_config --out envoy.yaml [--listen-port 8080 ...]``
+``with_extproc=False`` renders the same Envoy without the ext_proc filter (benchmark
+baseline).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from string import Template
+
+import yaml
+
+__all__ = ["TEMPLATE", "render"]
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.template.yaml"
+EXT_PROC = "envoy.filters.http.ext_proc"
+
+
+def render(*, listen_port: int = 8080, admin_port: int = 9901, extproc: str = "127.0.0.1:50051",
+           default_upstream: str = "127.0.0.1:8000", listen_address: str = "0.0.0.0",
+           failure_mode_allow: bool = True, message_timeout: str = "1s",
+           max_body_bytes: int = 1 << 20, with_extproc: bool = True) -> str:
+    host, _, port = extproc.rpartition(":")
+    text = Template(TEMPLATE.read_text()).substitute(
+        listen_port=listen_port, admin_port=admin_port, listen_address=listen_address,
+        extproc_host=host, extproc_port=port, default_upstream=default_upstream,
+        failure_mode_allow="true" if failure_mode_allow else "false",
+        message_timeout=message_timeout, buffer_limit=max_body_bytes + (64 << 10))
+    if with_extproc:
+        return text
+    config = yaml.safe_load(text)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC]
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        for route in vhost["routes"]:
+            route.pop("typed_per_filter_config", None)
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--listen-port", type=int, default=8080)
+    p.add_argument("--admin-port", type=int, default=9901)
+    p.add_argument("--extproc", default="127.0.0.1:50051", help="ext_proc host:port")
+    p.add_argument("--upstream", default="127.0.0.1:8000", help="default upstream host:port")
+    p.add_argument("--fail-closed", action="store_true", help="failure_mode_allow: false")
+    p.add_argument("--no-extproc", action="store_true", help="baseline without ext_proc")
+    a = p.parse_args()
+    a.out.write_text(render(listen_port=a.listen_port, admin_port=a.admin_port, extproc=a.extproc,
+                            default_upstream=a.upstream, failure_mode_allow=not a.fail_closed,
+                            with_extproc=not a.no_extproc))
+
+
+if __name__ == "__main__":
+    main()

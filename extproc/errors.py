@@ -1,0 +1,85 @@
+"""Every error a client can see, with its HTTP status and OpenAI-shaped JSON body.
+
+    GatewayError                 (500, internal: never raised on purpose)
+    ├── BadRequest               400  malformed JSON, missing body
+    ├── Unauthorized             401  missing or unknown API key
+    ├── Forbidden                403  x-ace-tenant-id inconsistent with the key
+    ├── NotFound                 404  unknown adapter, or another tenant's adapter
+    ├── MethodNotAllowed         405  wrong HTTP method on a gateway route
+    ├── PayloadTooLarge          413  body over the configured limit
+    └── InvalidField             422  a field with a value we cannot accept
+
+Errors are raised anywhere in the request path and turned into a response at exactly
+one boundary: ``processor.Exchange`` (via ``GatewayError.to_json``).
+"""
+from __future__ import annotations
+
+import json
+
+__all__ = [
+    "BadRequest", "Forbidden", "GatewayError", "InvalidField", "MethodNotAllowed",
+    "NotFound", "PayloadTooLarge", "Unauthorized", "ConfigError",
+]
+
+
+class ConfigError(Exception):
+    """The gateway's own configuration is invalid (start-up only, never per request)."""
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_json(self) -> bytes:
+        return json.dumps({"error": {"message": self.message, "type": self.type,
+                                     "param": self.param, "code": self.code}}).encode()
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "bad_request"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "tenant_mismatch"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "adapter_not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class InvalidField(GatewayError):
+    status = 422
+    type = "invalid_request_error"
+    code = "invalid_value"

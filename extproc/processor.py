@@ -1,0 +1,257 @@
+"""ext_proc phases as plain objects: one ``Exchange`` per HTTP request (= per gRPC stream).
+
+Handlers are registered per route path; an unknown path gets ``PassThrough``. Errors
+raised anywhere below become an OpenAI-shaped immediate response here, and only here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol
+
+from extproc.auth import Principal, authenticate
+from extproc.decision import Decision, InferenceRequest, decide
+from extproc.errors import (BadRequest, GatewayError, InvalidField, MethodNotAllowed,
+                            PayloadTooLarge)
+from extproc.native import chat_body_from_execute, wrap_output
+from extproc.prefetch import NullPrefetchSink, PrefetchSink
+from extproc.residency import ResidencyBoard
+from extproc.rewrite import rewrite_request
+from extproc.routing import RoutePolicy, choose_upstream
+from extproc.skills import SKILLS, parse_override_header, resolve, validate_skills
+from extproc.store import Store
+from extproc.trace import trace_entries, trace_headers
+
+__all__ = ["Continue", "Reply", "RequestHead", "Gateway", "Exchange", "CONTINUE",
+           "DESTINATION_HEADER", "TENANT_HEADER"]
+
+log = logging.getLogger(__name__)
+
+DESTINATION_HEADER = "x-ace-destination-endpoint"
+TENANT_HEADER = "x-ace-tenant-id"
+SKILL_OVERRIDE_HEADER = "x-ace-skill-override"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    method: str
+    path: str                      # without the query string
+    headers: Mapping[str, str]     # lower-case names
+    end_of_stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    headers: tuple[tuple[str, str], ...] = ()   # set with overwrite semantics
+    body: bytes | None = None                   # None: leave the body as it is
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
+
+
+CONTINUE = Continue()
+Outcome = Continue | Reply
+
+
+class Gateway:
+    """What every exchange shares: state, residency, the prefetch sink, the routing policy."""
+
+    def __init__(self, store: Store, residency: ResidencyBoard | None = None,
+                 prefetch: PrefetchSink | None = None, route: RoutePolicy = choose_upstream) -> None:
+        self.store = store
+        self.residency = residency or ResidencyBoard()
+        self.prefetch = prefetch or NullPrefetchSink()
+        self.route = route
+
+    def exchange(self) -> "Exchange":
+        return Exchange(self)
+
+
+class Handler(Protocol):
+    def on_request_headers(self, head: RequestHead) -> Outcome: ...
+    def on_request_body(self, body: bytes) -> Outcome: ...
+    def on_response_body(self, body: bytes) -> Outcome: ...
+
+
+class PassThrough:
+    def __init__(self, gw: Gateway) -> None:
+        pass
+
+    def on_request_headers(self, head: RequestHead) -> Outcome:
+        return CONTINUE
+
+    def on_request_body(self, body: bytes) -> Outcome:
+        return CONTINUE
+
+    def on_response_body(self, body: bytes) -> Outcome:
+        return CONTINUE
+
+
+def _parse_object(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = json.loads(body)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(parsed, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return parsed
+
+
+class _Authenticated:
+    """Common header phase: POST only, a valid key, a body within the limit."""
+
+    methods = ("POST",)
+    principal: Principal
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def on_request_headers(self, head: RequestHead) -> Outcome:
+        if head.method not in self.methods:
+            raise MethodNotAllowed(f"{head.method} is not allowed on {head.path}")
+        snap = self.gw.store.snapshot
+        h = head.headers
+        self.principal = authenticate(snap, h.get("authorization"), h.get(TENANT_HEADER))
+        length = h.get("content-length")
+        if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
+            raise PayloadTooLarge(f"body of {length} bytes exceeds the limit of "
+                                  f"{snap.max_body_bytes} bytes")
+        return self.after_auth(head)
+
+    def after_auth(self, head: RequestHead) -> Outcome:
+        if head.end_of_stream:
+            raise BadRequest("a JSON request body is required", code="missing_body")
+        return CONTINUE
+
+    def check_size(self, body: bytes) -> None:
+        limit = self.gw.store.snapshot.max_body_bytes
+        if len(body) > limit:
+            raise PayloadTooLarge(f"body of {len(body)} bytes exceeds the limit of {limit} bytes")
+
+    def on_response_body(self, body: bytes) -> Outcome:
+        return CONTINUE
+
+
+class Inference(_Authenticated):
+    """``/v1/chat/completions`` and ``/v1/completions``: decide, rewrite, route."""
+
+    def after_auth(self, head: RequestHead) -> Outcome:
+        self.header_skills = parse_override_header(head.headers.get(SKILL_OVERRIDE_HEADER))
+        return super().after_auth(head)
+
+    def to_chat(self, parsed: dict[str, Any]) -> dict[str, Any]:
+        stream = parsed.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise InvalidField("stream must be a boolean", param="stream")
+        return parsed
+
+    def on_request_body(self, body: bytes) -> Outcome:
+        self.check_size(body)
+        chat = self.to_chat(_parse_object(body))
+        snap = self.gw.store.snapshot
+        d = decide(snap, self.gw.residency.current,
+                   InferenceRequest(self.principal, chat, self.header_skills), self.gw.route)
+        queued = self.gw.prefetch.submit(d.prefetch_signal) if d.prefetch_signal else None
+        self.decision, self.queued = d, queued
+        rw = rewrite_request(chat, d, force=self.forces_body)
+        headers = [(DESTINATION_HEADER, d.upstream.address), (TENANT_HEADER, self.principal.tenant.id),
+                   *trace_headers(d, queued), *rw.headers, *self.extra_headers]
+        if rw.body is not None:
+            headers.append(("content-length", str(len(rw.body))))
+        return Continue(tuple(headers), rw.body)
+
+    forces_body = False
+    extra_headers: tuple[tuple[str, str], ...] = ()
+
+
+class Execute(Inference):
+    """``/v1/execute``: native request in, chat completion upstream, wrapped answer out."""
+
+    forces_body = True
+    extra_headers = ((":path", "/v1/chat/completions"),)
+
+    def to_chat(self, parsed: dict[str, Any]) -> dict[str, Any]:
+        return chat_body_from_execute(parsed)
+
+    def on_response_body(self, body: bytes) -> Outcome:
+        wrapped = wrap_output(body, trace_entries(self.decision, self.queued))
+        return Continue((("content-length", str(len(wrapped))),), wrapped)
+
+
+class DevKeySkills(_Authenticated):
+    """``GET|POST /api/v1/dev_key/skills``: read or set the calling key's skills."""
+
+    methods = ("GET", "POST")
+
+    def after_auth(self, head: RequestHead) -> Outcome:
+        if head.method == "GET":
+            return self._answer(self.principal)
+        return super().after_auth(head)
+
+    def on_request_body(self, body: bytes) -> Outcome:
+        self.check_size(body)
+        parsed = _parse_object(body)
+        if "skills" not in parsed:
+            raise InvalidField("body must be {\"skills\": {skill: mode}}", param="skills")
+        skills = validate_skills(parsed["skills"], "skills")
+        snap = self.gw.store.set_key_skills(self.principal.key.sha256, skills)
+        key = snap.keys[self.principal.key.sha256]
+        return self._answer(Principal(key=key, tenant=snap.tenants[key.tenant]))
+
+    def _answer(self, p: Principal) -> Reply:
+        snap = self.gw.store.snapshot
+        effective = resolve(p.key.skills, p.tenant.skills, snap.default_skills)
+        out = {"key": p.key.name, "tenant": p.tenant.id,
+               "skills": {s: p.key.skills[s] for s in SKILLS if s in p.key.skills},
+               "effective": effective}
+        return Reply(200, json.dumps(out).encode())
+
+
+ROUTES: Mapping[str, type] = {
+    "/v1/chat/completions": Inference,
+    "/v1/completions": Inference,
+    "/v1/execute": Execute,
+    "/api/v1/dev_key/skills": DevKeySkills,
+}
+
+
+def _error_reply(exc: GatewayError) -> Reply:
+    return Reply(exc.status, exc.to_json())
+
+
+class Exchange:
+    """One HTTP request's phases. The only place errors become responses."""
+
+    __slots__ = ("gw", "handler")
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.handler: Handler | None = None
+
+    def _guard(self, phase, arg) -> Outcome:
+        try:
+            return phase(arg)
+        except GatewayError as exc:
+            return _error_reply(exc)
+        except Exception:  # a bug: say so in the log, answer a clean JSON error, never hang
+            log.exception("ext_proc handler failed")
+            return _error_reply(GatewayError("internal gateway error"))
+
+    def on_request_headers(self, head: RequestHead) -> Outcome:
+        self.handler = ROUTES.get(head.path, PassThrough)(self.gw)
+        return self._guard(self.handler.on_request_headers, head)
+
+    def on_request_body(self, body: bytes) -> Outcome:
+        if self.handler is None:   # headers were not sent to us: nothing to do safely
+            return CONTINUE
+        return self._guard(self.handler.on_request_body, body)
+
+    def on_response_body(self, body: bytes) -> Outcome:
+        if self.handler is None:
+            return CONTINUE
+        return self._guard(self.handler.on_response_body, body)

@@ -1,0 +1,71 @@
+"""The gRPC loop: ext_proc stream <-> ``Exchange``, plus the standard health service.
+
+Knows nothing about OpenAI. ``serve(settings)`` blocks until SIGTERM/SIGINT, then marks
+the service NOT_SERVING and drains in-flight streams for a grace period.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from extproc.processor import CONTINUE, Gateway
+from extproc.wire import request_head, to_response
+
+__all__ = ["ExternalProcessor", "build_server", "serve"]
+
+log = logging.getLogger(__name__)
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def Process(self, request_iterator, context):
+        exchange = self.gateway.exchange()
+        for msg in request_iterator:
+            phase = msg.WhichOneof("request")
+            if phase == "request_headers":
+                outcome = exchange.on_request_headers(request_head(msg.request_headers))
+            elif phase == "request_body":
+                outcome = exchange.on_request_body(msg.request_body.body)
+            elif phase == "response_body":
+                outcome = exchange.on_response_body(msg.response_body.body)
+            else:
+                outcome = CONTINUE
+            yield to_response(phase, outcome)
+
+
+def build_server(gateway: Gateway, listen: str, workers: int) -> tuple[grpc.Server, health.HealthServicer, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
+                         options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(listen)
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer, port
+
+
+def serve(gateway: Gateway, listen: str, workers: int, grace_s: float = 5.0) -> None:
+    server, health_servicer, port = build_server(gateway, listen, workers)
+    server.start()
+    log.info("ext_proc listening on %s (port %d)", listen, port)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace_s).wait()
+    log.info("ext_proc stopped")

@@ -1,0 +1,68 @@
+"""The ext_proc service's settings: one object, from flags, environment or defaults.
+
+Every field can be set with ``--flag`` or ``ACE_EXTPROC_<FIELD>`` (flags win); each has
+help text (``python -m extproc --help``). Validated once at start-up.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from extproc.errors import ConfigError
+
+__all__ = ["Settings"]
+
+_HELP = {
+    "config": "state YAML (GitOps): adapters/include, tenants, keys, upstreams, skills, limits",
+    "catalog": "extra adapter catalog YAML in the docs/contracts.md format (optional)",
+    "db": "SQLite file for runtime changes (dev-key skills); survives restarts",
+    "listen": "host:port the gRPC ext_proc + health service binds",
+    "workers": "gRPC worker threads; each in-flight HTTP request holds one stream",
+    "routing_policy": "module:function choosing the upstream (default extproc.routing.choose_upstream)",
+    "prefetch_queue": "bound of the out-of-band prefetch signal queue",
+    "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    config: Path
+    catalog: Path | None = None
+    db: Path = Path("ace-gateway.sqlite3")
+    listen: str = "127.0.0.1:50051"
+    workers: int = 32
+    routing_policy: str | None = None
+    prefetch_queue: int = 1024
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not Path(self.config).is_file():
+            raise ConfigError(f"--config {self.config}: no such file")
+        if self.catalog is not None and not Path(self.catalog).is_file():
+            raise ConfigError(f"--catalog {self.catalog}: no such file")
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--listen must be host:port, got {self.listen!r}")
+        if self.workers < 1 or self.prefetch_queue < 1:
+            raise ConfigError("--workers and --prefetch-queue must be positive")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "Settings":
+        parser = argparse.ArgumentParser(prog="python -m extproc", description=__doc__)
+        for f in fields(cls):
+            env = os.environ.get(f"ACE_EXTPROC_{f.name.upper()}")
+            default = env if env is not None else (None if f.default is f.default_factory else f.default)
+            required = f.name == "config" and env is None
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
+                                required=required, help=_HELP[f.name])
+        ns = vars(parser.parse_args(argv))
+        try:
+            return cls(config=Path(ns["config"]),
+                       catalog=Path(ns["catalog"]) if ns["catalog"] else None,
+                       db=Path(ns["db"]), listen=str(ns["listen"]), workers=int(ns["workers"]),
+                       routing_policy=ns["routing_policy"] or None,
+                       prefetch_queue=int(ns["prefetch_queue"]), log_level=str(ns["log_level"]))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc

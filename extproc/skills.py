@@ -1,0 +1,71 @@
+"""Skills and their modes, and the order in which a request's mode is resolved.
+
+Resolution, first that sets a skill wins: header ``x-ace-skill-override``, body
+``skill_overrides``, the developer key's settings, the tenant's, the global default.
+``shadow`` decides and traces but does not change the request.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from extproc.errors import InvalidField
+
+__all__ = ["SKILLS", "MODES", "MULTI_LORA", "DYNAMIC_LORA_PREFETCH", "OFF", "SHADOW", "PROD",
+           "parse_override_header", "validate_skills", "resolve"]
+
+MULTI_LORA = "multi_lora"
+DYNAMIC_LORA_PREFETCH = "dynamic_lora_prefetch"
+SKILLS = (MULTI_LORA, DYNAMIC_LORA_PREFETCH)
+OFF, SHADOW, PROD = "off", "shadow", "prod"
+MODES = (OFF, SHADOW, PROD)
+
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+def validate_skills(raw: Any, param: str) -> Mapping[str, str]:
+    """Check a ``{skill: mode}`` mapping from a client or a file; 422 on anything else."""
+    if raw is None:
+        return _EMPTY
+    if not isinstance(raw, dict):
+        raise InvalidField(f"{param} must be an object of skill: mode", param=param)
+    for skill, mode in raw.items():
+        if skill not in SKILLS:
+            raise InvalidField(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}",
+                               param=f"{param}.{skill}", code="unknown_skill")
+        if mode not in MODES:
+            raise InvalidField(f"skill {skill} mode must be one of off|shadow|prod, got {mode!r}",
+                               param=f"{param}.{skill}", code="invalid_skill_mode")
+    return MappingProxyType(dict(raw))
+
+
+def parse_override_header(value: str | None) -> Mapping[str, str]:
+    """``multi_lora=prod,dynamic_lora_prefetch=shadow`` -> mapping (422 if malformed)."""
+    if not value:
+        return _EMPTY
+    out: dict[str, str] = {}
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        skill, sep, mode = part.partition("=")
+        if not sep:
+            raise InvalidField(f"x-ace-skill-override entry {part!r} is not skill=mode",
+                               param="x-ace-skill-override", code="invalid_skill_mode")
+        out[skill.strip()] = mode.strip()
+    return validate_skills(out, "x-ace-skill-override")
+
+
+def resolve(*layers: Mapping[str, str]) -> dict[str, str]:
+    """Mode per skill from layers ordered most specific first (the last is the default)."""
+    out = {}
+    for skill in SKILLS:
+        for layer in layers:
+            mode = layer.get(skill)
+            if mode is not None:
+                out[skill] = mode
+                break
+        else:
+            out[skill] = OFF
+    return out
+

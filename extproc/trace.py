@@ -1,0 +1,55 @@
+"""What the gateway tells the client about its decision.
+
+Header values are ``k=v`` lists (``x-ace-trace-multi-lora: mode=prod,action=...``);
+``/v1/execute`` returns the same facts as a list of objects. Numbers come from the
+residency snapshot; without agent data they read ``unknown``.
+"""
+from __future__ import annotations
+
+from extproc.decision import Decision
+from extproc.skills import DYNAMIC_LORA_PREFETCH, MULTI_LORA
+
+__all__ = ["MULTI_LORA_HEADER", "PREFETCH_HEADER", "SERVED_BY_HEADER", "trace_entries", "trace_headers"]
+
+MULTI_LORA_HEADER = "x-ace-trace-multi-lora"
+PREFETCH_HEADER = "x-ace-trace-dynamic-lora-prefetch"
+SERVED_BY_HEADER = "x-ace-served-by"
+
+
+def _num(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:g}"
+
+
+def _swap_ms_saved(d: Decision) -> str:
+    action = d.multi_lora_would or d.multi_lora_action
+    if action == "adapter_resident_applied":
+        return _num(d.residency.cold_load_ms)
+    if action == "adapter_cold_loaded":
+        return "0"
+    if action == "passthrough":
+        return "0"
+    return "unknown"   # host tier (saving not measured yet) or residency unknown
+
+
+def trace_entries(d: Decision, prefetch_queued: bool | None) -> list[dict[str, str]]:
+    adapter = d.adapter.name if d.adapter is not None else "none"
+    ml = {"skill": MULTI_LORA, "mode": d.skills[MULTI_LORA], "action": d.multi_lora_action}
+    if d.multi_lora_would:
+        ml["would"] = d.multi_lora_would
+    ml.update(adapter=adapter, residency=d.residency.tier, swap_ms_saved=_swap_ms_saved(d),
+              upstream=d.upstream.name)
+    pf = {"skill": DYNAMIC_LORA_PREFETCH, "mode": d.skills[DYNAMIC_LORA_PREFETCH],
+          "action": d.prefetch_action, "adapter": adapter, "residency": d.residency.tier}
+    if prefetch_queued is not None:
+        pf["queued"] = "true" if prefetch_queued else "dropped"
+    return [ml, pf]
+
+
+def _header_value(entry: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in entry.items() if k != "skill")
+
+
+def trace_headers(d: Decision, prefetch_queued: bool | None) -> list[tuple[str, str]]:
+    ml, pf = trace_entries(d, prefetch_queued)
+    return [(MULTI_LORA_HEADER, _header_value(ml)), (PREFETCH_HEADER, _header_value(pf)),
+            (SERVED_BY_HEADER, d.upstream.name)]

@@ -1,0 +1,53 @@
+"""Translate between ext_proc protobuf messages (upb classes from xds-protos) and plain objects."""
+from __future__ import annotations
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+
+from extproc.processor import Continue, Outcome, Reply, RequestHead
+
+__all__ = ["request_head", "to_response", "pb"]
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_EMPTY = {phase: pb.ProcessingResponse(**{phase: {}}) for phase in (
+    "request_headers", "request_body", "response_headers", "response_body",
+    "request_trailers", "response_trailers")}
+
+
+def request_head(msg: pb.HttpHeaders) -> RequestHead:
+    headers = {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value)
+               for h in msg.headers.headers}
+    path = headers.get(":path", "")
+    q = path.find("?")
+    return RequestHead(method=headers.get(":method", ""), path=path if q < 0 else path[:q],
+                       headers=headers, end_of_stream=msg.end_of_stream)
+
+
+def _set_headers(mutation: pb.HeaderMutation, headers) -> None:
+    for key, value in headers:
+        mutation.set_headers.add(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                 append_action=_OVERWRITE)
+
+
+def to_response(phase: str, outcome: Outcome) -> pb.ProcessingResponse:
+    """``phase`` is the ProcessingRequest oneof name the outcome answers."""
+    if isinstance(outcome, Reply):
+        resp = pb.ProcessingResponse()
+        imm = resp.immediate_response
+        imm.status.code = outcome.status
+        imm.body = outcome.body
+        _set_headers(imm.headers, outcome.headers)
+        return resp
+    if not outcome.headers and outcome.body is None:
+        return _EMPTY[phase]
+    resp = pb.ProcessingResponse()
+    common = getattr(resp, phase).response
+    if outcome.headers:
+        _set_headers(common.header_mutation, outcome.headers)
+    if outcome.body is not None:
+        common.body_mutation.body = outcome.body
+    return resp
+
+
+_ = http_status_pb2  # imported so the status enum type is registered before first use

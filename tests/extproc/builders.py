@@ -1,0 +1,62 @@
+"""Builders for gateway test state: a catalog, tenants, keys and upstreams on disk."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import yaml
+
+KEYS = {"alice": "sk-alice-0001", "bob": "sk-bob-0002", "carol": "sk-carol-0003"}
+
+CATALOG = {
+    "base_model": {"name": "ace-tiny-llama", "path": "model"},
+    "adapters": [
+        {"name": "code-python", "base_model": "ace-tiny-llama", "rank": 8, "alpha": 16,
+         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "size_bytes": 131072,
+         "owner": "public", "domain": "coding", "uri": "adapters/code-python", "sha256": "a" * 64},
+        {"name": "acme-legal", "base_model": "ace-tiny-llama", "rank": 16, "alpha": 32,
+         "target_modules": ["q_proj", "v_proj"], "size_bytes": 262144, "owner": "acme",
+         "domain": "legal", "uri": "adapters/acme-legal", "sha256": "b" * 64},
+        {"name": "globex-secret", "base_model": "ace-tiny-llama", "rank": 8, "alpha": 16,
+         "target_modules": ["q_proj", "v_proj"], "size_bytes": 131072, "owner": "globex",
+         "domain": "finance", "uri": "adapters/globex-secret", "sha256": "c" * 64},
+    ],
+}
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def write_state(tmp: Path, upstreams: list[dict], *, max_body_bytes: int = 65536,
+                skills: dict | None = None, include_catalog: bool = True) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "catalog.yaml").write_text(yaml.safe_dump(CATALOG, sort_keys=False))
+    state = {
+        "tenants": [
+            {"id": "acme", "default_adapter": "acme-legal",
+             "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": "shadow"}},
+            {"id": "globex", "skills": {}},
+        ],
+        "keys": [
+            {"name": "alice", "sha256": sha(KEYS["alice"]), "tenant": "acme", "skills": {}},
+            {"name": "bob", "sha256": sha(KEYS["bob"]), "tenant": "globex",
+             "skills": {"multi_lora": "prod"}},
+            {"name": "carol", "sha256": sha(KEYS["carol"]), "tenant": "acme",
+             "skills": {"multi_lora": "shadow"}},
+        ],
+        "upstreams": upstreams,
+        "skills": skills or {"multi_lora": "prod", "dynamic_lora_prefetch": "off"},
+        "limits": {"max_body_bytes": max_body_bytes},
+    }
+    if include_catalog:
+        state["include"] = ["catalog.yaml"]
+    path = tmp / "state.yaml"
+    path.write_text(yaml.safe_dump(state, sort_keys=False))
+    return path
+
+
+def upstream(name: str = "local", address: str = "127.0.0.1:1", flavour: str = "vllm",
+             hints: str = "body") -> dict:
+    return {"name": name, "address": address, "flavour": flavour,
+            "base_model": "ace-tiny-llama", "hints": hints}

@@ -1,0 +1,301 @@
+"""The gateway end to end: real Envoy + the ext_proc process + a recording upstream.
+
+One stack per module (started once, always stopped). Requests use the real openai SDK
+and httpx for the seeds' curl shapes; assertions read what the upstream received.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.extproc.builders import KEYS, write_state, upstream
+from tests.support.envoy import run_envoy
+from tests.support.procs import free_port, python, running, wait_port
+from tests.support.upstream import RecordingUpstream
+
+ALICE = {"authorization": f"Bearer {KEYS['alice']}"}
+BOB = {"authorization": f"Bearer {KEYS['bob']}"}
+CAROL = {"authorization": f"Bearer {KEYS['carol']}"}
+
+
+class Stack:
+    def __init__(self, base: str, up: RecordingUpstream) -> None:
+        self.base, self.up = base, up
+        self.http = httpx.Client(base_url=base, timeout=10)
+
+    def post(self, path: str, body, headers=None, **kw) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return self.http.post(path, content=content,
+                              headers={"content-type": "application/json", **(headers or {})}, **kw)
+
+    def last(self):
+        return self.up.requests[-1]
+
+    def sdk(self, key: str = KEYS["alice"]) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp: Path = tmp_path_factory.mktemp("gateway")
+    with RecordingUpstream(chunk_delay_s=0.2) as up:
+        state = write_state(tmp, [upstream("local-vllm", up.address, "vllm", "body")])
+        xp_port = free_port()
+        log = tmp / "extproc.log"
+        cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
+               "--listen", f"127.0.0.1:{xp_port}", "--workers", "16"]
+        with running(cmd, log) as proc:
+            wait_port(xp_port, timeout=30, proc=proc, log=log)
+            with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up.address) as port:
+                s = Stack(f"http://127.0.0.1:{port}", up)
+                s.tmp = tmp
+                yield s
+                s.http.close()
+
+
+CHAT = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+
+
+# ---------- OpenAI SDK ----------
+
+def test_sdk_extra_body_lora_name_selects_adapter(stack):
+    client = stack.sdk()
+    raw = client.chat.completions.with_raw_response.create(
+        model="ace-tiny-llama", messages=[{"role": "user", "content": "hi"}],
+        extra_body={"lora_name": "code-python"})
+    resp = raw.parse()
+    assert resp.model == "code-python"
+    got = stack.last()
+    assert got.path == "/v1/chat/completions"
+    body = got.json()
+    assert body["model"] == "code-python"
+    assert body["messages"] == [{"role": "user", "content": "hi"}]
+    assert body["lora_name"] == "code-python" and body["lora_adapter"] == "code-python"
+    assert body["prefetch_status"] == "unknown"
+    assert got.headers["x-ace-tenant-id"] == "acme"
+    assert raw.headers["x-ace-served-by"] == "local-vllm"
+    ml = raw.headers["x-ace-trace-multi-lora"]
+    assert ml.startswith("mode=prod,action=adapter_applied,adapter=code-python,residency=unknown")
+    assert "swap_ms_saved=unknown" in ml
+    pf = raw.headers["x-ace-trace-dynamic-lora-prefetch"]
+    assert pf.startswith("mode=shadow,action=shadow,adapter=code-python")
+
+
+def test_sdk_model_names_adapter_and_completions_route(stack):
+    client = stack.sdk()
+    out = client.completions.create(model="code-python", prompt="def f():", max_tokens=4)
+    assert out.model == "code-python"
+    got = stack.last()
+    assert got.path == "/v1/completions"
+    assert got.json()["prompt"] == "def f():" and got.json()["max_tokens"] == 4
+
+
+def test_sdk_stream_passes_through_unbuffered_with_trace_headers(stack):
+    client = stack.sdk()
+    with client.chat.completions.with_streaming_response.create(
+            model="code-python", messages=[{"role": "user", "content": "hi"}], stream=True) as raw:
+        assert raw.headers["x-ace-served-by"] == "local-vllm"
+        assert "action=adapter_applied" in raw.headers["x-ace-trace-multi-lora"]
+        arrivals, text = [], ""
+        for chunk in raw.parse():
+            arrivals.append(time.monotonic())
+            text += chunk.choices[0].delta.content or ""
+    assert text == "Hello from the recording upstream"
+    # chunks are 0.2 s apart upstream; buffered delivery would bunch them together
+    assert arrivals[-1] - arrivals[0] > 0.5
+    assert stack.last().json()["stream"] is True
+
+
+def test_sdk_tenant_default_adapter(stack):
+    out = stack.sdk().chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert out.model == "acme-legal"
+
+
+def test_sdk_errors_are_openai_errors(stack):
+    with pytest.raises(openai.AuthenticationError):
+        stack.sdk("sk-wrong").chat.completions.create(model="code-python", messages=[])
+    with pytest.raises(openai.NotFoundError) as exc:
+        stack.sdk().chat.completions.create(model="x", messages=[], extra_body={"lora_name": "nope"})
+    assert exc.value.body["param"] == "lora_name"
+
+
+# ---------- curl shapes (httpx) ----------
+
+def test_curl_nested_extra_body_chat(stack):
+    body = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
+            "extra_body": {"lora_name": "code-python"}, "temperature": 0.5}
+    r = stack.post("/v1/chat/completions", body, ALICE)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "code-python"
+    sent = stack.last().json()
+    assert sent["model"] == "code-python"
+    assert sent["extra_body"] == {"lora_name": "code-python"}   # nothing the client sent is lost
+    assert sent["temperature"] == 0.5
+    assert r.headers["x-ace-served-by"] == "local-vllm"
+
+
+def test_curl_execute_native(stack):
+    body = {"input": {"messages": [{"role": "user", "content": "hi"}]},
+            "target": {"model": "ace-tiny-llama"},
+            "skill_overrides": {"dynamic_lora_prefetch": "off"},
+            "extra_body": {"lora_name": "code-python", "max_tokens": 8}}
+    r = stack.post("/v1/execute", body, ALICE)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output"]["model"] == "code-python"
+    assert out["output"]["object"] == "chat.completion"
+    assert [t["skill"] for t in out["trace"]] == ["multi_lora", "dynamic_lora_prefetch"]
+    assert out["trace"][0]["action"] == "adapter_applied"
+    assert out["trace"][1]["mode"] == "off"
+    got = stack.last()
+    assert got.path == "/v1/chat/completions"
+    sent = got.json()
+    assert sent["model"] == "code-python" and sent["max_tokens"] == 8
+    assert sent["messages"] == [{"role": "user", "content": "hi"}]
+    assert r.headers["x-ace-served-by"] == "local-vllm"
+
+
+def test_skill_override_header_beats_body_and_key(stack):
+    body = dict(CHAT, lora_name="code-python", skill_overrides={"multi_lora": "prod"})
+    r = stack.post("/v1/chat/completions", body,
+                   {**CAROL, "x-ace-skill-override": "multi_lora=shadow"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ace-trace-multi-lora"].startswith("mode=shadow,action=shadow,would=adapter_applied")
+    assert stack.last().body == json.dumps(body).encode()   # shadow: body untouched, byte for byte
+
+
+def test_multi_lora_off_is_passthrough(stack):
+    body = dict(CHAT, lora_name="code-python")
+    raw = json.dumps(body, indent=1).encode()
+    r = stack.post("/v1/chat/completions", raw, {**ALICE, "x-ace-skill-override": "multi_lora=off"})
+    assert r.status_code == 200
+    assert stack.last().body == raw
+    assert "action=passthrough" in r.headers["x-ace-trace-multi-lora"]
+
+
+# ---------- errors through Envoy ----------
+
+def _err(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if code:
+        assert err["code"] == code
+    return err
+
+
+def test_error_malformed_json_400(stack):
+    _err(stack.post("/v1/chat/completions", b'{"model": ', ALICE), 400, "invalid_json")
+    _err(stack.post("/v1/chat/completions", b"[1,2]", ALICE), 400, "invalid_json")
+
+
+def test_error_missing_body_400(stack):
+    _err(stack.http.post("/v1/chat/completions", headers=ALICE), 400, "missing_body")
+
+
+def test_error_missing_or_invalid_key_401(stack):
+    _err(stack.post("/v1/chat/completions", CHAT), 401, "missing_api_key")
+    _err(stack.post("/v1/chat/completions", CHAT, {"authorization": "Bearer nope"}), 401)
+    _err(stack.post("/v1/execute", CHAT, {"authorization": "Basic abc"}), 401)
+
+
+def test_error_tenant_header_mismatch_403(stack):
+    _err(stack.post("/v1/chat/completions", CHAT, {**ALICE, "x-ace-tenant-id": "globex"}), 403)
+    r = stack.post("/v1/chat/completions", CHAT, {**ALICE, "x-ace-tenant-id": "acme"})
+    assert r.status_code == 200
+
+
+def test_error_other_tenants_adapter_404_like_unknown(stack):
+    other = _err(stack.post("/v1/chat/completions", dict(CHAT, lora_name="globex-secret"), ALICE), 404)
+    unknown = _err(stack.post("/v1/chat/completions", dict(CHAT, lora_name="no-such"), ALICE), 404)
+    assert other["code"] == unknown["code"] == "adapter_not_found"
+    # model naming another tenant's adapter, via execute as well
+    _err(stack.post("/v1/execute", {"input": {"messages": []}, "target": {"model": "acme-legal"}}, BOB), 404)
+
+
+def test_error_body_over_limit_413(stack):
+    big = dict(CHAT, padding="x" * 70_000)
+    _err(stack.post("/v1/chat/completions", big, ALICE), 413, "payload_too_large")
+
+    def chunks():   # chunked: no content-length, caught on the body
+        yield json.dumps(big).encode()
+    _err(stack.http.post("/v1/chat/completions", content=chunks(), headers=ALICE), 413)
+
+
+def test_error_invalid_fields_422(stack):
+    _err(stack.post("/v1/chat/completions", dict(CHAT, lora_name="code-python", adapter_rank=16), ALICE),
+         422, "adapter_rank_mismatch")
+    _err(stack.post("/v1/chat/completions", dict(CHAT, stream="yes"), ALICE), 422)
+    _err(stack.post("/v1/chat/completions", dict(CHAT, skill_overrides={"multi_lora": "max"}), ALICE),
+         422, "invalid_skill_mode")
+    _err(stack.post("/v1/chat/completions", CHAT, {**ALICE, "x-ace-skill-override": "multi_lora"}), 422)
+    _err(stack.post("/v1/execute", {"input": {}}, ALICE), 422)
+    r = stack.post("/v1/chat/completions", dict(CHAT, lora_name="code-python", adapter_rank=8), ALICE)
+    assert r.status_code == 200
+
+
+def test_error_wrong_method_405(stack):
+    _err(stack.http.get("/v1/chat/completions", headers=ALICE), 405)
+
+
+# ---------- headers, dev-key API, pass-through ----------
+
+def test_client_sent_gateway_headers_are_replaced(stack):
+    evil = {**ALICE, "x-ace-destination-endpoint": "10.0.0.1:80", "x-ace-served-by": "evil",
+            "x-ace-trace-multi-lora": "mode=evil"}
+    r = stack.post("/v1/chat/completions", dict(CHAT, lora_name="code-python"), evil)
+    assert r.status_code == 200
+    got = stack.last().headers
+    assert got["x-ace-destination-endpoint"] == stack.up.address
+    assert got["x-ace-served-by"] == "local-vllm"
+    assert r.headers["x-ace-served-by"] == "local-vllm"
+    assert r.headers["x-ace-trace-multi-lora"].startswith("mode=prod")
+
+
+def test_dev_key_skills_post_then_get(stack):
+    r = stack.http.get("/api/v1/dev_key/skills", headers=BOB)
+    assert r.status_code == 200, r.text
+    assert r.json()["skills"] == {"multi_lora": "prod"}
+    r = stack.post("/api/v1/dev_key/skills", {"skills": {"dynamic_lora_prefetch": "prod"}}, BOB)
+    assert r.status_code == 200, r.text
+    assert r.json()["skills"] == {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
+    r = stack.http.get("/api/v1/dev_key/skills", headers=BOB)
+    assert r.json()["effective"]["dynamic_lora_prefetch"] == "prod"
+    # the setting now drives requests: the prefetch skill is prod for bob
+    r = stack.post("/v1/chat/completions", dict(CHAT, lora_name="code-python"), BOB)
+    assert r.headers["x-ace-trace-dynamic-lora-prefetch"].startswith(
+        "mode=prod,action=prefetch_signalled,adapter=code-python")
+    assert stack.last().json()["lora_prefetch"] is True
+    _err(stack.post("/api/v1/dev_key/skills", {"skills": {"multi_lora": "on"}}, BOB), 422)
+    _err(stack.http.get("/api/v1/dev_key/skills"), 401)
+
+
+def test_unknown_path_passes_through_untouched(stack):
+    r = stack.http.post("/v2/whatever?x=1", content=b"not json", headers={"x-custom": "1"})
+    assert r.status_code == 200
+    got = stack.last()
+    assert (got.path, got.query, got.body) == ("/v2/whatever", "x=1", b"not json")
+    assert got.headers["x-custom"] == "1"
+    assert "x-ace-served-by" not in r.headers and "x-ace-trace-multi-lora" not in r.headers
+
+
+# ---------- fail-open ----------
+
+def test_fail_open_when_extproc_is_dead(tmp_path):
+    with RecordingUpstream() as up:
+        dead = f"127.0.0.1:{free_port()}"
+        with run_envoy(tmp_path, extproc=dead, default_upstream=up.address, name="failopen") as port:
+            body = dict(CHAT, lora_name="code-python")
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10)
+            assert r.status_code == 200
+            assert up.requests[-1].json() == body
+            assert "x-ace-served-by" not in r.headers
+            # the native API cannot be served untranslated: it fails closed
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/execute", json={}, timeout=10)
+            assert r.status_code >= 500
