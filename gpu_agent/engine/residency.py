@@ -14,18 +14,20 @@
 Tiers: ``pool`` (in the paged device pool), ``host`` (a parsed copy in host memory),
 ``disk`` (a local directory), ``remote`` (an http(s) uri the source must fetch).
 
-Pool calls are thread-safe (the pool has its own lock); disk reads and host→pool copies
-run in a worker thread so the event loop keeps serving while a cold load is under way.
-Concurrent loads of the same adapter share one future.
+The host and pool tiers are ``gpu_agent.tiers.AdapterTiers`` (host LRU + paged pool,
+with per-tier timings); this module adds what an engine needs on top: names from the
+catalog, a pluggable source for the outer tiers, holds that keep an adapter in the pool
+while its sequences run, and async waits. Pool calls are thread-safe (the pool has its
+own lock); disk reads and host→pool copies run in a worker thread so the event loop keeps
+serving while a cold load is under way. Concurrent loads of one adapter share one future.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
+from typing import Any, Mapping, Protocol
 from urllib.parse import unquote, urlparse
 
 from gpu_agent import errors as core
@@ -117,18 +119,14 @@ class LoadRecord:
 
 class AdapterResidency:
     def __init__(self, pool: Any, spec: Any, entries: Mapping[str, CatalogEntry], *,
-                 source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30,
-                 loader: Callable[..., Any] | None = None):
-        from gpu_agent import peft
+                 source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30):
+        from gpu_agent.tiers import AdapterTiers
 
         self.pool = pool
         self.spec = spec
+        self.tiers = AdapterTiers(pool, host_budget_bytes)
         self._entries: dict[str, CatalogEntry] = dict(entries)
         self.source: AdapterSource = source or LocalSource()
-        self.host_budget_bytes = host_budget_bytes
-        self._load_peft = loader or peft.load_peft_dir
-        self._host: OrderedDict[str, Any] = OrderedDict()  # name -> peft.LoraAdapter, LRU
-        self._host_bytes = 0
         self._verified: set[str] = set()  # digests checked once, when first read from disk
         self._holds: dict[str, int] = {}
         self._user_pins: set[str] = set()
@@ -164,11 +162,7 @@ class AdapterResidency:
 
     def tier(self, name: str) -> str:
         entry = self.entry(name)
-        if self.pool.contains(name):
-            return "pool"
-        if name in self._host:
-            return "host"
-        return self.source.tier(entry)
+        return self.tiers.where(name) or self.source.tier(entry)
 
     def held(self, name: str) -> int:
         return self._holds.get(name, 0)
@@ -242,8 +236,8 @@ class AdapterResidency:
                 removed = True
             except core.AdapterNotResident:
                 pass
-        if tier == "host" and name in self._host:
-            self._host_bytes -= self._host.pop(name).nbytes
+        if tier == "host" and name in self.tiers.host:
+            self.tiers.host.drop(name)
             removed = True
         return removed
 
@@ -281,30 +275,30 @@ class AdapterResidency:
             try:
                 self.pool.pin(name)
             except core.AdapterNotResident:  # evicted right after the shared load: load again
-                adapter = await self._to_host(name)
-                await asyncio.to_thread(self.pool.load, adapter, True)
+                await self._load_once(name, pin=True)
 
-    async def _load_once(self, name: str) -> None:
-        adapter = await self._to_host(name)
-        await asyncio.to_thread(self.pool.load, adapter, False)
-
-    async def _to_host(self, name: str) -> Any:
-        adapter = self._host.get(name)
-        if adapter is not None:
-            self._host.move_to_end(name)
-            return adapter
-        entry = self.entry(name)
-        path, verify = await self.source.local_dir(entry)
-        digest = entry.sha256 if verify and entry.sha256 and entry.sha256 not in self._verified else None
+    async def _load_once(self, name: str, pin: bool = False) -> None:
+        path, digest = None, None
+        if self.tiers.where(name) is None:  # not in host memory: the source gives a directory
+            entry = self.entry(name)
+            path, verify = await self.source.local_dir(entry)
+            if verify and entry.sha256 and entry.sha256 not in self._verified:
+                digest = entry.sha256
         try:
-            adapter = await asyncio.to_thread(self._load_peft, path, self.spec, digest, name=name)
+            await asyncio.to_thread(self.tiers.ensure, name, path, digest, pin=pin)
         except FileNotFoundError as exc:
             raise core.AdapterNotFound(f"adapter {name}: {exc}") from exc
         if digest:
             self._verified.add(digest)
-        self._host[name] = adapter
-        self._host_bytes += adapter.nbytes
-        while self._host_bytes > self.host_budget_bytes and len(self._host) > 1:
-            old, a = self._host.popitem(last=False)
-            self._host_bytes -= a.nbytes
-        return adapter
+
+    async def _to_host(self, name: str) -> None:
+        from gpu_agent.peft import load_peft_dir
+
+        entry = self.entry(name)
+        path, verify = await self.source.local_dir(entry)
+        digest = entry.sha256 if verify and entry.sha256 and entry.sha256 not in self._verified else None
+        adapter = await asyncio.to_thread(load_peft_dir, path, self.spec, digest, name=name,
+                                          pin_memory=self.tiers.pin_host)
+        if digest:
+            self._verified.add(digest)
+        self.tiers.host.put(adapter)

@@ -436,3 +436,4 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> tuple
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, bound
+start = serve  # the name the agent's builtin connector uses
