@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from extproc.auth import Principal
+from extproc.catalog import Upstream
+from extproc.decision import InferenceRequest, decide
+from extproc.residency import AdapterResidency, ResidencySnapshot
+from extproc.trace import trace_headers
+
+
+def _decide(snapshot, residency, skills, body=None, route=None):
+    key = next(k for k in snapshot.keys.values() if k.name == "alice")
+    p = Principal(key=key, tenant=snapshot.tenants["acme"])
+    req = InferenceRequest(p, body or {"model": "code-python"}, skills)
+    return decide(snapshot, residency, req, route) if route else decide(snapshot, residency, req)
+
+
+def _res(tier, ms=None):
+    return ResidencySnapshot.build({"local-vllm": {"code-python": AdapterResidency(tier, ms, 1 << 20)}})
+
+
+# tier, multi_lora action, swap_ms_saved, prefetch action (prod)
+TABLE = [
+    (None, "adapter_applied", "unknown", "prefetch_signalled"),
+    ("pool", "adapter_resident_applied", "35", "not_needed"),
+    ("host", "adapter_prefetched_applied", "unknown", "not_needed"),
+    ("disk", "adapter_cold_loaded", "0", "prefetch_signalled"),
+    ("remote", "adapter_cold_loaded", "0", "prefetch_signalled"),
+]
+
+
+@pytest.mark.parametrize("tier,action,saved,pf", TABLE)
+def test_actions_from_residency(snapshot, tier, action, saved, pf):
+    res = _res(tier, 35.0) if tier else ResidencySnapshot()
+    d = _decide(snapshot, res, {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"})
+    assert d.multi_lora_action == action and d.prefetch_action == pf
+    headers = dict(trace_headers(d, None))
+    assert f"swap_ms_saved={saved}" in headers["x-ace-trace-multi-lora"]
+    assert headers["x-ace-served-by"] == "local-vllm"
+    assert (d.prefetch_signal is not None) == (pf == "prefetch_signalled")
+    if d.prefetch_signal:
+        assert d.prefetch_signal.digest == "a" * 64 and d.prefetch_signal.upstream == "local-vllm"
+
+
+def test_shadow_decides_but_does_not_apply(snapshot):
+    d = _decide(snapshot, _res("pool", 10.0), {"multi_lora": "shadow", "dynamic_lora_prefetch": "shadow"})
+    assert (d.multi_lora_action, d.multi_lora_would, d.applies_adapter) == (
+        "shadow", "adapter_resident_applied", False)
+    assert d.prefetch_action == "not_needed" and d.prefetch_signal is None
+
+
+def test_route_policy_seam_gets_adapter_only_in_prod(snapshot):
+    other = Upstream("other", "127.0.0.1:2", "sglang", "ace-tiny-llama", "off")
+    snap = replace(snapshot, upstreams=snapshot.upstreams + (other,))
+    seen = []
+
+    def policy(upstreams, adapter, residency):
+        seen.append(adapter.name if adapter else None)
+        return upstreams[-1]
+    d = _decide(snap, ResidencySnapshot(), {"multi_lora": "prod"}, route=policy)
+    assert d.upstream.name == "other"
+    _decide(snap, ResidencySnapshot(), {"multi_lora": "shadow"}, route=policy)
+    assert seen == ["code-python", None]

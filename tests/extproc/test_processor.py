@@ -1,0 +1,96 @@
+"""The ext_proc phases without sockets: plain objects in, plain objects and protobuf out."""
+from __future__ import annotations
+
+import json
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.prefetch import PrefetchQueue, PrefetchSignal
+from extproc.processor import CONTINUE, Continue, Gateway, Reply, RequestHead
+from extproc.server import ExternalProcessor
+from extproc.wire import to_response
+from tests.extproc.builders import KEYS
+
+
+def _head(path, method="POST", eos=False, **headers):
+    h = {":path": path, ":method": method, "authorization": f"Bearer {KEYS['bob']}", **headers}
+    return RequestHead(method, path.split("?")[0], h, eos)
+
+
+class Sink:
+    def __init__(self):
+        self.signals = []
+
+    def submit(self, signal):
+        self.signals.append(signal)
+        return True
+
+
+def test_unknown_path_is_pass_through(store):
+    ex = Gateway(store).exchange()
+    assert ex.on_request_headers(_head("/metrics", "GET", True)) is CONTINUE
+    assert ex.on_request_body(b"anything") is CONTINUE
+
+
+def test_inference_headers_then_body(store):
+    sink = Sink()
+    ex = Gateway(store, prefetch=sink).exchange()
+    assert ex.on_request_headers(_head("/v1/chat/completions?x=1", **{
+        "x-ace-skill-override": "dynamic_lora_prefetch=prod"})) is CONTINUE
+    out = ex.on_request_body(json.dumps({"model": "code-python", "messages": []}).encode())
+    assert isinstance(out, Continue)
+    headers = dict(out.headers)
+    assert headers["x-ace-destination-endpoint"] == "127.0.0.1:8000"
+    assert headers["x-ace-tenant-id"] == "globex"
+    assert headers["content-length"] == str(len(out.body))
+    assert "queued=true" in headers["x-ace-trace-dynamic-lora-prefetch"]
+    assert sink.signals[0].adapter == "code-python"
+
+
+def test_errors_become_replies_at_the_boundary(store):
+    ex = Gateway(store).exchange()
+    out = ex.on_request_headers(RequestHead("POST", "/v1/completions", {}, False))
+    assert isinstance(out, Reply) and out.status == 401
+    ex = Gateway(store).exchange()
+    ex.on_request_headers(_head("/v1/completions"))
+    out = ex.on_request_body(b"{")
+    assert out.status == 400 and json.loads(out.body)["error"]["code"] == "invalid_json"
+
+
+def test_wire_responses():
+    r = to_response("request_headers", CONTINUE)
+    assert r.WhichOneof("response") == "request_headers"
+    r = to_response("request_body", Continue((("a", "b"),), b"{}"))
+    common = r.request_body.response
+    assert common.header_mutation.set_headers[0].header.raw_value == b"b"
+    assert common.body_mutation.body == b"{}"
+    r = to_response("request_body", Reply(422, b"{}"))
+    assert r.immediate_response.status.code == 422
+
+
+def test_grpc_servicer_loop(store):
+    """The servicer's generator over real protobuf messages (no network)."""
+    def messages():
+        m = pb.ProcessingRequest()
+        for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"),
+                     ("authorization", f"Bearer {KEYS['alice']}")):
+            m.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+        yield m
+        yield pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"lora_name":"code-python"}',
+                                                            end_of_stream=True))
+    out = list(ExternalProcessor(Gateway(store)).Process(messages(), None))
+    assert [o.WhichOneof("response") for o in out] == ["request_headers", "request_body"]
+    assert json.loads(out[1].request_body.response.body_mutation.body)["model"] == "code-python"
+
+
+def test_prefetch_queue_never_blocks_and_drops_when_full():
+    import threading
+    gate = threading.Event()
+    sent = []
+    q = PrefetchQueue(lambda s: (gate.wait(5), sent.append(s)), maxsize=1)
+    sig = PrefetchSignal("u", "a", "d", 1, "request_cold")
+    results = [q.submit(sig) for _ in range(5)]
+    assert results.count(True) >= 1 and results[-1] is False
+    gate.set()
+    q.close()
+    assert sent

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+
+from extproc.errors import InvalidField
+from extproc.skills import parse_override_header, resolve, validate_skills
+
+
+def test_header_parse():
+    assert dict(parse_override_header("multi_lora=prod, dynamic_lora_prefetch=shadow")) == {
+        "multi_lora": "prod", "dynamic_lora_prefetch": "shadow"}
+    assert dict(parse_override_header(None)) == {}
+    assert dict(parse_override_header("")) == {}
+
+
+@pytest.mark.parametrize("value", ["multi_lora", "multi_lora=on", "turbo=prod", "multi_lora=PROD"])
+def test_header_invalid_is_422(value):
+    with pytest.raises(InvalidField):
+        parse_override_header(value)
+
+
+@pytest.mark.parametrize("raw", [[], "prod", {"multi_lora": 1}, {"x": "off"}])
+def test_validate_rejects(raw):
+    with pytest.raises(InvalidField):
+        validate_skills(raw, "skill_overrides")
+
+
+# header, body, key, tenant, default -> expected
+ORDER = [
+    ({"multi_lora": "off"}, {"multi_lora": "prod"}, {"multi_lora": "prod"}, {}, {}, "off"),
+    ({}, {"multi_lora": "shadow"}, {"multi_lora": "prod"}, {}, {}, "shadow"),
+    ({}, {}, {"multi_lora": "prod"}, {"multi_lora": "off"}, {}, "prod"),
+    ({}, {}, {}, {"multi_lora": "shadow"}, {"multi_lora": "prod"}, "shadow"),
+    ({}, {}, {}, {}, {"multi_lora": "prod"}, "prod"),
+    ({}, {}, {}, {}, {}, "off"),
+]
+
+
+@pytest.mark.parametrize("header,body,key,tenant,default,expected", ORDER)
+def test_resolution_order(header, body, key, tenant, default, expected):
+    assert resolve(header, body, key, tenant, default)["multi_lora"] == expected
