@@ -27,6 +27,7 @@ __all__ = ["build_app", "serve", "ENGINE_KEY"]
 
 log = logging.getLogger("gpu_agent.engine")
 ENGINE_KEY = web.AppKey("engine", Engine)
+STATS_KEY = web.AppKey("http_stats", object)
 TIER_HEADER = "x-ace-adapter-tier"
 WAIT_HEADER = "x-ace-adapter-wait-ms"
 
@@ -229,7 +230,7 @@ def _usage(prompt: int, completion: int) -> dict:
 
 async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
     engine: Engine = request.app[ENGINE_KEY]
-    stats = request.app["http_stats"]
+    stats = request.app[STATS_KEY]
     route = "chat" if chat else "completions"
     try:
         body = await _json_body(request)
@@ -306,10 +307,10 @@ async def _stream(request: web.Request, run: _Completion, chat: bool) -> web.Str
         if run.sp.include_usage:
             await send([], _usage(len(run.ids), n))
         await resp.write(b"data: [DONE]\n\n")
-        request.app["http_stats"].count("chat" if chat else "completions", 200)
+        request.app[STATS_KEY].count("chat" if chat else "completions", 200)
     except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
         status, body = http_error(exc)
-        request.app["http_stats"].count("chat" if chat else "completions", status)
+        request.app[STATS_KEY].count("chat" if chat else "completions", status)
         try:
             await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         except ConnectionError:
@@ -348,7 +349,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     engine: Engine = request.app[ENGINE_KEY]
-    text = render_metrics(engine, request.app["http_stats"])
+    text = render_metrics(engine, request.app[STATS_KEY])
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 
@@ -411,7 +412,7 @@ async def _errors(request: web.Request, handler):
 def build_app(engine: Engine) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=8 << 20)
     app[ENGINE_KEY] = engine
-    app["http_stats"] = HttpStats()
+    app[STATS_KEY] = HttpStats()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

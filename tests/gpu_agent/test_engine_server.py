@@ -1,0 +1,231 @@
+"""The builtin engine over HTTP on an ephemeral loopback port (in-process and as a CLI)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from gpu_agent.engine import Engine, EngineSettings, serve
+from gpu_agent.fixtures import make_fixtures
+from tests.support import procs
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fx")
+    make_fixtures(out)
+    return out
+
+
+def run_with_server(fx: Path, scenario, **settings):
+    """Start an engine + server in a fresh loop, run ``scenario(client, engine)``, stop both."""
+    async def main():
+        settings.setdefault("pool_bytes", 4 << 20)
+        engine = Engine.create(EngineSettings(catalog=fx / "catalog.yaml", **settings))
+        runner, port = await serve(engine, "127.0.0.1", 0)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                return await scenario(client, engine)
+        finally:
+            await runner.cleanup()
+    return asyncio.run(main())
+
+
+def sse_events(text: str) -> list:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_completion_chat_usage_and_adapter_headers(fx):
+    async def scenario(c, engine):
+        r = await c.post("/v1/completions", json={"model": "code-sql", "prompt": "SELECT name FROM",
+                                                  "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "text_completion" and body["model"] == "code-sql"
+        prompt_ids = engine.tokenizer.encode("SELECT name FROM")
+        assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 5,
+                                 "total_tokens": len(prompt_ids) + 5}
+        assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["text"]
+        assert r.headers["x-ace-adapter-tier"] == "disk"  # cold: read from its directory
+        cold_ms = float(r.headers["x-ace-adapter-wait-ms"])
+        assert cold_ms > 0
+        r2 = await c.post("/v1/completions", json={"model": "code-sql", "prompt": "SELECT name FROM",
+                                                   "max_tokens": 5, "lora_prefetch": True,
+                                                   "prefetch_adapter_id": "x", "vram_allocated_mb": 3})
+        assert r2.headers["x-ace-adapter-tier"] == "pool"
+        assert float(r2.headers["x-ace-adapter-wait-ms"]) < cold_ms
+        assert r2.json()["choices"][0]["text"] == body["choices"][0]["text"]  # greedy is deterministic
+        base = await c.post("/v1/completions", json={"model": "ace-tiny-llama", "prompt": "SELECT name FROM",
+                                                     "max_tokens": 5})
+        assert base.headers["x-ace-adapter-tier"] == "none"
+        assert base.json()["choices"][0]["text"] != body["choices"][0]["text"]
+
+        chat = await c.post("/v1/chat/completions", json={
+            "model": "med-triage", "messages": [{"role": "user", "content": "chest pain"}],
+            "max_completion_tokens": 4})
+        assert chat.status_code == 200, chat.text
+        cb = chat.json()
+        assert cb["object"] == "chat.completion" and cb["choices"][0]["message"]["role"] == "assistant"
+        chat_ids = engine.tokenizer.encode_chat([{"role": "user", "content": "chest pain"}])
+        assert cb["usage"]["prompt_tokens"] == len(chat_ids) and cb["usage"]["completion_tokens"] == 4
+        # token-id prompts are accepted like vLLM's
+        ids = await c.post("/v1/completions", json={"model": "code-sql", "prompt": prompt_ids, "max_tokens": 5})
+        assert ids.json()["choices"][0]["text"] == body["choices"][0]["text"]
+    run_with_server(fx, scenario)
+
+
+def test_streaming_chat_and_completion(fx):
+    async def scenario(c, engine):
+        full = await c.post("/v1/completions", json={"model": "tr-fr-en", "prompt": "Bonjour", "max_tokens": 6})
+        r = await c.post("/v1/completions", json={"model": "tr-fr-en", "prompt": "Bonjour", "max_tokens": 6,
+                                                  "stream": True, "stream_options": {"include_usage": True}})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-ace-adapter-tier"] == "pool"
+        ev = sse_events(r.text)
+        assert ev[-1] == "[DONE]"
+        assert ev[-2]["usage"]["completion_tokens"] == 6 and ev[-2]["choices"] == []
+        assert "".join(e["choices"][0]["text"] for e in ev[:-2]) == full.json()["choices"][0]["text"]
+        assert ev[-3]["choices"][0]["finish_reason"] == "length"
+
+        r = await c.post("/v1/chat/completions", json={
+            "model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "stream": True})
+        ev = sse_events(r.text)
+        assert ev[0]["choices"][0]["delta"]["role"] == "assistant" and ev[-1] == "[DONE]"
+        assert all(e["object"] == "chat.completion.chunk" for e in ev[:-1])
+        assert ev[-2]["choices"][0]["finish_reason"] == "length"
+    run_with_server(fx, scenario)
+
+
+def test_openai_client_streams(fx):
+    openai = pytest.importorskip("openai")
+
+    async def scenario(c, engine):
+        client = openai.AsyncOpenAI(base_url=str(c.base_url) + "/v1", api_key="unused")
+        stream = await client.chat.completions.create(
+            model="legal-review", messages=[{"role": "user", "content": "review"}], max_tokens=5,
+            stream=True)
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        once = await client.chat.completions.create(
+            model="legal-review", messages=[{"role": "user", "content": "review"}], max_tokens=5)
+        assert text == once.choices[0].message.content and once.usage.completion_tokens == 5
+        listed = await client.models.list()
+        assert {m.id for m in listed.data} >= {"ace-tiny-llama", "legal-review"}
+        await client.close()
+    run_with_server(fx, scenario)
+
+
+def test_concurrent_requests_with_different_adapters_share_forward_passes(fx):
+    names = ["code-python", "med-notes", "legal-review", "fin-reports", "tr-de-en", "ace-tiny-llama"]
+
+    async def scenario(c, engine):
+        for n in names[:-1]:
+            await engine.residency.prefetch(n)
+        before = engine.batcher.stats.forward_passes
+        rs = await asyncio.gather(*[c.post("/v1/completions", json={
+            "model": n, "prompt": f"Hello {n}", "max_tokens": 4}) for n in names])
+        assert all(r.status_code == 200 for r in rs)
+        assert all(r.headers["x-ace-adapter-tier"] in ("pool", "none") for r in rs)
+        passes = engine.batcher.stats.forward_passes - before
+        # alone: 4 passes per request (24 in all); batched: far fewer
+        assert passes < len(names) * 4
+        assert engine.batcher.stats.max_adapters_in_pass >= 3
+        m = (await c.get("/metrics")).text
+        assert f"ace_engine_forward_passes_total {engine.batcher.stats.forward_passes}" in m
+        assert "ace_engine_batch_adapters_max" in m and 'vllm:lora_requests_info{' in m
+        assert 'ace_engine_http_requests_total{route="completions",status="200"} 6' in m
+    run_with_server(fx, scenario, batch_window_ms=50)
+
+
+def test_models_health_and_errors(fx):
+    async def scenario(c, engine):
+        assert (await c.get("/health")).json() == {"status": "ok"}
+        data = (await c.get("/v1/models")).json()["data"]
+        ids = [m["id"] for m in data]
+        assert ids[0] == "ace-tiny-llama" and len(ids) == 11
+        sql = next(m for m in data if m["id"] == "code-sql")
+        assert sql["parent"] == "ace-tiny-llama" and sql["root"] == "adapters/code-sql"
+
+        r = await c.post("/v1/completions", json={"model": "no-such-adapter", "prompt": "x"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        bad = [
+            ({"model": "code-sql"}, "prompt"),
+            ({"model": "code-sql", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+            ({"model": "code-sql", "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+            ({"model": "code-sql", "prompt": "x", "temperature": -1}, "temperature"),
+            ({"model": "code-sql", "prompt": "x", "max_tokens": 100000}, "max_tokens"),
+            ({"model": "code-sql", "prompt": [1, 99999]}, "prompt"),
+            ({"prompt": "x"}, "model"),
+        ]
+        for body, param in bad:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+        r = await c.post("/v1/chat/completions", json={"model": "code-sql", "messages": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        r = await c.get("/v1/nothing")
+        assert r.status_code == 404 and "error" in r.json()
+    run_with_server(fx, scenario)
+
+
+def test_residency_seam_and_runtime_adapters(fx):
+    async def scenario(c, engine):
+        res = engine.residency
+        assert res.tier("fin-risk") == "disk"
+        assert await res.prefetch("fin-risk", tier="host") == "disk"
+        assert res.tier("fin-risk") == "host"
+        tier, ms = await res.ensure_resident("fin-risk")
+        assert tier == "host" and ms >= 0 and res.tier("fin-risk") == "pool"
+        assert res.evict("fin-risk") and res.tier("fin-risk") == "host"
+        assert res.evict("fin-risk", tier="host") and res.tier("fin-risk") == "disk"
+        r = await c.post("/v1/completions", json={"model": "fin-risk", "prompt": "risk", "max_tokens": 2})
+        assert r.headers["x-ace-adapter-tier"] == "disk"
+        # vLLM-style runtime registration of a directory under a new name
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": "my-sql",
+                                                        "lora_path": str(fx / "adapters/code-sql")})
+        assert r.status_code == 200, r.text
+        again = await c.post("/v1/load_lora_adapter", json={"lora_name": "my-sql",
+                                                            "lora_path": str(fx / "adapters/code-sql")})
+        assert again.status_code == 400
+        a = await c.post("/v1/completions", json={"model": "my-sql", "prompt": "SELECT", "max_tokens": 4})
+        b = await c.post("/v1/completions", json={"model": "code-sql", "prompt": "SELECT", "max_tokens": 4})
+        assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+        assert (await c.post("/v1/unload_lora_adapter", json={"lora_name": "my-sql"})).status_code == 200
+        assert (await c.post("/v1/unload_lora_adapter", json={"lora_name": "nope"})).status_code == 404
+    run_with_server(fx, scenario)
+
+
+def test_pool_smaller_than_one_adapter_answers_503(fx):
+    async def scenario(c, engine):
+        r = await c.post("/v1/completions", json={"model": "tr-fr-en", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["param"] == "model"
+        ok = await c.post("/v1/completions", json={"model": "ace-tiny-llama", "prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200
+    run_with_server(fx, scenario, pool_bytes=64 << 10)
+
+
+def test_cli_serves_on_a_port(fx, tmp_path):
+    port = procs.free_port()
+    cmd = [procs.python(), "-m", "gpu_agent.engine", "--model", str(fx / "model"),
+           "--catalog", str(fx / "catalog.yaml"), "--host", "127.0.0.1", "--port", str(port),
+           "--pool-bytes", str(4 << 20), "--threads", "1"]
+    log = tmp_path / "engine.log"
+    with procs.running(cmd, log) as proc:
+        procs.wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc, log=log)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"model": "fin-reports", "prompt": "Revenue", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert r.headers["x-ace-adapter-tier"] == "disk"
