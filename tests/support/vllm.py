@@ -1,0 +1,115 @@
+"""Start and stop a real vLLM (CPU build, its own venv) on the test fixtures.
+
+`ACE_VLLM_PYTHON` names that venv's python (`make test-vllm` sets it); without it the
+tests that need vLLM are skipped with that reason. Flags follow ../shared/ENGINES.md:
+runtime LoRA updating on, tiny KV cache, eager mode, loopback only.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.procs import REPO, free_port
+
+SKIP_REASON = ("needs the real vLLM: set ACE_VLLM_PYTHON to .venv-vllm/bin/python "
+               "(make test-vllm does)")
+BASE_MODEL = "ace-tiny-llama"
+
+
+def vllm_python() -> str:
+    py = os.environ.get("ACE_VLLM_PYTHON", "")
+    if not py:
+        pytest.skip(SKIP_REASON)
+    if not Path(py).is_file():
+        pytest.fail(f"ACE_VLLM_PYTHON={py} does not exist")
+    return py
+
+
+def fixtures_dir(tmp_factory) -> Path:
+    """The fixtures `make fixtures` wrote, or a fresh copy made for this session."""
+    made = REPO / ".fixtures"
+    if (made / "catalog.yaml").is_file() and (made / "model" / "config.json").is_file():
+        return made
+    from gpu_agent.fixtures import make_fixtures
+    out = tmp_factory.mktemp("fixtures")
+    make_fixtures(out)
+    return out
+
+
+class VLLMServer:
+    """One vLLM process; `restart()` stops it and starts a fresh one on the same port."""
+
+    def __init__(self, python: str, model_dir: Path, log_dir: Path, *, max_loras: int = 2,
+                 max_cpu_loras: int = 2, max_lora_rank: int = 16, startup_timeout: float = 300.0):
+        self.python, self.model_dir, self.log_dir = python, model_dir, log_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.max_cpu_loras = max_cpu_loras
+        self.args = ["--max-loras", str(max_loras), "--max-cpu-loras", str(max_cpu_loras),
+                     "--max-lora-rank", str(max_lora_rank)]
+        self.timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.startup_s: list[float] = []
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"vllm-{self.starts}.log"
+
+    def start(self) -> None:
+        self.starts += 1
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+                   VLLM_NO_USAGE_STATS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
+        cmd = [self.python, "-m", "vllm.entrypoints.launchers.api_server.entry",
+               "--model", str(self.model_dir), "--served-model-name", BASE_MODEL,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+               "--max-model-len", "256", "--enforce-eager", "--kv-cache-memory-bytes", "67108864",
+               "--max-num-seqs", "8", "--enable-lora", *self.args]
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         cwd=str(REPO), start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2.0).status_code == 200:
+                    self.startup_s.append(time.monotonic() - t0)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"vLLM not ready in {self.timeout}s:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def adapters(self) -> dict[str, str]:
+        """`/v1/models` adapters: name -> root (path)."""
+        data = httpx.get(self.url + "/v1/models", timeout=10).json()["data"]
+        return {m["id"]: m["root"] for m in data if m.get("parent")}
+
+    def complete(self, model: str, prompt: str, max_tokens: int = 8) -> str:
+        resp = httpx.post(self.url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        resp.raise_for_status()
+        return resp.json()["choices"][0]["text"]
