@@ -65,9 +65,9 @@ class BuiltinConnector(EngineConnector):
 
     async def close(self) -> None:
         if self._runner is not None:
-            await self._runner.cleanup()
+            await self._runner.cleanup()  # the engine app's cleanup closes the engine
             self._runner = None
-        if self.engine is not None:
+        elif self.engine is not None:
             await self.engine.close()
 
     @property

@@ -1,0 +1,174 @@
+"""vLLM and SGLang connectors against loopback servers that answer the documented shapes.
+
+SGLang needs a GPU, so its connector is tested only against this local server built from
+the documented API (`/load_lora_adapter` with `pinned`, `/unload_lora_adapter`, JSON
+`{success, error_message, loaded_adapters}`, 400 on failure). The vLLM connector is also
+tested against the real vLLM in tests/integration/test_vllm_connector.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from gpu_agent.artifacts import AdapterSpec
+from gpu_agent.connectors.base import ConnectorError, EngineUnavailable
+from gpu_agent.connectors.sglang import SGLangConnector
+from gpu_agent.connectors.vllm import VLLMConnector, parse_lora_metrics
+from tests.support.procs import free_port
+
+
+def spec(name: str) -> AdapterSpec:
+    return AdapterSpec(name=name, base_model="base", rank=8, sha256="0" * 64, size_bytes=1, uri=f"adapters/{name}")
+
+
+@contextlib.asynccontextmanager
+async def serve(app: web.Application):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def sglang_app(max_pinned: int = 1) -> tuple[web.Application, dict]:
+    state = {"loaded": {}, "pinned": set(), "calls": []}
+
+    def reply(success: bool, error: str | None = None):
+        return web.json_response({"success": success, "error_message": error,
+                                  "loaded_adapters": dict(state["loaded"])}, status=200 if success else 400)
+
+    async def load(request):
+        body = await request.json()
+        state["calls"].append(("load", body))
+        name = body["lora_name"]
+        if name in state["loaded"]:
+            return reply(False, f"LoRA adapter {name} is already loaded")
+        if not Path(body["lora_path"]).is_dir():
+            return reply(False, f"no adapter at {body['lora_path']}")
+        if body.get("pinned"):
+            if len(state["pinned"]) >= max_pinned:
+                return reply(False, "too many pinned adapters")
+            state["pinned"].add(name)
+        state["loaded"][name] = body["lora_path"]
+        return reply(True)
+
+    async def unload(request):
+        body = await request.json()
+        state["calls"].append(("unload", body))
+        if state["loaded"].pop(body["lora_name"], None) is None:
+            return reply(False, f"LoRA adapter {body['lora_name']} is not loaded")
+        state["pinned"].discard(body["lora_name"])
+        return reply(True)
+
+    async def models(request):
+        data = [{"id": "base", "object": "model", "root": "base", "parent": None}]
+        data += [{"id": n, "object": "model", "root": p, "parent": "base"} for n, p in state["loaded"].items()]
+        return web.json_response({"object": "list", "data": data})
+
+    app = web.Application()
+    app.router.add_post("/load_lora_adapter", load)
+    app.router.add_post("/unload_lora_adapter", unload)
+    app.router.add_get("/v1/models", models)
+    return app, state
+
+
+def test_sglang_load_pinned_unload_and_list(tmp_path):
+    async def main():
+        app, state = sglang_app(max_pinned=1)
+        async with serve(app) as url:
+            conn = SGLangConnector(url)
+            try:
+                await conn.load(spec("a"), tmp_path, pinned=True)
+                assert state["calls"][0][1] == {"lora_name": "a", "lora_path": str(tmp_path), "pinned": True}
+                await conn.load(spec("a"), tmp_path)                  # already loaded: success
+                await conn.load(spec("b"), tmp_path)
+                with pytest.raises(ConnectorError, match="pinned"):
+                    await conn.load(spec("c"), tmp_path, pinned=True)  # engine refuses a 2nd pin
+                with pytest.raises(ConnectorError, match="no adapter"):
+                    await conn.load(spec("d"), tmp_path / "missing")
+                assert await conn.loaded() == {"a", "b"}
+                await conn.unload("b")
+                await conn.unload("b")                                # not loaded: success
+                assert await conn.loaded() == {"a"}
+            finally:
+                await conn.close()
+    asyncio.run(main())
+
+
+def test_unreachable_engines_raise_engine_unavailable():
+    async def main():
+        url = f"http://127.0.0.1:{free_port()}"
+        for conn in (SGLangConnector(url, timeout_s=2), VLLMConnector(url, timeout_s=2)):
+            try:
+                with pytest.raises(EngineUnavailable):
+                    await conn.loaded()
+                with pytest.raises(EngineUnavailable):
+                    await conn.load(spec("a"), Path("/nonexistent"))
+            finally:
+                await conn.close()
+    asyncio.run(main())
+
+
+def test_vllm_shapes_already_loaded_is_success_and_404_unload_is_success(tmp_path):
+    async def main():
+        loaded: dict[str, str] = {}
+
+        async def load(request):
+            body = await request.json()
+            if body["lora_name"] in loaded:
+                return web.json_response({"error": {"message": f"The lora adapter '{body['lora_name']}' has already been loaded.",
+                                                    "type": "InvalidUserInput", "param": None, "code": 400}}, status=400)
+            if body["lora_name"] == "broken":
+                return web.json_response({"error": {"message": "boom", "type": "InternalServerError"}}, status=500)
+            loaded[body["lora_name"]] = body["lora_path"]
+            return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+        async def unload(request):
+            body = await request.json()
+            if loaded.pop(body["lora_name"], None) is None:
+                return web.json_response({"error": {"message": "cannot be found", "code": 404}}, status=404)
+            return web.Response(text="Success")
+
+        async def models(request):
+            return web.json_response({"data": [{"id": "base", "parent": None}] +
+                                      [{"id": n, "root": p, "parent": "base"} for n, p in loaded.items()]})
+
+        app = web.Application()
+        app.router.add_post("/v1/load_lora_adapter", load)
+        app.router.add_post("/v1/unload_lora_adapter", unload)
+        app.router.add_get("/v1/models", models)
+        async with serve(app) as url:
+            conn = VLLMConnector(url)
+            try:
+                await conn.load(spec("x"), tmp_path)
+                await conn.load(spec("x"), tmp_path)
+                with pytest.raises(ConnectorError, match="500"):
+                    await conn.load(spec("broken"), tmp_path)
+                assert await conn.loaded() == {"x"}
+                await conn.unload("x")
+                await conn.unload("x")
+                assert await conn.loaded() == set()
+            finally:
+                await conn.close()
+    asyncio.run(main())
+
+
+def test_parse_vllm_lora_metrics_takes_the_newest_series():
+    text = (
+        '# TYPE vllm:lora_requests_info gauge\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.7e+09\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="d",waiting_lora_adapters=""} 1.8e+09\n'
+        'vllm:lora_adapter_loaded{adapter_name="d",level="gpu",pinned="false",rank="8"} 1\n'
+        'vllm:lora_adapter_loaded{adapter_name="e",level="cpu",pinned="false",rank="8"} 0\n'
+    )
+    busy, loaded = parse_lora_metrics(text)
+    assert busy == {"d"}
+    assert loaded == {"d"}
+    assert parse_lora_metrics("") == (set(), set())
