@@ -6,7 +6,8 @@ hashable (adapter name, digest, or the simulator's integer ids).
 
 Semantics, per entry: ``ready_at`` is when its load completes (a load in flight is an
 entry whose ``ready_at`` lies in the future); ``prefetched`` marks an entry brought in by a
-prefetch that no request has used yet; ``score`` is the prediction that brought it in.
+prefetch that no request has used yet; ``score`` / ``scored_at`` are the latest prediction
+that it will be needed soon (the one that brought it in, or a later one).
 Eviction is least-recently-used, skipping pinned entries. Capacity is in the caller's
 unit: slots (vLLM's ``--max-loras``: every adapter takes one slot whatever its rank) or
 bytes (a paged pool), through each entry's ``size``.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Iterator
+from typing import Callable, Hashable, Iterator
 
 HIT = "hit"
 LATE = "late"
@@ -34,19 +35,21 @@ __all__ = ["AdapterCache", "CacheStats", "Entry", "HIT", "LATE", "MISS"]
 class Entry:
     """One cached adapter (mutable, owned by its cache)."""
 
-    __slots__ = ("size", "ready_at", "prefetched", "score", "pinned")
+    __slots__ = ("size", "ready_at", "prefetched", "score", "scored_at", "pinned")
 
-    def __init__(self, size: int, ready_at: float, prefetched: bool, score: float) -> None:
+    def __init__(self, size: int, ready_at: float, prefetched: bool, score: float, scored_at: float) -> None:
         self.size = size
         self.ready_at = ready_at
         self.prefetched = prefetched
         self.score = score
+        self.scored_at = scored_at
         self.pinned = False
 
     def __repr__(self) -> str:
         return (
             f"Entry(size={self.size}, ready_at={self.ready_at}, "
-            f"prefetched={self.prefetched}, score={self.score}, pinned={self.pinned})"
+            f"prefetched={self.prefetched}, score={self.score}, scored_at={self.scored_at}, "
+            f"pinned={self.pinned})"
         )
 
 
@@ -131,6 +134,7 @@ class AdapterCache:
         size: int = 1,
         prefetched: bool = False,
         score: float = 0.0,
+        scored_at: float | None = None,
     ) -> list[Hashable] | None:
         """Insert ``key`` as MRU, its load completing at ``ready_at``; evict LRU entries as needed.
 
@@ -149,12 +153,22 @@ class AdapterCache:
             return None
         for victim in evict:
             self.evict(victim)
-        self._entries[key] = Entry(size, ready_at, prefetched, score)
+        self._entries[key] = Entry(size, ready_at, prefetched, score, ready_at if scored_at is None else scored_at)
         self.used += size
         self.stats.loads += 1
         if prefetched:
             self.stats.prefetches += 1
         return evict
+
+    def predict(self, key: Hashable, score: float, now: float) -> bool:
+        """A prediction says ``key`` is needed soon with probability ``score``: remember it
+        on the entry (``coldest``'s score functions read it). False when absent."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        entry.score = score
+        entry.scored_at = now
+        return True
 
     def evict(self, key: Hashable) -> bool:
         """Remove ``key``; an unused prefetch counts as wasted. False when absent."""
@@ -170,6 +184,27 @@ class AdapterCache:
     def pin(self, key: Hashable, pinned: bool = True) -> None:
         """Pinned entries are never chosen as victims."""
         self._entries[key].pinned = pinned
+
+    def coldest(self, score: Callable[[Hashable, Entry], float], window: int = 8) -> Hashable | None:
+        """Among the ``window`` least recently used unpinned entries, the one ``score`` rates lowest.
+
+        LRU with a look at the scores: recency still decides which entries are eligible,
+        and a fresh prefetch or a hot adapter that happens to sit at the LRU end is spared
+        for a colder neighbour. Ties go to the least recently used. ``window=1`` is LRU.
+        """
+        best = None
+        best_score = 0.0
+        seen = 0
+        for key, entry in self._entries.items():
+            if entry.pinned:
+                continue
+            sc = score(key, entry)
+            if best is None or sc < best_score:
+                best, best_score = key, sc
+            seen += 1
+            if seen >= window:
+                break
+        return best
 
     def lru_key(self) -> Hashable | None:
         """The next victim for a unit-size admission, or None."""
