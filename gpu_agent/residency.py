@@ -67,6 +67,10 @@ class AdapterView:
     pinned: bool = False
     digest: str = ""
     loading: bool = False
+    # Why the adapter is on the device: "prefetch" (a Prefetch signal loaded it and no
+    # operator/restart load happened since), "pin", "engine_restart", "request" (an
+    # awaited ensure_resident), "engine" (the engine loaded it itself, found by reconcile).
+    loaded_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ class _State:
     pinned: bool = False
     cold_load_ms: float | None = None
     loading: bool = False
+    loaded_by: str = ""
+    pending_reason: str = ""   # reason of the queued prefetch that will load it
 
 
 class Subscription:
@@ -137,6 +143,7 @@ class ResidencyManager:
         self._tasks: list[asyncio.Task] = []
         self.engine_up = True
         self.version = 0
+        self.base_model_bytes = _weights_bytes(catalog.base_model_path)
         self.metrics.add_gauges(self._gauges)
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -174,7 +181,8 @@ class ResidencyManager:
             tier = Tier.REMOTE
         return AdapterView(name=name, tier=tier, cold_load_ms=state.cold_load_ms,
                            bytes=spec.size_bytes, pinned=state.pinned, digest=spec.sha256,
-                           loading=name in self._inflight or name in self._queued)
+                           loading=name in self._inflight or name in self._queued,
+                           loaded_by=state.loaded_by if tier is Tier.DEVICE else "")
 
     def snapshot(self) -> list[AdapterView]:
         return [self.view(name) for name in self._states]
@@ -212,6 +220,7 @@ class ResidencyManager:
             return PrefetchResult(PrefetchOutcome.REJECTED, "queue_full")
         heapq.heappush(self._queue, (-priority, next(self._seq), name))
         self._queued.add(name)
+        self._states[name].pending_reason = reason
         self._wakeup.set()
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
@@ -224,14 +233,18 @@ class ResidencyManager:
                 await self._wakeup.wait()
             _, _, name = heapq.heappop(self._queue)
             try:
-                await self.ensure_resident(name)
+                await self.ensure_resident(name, _by=self._load_origin(name))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a failed prefetch is logged and counted, never fatal
                 log.warning("prefetch of %s failed: %s", name, exc)
 
     # ---- loading ---------------------------------------------------------------------
-    async def ensure_resident(self, name: str) -> AdapterView:
+    def _load_origin(self, name: str) -> str:
+        reason = self._states[name].pending_reason
+        return reason if reason in ("pin", "engine_restart") else "prefetch"
+
+    async def ensure_resident(self, name: str, _by: str = "request") -> AdapterView:
         """Load `name` to the device tier (coalesced with any load already running)."""
         spec = self.catalog.get(name)
         if spec is None:
@@ -243,7 +256,7 @@ class ResidencyManager:
             return self.view(name)
         task = self._inflight.get(name)
         if task is None:
-            task = asyncio.create_task(self._load(spec))
+            task = asyncio.create_task(self._load(spec, _by))
             self._inflight[name] = task
             task.add_done_callback(lambda _t, n=name: self._load_done(n))
         self._queued.discard(name)
@@ -258,7 +271,7 @@ class ResidencyManager:
         names = set(self._device) | set(self._inflight) | {n for n, s in self._states.items() if s.pinned}
         return {self._states[n].spec.sha256 for n in names if n in self._states}
 
-    async def _load(self, spec: AdapterSpec) -> None:
+    async def _load(self, spec: AdapterSpec, by: str) -> None:
         name = spec.name
         t0 = time.perf_counter()
         start_tier = self.view(name).tier
@@ -304,6 +317,7 @@ class ResidencyManager:
             raise
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
         self._states[name].cold_load_ms = elapsed_ms
+        self._states[name].loaded_by = by
         self.metrics.observe("ace_agent_load_seconds", elapsed_ms / 1000.0, stage="cold")
         log.info("adapter %s resident on device in %.1f ms (from %s)", name, elapsed_ms, start_tier.value)
 
@@ -425,10 +439,13 @@ class ResidencyManager:
                 self._device.pop(name, None)
                 self._publish(name)
             adopted = [n for n in loaded if n in self._states and n not in self._device]
-            for name in adopted:  # loaded by a previous agent run, from the catalog's files
-                if self.device_count is None or len(self._device) < self.device_count:
-                    self._device[name] = self._states[name].spec.size_bytes
-                    self._publish(name)
+            for name in adopted:  # the engine loaded it itself (on demand), or a previous agent run
+                self._device[name] = self._states[name].spec.size_bytes
+                self._device.move_to_end(name, last=False)  # not used through us: LRU end
+                self._states[name].loaded_by = "engine"
+                self._publish(name)
+            if adopted and not self.connector.self_managed:
+                await self._shrink_device()
             if not was_up:
                 self._publish_all()
         if lost and self.connector.self_managed:
@@ -441,6 +458,21 @@ class ResidencyManager:
             lost.sort(key=lambda n: (not self._states[n].pinned, -recency[n]))
             for rank, name in enumerate(lost):
                 self.prefetch(name, priority=(1 << 20) - rank, reason="engine_restart")
+
+    async def _shrink_device(self) -> None:
+        """Unload LRU adapters (not pinned, not busy) until the device budget holds again."""
+        if self.device_count is None or len(self._device) <= self.device_count:
+            return
+        busy = await self.connector.busy()
+        for victim in list(self._device):
+            if len(self._device) <= self.device_count:
+                break
+            if self._states[victim].pinned or victim in busy or victim in self._inflight:
+                continue
+            await self.connector.unload(victim)
+            self._device.pop(victim, None)
+            self.metrics.inc("ace_agent_evictions_total", tier="device")
+            self._publish(victim)
 
     def _publish_all(self) -> None:
         for name in self._states:
@@ -460,3 +492,11 @@ class ResidencyManager:
         for key, value in self.connector.pool_stats().items():
             out[f"ace_agent_pool_{key}"] = ("The engine's adapter pool (builtin paged pool).", float(value))
         return out
+
+
+def _weights_bytes(model_dir: Path | None) -> int:
+    """Bytes of a checkpoint's weight files (0 when unknown)."""
+    if model_dir is None or not Path(model_dir).is_dir():
+        return 0
+    return sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin")
+               for p in Path(model_dir).glob(pattern))

@@ -35,7 +35,8 @@ _OUTCOME = {PrefetchOutcome.ACCEPTED: pb.PrefetchReply.ACCEPTED,
 
 def view_to_pb(view: AdapterView) -> pb.AdapterStatus:
     msg = pb.AdapterStatus(adapter=view.name, tier=_TIER_TO_PB[view.tier], bytes=view.bytes,
-                           pinned=view.pinned, digest=view.digest, loading=view.loading)
+                           pinned=view.pinned, digest=view.digest, loading=view.loading,
+                           loaded_by=view.loaded_by)
     if view.cold_load_ms is not None:
         msg.cold_load_ms = view.cold_load_ms
     return msg
@@ -59,15 +60,18 @@ class AgentService(pb_grpc.AgentServicer):
             for view in self.manager.snapshot():
                 seq += 1
                 yield pb.ResidencyEvent(kind=pb.ResidencyEvent.INITIAL, status=view_to_pb(view), seq=seq,
-                                        engine_up=self.manager.engine_up)
+                                        engine_up=self.manager.engine_up,
+                                        base_model_bytes=self.manager.base_model_bytes)
             seq += 1
-            yield pb.ResidencyEvent(kind=pb.ResidencyEvent.SYNC, seq=seq, engine_up=self.manager.engine_up)
+            yield pb.ResidencyEvent(kind=pb.ResidencyEvent.SYNC, seq=seq, engine_up=self.manager.engine_up,
+                                        base_model_bytes=self.manager.base_model_bytes)
             async for view in sub:
                 if view is None:  # the manager is shutting down
                     return
                 seq += 1
                 yield pb.ResidencyEvent(kind=pb.ResidencyEvent.CHANGE, status=view_to_pb(view), seq=seq,
-                                        engine_up=self.manager.engine_up)
+                                        engine_up=self.manager.engine_up,
+                                        base_model_bytes=self.manager.base_model_bytes)
         finally:
             sub.close()
 

@@ -307,3 +307,42 @@ def test_metrics_render_prometheus_text(tmp_path):
         finally:
             await mgr.close()
     run(main())
+
+
+def test_loaded_by_says_why_an_adapter_is_on_the_device(tmp_path):
+    async def main():
+        eng = FakeConnector()
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            mgr.prefetch("a1", reason="predicted")
+            await wait_for(lambda: mgr.view("a1").tier is Tier.DEVICE)
+            assert mgr.view("a1").loaded_by == "prefetch"
+            await mgr.ensure_resident("a2")
+            assert mgr.view("a2").loaded_by == "request"
+            mgr.pin("a3")
+            await wait_for(lambda: mgr.view("a3").tier is Tier.DEVICE)
+            assert mgr.view("a3").loaded_by == "pin"
+            assert mgr.view("a4").loaded_by == ""
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_adapters_the_engine_loaded_itself_are_adopted_within_budget(tmp_path):
+    async def main():
+        eng = FakeConnector(capacity=2)
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            await mgr.ensure_resident("a1")
+            eng.held.update({"a2": tmp_path, "a3": tmp_path, "not-in-catalog": tmp_path})  # on-demand loads
+            await mgr.reconcile()
+            assert mgr.view("a2").loaded_by == "engine"
+            # the budget holds again: two catalog adapters stay, the LRU ones went
+            assert len([n for n in NAMES if mgr.view(n).tier is Tier.DEVICE]) == 2
+            assert "not-in-catalog" in eng.held          # not ours to manage
+            assert mgr.view("a1").tier is Tier.DEVICE   # used through us: most recent
+        finally:
+            await mgr.close()
+    run(main())

@@ -58,7 +58,7 @@ class StatusRequest(_message.Message):
     def __init__(self, adapter: _Optional[str] = ...) -> None: ...
 
 class AdapterStatus(_message.Message):
-    __slots__ = ("adapter", "tier", "cold_load_ms", "bytes", "pinned", "digest", "loading")
+    __slots__ = ("adapter", "tier", "cold_load_ms", "bytes", "pinned", "digest", "loading", "loaded_by")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     COLD_LOAD_MS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class AdapterStatus(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     LOADING_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BY_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     tier: Tier
     cold_load_ms: float
@@ -73,14 +74,15 @@ class AdapterStatus(_message.Message):
     pinned: bool
     digest: str
     loading: bool
-    def __init__(self, adapter: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., cold_load_ms: _Optional[float] = ..., bytes: _Optional[int] = ..., pinned: _Optional[bool] = ..., digest: _Optional[str] = ..., loading: _Optional[bool] = ...) -> None: ...
+    loaded_by: str
+    def __init__(self, adapter: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., cold_load_ms: _Optional[float] = ..., bytes: _Optional[int] = ..., pinned: _Optional[bool] = ..., digest: _Optional[str] = ..., loading: _Optional[bool] = ..., loaded_by: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ResidencyEvent(_message.Message):
-    __slots__ = ("kind", "status", "seq", "engine_up")
+    __slots__ = ("kind", "status", "seq", "engine_up", "base_model_bytes")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[ResidencyEvent.Kind]
@@ -95,11 +97,13 @@ class ResidencyEvent(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ENGINE_UP_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: ResidencyEvent.Kind
     status: AdapterStatus
     seq: int
     engine_up: bool
-    def __init__(self, kind: _Optional[_Union[ResidencyEvent.Kind, str]] = ..., status: _Optional[_Union[AdapterStatus, _Mapping]] = ..., seq: _Optional[int] = ..., engine_up: _Optional[bool] = ...) -> None: ...
+    base_model_bytes: int
+    def __init__(self, kind: _Optional[_Union[ResidencyEvent.Kind, str]] = ..., status: _Optional[_Union[AdapterStatus, _Mapping]] = ..., seq: _Optional[int] = ..., engine_up: _Optional[bool] = ..., base_model_bytes: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("adapter", "down_to")
