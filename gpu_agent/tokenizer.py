@@ -60,20 +60,28 @@ class ModelTokenizer:
 
 
 class IncrementalDecoder:
-    """Text deltas for streaming: decode the whole output, emit what is new.
+    """Text deltas for streaming: decode the output in the context of the prompt's tail.
 
-    Metaspace decoding depends on context (a leading space is dropped at the start), so
-    decoding token by token would garble text; decoding the prefix each time does not.
+    Metaspace decoding depends on context (a leading space is dropped at the start of a
+    text), so the output is decoded after the last prompt tokens and the context's own
+    text is cut off: a continuation keeps its leading space, as vLLM's detokenizer does.
+    Decoding token by token would garble text; decoding the whole output each time
+    does not.
     """
 
-    def __init__(self, tok: ModelTokenizer):
+    CONTEXT = 6
+
+    def __init__(self, tok: ModelTokenizer, prompt: Sequence[int] = ()):
         self._tok = tok
+        self._ctx = list(prompt[-self.CONTEXT:])
+        self._ctx_text = tok.decode(self._ctx)
         self.ids: list[int] = []
         self.text = ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self._tok.decode(self.ids)
+        full = self._tok.decode(self._ctx + self.ids)
+        text = full[len(self._ctx_text):] if full.startswith(self._ctx_text) else self._tok.decode(self.ids)
         delta = text[len(self.text):] if text.startswith(self.text) else text
         self.text = text
         return delta

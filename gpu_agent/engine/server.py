@@ -198,7 +198,7 @@ class _Completion:
         """(text delta, finish_reason or None, completion tokens so far)."""
         from gpu_agent.tokenizer import IncrementalDecoder
 
-        dec = IncrementalDecoder(self.engine.tokenizer)
+        dec = IncrementalDecoder(self.engine.tokenizer, self.ids)
         stop = StopText(self.sp.stop)
         n = 0
         gen = self.engine.generate(self.adapter, self.ids, max_tokens=self.sp.max_tokens,
