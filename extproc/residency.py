@@ -20,6 +20,8 @@ class AdapterResidency:
     tier: str                      # pool | host | disk | remote | none | unknown
     cold_load_ms: float | None     # measured time to load from where it is; None = unknown
     bytes: int | None = None
+    prefetched: bool = False       # in the pool because a prefetch put it there (agent's loaded_by)
+    base_model_bytes: int | None = None  # the upstream's base weights: what a dedicated instance repeats
 
     @property
     def known(self) -> bool:
