@@ -130,11 +130,12 @@ class Engine:
             raise ModelNotFound(str(model))
         return model
 
-    async def generate(self, adapter: str | None, prompt: Sequence[int], *, max_tokens: int,
-                       temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                       ignore_eos: bool = False) -> AsyncIterator[TokenEvent]:
-        """Tokens for ``prompt`` through ``adapter``; the adapter must be held resident
-        (``await residency.ensure_resident(adapter, hold=True)``, then ``release``)."""
+    def generate(self, adapter: str | None, prompt: Sequence[int], *, max_tokens: int,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 ignore_eos: bool = False) -> AsyncIterator[TokenEvent]:
+        """Tokens for ``prompt`` through ``adapter`` (an async generator; close it with
+        ``contextlib.aclosing`` to drop the sequence early). The adapter must be held
+        resident: ``await residency.ensure_resident(adapter, hold=True)``, then ``release``."""
         if len(prompt) + max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens; the request "
@@ -142,8 +143,7 @@ class Engine:
         req = GenerationRequest(prompt=list(prompt), adapter=adapter, max_tokens=max_tokens,
                                 temperature=temperature, top_p=top_p, seed=seed,
                                 stop_ids=() if ignore_eos else self.stop_ids)
-        async for ev in self.batcher.generate(req):
-            yield ev
+        return self.batcher.generate(req)
 
     async def close(self) -> None:
         await self.batcher.stop()

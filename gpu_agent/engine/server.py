@@ -10,6 +10,7 @@ runtime ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -206,6 +207,8 @@ class _Completion:
                                    seed=self.sp.seed, ignore_eos=self.sp.ignore_eos)
         try:
             async for ev in gen:
+                if ev.finish_reason == "abort":
+                    raise EngineError("generation was aborted (engine stopping or a forward pass failed)")
                 delta = ""
                 if ev.token_id is not None:
                     n += 1
@@ -253,9 +256,10 @@ async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
         if sp.stream:
             return await _stream(request, run, chat)
         text, finish, n = "", "length", 0
-        async for delta, fin, n in run.text_deltas():
-            text += delta
-            finish = fin or finish
+        async with contextlib.aclosing(run.text_deltas()) as deltas:
+            async for delta, fin, n in deltas:
+                text += delta
+                finish = fin or finish
         stats.count(route, 200)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -301,9 +305,10 @@ async def _stream(request: web.Request, run: _Completion, chat: bool) -> web.Str
     if chat:
         await send([choice(None, None, first=True)])
     try:
-        async for delta, fin, n in run.text_deltas():
-            if delta or fin:
-                await send([choice(delta, fin)])
+        async with contextlib.aclosing(run.text_deltas()) as deltas:
+            async for delta, fin, n in deltas:
+                if delta or fin:
+                    await send([choice(delta, fin)])
         if run.sp.include_usage:
             await send([], _usage(len(run.ids), n))
         await resp.write(b"data: [DONE]\n\n")

@@ -229,3 +229,39 @@ def test_cli_serves_on_a_port(fx, tmp_path):
                        json={"model": "fin-reports", "prompt": "Revenue", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert r.headers["x-ace-adapter-tier"] == "disk"
+
+
+def test_stop_strings_sampling_seed_and_client_disconnect(fx):
+    async def scenario(c, engine):
+        full = (await c.post("/v1/completions", json={"model": "code-python", "prompt": "def f(x):",
+                                                      "max_tokens": 12})).json()["choices"][0]["text"]
+        stop = full[3:6]
+        cut = (await c.post("/v1/completions", json={"model": "code-python", "prompt": "def f(x):",
+                                                     "max_tokens": 12, "stop": [stop]})).json()
+        assert cut["choices"][0]["text"] == full[:full.index(stop)]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        r = await c.post("/v1/completions", json={"model": "code-python", "prompt": "def f(x):",
+                                                  "max_tokens": 12, "stop": [stop], "stream": True})
+        ev = sse_events(r.text)
+        assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == full[:full.index(stop)]
+
+        def sampled(seed):
+            return c.post("/v1/completions", json={"model": "med-notes", "prompt": "note", "max_tokens": 10,
+                                                   "temperature": 1.5, "seed": seed})
+        a, b, other = await asyncio.gather(sampled(7), sampled(7), sampled(8))
+        assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+        assert a.json()["choices"][0]["text"] != other.json()["choices"][0]["text"]
+
+        # a client that goes away mid-stream frees its sequence and its hold on the adapter
+        async with c.stream("POST", "/v1/completions", json={
+                "model": "fin-risk", "prompt": "risk", "max_tokens": 200, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        for _ in range(200):
+            if engine.batcher.num_running == 0 and engine.residency.held("fin-risk") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.batcher.num_running == 0 and engine.residency.held("fin-risk") == 0
+        assert engine.batcher.stats.generated_tokens < 200 + 60
+    run_with_server(fx, scenario)
