@@ -1,0 +1,183 @@
+"""The multi-LoRA benchmark's report arithmetic: pure functions over measured rows.
+
+A *row* is one replayed request as measured through the stack::
+
+    {"domain": "coding", "adapter": "code-sql", "tier": "pool", "wait_ms": 0.4, "ttft_ms": 12.3}
+
+``tier`` and ``wait_ms`` come from the builtin engine's ``x-ace-adapter-tier`` and
+``x-ace-adapter-wait-ms`` headers (where the adapter was when the request arrived, and
+how long the request waited for it); ``ttft_ms`` is measured by the client. Nothing here
+invents a number: every field is computed from rows and measured samples.
+
+Definitions:
+
+- ``resident_hits``: requests whose adapter was already in the device pool (tier ``pool``).
+- ``effective_hits``: requests that did not wait for their adapter (``wait_ms`` at most
+  ``stall_eps_ms``): resident, or made resident by a prefetch before the engine needed it.
+- ``cold_swap_ms`` / ``warm_swap_ms``: median load time of an adapter that was not on
+  the host (remote -> disk -> host -> pool) / that was prefetched (host -> pool or
+  already resident); ``swap_speedup`` = cold / warm.
+- ``vram_savings_pct``: 1 - (base + pool bytes) / (adapters x (base + adapter bytes)),
+  one shared base model with a pool versus one dedicated instance per adapter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+__all__ = [
+    "QUANTILES",
+    "build_report",
+    "by_domain",
+    "format_report",
+    "hit_counts",
+    "percentiles",
+    "swap_speedup",
+    "vram_savings_pct",
+]
+
+QUANTILES = (50, 90, 95, 99)
+
+
+def percentiles(values: Iterable[float], qs: Sequence[int] = QUANTILES) -> dict[str, float | None]:
+    """``{"p50": ..., ...}`` with linear interpolation between order statistics (numpy's
+    default); ``None`` for an empty sample (unknown is a value, not zero)."""
+    xs = sorted(float(v) for v in values)
+    out: dict[str, float | None] = {}
+    for q in qs:
+        if not xs:
+            out[f"p{q}"] = None
+            continue
+        pos = (len(xs) - 1) * q / 100.0
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out[f"p{q}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return out
+
+
+def hit_counts(rows: Sequence[Mapping], stall_eps_ms: float = 1.0) -> dict[str, float]:
+    total = len(rows)
+    resident = sum(1 for r in rows if r["tier"] == "pool")
+    effective = sum(1 for r in rows if r["wait_ms"] <= stall_eps_ms)
+    return {
+        "total": total,
+        "resident_hits": resident,
+        "effective_hits": effective,
+        "resident_hit_ratio": resident / total if total else 0.0,
+        "effective_hit_ratio": effective / total if total else 0.0,
+    }
+
+
+def swap_speedup(cold_ms: float | None, warm_ms: float | None) -> float | None:
+    if cold_ms is None or warm_ms is None or warm_ms <= 0:
+        return None
+    return cold_ms / warm_ms
+
+
+def vram_savings_pct(base_bytes: int, pool_bytes: int, adapter_bytes: Sequence[int]) -> float:
+    """Shared base + pool versus one dedicated (base + adapter) instance per adapter."""
+    dedicated = sum(base_bytes + a for a in adapter_bytes)
+    if dedicated <= 0:
+        return 0.0
+    return 100.0 * (1.0 - (base_bytes + pool_bytes) / dedicated)
+
+
+def by_domain(rows: Sequence[Mapping], stall_eps_ms: float = 1.0) -> dict[str, dict]:
+    domains: dict[str, list[Mapping]] = {}
+    for r in rows:
+        domains.setdefault(r["domain"], []).append(r)
+    out = {}
+    for d in sorted(domains):
+        rs = domains[d]
+        out[d] = {
+            **hit_counts(rs, stall_eps_ms),
+            "ttft_ms": percentiles(r["ttft_ms"] for r in rs),
+            "stall_ms": percentiles(r["wait_ms"] for r in rs),
+        }
+    return out
+
+
+def build_report(
+    baseline: Sequence[Mapping],
+    prefetch: Sequence[Mapping],
+    *,
+    cold_swap_samples_ms: Sequence[float],
+    warm_swap_samples_ms: Sequence[float],
+    base_bytes: int,
+    pool_bytes: int,
+    adapter_bytes: Sequence[int],
+    gateway_overhead_ms: float | None,
+    stall_eps_ms: float = 1.0,
+    extra: Mapping | None = None,
+) -> dict:
+    """The report of ``make bench``: headline numbers are from the prefetch run."""
+    hits = hit_counts(prefetch, stall_eps_ms)
+    cold = percentiles(cold_swap_samples_ms, (50,))["p50"]
+    warm = percentiles(warm_swap_samples_ms, (50,))["p50"]
+    stall_b = percentiles(r["wait_ms"] for r in baseline)
+    stall_p = percentiles(r["wait_ms"] for r in prefetch)
+    p99_b, p99_p = stall_b["p99"], stall_p["p99"]
+    report = {
+        "total": hits["total"],
+        "resident_hits": hits["resident_hits"],
+        "effective_hits": hits["effective_hits"],
+        "resident_hit_ratio": hits["resident_hit_ratio"],
+        "effective_hit_ratio": hits["effective_hit_ratio"],
+        "baseline_hits": hit_counts(baseline, stall_eps_ms),
+        "cold_swap_ms": cold,
+        "warm_swap_ms": warm,
+        "swap_speedup": swap_speedup(cold, warm),
+        "vram_savings_pct": vram_savings_pct(base_bytes, pool_bytes, adapter_bytes),
+        "gateway_overhead_ms": gateway_overhead_ms,
+        "ttft_ms": {
+            "baseline": percentiles(r["ttft_ms"] for r in baseline),
+            "prefetch": percentiles(r["ttft_ms"] for r in prefetch),
+        },
+        "stall_ms": {"baseline": stall_b, "prefetch": stall_p},
+        "stall_p99_reduction": (p99_b / p99_p) if p99_b is not None and p99_p else None,
+        "by_domain": {
+            "baseline": by_domain(baseline, stall_eps_ms),
+            "prefetch": by_domain(prefetch, stall_eps_ms),
+        },
+        "bytes": {"base": base_bytes, "pool": pool_bytes, "adapters": list(adapter_bytes)},
+    }
+    if extra:
+        report.update(extra)
+    return report
+
+
+def _ms(v: float | None) -> str:
+    return "unknown" if v is None else f"{v:.2f} ms"
+
+
+def format_report(r: Mapping) -> str:
+    """The printed report (what ``make bench`` shows)."""
+    total = r["total"] or 1
+    lines = [
+        f"multi-LoRA eval: {r['total']} requests",
+        f"  VRAM resident hits         {r['resident_hits']:>5} / {r['total']}  ({100 * r['resident_hits'] / total:.2f}%)",
+        f"  effective prefetch hits    {r['effective_hits']:>5} / {r['total']}  ({100 * r['effective_hits'] / total:.2f}%)",
+        f"  cold swap latency (p50)    {_ms(r['cold_swap_ms'])}",
+        f"  warm/prefetched latency    {_ms(r['warm_swap_ms'])}",
+        "  swap speedup               " + ("unknown" if r["swap_speedup"] is None else f"{r['swap_speedup']:.1f}x"),
+        f"  VRAM savings vs dedicated  {r['vram_savings_pct']:.1f}%",
+        f"  gateway overhead (p50)     {_ms(r['gateway_overhead_ms'])}",
+        "",
+        f"  {'':<16}{'p50':>10}{'p90':>10}{'p95':>10}{'p99':>10}",
+    ]
+    for metric in ("ttft_ms", "stall_ms"):
+        for run in ("baseline", "prefetch"):
+            ps = r[metric][run]
+            cells = "".join(f"{'-' if ps[k] is None else format(ps[k], '.2f'):>10}" for k in ("p50", "p90", "p95", "p99"))
+            lines.append(f"  {metric[:-3] + ' ' + run:<16}{cells}")
+    lines += ["", f"  {'domain':<14}{'total':>6}{'resident':>10}{'effective':>10}{'stall p99 off':>15}{'on':>8}"]
+    base_d, pre_d = r["by_domain"]["baseline"], r["by_domain"]["prefetch"]
+    for d, row in pre_d.items():
+        off = base_d.get(d, {}).get("stall_ms", {}).get("p99")
+        on = row["stall_ms"]["p99"]
+        lines.append(
+            f"  {d:<14}{row['total']:>6}{row['resident_hits']:>10}{row['effective_hits']:>10}"
+            f"{'-' if off is None else format(off, '.1f'):>15}{'-' if on is None else format(on, '.1f'):>8}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+import pytest
+
+from bench.report import (
+    build_report,
+    by_domain,
+    format_report,
+    hit_counts,
+    percentiles,
+    swap_speedup,
+    vram_savings_pct,
+)
+
+
+def row(domain="coding", tier="pool", wait=0.0, ttft=10.0):
+    return {"domain": domain, "adapter": "a", "tier": tier, "wait_ms": wait, "ttft_ms": ttft}
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([], {"p50": None, "p90": None, "p95": None, "p99": None}),
+        ([5], {"p50": 5, "p90": 5, "p95": 5, "p99": 5}),
+        (list(range(1, 101)), {"p50": 50.5, "p90": 90.1, "p95": 95.05, "p99": 99.01}),
+        ([3, 1, 2], {"p50": 2, "p90": 2.8, "p95": 2.9, "p99": 2.98}),
+    ],
+)
+def test_percentiles_match_numpy_linear(values, expected):
+    got = percentiles(values)
+    for k, v in expected.items():
+        assert got[k] == (None if v is None else pytest.approx(v))
+
+
+def test_percentiles_agree_with_numpy():
+    np = pytest.importorskip("numpy")
+    xs = [0.3, 7, 1, 1, 9.5, 2, 40, 0]
+    got = percentiles(xs)
+    for q in (50, 90, 95, 99):
+        assert got[f"p{q}"] == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_hit_counts():
+    rows = [row(), row(tier="host", wait=0.5), row(tier="remote", wait=80), row(tier="disk", wait=2)]
+    h = hit_counts(rows, stall_eps_ms=1.0)
+    assert (h["total"], h["resident_hits"], h["effective_hits"]) == (4, 1, 2)
+    assert h["effective_hit_ratio"] == 0.5
+    assert hit_counts([])["effective_hit_ratio"] == 0.0
+
+
+@pytest.mark.parametrize("cold, warm, expected", [(100, 4, 25), (None, 4, None), (100, 0, None), (10, None, None)])
+def test_swap_speedup(cold, warm, expected):
+    assert swap_speedup(cold, warm) == expected
+
+
+def test_vram_savings():
+    # 10 dedicated instances of a 100-byte base + 10-byte adapter = 1100; shared 100 + pool 50
+    assert vram_savings_pct(100, 50, [10] * 10) == pytest.approx(100 * (1 - 150 / 1100))
+    assert vram_savings_pct(0, 0, []) == 0.0
+
+
+def test_by_domain_and_report():
+    base = [row("coding", "remote", 50, 70), row("legal", "remote", 100, 120), row("legal", "pool", 0, 10)]
+    pre = [row("coding", "pool", 0, 11), row("legal", "host", 0.2, 12), row("legal", "pool", 0, 10)]
+    d = by_domain(pre)
+    assert list(d) == ["coding", "legal"] and d["legal"]["total"] == 2
+    r = build_report(
+        base, pre,
+        cold_swap_samples_ms=[40, 50, 60], warm_swap_samples_ms=[2, 2, 3],
+        base_bytes=1000, pool_bytes=100, adapter_bytes=[10, 20, 30],
+        gateway_overhead_ms=1.2,
+    )
+    assert (r["total"], r["resident_hits"], r["effective_hits"]) == (3, 2, 3)
+    assert r["cold_swap_ms"] == 50 and r["warm_swap_ms"] == 2 and r["swap_speedup"] == 25
+    assert r["stall_ms"]["baseline"]["p99"] == pytest.approx(99.0)
+    assert r["stall_ms"]["prefetch"]["p50"] == 0
+    for field in ("ttft_ms", "stall_ms"):
+        assert set(r[field]) == {"baseline", "prefetch"}
+        assert set(r[field]["prefetch"]) == {"p50", "p90", "p95", "p99"}
+    text = format_report(r)
+    assert "effective prefetch hits" in text and "legal" in text and "25.0x" in text
+
+
+def test_unknown_values_print_as_unknown():
+    r = build_report([row()], [row()], cold_swap_samples_ms=[], warm_swap_samples_ms=[],
+                     base_bytes=1, pool_bytes=1, adapter_bytes=[1], gateway_overhead_ms=None)
+    assert r["swap_speedup"] is None
+    assert "unknown" in format_report(r)
