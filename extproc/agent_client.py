@@ -1,0 +1,169 @@
+"""The gateway's side of the GPU agents: prefetch signals out, residency views in.
+
+``AgentLink`` is a ``PrefetchSink`` (``submit`` never blocks: a bounded queue per agent,
+drained by a background thread that sends ``Prefetch`` with a short deadline) and keeps
+``ResidencyBoard.current`` up to date from each agent's ``WatchResidency`` stream (a
+background thread per agent builds a new immutable ``ResidencySnapshot`` and swaps the
+reference). An agent that is down or slow costs the request path nothing: its signals are
+dropped once its queue is full, its residency reads ``unknown``, and its stream is retried
+with exponential backoff until it comes back.
+
+Agent tiers map to the gateway's: device -> pool, host, disk, remote, absent -> none.
+Only the gRPC stubs are imported from gpu_agent (generated code, no torch).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import grpc
+
+from extproc.prefetch import PrefetchQueue, PrefetchSignal
+from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot
+from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
+from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+
+__all__ = ["AgentLink", "AgentTLS", "to_residency"]
+
+log = logging.getLogger(__name__)
+
+_TIERS = {pb.TIER_DEVICE: "pool", pb.TIER_HOST: "host", pb.TIER_DISK: "disk",
+          pb.TIER_REMOTE: "remote", pb.TIER_ABSENT: "none"}
+
+
+@dataclass(frozen=True)
+class AgentTLS:
+    """mTLS towards the agents: the CA that signed their certificates, and ours."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def to_residency(status: pb.AdapterStatus, base_model_bytes: int = 0) -> AdapterResidency:
+    return AdapterResidency(
+        tier=_TIERS.get(status.tier, "unknown"),
+        cold_load_ms=status.cold_load_ms if status.HasField("cold_load_ms") else None,
+        bytes=status.bytes or None,
+        prefetched=status.tier == pb.TIER_DEVICE and status.loaded_by == "prefetch",
+        base_model_bytes=base_model_bytes or None)
+
+
+class _Agent:
+    """One agent: its channel, prefetch sender and residency watcher."""
+
+    def __init__(self, link: "AgentLink", upstream: str, target: str):
+        self.link, self.upstream, self.target = link, upstream, target
+        if link.tls is not None:
+            creds = grpc.ssl_channel_credentials(link.tls.ca.read_bytes(), link.tls.key.read_bytes(),
+                                                 link.tls.cert.read_bytes())
+            self.channel = grpc.secure_channel(target, creds)
+        else:
+            self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.AgentStub(self.channel)
+        self.queue = PrefetchQueue(self._send, maxsize=link.queue_size)
+        self.sent = self.failed = 0
+        self.connected = False
+        self._call = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"agent-watch-{upstream}", daemon=True)
+
+    def _send(self, signal: PrefetchSignal) -> None:
+        try:
+            reply = self.stub.Prefetch(
+                pb.PrefetchRequest(adapter=signal.adapter, digest=signal.digest,
+                                   priority=signal.priority, reason=signal.reason),
+                timeout=self.link.send_timeout_s, metadata=self.link.metadata)
+            self.sent += 1
+            if reply.outcome == pb.PrefetchReply.REJECTED:
+                log.info("agent %s rejected prefetch of %s: %s", self.upstream, signal.adapter, reply.reason)
+        except grpc.RpcError as exc:  # a prefetch is a hint: count it and move on
+            self.failed += 1
+            log.debug("prefetch to %s failed: %s", self.upstream, exc.code())
+
+    def _watch(self) -> None:
+        backoff = self.link.backoff_min_s
+        while not self._stop.is_set():
+            table: dict[str, AdapterResidency] = {}
+            try:
+                self._call = self.stub.WatchResidency(pb.WatchRequest(), metadata=self.link.metadata)
+                for ev in self._call:
+                    if ev.kind == pb.ResidencyEvent.INITIAL:
+                        table[ev.status.adapter] = to_residency(ev.status, ev.base_model_bytes)
+                        continue
+                    if ev.kind == pb.ResidencyEvent.CHANGE:
+                        table[ev.status.adapter] = to_residency(ev.status, ev.base_model_bytes)
+                    if not self.connected:
+                        log.info("agent %s connected (%s)", self.upstream, self.target)
+                    self.connected = True
+                    backoff = self.link.backoff_min_s
+                    self.link._publish(self.upstream, table if ev.engine_up else None)
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                if self.connected:
+                    log.warning("agent %s stream lost: %s", self.upstream, exc.code())
+            self.connected = False
+            self.link._publish(self.upstream, None)  # unknown until it is back
+            self._stop.wait(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, self.link.backoff_max_s)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self.queue.close(timeout=0.5)
+        self._thread.join(timeout=2)
+        self.channel.close()
+
+
+class AgentLink:
+    """All agents this gateway talks to, keyed by upstream name."""
+
+    def __init__(self, agents: Mapping[str, str], board: ResidencyBoard | None = None, *,
+                 token: str | None = None, tls: AgentTLS | None = None, queue_size: int = 256,
+                 send_timeout_s: float = 0.5, backoff_min_s: float = 0.1, backoff_max_s: float = 5.0):
+        self.board = board or ResidencyBoard()
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.tls = tls
+        self.queue_size = queue_size
+        self.send_timeout_s = send_timeout_s
+        self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
+        self._tables: dict[str, Mapping[str, AdapterResidency]] = {}
+        self._lock = threading.Lock()
+        self.agents = {upstream: _Agent(self, upstream, target) for upstream, target in agents.items()}
+
+    def start(self) -> "AgentLink":
+        for agent in self.agents.values():
+            agent.start()
+        return self
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            agent.close()
+
+    def submit(self, signal: PrefetchSignal) -> bool:
+        """PrefetchSink: queue for the upstream's agent; False when none or its queue is full."""
+        agent = self.agents.get(signal.upstream)
+        return agent is not None and agent.queue.submit(signal)
+
+    def connected(self, upstream: str) -> bool:
+        agent = self.agents.get(upstream)
+        return agent is not None and agent.connected
+
+    def _publish(self, upstream: str, table: Mapping[str, AdapterResidency] | None) -> None:
+        with self._lock:
+            if table is None:
+                if upstream not in self._tables:
+                    return
+                self._tables.pop(upstream)
+            else:
+                self._tables[upstream] = dict(table)
+            self.board.publish(ResidencySnapshot.build(self._tables))

@@ -1,0 +1,176 @@
+"""The gateway's AgentLink against a real agent gRPC server (fake engine behind it).
+
+The agent runs on its own event loop in a thread, like a separate process would; the
+link is the threaded client the ext_proc uses. Covers: prefetch -> residency seen by the
+gateway, agent down or slow never blocks `submit`, reconnect when the agent comes back.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from extproc.agent_client import AgentLink
+from extproc.prefetch import PrefetchSignal
+from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
+from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from gpu_agent.service import start_server
+from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager
+from tests.support.procs import free_port
+
+TOKEN = "link-token"
+NAMES = ["a1", "a2", "a3"]
+
+
+class AgentThread:
+    """A real agent (manager + gRPC server) on its own loop, started/stopped on a fixed port."""
+
+    def __init__(self, tmp_path, port: int, load_delay_s: float = 0.0):
+        self.tmp_path, self.port, self.load_delay_s = tmp_path, port, load_delay_s
+        self.catalog = make_catalog(tmp_path, NAMES)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.manager = None
+
+    def _run(self, coro, timeout=30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> None:
+        async def up():
+            self.engine = FakeConnector(load_delay_s=self.load_delay_s)
+            self.manager = make_manager(self.catalog, self.tmp_path / "cache", self.engine)
+            await self.manager.start()
+            self.server, _, self.health = await start_server(self.manager, "127.0.0.1", self.port, token=TOKEN)
+        self._run(up())
+
+    def stop(self) -> None:
+        async def down():
+            self.health.cancel()
+            await self.server.stop(grace=None)
+            await self.manager.close()
+        if self.manager is not None:
+            self._run(down())
+            self.manager = None
+
+    def close(self) -> None:
+        self.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise TimeoutError("condition not met")
+
+
+@pytest.fixture
+def agent(tmp_path):
+    a = AgentThread(tmp_path, free_port())
+    a.start()
+    yield a
+    a.close()
+
+
+def signal(adapter: str, upstream: str = "u1") -> PrefetchSignal:
+    return PrefetchSignal(upstream=upstream, adapter=adapter, digest="", priority=1, reason="test")
+
+
+def test_prefetch_through_the_link_shows_up_as_prefetched_pool_residency(agent):
+    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
+    try:
+        wait_until(lambda: link.board.current.of("u1", "a1").tier == "disk")
+        assert link.board.current.of("u1", "a1").cold_load_ms is None
+        assert link.submit(signal("a1"))
+        wait_until(lambda: link.board.current.of("u1", "a1").tier == "pool")
+        res = link.board.current.of("u1", "a1")
+        assert res.prefetched and res.cold_load_ms > 0 and res.bytes == 4096
+        assert not link.submit(signal("a1", upstream="no-such-upstream"))
+        assert link.board.current.of("u1", "nope").tier == "unknown"
+    finally:
+        link.close()
+
+
+def test_agent_down_submit_never_blocks_and_residency_is_unknown(tmp_path):
+    port = free_port()   # nothing listens there
+    link = AgentLink({"u1": f"127.0.0.1:{port}"}, token=TOKEN, queue_size=8).start()
+    try:
+        t0 = time.perf_counter()
+        results = [link.submit(signal("a1")) for _ in range(1000)]
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 0.5, f"1000 submits took {elapsed:.3f}s"
+        assert results.count(True) >= 8 and results.count(False) > 0  # bounded queue, drops counted
+        assert link.board.current.of("u1", "a1").tier == "unknown"
+    finally:
+        link.close()
+
+
+def test_slow_agent_never_blocks_submit(tmp_path):
+    """An agent whose Prefetch handler takes 2 s: the sender waits, the request path does not."""
+    class Slow(pb_grpc.AgentServicer):
+        async def Prefetch(self, request, context):
+            await asyncio.sleep(2.0)
+            return pb.PrefetchReply(outcome=pb.PrefetchReply.ACCEPTED)
+
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+
+    async def up():
+        server = grpc.aio.server()
+        pb_grpc.add_AgentServicer_to_server(Slow(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(up(), loop).result(10)
+    link = AgentLink({"u1": f"127.0.0.1:{port}"}, queue_size=4, send_timeout_s=0.2).start()
+    try:
+        time.sleep(0.2)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            link.submit(signal("a1"))
+        assert time.perf_counter() - t0 < 0.2
+        wait_until(lambda: link.agents["u1"].failed >= 1)   # deadline exceeded, counted
+    finally:
+        link.close()
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(5)
+
+
+def test_link_reconnects_when_the_agent_comes_back(tmp_path):
+    agent = AgentThread(tmp_path, free_port())
+    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN, backoff_max_s=0.5).start()
+    try:
+        time.sleep(0.3)
+        assert link.board.current.of("u1", "a2").tier == "unknown"    # agent not started yet
+        agent.start()
+        wait_until(lambda: link.connected("u1"))
+        wait_until(lambda: link.board.current.of("u1", "a2").tier == "disk")
+        agent.stop()                                                  # agent goes away
+        wait_until(lambda: link.board.current.of("u1", "a2").tier == "unknown")
+        agent.start()                                                 # and comes back
+        wait_until(lambda: link.board.current.of("u1", "a2").tier == "disk")
+        assert link.submit(signal("a2"))
+        wait_until(lambda: link.board.current.of("u1", "a2").tier == "pool")
+    finally:
+        link.close()
+        agent.close()
+
+
+def test_wrong_token_is_refused_and_residency_stays_unknown(agent):
+    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token="wrong", backoff_max_s=0.2).start()
+    try:
+        time.sleep(0.5)
+        assert not link.connected("u1")
+        assert link.board.current.of("u1", "a1").tier == "unknown"
+    finally:
+        link.close()
