@@ -1,0 +1,93 @@
+"""The agent process with the builtin engine in-process: `python -m gpu_agent serve --engine builtin`.
+
+A prefetched adapter and a cold one side by side: the engine's own response headers say
+where each adapter was when its request arrived (`x-ace-adapter-tier`) and how long the
+request waited for it (`x-ace-adapter-wait-ms`).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import pytest
+
+from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
+from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from tests.support.agent import AUTH, agent_process
+from tests.support.procs import free_port, wait_http
+from tests.support.vllm import fixtures_dir
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    fixtures = fixtures_dir(tmp_path_factory)
+    work = tmp_path_factory.mktemp("agent-builtin")
+    port = free_port()
+    with agent_process(fixtures / "catalog.yaml", work, "builtin",
+                       extra=["--engine-port", str(port), "--reconcile-interval-s", "0.2"]) as proc:
+        proc.engine_url = f"http://127.0.0.1:{port}"
+        wait_http(proc.engine_url + "/health", timeout=60)
+        yield proc
+
+
+def rpc(agent, method, request):
+    async def call():
+        async with grpc.aio.insecure_channel(agent.target) as ch:
+            return await getattr(pb_grpc.AgentStub(ch), method)(request, metadata=AUTH, timeout=30)
+    return asyncio.run(call())
+
+
+def complete(agent, model):
+    r = httpx.post(agent.engine_url + "/v1/completions", timeout=60,
+                   json={"model": model, "prompt": "SELECT name FROM", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_prefetched_and_cold_adapters_side_by_side(agent):
+    t0 = time.monotonic()
+    reply = rpc(agent, "Prefetch", pb.PrefetchRequest(adapter="code-sql", priority=1, reason="predicted"))
+    assert reply.outcome == pb.PrefetchReply.ACCEPTED
+    while rpc(agent, "Status", pb.StatusRequest(adapter="code-sql")).tier != pb.TIER_DEVICE:
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.01)
+    st = rpc(agent, "Status", pb.StatusRequest(adapter="code-sql"))
+    assert st.loaded_by == "prefetch" and st.cold_load_ms > 0
+    hot = complete(agent, "code-sql")
+    cold = complete(agent, "legal-review")
+    assert hot.headers["x-ace-adapter-tier"] == "pool"
+    assert cold.headers["x-ace-adapter-tier"] in ("disk", "host")
+    hot_wait, cold_wait = (float(r.headers["x-ace-adapter-wait-ms"]) for r in (hot, cold))
+    assert hot_wait < cold_wait
+    print(f"\nprefetched code-sql waited {hot_wait:.2f} ms; cold legal-review waited {cold_wait:.2f} ms "
+          f"(agent cold load of code-sql {st.cold_load_ms:.1f} ms)")
+    # the engine's own on-demand load is noticed by the agent
+    deadline = time.monotonic() + 10
+    while rpc(agent, "Status", pb.StatusRequest(adapter="legal-review")).tier != pb.TIER_DEVICE:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert rpc(agent, "Status", pb.StatusRequest(adapter="legal-review")).loaded_by == "engine"
+
+
+def test_metrics_endpoint_reports_tiers_and_pool_pages(agent):
+    text = agent.metrics()
+    for series in ('ace_agent_tier_misses_total{tier="device"}', "ace_agent_pool_pages_used",
+                   "ace_agent_pool_pages_free", 'ace_agent_load_seconds_bucket{stage="cold"',
+                   'ace_agent_prefetch_total{outcome="accepted"}'):
+        assert series in text, series
+    assert agent.metric("ace_agent_pool_pages_used") > 0
+
+
+def test_evict_and_pin_reach_the_engine_pool(agent):
+    rpc(agent, "Prefetch", pb.PrefetchRequest(adapter="fin-reports"))
+    deadline = time.monotonic() + 30
+    while rpc(agent, "Status", pb.StatusRequest(adapter="fin-reports")).tier != pb.TIER_DEVICE:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    reply = rpc(agent, "Evict", pb.EvictRequest(adapter="fin-reports", down_to=pb.TIER_DISK))
+    assert reply.evicted and reply.status.tier in (pb.TIER_HOST, pb.TIER_DISK)
+    assert complete(agent, "fin-reports").headers["x-ace-adapter-tier"] != "pool"
