@@ -59,5 +59,9 @@ bench: $(STAMP) $(FIXTURES)/.done
 sim: $(STAMP)
 	$(BIN)/python -m bench.sim --out reports/sim.json $(if $(TRACE),--trace $(TRACE),)
 
+# Regenerate the committed gRPC code under gpu_agent/_proto from protos/ (grpcio-tools).
+protos: $(STAMP)
+	$(BIN)/python protos/generate.py
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(FIXTURES) .pytest_cache
