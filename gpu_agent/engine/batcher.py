@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 from gpu_agent.model import LlamaModel, Step
