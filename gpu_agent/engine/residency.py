@@ -119,7 +119,8 @@ class LoadRecord:
 
 class AdapterResidency:
     def __init__(self, pool: Any, spec: Any, entries: Mapping[str, CatalogEntry], *,
-                 source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30):
+                 source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30,
+                 room_timeout_s: float = 30.0):
         from gpu_agent.tiers import AdapterTiers
 
         self.pool = pool
@@ -133,6 +134,8 @@ class AdapterResidency:
         self._inflight: dict[str, asyncio.Future] = {}
         self.loads: dict[str, int] = {t: 0 for t in TIERS}  # cold loads by the tier they came from
         self.last_load: dict[str, LoadRecord] = {}
+        self.room_timeout_s = room_timeout_s
+        self._room = asyncio.Event()  # replaced on every set: one wake-up per release
 
     # -- names and tiers ---------------------------------------------------------------
 
@@ -189,7 +192,7 @@ class AdapterResidency:
                 if hold:
                     self._holds[name] = 1
                 return "pool", (time.perf_counter() - t0) * 1e3
-        await self._load(name, pin=hold)
+        await self._load_when_room(name, pin=hold)
         if hold:
             self._holds[name] = self._holds.get(name, 0) + 1
         ms = (time.perf_counter() - t0) * 1e3
@@ -209,6 +212,8 @@ class AdapterResidency:
                 self.pool.unpin(name)
             except core.AdapterNotResident:
                 pass
+            self._room.set()  # pages may have become evictable: wake loads waiting for room
+            self._room = asyncio.Event()
 
     async def prefetch(self, name: str, tier: str = "pool") -> str:
         """Move ``name`` up to ``tier`` (``pool`` or ``host``); returns where it was."""
@@ -263,6 +268,26 @@ class AdapterResidency:
         return out
 
     # -- internals ---------------------------------------------------------------------
+
+    async def _load_when_room(self, name: str, *, pin: bool) -> None:
+        """Load; when the pool is full of held adapters, wait for a holder to finish
+        (as S-LoRA queues a request whose adapter does not fit yet) instead of failing."""
+        deadline = time.monotonic() + self.room_timeout_s
+        while True:
+            room = self._room
+            try:
+                await self._load(name, pin=pin)
+                return
+            except core.PoolExhausted:
+                adapter = self.tiers.host.get(name)
+                never_fits = adapter is not None and self.pool.pages_for(adapter) > self.pool.num_pages
+                left = deadline - time.monotonic()
+                if never_fits or not self._holds or left <= 0:
+                    raise
+            try:
+                await asyncio.wait_for(room.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                pass  # one last try, then raise
 
     async def _load(self, name: str, *, pin: bool) -> None:
         fut = self._inflight.get(name)

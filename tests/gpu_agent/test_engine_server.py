@@ -265,3 +265,24 @@ def test_stop_strings_sampling_seed_and_client_disconnect(fx):
         assert engine.batcher.num_running == 0 and engine.residency.held("fin-risk") == 0
         assert engine.batcher.stats.generated_tokens < 200 + 60
     run_with_server(fx, scenario)
+
+
+def test_cold_load_waits_for_room_when_the_pool_is_full_of_running_adapters(fx):
+    # 1.5 MiB holds one rank-128 adapter (2,048 pages of 512 B), not two
+    async def scenario(c, engine):
+        rs = await asyncio.gather(*[c.post("/v1/completions", json={
+            "model": n, "prompt": "Translate", "max_tokens": 6}) for n in ("tr-fr-en", "legal-review")])
+        assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+        waits = sorted(float(r.headers["x-ace-adapter-wait-ms"]) for r in rs)
+        assert waits[1] > waits[0]
+        assert engine.pool.stats()["evictions"] >= 1
+        # directly: a held adapter makes the next cold load wait until it is released
+        res = engine.residency
+        await res.ensure_resident("legal-review", hold=True)
+        waiting = asyncio.ensure_future(res.ensure_resident("tr-fr-en"))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        res.release("legal-review")
+        tier, ms = await asyncio.wait_for(waiting, 10)
+        assert tier in ("host", "disk") and ms >= 100 and res.tier("legal-review") != "pool"
+    run_with_server(fx, scenario, pool_bytes=3 << 19)
