@@ -33,22 +33,22 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
         from . import lora_triton  # optional; only with CUDA + Triton
         return lora_triton.apply(y, x, pool, batch, layer, module)
     matrices = pool.matrices
+    linear = torch.nn.functional.linear       # x @ A^T with A [r, in] as the weight
     if batch.perm is None:
         # Every adapter's rows are consecutive in x: slice, no gather / scatter.
         for seg in segments:
             a, bt = matrices(seg.entry, layer, module)
-            t = torch.mm(x[seg.start:seg.end], a.t())
+            t = linear(x[seg.start:seg.end], a)
             y[seg.start:seg.end].addmm_(t, bt, alpha=seg.entry.scale)
         return y
     perm = batch.perm
+    sizes = batch.sizes
     xs = x.index_select(0, perm)
     out = torch.empty((xs.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
-    for seg in segments:
+    for seg, xp, o in zip(segments, xs.split(sizes), out.split(sizes)):
         a, bt = matrices(seg.entry, layer, module)
-        t = torch.mm(xs[seg.start:seg.end], a.t())
-        o = out[seg.start:seg.end]
         # the scale rides on the expand GEMM (alpha); beta=0 ignores o's old contents
-        torch.addmm(o, t, bt, beta=0, alpha=seg.entry.scale, out=o)
+        torch.addmm(o, linear(xp, a), bt, beta=0, alpha=seg.entry.scale, out=o)
     y.index_add_(0, perm, out)
     return y
 

@@ -1,10 +1,10 @@
 """PEFT LoRA adapters: read, validate against the served base model, hold on the host.
 
 An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors``
-(see ``shared/ENGINES.md``). :func:`load_peft_dir` reads the safetensors file with ONE
-``readinto`` into a single host buffer (pinned when asked, for fast H2D copies), hashes
-that same buffer when a digest is given, and returns tensors that are zero-copy views
-of it: disk -> host is one copy, host -> pool one more.
+(see ``shared/ENGINES.md``). :func:`load_peft_dir` maps the safetensors file (or copies
+it once into pinned memory for CUDA hosts), hashes those same bytes when a digest is
+given, and returns tensors that are zero-copy views of them: the copy into the pool
+is the only memcpy of a cold load.
 
 Torch is imported lazily so that importing this module (e.g. for :class:`BaseModelSpec`)
 stays cheap and torch-free.
@@ -15,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping, NamedTuple
 
 from .errors import (
     AdapterInvalid,
@@ -34,6 +35,8 @@ from .errors import (
 __all__ = [
     "BaseModelSpec",
     "LoraAdapter",
+    "FilePayload",
+    "Matrix",
     "load_peft_dir",
     "adapter_dir",
     "check_adapter_name",
@@ -45,9 +48,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (optionally
-# lora_A.<adapter>.weight in files saved by old PEFT versions).
-_KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?([A-Za-z0-9_]+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
@@ -68,12 +68,71 @@ class BaseModelSpec:
         return self.modules[module]
 
 
+class Matrix(NamedTuple):
+    """Where one LoRA matrix lies in a :class:`FilePayload` buffer (byte offsets)."""
+
+    key: tuple[int, str]
+    half: str                  # "A" [r, in] or "B" [out, r]
+    shape: tuple[int, int]
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True)
+class FilePayload:
+    """The adapter's bytes as read: one uint8 host tensor (the mapped file, or a pinned
+    copy) and every matrix's place in it, in file order. Lets the pool copy a whole
+    adapter with one memcpy when its layout matches the file's."""
+
+    buffer: Any
+    dtype: Any                                 # torch dtype shared by all matrices
+    matrices: tuple[Matrix, ...]
+    back_to_back: bool                         # matrices fill [matrices[0].start, matrices[-1].end)
+
+
+class _PayloadWeights(Mapping):
+    """``weights`` of a loaded adapter: tensor views into the payload, made on first use
+    (a cold load into the pool needs none of them)."""
+
+    def __init__(self, payload: FilePayload) -> None:
+        self._payload = payload
+        self._index: dict[tuple[int, str], dict[str, Matrix]] = {}
+        for m in payload.matrices:
+            self._index.setdefault(m.key, {})[m.half] = m
+        self._cache: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+    def __getitem__(self, key: tuple[int, str]) -> tuple[Any, Any]:
+        ab = self._cache.get(key)
+        if ab is None:
+            halves = self._index[key]
+            ab = (self._view(halves["A"]), self._view(halves["B"]))
+            self._cache[key] = ab
+        return ab
+
+    def _view(self, m: Matrix) -> Any:
+        raw = self._payload.buffer[m.start:m.end]
+        if m.start % self._payload.dtype.itemsize:
+            raw = raw.clone()  # unaligned (not written by safetensors >= 0.3): one small copy
+        return raw.view(self._payload.dtype).view(m.shape)
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
 @dataclass
 class LoraAdapter:
     """One LoRA adapter in host memory.
 
     ``weights[(layer, module)] = (A, B)`` with ``A: [r, in]`` and ``B: [out, r]``, so
-    the forward is ``y += scale * (x @ A.T) @ B.T``.
+    the forward is ``y += scale * (x @ A.T) @ B.T``. Adapters read from disk also carry
+    their ``payload`` (the raw bytes and where each matrix lies).
     """
 
     name: str
@@ -81,11 +140,12 @@ class LoraAdapter:
     alpha: float
     target_modules: tuple[str, ...]
     base_model: str
-    weights: dict[tuple[int, str], tuple[Any, Any]]
+    weights: Mapping[tuple[int, str], tuple[Any, Any]]
     use_rslora: bool = False
     sha256: str | None = None
     source: str | None = None
-    _buffer: Any = field(default=None, repr=False)  # keeps the host buffer alive
+    payload: FilePayload | None = field(default=None, repr=False)
+    validated_for: BaseModelSpec | None = field(default=None, repr=False)  # shapes checked against
 
     @property
     def scale(self) -> float:
@@ -94,8 +154,20 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
+        if self.payload is not None:
+            return sum(m.end - m.start for m in self.payload.matrices)
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
                    for a, b in self.weights.values())
+
+    def matrix_shapes(self) -> Iterator[tuple[tuple[int, str], str, tuple[int, int]]]:
+        """(key, "A"|"B", shape) of every matrix, without materialising tensors."""
+        if self.payload is not None:
+            for m in self.payload.matrices:
+                yield m.key, m.half, m.shape
+            return
+        for key, (a, b) in self.weights.items():
+            yield key, "A", tuple(a.shape)
+            yield key, "B", tuple(b.shape)
 
 
 def check_adapter_name(name: str) -> str:
@@ -181,26 +253,30 @@ def _same_base(declared: Any, spec: BaseModelSpec) -> bool:
 
 def _read_safetensors(path: Path, sha256: str | None, pin_memory: bool,
                       timings: dict[str, float] | None = None):
-    """Read the file into one uint8 host tensor; return (buffer, header, data_offset)."""
+    """Map the file as one uint8 host tensor; return (buffer, header, data_offset).
+
+    The file is mapped copy-on-write (private): tensors are views of the page cache,
+    so disk -> host costs no copy and host -> pool is the only memcpy. With
+    ``pin_memory`` (CUDA hosts) the bytes are copied once into pinned memory instead.
+    Adapter files are immutable once written (the agent writes new versions to a new
+    file and renames), so the mapping never sees a truncated file.
+    """
     import torch
 
     t0 = time.perf_counter()
     try:
-        size = os.path.getsize(path)
-        f = open(path, "rb", buffering=0)
+        f = open(path, "rb")
     except FileNotFoundError as exc:
         raise AdapterNotFound(f"{path.parent}: no {WEIGHTS_FILE}") from exc
     with f:
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
-        view = memoryview(buf.numpy())
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    if got != size:
-        raise AdapterInvalid(f"{path}: short read ({got} of {size} bytes)")
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise AdapterInvalid(f"{path}: not a safetensors file")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    view = memoryview(mapped)
+    buf = torch.frombuffer(mapped, dtype=torch.uint8)
+    if pin_memory:
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=True).copy_(buf)
     t1 = time.perf_counter()
     if sha256 is not None:
         digest = hashlib.sha256(view).hexdigest()
@@ -209,8 +285,6 @@ def _read_safetensors(path: Path, sha256: str | None, pin_memory: bool,
     if timings is not None:
         timings["read_ms"] = (t1 - t0) * 1e3
         timings["verify_ms"] = (time.perf_counter() - t1) * 1e3
-    if size < 8:
-        raise AdapterInvalid(f"{path}: not a safetensors file")
     (hlen,) = struct.unpack("<Q", bytes(view[:8]))
     if hlen > size - 8:
         raise AdapterInvalid(f"{path}: safetensors header length {hlen} exceeds file")
@@ -223,22 +297,36 @@ def _read_safetensors(path: Path, sha256: str | None, pin_memory: bool,
     return buf, header, 8 + hlen
 
 
-def _tensor_view(buf, info: Any, base: int, key: str, where: str):
-    import torch
+_HALVES = {"lora_A": "A", "lora_B": "B"}
+_TORCH_DTYPES: dict[str, Any] = {}
 
+
+def _parse_key(key: str) -> tuple[int, str, str] | None:
+    """(layer, module, "A"|"B") of ``...layers.{i}.<path>.{module}.lora_{A|B}[.<name>].weight``."""
+    parts = key.split(".")
+    if len(parts) < 5 or parts[-1] != "weight":
+        return None
+    i = -2 if parts[-2] in _HALVES else -3    # old PEFT: lora_A.<adapter name>.weight
+    half = _HALVES.get(parts[i])
     try:
-        dtype = getattr(torch, _ST_DTYPES[info["dtype"]])
-        shape = [int(s) for s in info["shape"]]
-        start, end = (int(o) for o in info["data_offsets"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise AdapterInvalid(f"{where}: tensor {key}: unsupported or malformed entry") from exc
-    nbytes = math.prod(shape) * dtype.itemsize
-    if start < 0 or end - start != nbytes or base + end > buf.numel():
-        raise AdapterInvalid(f"{where}: tensor {key}: offsets do not match its shape")
-    raw = buf[base + start: base + end]
-    if (base + start) % dtype.itemsize:
-        raw = raw.clone()  # unaligned (not written by safetensors >= 0.3): one small copy
-    return raw.view(dtype).view(shape)
+        li = parts.index("layers")
+        layer = int(parts[li + 1])
+    except (ValueError, IndexError):
+        return None
+    if half is None or li + 2 > len(parts) + i - 1 or layer < 0:
+        return None
+    return layer, parts[i - 1], half
+
+
+def _torch_dtype(name: Any, key: str, where: str) -> Any:
+    dtype = _TORCH_DTYPES.get(name)
+    if dtype is None:
+        import torch
+
+        if name not in _ST_DTYPES:
+            raise AdapterInvalid(f"{where}: tensor {key}: unsupported dtype {name!r}")
+        dtype = _TORCH_DTYPES[name] = getattr(torch, _ST_DTYPES[name])
+    return dtype
 
 
 def load_peft_dir(path: str | os.PathLike[str], spec: BaseModelSpec, sha256: str | None = None,
@@ -272,34 +360,60 @@ def load_peft_dir(path: str | os.PathLike[str], spec: BaseModelSpec, sha256: str
     targets = _target_modules(cfg, spec, where)
 
     buf, header, base = _read_safetensors(p / WEIGHTS_FILE, sha256, pin_memory, timings)
-    halves: dict[tuple[int, str], dict[str, Any]] = {}
+    size = buf.numel()
+    matrices: list[Matrix] = []
+    halves: dict[tuple[int, str], dict[str, Matrix]] = {}
+    modules = spec.modules
+    num_layers = spec.num_layers
+    dtype_name = None
+    dtype = None
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        m = _KEY_RE.search(key)
-        if m is None:
+        parsed = _parse_key(key)
+        if parsed is None:
             raise UnsupportedFeature(f"{where}: tensor {key!r} is not a LoRA A/B weight")
-        layer, module, half = int(m.group(1)), m.group(2), m.group(3)
+        layer, module, half = parsed
         if module not in targets:
             raise AdapterInvalid(f"{where}: tensor {key!r}: module {module!r} not in target_modules")
-        if layer >= spec.num_layers:
-            raise AdapterInvalid(f"{where}: tensor {key!r}: layer {layer} >= {spec.num_layers}")
-        t = _tensor_view(buf, info, base, key, where)
-        halves.setdefault((layer, module), {})[half] = t
-    if not halves:
-        raise AdapterInvalid(f"{where}: no LoRA weights")
-    weights: dict[tuple[int, str], tuple[Any, Any]] = {}
-    for (layer, module), ab in sorted(halves.items()):
-        if set(ab) != {"A", "B"}:
-            raise AdapterInvalid(f"{where}: layer {layer} {module}: lora_A and lora_B must both be present")
-        a, b = ab["A"], ab["B"]
-        fan_in, fan_out = spec.modules[module]
-        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+        if layer >= num_layers:
+            raise AdapterInvalid(f"{where}: tensor {key!r}: layer {layer} >= {num_layers}")
+        try:
+            name_ = info["dtype"]
+            shape = info["shape"]
+            start, end = info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AdapterInvalid(f"{where}: tensor {key}: malformed header entry") from exc
+        if name_ != dtype_name:
+            if dtype_name is not None:
+                raise UnsupportedFeature(f"{where}: mixed tensor dtypes {dtype_name} and {name_}")
+            dtype_name, dtype = name_, _torch_dtype(name_, key, where)
+        fan_in, fan_out = modules[module]
+        want = [rank, fan_in] if half == "A" else [fan_out, rank]
+        if shape != want:
             raise AdapterInvalid(
-                f"{where}: layer {layer} {module}: shapes A{tuple(a.shape)} B{tuple(b.shape)}, "
-                f"expected A({rank}, {fan_in}) B({fan_out}, {rank})")
-        weights[(layer, module)] = (a, b)
+                f"{where}: layer {layer} {module}: lora_{half} shapes {shape}, expected {want} "
+                f"(A is [r, in], B is [out, r], r={rank})")
+        if (type(start) is not int or type(end) is not int or start < 0
+                or end - start != want[0] * want[1] * dtype.itemsize or base + end > size):
+            raise AdapterInvalid(f"{where}: tensor {key}: offsets do not match its shape")
+        k = (layer, module)
+        seen = halves.setdefault(k, {})
+        if half in seen:
+            raise AdapterInvalid(f"{where}: layer {layer} {module}: lora_{half} given twice")
+        mat = Matrix(k, half, (want[0], want[1]), base + start, base + end)
+        seen[half] = mat
+        matrices.append(mat)
+    if not matrices:
+        raise AdapterInvalid(f"{where}: no LoRA weights")
+    for (layer, module), ab in halves.items():
+        if len(ab) != 2:
+            raise AdapterInvalid(f"{where}: layer {layer} {module}: lora_A and lora_B must both be present")
+    matrices.sort(key=lambda mt: mt.start)
+    back_to_back = all(a.end == b.start for a, b in zip(matrices, matrices[1:]))
+    payload = FilePayload(buf, dtype, tuple(matrices), back_to_back)
     return LoraAdapter(
         name=adapter_name, rank=rank, alpha=float(alpha), target_modules=targets,
-        base_model=spec.name, weights=weights, use_rslora=bool(cfg.get("use_rslora", False)),
-        sha256=sha256, source=where, _buffer=buf)
+        base_model=spec.name, weights=_PayloadWeights(payload),
+        use_rslora=bool(cfg.get("use_rslora", False)), sha256=sha256, source=where, payload=payload,
+        validated_for=spec)

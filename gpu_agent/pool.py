@@ -1,22 +1,21 @@
 """Unified paged adapter pool (the S-LoRA idea).
 
 ONE preallocated tensor ``pages [num_pages, W]`` holds every resident adapter, where the
-row width ``W`` is the model's hidden size. A rank-r adapter stores, per layer and per
-target module with ``(in, out)`` features::
+row width ``W`` is the model's hidden size. Every LoRA matrix is stored exactly as PEFT
+wrote it (row-major, ``A [r, in]`` and ``B [out, r]``) in its own run of
+``ceil(numel / W)`` pages, so for a module with in = out = W a rank-r adapter takes r
+pages for A and r pages for B (S-LoRA's "r rows of H per matrix"); k/v projections
+under GQA (out < W) take fewer, MLP modules (in or out > W) more. A matrix is
+``pages[p : p + n].view(-1)[:numel].view(shape)``: a view, no copy. Loading is a plain
+memcpy per matrix (no transpose: a transposed copy of B measured ~20x slower than a
+flat one), and the batched op reads ``B^T`` as a transposed view.
 
-    A   [r, in]   -> r * ceil(in / W)  pages   (row i of A spans ceil(in/W) pages)
-    B^T [r, out]  -> r * ceil(out / W) pages   (B is stored transposed: rows are r x out)
-
-A matrix row narrower than W (k/v projections with GQA) leaves the rest of its page
-unused; a wider one (MLP up/gate, in=W out=I>W) spans several consecutive pages. Either
-way a matrix is ``pages[p : p + r*c].view(r, c*W)[:, :width]``: a strided view, no copy.
-Ranks 8..128 therefore share one pool and one allocator, and every page is the same size,
-so any request that fits in the free pages succeeds (no external fragmentation).
-
-The allocator prefers one contiguous run per adapter (best fit over free runs) so
-matrices are views; when free pages are scattered it takes any free pages, and a
-matrix whose pages are not consecutive is gathered (``index_select``) when a batch
-uses it. ``stats()['scattered_adapters']`` says how often that happens.
+Every page has the same size, so ranks 8..128 share one pool and one allocator and
+any request that fits in the free pages succeeds (no external fragmentation). The
+allocator prefers one contiguous run per adapter (best fit over free runs) so every
+matrix is a view; when free pages are scattered it takes any free pages, and a matrix
+whose pages are not consecutive is gathered (``index_select``) when a batch uses it
+(``stats()['scattered_adapters']`` says how often).
 
 Slot table in both directions (``_slots[slot] -> entry`` with ``EMPTY`` = None,
 ``_entries[name] -> entry`` with ``entry.slot``), a per-slot scale tensor, and
@@ -54,7 +53,7 @@ class PoolEntry:
     nbytes: int
     page_ids: np.ndarray             # logical order -> physical page
     contiguous: bool                 # page_ids is one run: every matrix is a view
-    layout: dict[tuple[int, str], tuple[int, int, int, int]]  # (layer,module) -> (a_off, b_off, c_in, c_out)
+    layout: dict[tuple[int, str], list[int]]  # (layer, module) -> [a_off, a_pages, b_off, b_pages]
     pinned: bool = False
     in_use: int = 0
     load_ms: float = 0.0
@@ -79,7 +78,7 @@ class LoraBatch:
     rows are already consecutive, ``perm`` is None and segments index ``x`` directly.
     """
 
-    __slots__ = ("pool", "num_rows", "row_slots", "slot_scales", "perm", "segments", "entries")
+    __slots__ = ("pool", "num_rows", "row_slots", "slot_scales", "perm", "segments", "sizes", "entries")
 
     def __init__(self, pool: "AdapterPool", num_rows: int, row_slots: Any, perm: Any,
                  segments: list[Segment], entries: list[PoolEntry]) -> None:
@@ -89,6 +88,7 @@ class LoraBatch:
         self.slot_scales = pool.slot_scales
         self.perm = perm
         self.segments = segments
+        self.sizes = [s.end - s.start for s in segments]   # for Tensor.split over grouped rows
         self.entries = entries
 
     def weights(self, seg: Segment, layer: int, module: str) -> tuple[Any, Any]:
@@ -132,24 +132,39 @@ class AdapterPool:
         self.loads = 0
         self.load_ms_total = 0.0
         self.scattered_loads = 0
-        self._layouts: dict[int, tuple[dict[tuple[int, str], tuple[int, int, int, int]], int]] = {}
 
     # ---- layout ---------------------------------------------------------------------
-    def _layout(self, rank: int, keys: Sequence[tuple[int, str]]):
-        """Page offsets of every matrix of a rank-``rank`` adapter with these keys."""
+    def _plan(self, adapter: LoraAdapter) -> tuple[dict[tuple[int, str], list[int]], int, bool]:
+        """Page layout of ``adapter``: ``{key: [a_off, a_pages, b_off, b_pages]}``, the
+        page count, and whether its pool image equals its file bytes (one memcpy).
+
+        Matrices are placed in file order (sorted keys, A then B, for in-memory adapters),
+        each in its own ``ceil(numel / W)`` pages.
+        """
         w = self.row_width
-        layout: dict[tuple[int, str], tuple[int, int, int, int]] = {}
+        payload = adapter.payload
+        if payload is not None:
+            order = [(m.key, m.half, m.numel) for m in payload.matrices]
+        else:
+            order = [(key, half, shape[0] * shape[1]) for key, half, shape in adapter.matrix_shapes()]
+            order.sort(key=lambda o: (o[0], o[1]))
+        layout: dict[tuple[int, str], list[int]] = {}
         off = 0
-        for key in sorted(keys):
-            fan_in, fan_out = self.spec.modules[key[1]]
-            c_in, c_out = math.ceil(fan_in / w), math.ceil(fan_out / w)
-            layout[key] = (off, off + rank * c_in, c_in, c_out)
-            off += rank * (c_in + c_out)
-        return layout, off
+        exact = True
+        for key, half, numel in order:
+            n = -(-numel // w)
+            exact = exact and n * w == numel
+            slot = layout.setdefault(key, [0, 0, 0, 0])
+            j = 0 if half == "A" else 2
+            slot[j], slot[j + 1] = off, n
+            off += n
+        one_copy = bool(payload is not None and exact and payload.back_to_back
+                        and payload.dtype == self.dtype)
+        return layout, off, one_copy
 
     def pages_for(self, adapter: LoraAdapter) -> int:
         """Pages ``adapter`` needs in this pool."""
-        return self._layout(adapter.rank, list(adapter.weights))[1]
+        return self._plan(adapter)[1]
 
     # ---- allocation -----------------------------------------------------------------
     def _alloc(self, n: int) -> tuple[np.ndarray, bool]:
@@ -212,12 +227,16 @@ class AdapterPool:
     def _validate(self, adapter: LoraAdapter) -> None:
         if adapter.base_model != self.spec.name:
             raise AdapterInvalid(f"{adapter.name}: for base model {adapter.base_model!r}, pool serves {self.spec.name!r}")
-        for (layer, module), (a, b) in adapter.weights.items():
-            if module not in self.spec.modules or not 0 <= layer < self.spec.num_layers:
+        if adapter.validated_for is self.spec or adapter.validated_for == self.spec:
+            return  # load_peft_dir already checked every shape against this model
+        modules = self.spec.modules
+        r = adapter.rank
+        for (layer, module), half, shape in adapter.matrix_shapes():
+            if module not in modules or not 0 <= layer < self.spec.num_layers:
                 raise AdapterInvalid(f"{adapter.name}: layer {layer} module {module!r} not in {self.spec.name}")
-            fan_in, fan_out = self.spec.modules[module]
-            if tuple(a.shape) != (adapter.rank, fan_in) or tuple(b.shape) != (fan_out, adapter.rank):
-                raise AdapterInvalid(f"{adapter.name}: layer {layer} {module}: bad shapes")
+            fan_in, fan_out = modules[module]
+            if shape != ((r, fan_in) if half == "A" else (fan_out, r)):
+                raise AdapterInvalid(f"{adapter.name}: layer {layer} {module}: lora_{half} shape {shape}")
 
     def load(self, adapter: LoraAdapter, pin: bool = False) -> PoolEntry:
         """Make ``adapter`` resident (evicting unpinned, unused adapters as needed).
@@ -233,11 +252,11 @@ class AdapterPool:
                 return entry
             self._validate(adapter)
             t0 = time.perf_counter()
-            layout, n = self._layout(adapter.rank, list(adapter.weights))
+            layout, n, one_copy = self._plan(adapter)
             self._make_room(n, adapter.name)
             ids, contiguous = self._alloc(n)
             try:
-                self._copy_in(adapter, layout, ids, contiguous)
+                self._copy_in(adapter, layout, ids, contiguous, one_copy)
             except BaseException:
                 self._free[ids] = True
                 self._num_free += n
@@ -256,59 +275,68 @@ class AdapterPool:
             self.scattered_loads += not contiguous
             return entry
 
-    def _copy_in(self, adapter: LoraAdapter, layout, ids: np.ndarray, contiguous: bool) -> None:
+    def _copy_in(self, adapter: LoraAdapter, layout, ids: np.ndarray, contiguous: bool,
+                 one_copy: bool) -> None:
         import torch
 
         stream = self._copy_stream
         ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
         non_blocking = stream is not None
         with ctx:
-            if contiguous:
+            if contiguous and one_copy:
+                # The adapter's page run is byte-for-byte its file's data section.
+                payload = adapter.payload
+                start, end = payload.matrices[0].start, payload.matrices[-1].end
+                p0 = int(ids[0])
+                dst = self.pages[p0: p0 + len(ids)].view(-1).view(torch.uint8)
+                dst.copy_(payload.buffer[start:end], non_blocking=non_blocking)
+            elif contiguous:
                 p0 = int(ids[0])
                 for key, (a, b) in adapter.weights.items():
-                    a_off, b_off, c_in, c_out = layout[key]
-                    r = adapter.rank
-                    self._view(p0 + a_off, r, c_in, a.shape[1]).copy_(a, non_blocking=non_blocking)
-                    self._view(p0 + b_off, r, c_out, b.shape[0]).copy_(b.t(), non_blocking=non_blocking)
+                    a_off, a_pages, b_off, b_pages = layout[key]
+                    self._flat(p0 + a_off, a_pages, a.numel()).copy_(a.reshape(-1), non_blocking=non_blocking)
+                    self._flat(p0 + b_off, b_pages, b.numel()).copy_(b.reshape(-1), non_blocking=non_blocking)
             else:
                 idx = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
                 w = self.row_width
                 for key, (a, b) in adapter.weights.items():
-                    a_off, b_off, c_in, c_out = layout[key]
-                    r = adapter.rank
-                    for off, c, m in ((a_off, c_in, a), (b_off, c_out, b.t())):
-                        block = torch.zeros(r, c * w, dtype=self.dtype, device=self.device)
-                        block[:, : m.shape[1]].copy_(m, non_blocking=non_blocking)
-                        self.pages.index_copy_(0, idx[off: off + r * c], block.view(r * c, w))
+                    a_off, a_pages, b_off, b_pages = layout[key]
+                    for off, n, m in ((a_off, a_pages, a), (b_off, b_pages, b)):
+                        block = torch.zeros(n * w, dtype=self.dtype, device=self.device)
+                        block[: m.numel()].copy_(m.reshape(-1), non_blocking=non_blocking)
+                        self.pages.index_copy_(0, idx[off: off + n], block.view(n, w))
         if stream is not None:
             stream.synchronize()  # the pages are ready before any batch can name them
 
-    def _view(self, p: int, r: int, c: int, width: int):
-        return self.pages[p: p + r * c].view(r, c * self.row_width)[:, :width]
+    def _flat(self, p: int, n: int, numel: int):
+        """The first ``numel`` elements of pages ``[p, p + n)`` as one flat view."""
+        return self.pages[p: p + n].view(-1)[:numel]
 
     def matrices(self, entry: PoolEntry, layer: int, module: str) -> tuple[Any, Any]:
-        """(A [r, in], B^T [r, out]) of a resident adapter, as views of the pool pages
-        (or gathered copies when its pages are scattered)."""
+        """(A [r, in], B^T [r, out]) of a resident adapter: views of the pool pages
+        (B^T is a transposed view of B [out, r]), or gathered copies when the
+        matrix's pages are scattered."""
         key = (layer, module)
         mats = entry._mats.get(key)
         if mats is not None:
             return mats
-        a_off, b_off, c_in, c_out = entry.layout[key]
+        a_off, a_pages, b_off, b_pages = entry.layout[key]
         fan_in, fan_out = self.spec.modules[module]
         r = entry.rank
         ids = entry.page_ids
         out = []
         cacheable = True
-        for off, c, width in ((a_off, c_in, fan_in), (b_off, c_out, fan_out)):
-            run = ids[off: off + r * c]
+        for off, n, shape in ((a_off, a_pages, (r, fan_in)), (b_off, b_pages, (fan_out, r))):
+            run = ids[off: off + n]
+            numel = shape[0] * shape[1]
             if entry.contiguous or bool(np.all(np.diff(run) == 1)):
-                out.append(self._view(int(run[0]), r, c, width))
+                out.append(self._flat(int(run[0]), n, numel).view(shape))
             else:
                 import torch
                 idx = torch.as_tensor(run, dtype=torch.int64, device=self.device)
-                out.append(self.pages.index_select(0, idx).view(r, c * self.row_width)[:, :width])
+                out.append(self.pages.index_select(0, idx).view(-1)[:numel].view(shape))
                 cacheable = False  # a gathered copy would go stale if the pages change
-        mats = (out[0], out[1])
+        mats = (out[0], out[1].t())
         if cacheable:
             entry._mats[key] = mats
         return mats
@@ -426,7 +454,7 @@ class AdapterPool:
             owner[e.page_ids] = e.slot
             if self._slots[e.slot] is not e:
                 raise AssertionError(f"{e.name}: slot table disagrees")
-            if len(e.page_ids) != self._layout(e.rank, list(e.layout))[1]:
+            if len(e.page_ids) != sum(v[1] + v[3] for v in e.layout.values()):
                 raise AssertionError(f"{e.name}: page count")
         if not np.array_equal(owner == -1, self._free) or int(self._free.sum()) != self._num_free:
             raise AssertionError("free bitmap disagrees with page tables")

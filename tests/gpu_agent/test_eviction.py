@@ -6,7 +6,7 @@ from gpu_agent.pool import AdapterPool
 
 from .lora_testing import SPEC, make_adapter
 
-PAGES_R8 = 8 * 16
+PAGES_R8 = 8 * 14
 
 
 def _run(policy, budget_adapters, sequence, pinned=()):

@@ -112,3 +112,24 @@ def test_adapter_names_never_become_paths_unchecked(tmp_path, name):
 
 def test_adapter_dir_ok(tmp_path):
     assert adapter_dir(tmp_path, "code-python.v2") == (tmp_path / "code-python.v2").resolve()
+
+
+def test_old_peft_key_names_with_adapter_name(tmp_path):
+    ad = make_adapter("old", 8, modules=("q_proj",))
+    renamed = {}
+    for (layer, m), (a, b) in ad.weights.items():
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+        renamed[f"{prefix}.lora_A.default.weight"] = a
+        renamed[f"{prefix}.lora_B.default.weight"] = b
+    path = write_peft_dir(tmp_path, make_adapter("old", 8, modules=()), tensor_overrides=renamed,
+                          config_overrides={"target_modules": ["q_proj"]})
+    got = load_peft_dir(path, SPEC)
+    assert torch.equal(got.weights[(1, "q_proj")][1], ad.weights[(1, "q_proj")][1])
+
+
+@pytest.mark.parametrize("key", ["model.layers.x.q_proj.lora_A.weight", "q_proj.lora_A.weight",
+                                 "model.layers.0.q_proj.lora_C.weight"])
+def test_unparseable_keys_rejected(tmp_path, key):
+    path = write_peft_dir(tmp_path, make_adapter("k", 8), tensor_overrides={key: torch.zeros(8, 32)})
+    with pytest.raises(UnsupportedFeature):
+        load_peft_dir(path, SPEC)
