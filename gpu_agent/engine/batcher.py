@@ -174,6 +174,13 @@ class Batcher:
                 if self.batch_window_s > 0:  # let requests that arrive together share a step
                     await asyncio.sleep(self.batch_window_s)
             self._admit()
+            if self.pool is not None:
+                # A sequence whose adapter is not resident (not held by its caller) must
+                # not fail the whole batch: it alone ends, with "abort".
+                for s in self._running:
+                    if s.req.adapter is not None and not self.pool.contains(s.req.adapter):
+                        self._finish(s, "abort")
+                self._running = [s for s in self._running if not s.done]
             seqs = list(self._running)
             if not seqs:
                 continue

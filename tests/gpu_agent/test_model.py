@@ -118,3 +118,24 @@ def test_batched_lora_logits_match_merged(model, spec, fx):
     for i, n in enumerate(names):
         ref = (model if n is None else merge_adapter(model, ads[n])).forward([Step(prompts[i], model.new_cache(8))])[0]
         torch.testing.assert_close(logits[i], ref, rtol=1e-3, atol=1e-3)
+
+
+def test_a_sequence_without_its_adapter_resident_ends_alone(model, spec, fx):
+    from gpu_agent.engine.batcher import Batcher, GenerationRequest
+    from gpu_agent.pool import AdapterPool
+
+    pool = AdapterPool(spec, 4 << 20)
+    pool.load(load_peft_dir(fx / "adapters/code-python", spec))
+
+    async def run():
+        b = Batcher(model, pool, batch_window_ms=20)
+        async def one(name):
+            return [ev async for ev in b.generate(GenerationRequest([1, 40, 41], name, 4))]
+        try:
+            return await asyncio.gather(one("code-python"), one("not-loaded"))
+        finally:
+            await b.stop()
+
+    ok, missing = asyncio.run(run())
+    assert [e.finish_reason for e in ok] == [None, None, None, "length"]
+    assert [e.finish_reason for e in missing] == ["abort"]
