@@ -1,6 +1,7 @@
 """``python -m extproc --config state.yaml [--catalog catalog.yaml] ...``"""
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -8,7 +9,7 @@ from extproc.errors import ConfigError
 from extproc.prefetch import NullPrefetchSink
 from extproc.processor import Gateway
 from extproc.routing import load_policy
-from extproc.server import serve
+from extproc.server import serve, serve_aio
 from extproc.settings import Settings
 from extproc.store import Store
 
@@ -24,7 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"extproc: configuration error: {exc}", file=sys.stderr)
         return 2
     try:
-        serve(gateway, settings.listen, settings.workers)
+        if settings.server == "aio":
+            asyncio.run(serve_aio(gateway, settings.listen))
+        else:
+            serve(gateway, settings.listen, settings.workers)
     finally:
         store.close()
     return 0

@@ -16,6 +16,23 @@ __all__ = ["TEMPLATE", "render"]
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.template.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
+BUFFER = "envoy.filters.http.buffer"
+# Wire hints an upstream with ``hints: headers`` receives (extproc.rewrite.hints).
+HINT_FIELDS = ("lora_name", "lora_adapter", "lora_prefetch", "enable_lora_prefetch",
+               "prefetch_adapter_id", "vram_allocated_mb", "prefetch_status")
+
+
+def _hint_headers() -> str:
+    lines = []
+    for f in HINT_FIELDS:
+        name = "x-ace-hint-" + f.replace("_", "-")
+        lines.append(f'              - header: {{key: {name}, value: "%DYNAMIC_METADATA(ace:hint_{f})%"}}\n'
+                     "                append_action: OVERWRITE_IF_EXISTS_OR_ADD")
+    return "\n".join(lines)
+
+
+def _hint_names() -> str:
+    return ", ".join("x-ace-hint-" + f.replace("_", "-") for f in HINT_FIELDS)
 
 
 def render(*, listen_port: int = 8080, admin_port: int = 9901, extproc: str = "127.0.0.1:50051",
@@ -27,12 +44,13 @@ def render(*, listen_port: int = 8080, admin_port: int = 9901, extproc: str = "1
         listen_port=listen_port, admin_port=admin_port, listen_address=listen_address,
         extproc_host=host, extproc_port=port, default_upstream=default_upstream,
         failure_mode_allow="true" if failure_mode_allow else "false",
-        message_timeout=message_timeout, buffer_limit=max_body_bytes + (64 << 10))
+        message_timeout=message_timeout, buffer_limit=max_body_bytes + (64 << 10),
+        hint_headers=_hint_headers(), hint_names=_hint_names())
     if with_extproc:
         return text
     config = yaml.safe_load(text)
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in (EXT_PROC, BUFFER)]
     for vhost in hcm["route_config"]["virtual_hosts"]:
         for route in vhost["routes"]:
             route.pop("typed_per_filter_config", None)

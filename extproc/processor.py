@@ -21,14 +21,13 @@ from extproc.rewrite import rewrite_request
 from extproc.routing import RoutePolicy, choose_upstream
 from extproc.skills import SKILLS, parse_override_header, resolve, validate_skills
 from extproc.store import Store
-from extproc.trace import trace_entries, trace_headers
+from extproc.trace import trace_entries, trace_metadata
 
 __all__ = ["Continue", "Reply", "RequestHead", "Gateway", "Exchange", "CONTINUE",
-           "DESTINATION_HEADER", "TENANT_HEADER"]
+           "TENANT_HEADER"]
 
 log = logging.getLogger(__name__)
 
-DESTINATION_HEADER = "x-ace-destination-endpoint"
 TENANT_HEADER = "x-ace-tenant-id"
 SKILL_OVERRIDE_HEADER = "x-ace-skill-override"
 
@@ -43,8 +42,9 @@ class RequestHead:
 
 @dataclass(frozen=True, slots=True)
 class Continue:
-    headers: tuple[tuple[str, str], ...] = ()   # set with overwrite semantics
+    headers: tuple[tuple[str, str], ...] = ()   # set with overwrite semantics (headers-first only)
     body: bytes | None = None                   # None: leave the body as it is
+    metadata: tuple[tuple[str, str], ...] = ()  # dynamic metadata, namespace "ace" (see envoy/)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +159,13 @@ class Inference(_Authenticated):
         queued = self.gw.prefetch.submit(d.prefetch_signal) if d.prefetch_signal else None
         self.decision, self.queued = d, queued
         rw = rewrite_request(chat, d, force=self.forces_body)
-        headers = [(DESTINATION_HEADER, d.upstream.address), (TENANT_HEADER, self.principal.tenant.id),
-                   *trace_headers(d, queued), *rw.headers, *self.extra_headers]
-        if rw.body is not None:
-            headers.append(("content-length", str(len(rw.body))))
-        return Continue(tuple(headers), rw.body)
+        metadata = [("destination", d.upstream.address), ("tenant", self.principal.tenant.id),
+                    *trace_metadata(d, queued)]
+        metadata += [("hint_" + field, text) for field, text in rw.header_hints]
+        headers = self.extra_headers
+        if rw.body is not None:  # Envoy checks it when the headers were sent to us
+            headers += (("content-length", str(len(rw.body))),)
+        return Continue(headers, rw.body, tuple(metadata))
 
     forces_body = False
     extra_headers: tuple[tuple[str, str], ...] = ()
@@ -246,9 +248,14 @@ class Exchange:
         self.handler = ROUTES.get(head.path, PassThrough)(self.gw)
         return self._guard(self.handler.on_request_headers, head)
 
-    def on_request_body(self, body: bytes) -> Outcome:
-        if self.handler is None:   # headers were not sent to us: nothing to do safely
-            return CONTINUE
+    def on_request_body(self, body: bytes, head: RequestHead | None = None) -> Outcome:
+        """``head``: built from request_attributes when the headers were not sent to us."""
+        if self.handler is None:
+            if head is None:   # no headers, no attributes: nothing we can do safely
+                return CONTINUE
+            first = self.on_request_headers(head)
+            if isinstance(first, Reply):
+                return first
         return self._guard(self.handler.on_request_body, body)
 
     def on_response_body(self, body: bytes) -> Outcome:

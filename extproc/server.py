@@ -5,6 +5,7 @@ the service NOT_SERVING and drains in-flight streams for a grace period.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
@@ -15,7 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.processor import CONTINUE, Gateway
-from extproc.wire import request_head, to_response
+from extproc.wire import head_from_attributes, request_head, to_response
 
 __all__ = ["ExternalProcessor", "build_server", "serve"]
 
@@ -34,12 +35,61 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if phase == "request_headers":
                 outcome = exchange.on_request_headers(request_head(msg.request_headers))
             elif phase == "request_body":
-                outcome = exchange.on_request_body(msg.request_body.body)
+                outcome = exchange.on_request_body(
+                    msg.request_body.body,
+                    head_from_attributes(msg) if exchange.handler is None else None)
             elif phase == "response_body":
                 outcome = exchange.on_response_body(msg.response_body.body)
             else:
                 outcome = CONTINUE
             yield to_response(phase, outcome)
+
+
+class AioExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """The same loop on grpc.aio with the read/write API: one thread, no hand-offs."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Process(self, request_iterator, context):
+        exchange = self.gateway.exchange()
+        read, write, eof = context.read, context.write, grpc.aio.EOF
+        while True:
+            msg = await read()
+            if msg is eof:
+                return
+            phase = msg.WhichOneof("request")
+            if phase == "request_body":
+                outcome = exchange.on_request_body(
+                    msg.request_body.body,
+                    head_from_attributes(msg) if exchange.handler is None else None)
+            elif phase == "request_headers":
+                outcome = exchange.on_request_headers(request_head(msg.request_headers))
+            elif phase == "response_body":
+                outcome = exchange.on_response_body(msg.response_body.body)
+            else:
+                outcome = CONTINUE
+            await write(to_response(phase, outcome))
+
+
+async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0) -> None:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(AioExternalProcessor(gateway), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(listen)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await server.start()
+    log.info("ext_proc (aio) listening on %s (port %d)", listen, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    log.info("ext_proc stopped")
 
 
 def build_server(gateway: Gateway, listen: str, workers: int) -> tuple[grpc.Server, health.HealthServicer, int]:

@@ -23,6 +23,7 @@ _HELP = {
     "routing_policy": "module:function choosing the upstream (default extproc.routing.choose_upstream)",
     "prefetch_queue": "bound of the out-of-band prefetch signal queue",
     "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
+    "server": "gRPC server flavour: aio (grpc.aio, one event loop) or threads (grpc thread pool)",
 }
 
 
@@ -36,6 +37,7 @@ class Settings:
     routing_policy: str | None = None
     prefetch_queue: int = 1024
     log_level: str = "INFO"
+    server: str = "aio"
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
@@ -45,6 +47,8 @@ class Settings:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"--listen must be host:port, got {self.listen!r}")
+        if self.server not in ("aio", "threads"):
+            raise ConfigError(f"--server must be aio or threads, got {self.server!r}")
         if self.workers < 1 or self.prefetch_queue < 1:
             raise ConfigError("--workers and --prefetch-queue must be positive")
 
@@ -63,6 +67,7 @@ class Settings:
                        catalog=Path(ns["catalog"]) if ns["catalog"] else None,
                        db=Path(ns["db"]), listen=str(ns["listen"]), workers=int(ns["workers"]),
                        routing_policy=ns["routing_policy"] or None,
-                       prefetch_queue=int(ns["prefetch_queue"]), log_level=str(ns["log_level"]))
+                       prefetch_queue=int(ns["prefetch_queue"]), log_level=str(ns["log_level"]),
+                       server=str(ns["server"]))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc

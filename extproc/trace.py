@@ -1,6 +1,6 @@
 """What the gateway tells the client about its decision.
 
-Header values are ``k=v`` lists (``x-ace-trace-multi-lora: mode=prod,action=...``);
+Response header values (sent to Envoy as metadata, see ``trace_metadata``) are ``k=v`` lists (``x-ace-trace-multi-lora: mode=prod,action=...``);
 ``/v1/execute`` returns the same facts as a list of objects. Numbers come from the
 residency snapshot; without agent data they read ``unknown``.
 """
@@ -9,11 +9,7 @@ from __future__ import annotations
 from extproc.decision import Decision
 from extproc.skills import DYNAMIC_LORA_PREFETCH, MULTI_LORA
 
-__all__ = ["MULTI_LORA_HEADER", "PREFETCH_HEADER", "SERVED_BY_HEADER", "trace_entries", "trace_headers"]
-
-MULTI_LORA_HEADER = "x-ace-trace-multi-lora"
-PREFETCH_HEADER = "x-ace-trace-dynamic-lora-prefetch"
-SERVED_BY_HEADER = "x-ace-served-by"
+__all__ = ["trace_entries", "trace_metadata"]
 
 
 def _num(value: float | None) -> str:
@@ -49,7 +45,9 @@ def _header_value(entry: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in entry.items() if k != "skill")
 
 
-def trace_headers(d: Decision, prefetch_queued: bool | None) -> list[tuple[str, str]]:
+def trace_metadata(d: Decision, prefetch_queued: bool | None) -> list[tuple[str, str]]:
+    """Metadata keys Envoy turns into the response headers ``x-ace-trace-multi-lora``,
+    ``x-ace-trace-dynamic-lora-prefetch`` and ``x-ace-served-by``."""
     ml, pf = trace_entries(d, prefetch_queued)
-    return [(MULTI_LORA_HEADER, _header_value(ml)), (PREFETCH_HEADER, _header_value(pf)),
-            (SERVED_BY_HEADER, d.upstream.name)]
+    return [("trace_multi_lora", _header_value(ml)),
+            ("trace_dynamic_lora_prefetch", _header_value(pf)), ("served_by", d.upstream.name)]

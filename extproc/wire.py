@@ -7,7 +7,11 @@ from envoy.type.v3 import http_status_pb2
 
 from extproc.processor import Continue, Outcome, Reply, RequestHead
 
-__all__ = ["request_head", "to_response", "pb"]
+__all__ = ["request_head", "head_from_attributes", "to_response", "pb", "METADATA_NAMESPACE"]
+
+METADATA_NAMESPACE = "ace"
+_ATTRS = "envoy.filters.http.ext_proc"
+_HEADER_ATTR = "request.headers['"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY = {phase: pb.ProcessingResponse(**{phase: {}}) for phase in (
@@ -22,6 +26,23 @@ def request_head(msg: pb.HttpHeaders) -> RequestHead:
     q = path.find("?")
     return RequestHead(method=headers.get(":method", ""), path=path if q < 0 else path[:q],
                        headers=headers, end_of_stream=msg.end_of_stream)
+
+
+def head_from_attributes(msg: pb.ProcessingRequest) -> RequestHead | None:
+    """The request line and the headers we asked Envoy for (request_attributes)."""
+    attrs = msg.attributes.get(_ATTRS)
+    if attrs is None:
+        return None
+    headers: dict[str, str] = {}
+    method = path = ""
+    for key, value in attrs.fields.items():
+        if key.startswith(_HEADER_ATTR):
+            headers[key[len(_HEADER_ATTR):-2]] = value.string_value
+        elif key == "request.url_path":
+            path = value.string_value
+        elif key == "request.method":
+            method = value.string_value
+    return RequestHead(method=method, path=path, headers=headers, end_of_stream=False)
 
 
 def _set_headers(mutation: pb.HeaderMutation, headers) -> None:
@@ -39,10 +60,15 @@ def to_response(phase: str, outcome: Outcome) -> pb.ProcessingResponse:
         imm.body = outcome.body
         _set_headers(imm.headers, outcome.headers)
         return resp
-    if not outcome.headers and outcome.body is None:
+    if not outcome.headers and outcome.body is None and not outcome.metadata:
         return _EMPTY[phase]
     resp = pb.ProcessingResponse()
+    if outcome.metadata:
+        fields = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        for key, value in outcome.metadata:
+            fields[key].string_value = value
     common = getattr(resp, phase).response
+    common.SetInParent()   # the phase must be set even when only metadata changes
     if outcome.headers:
         _set_headers(common.header_mutation, outcome.headers)
     if outcome.body is not None:

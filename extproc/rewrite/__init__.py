@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 from extproc.catalog import Adapter, Upstream
 from extproc.decision import Decision
 from extproc.rewrite import builtin, sglang, vllm
-from extproc.rewrite.hints import hint_header, wire_hints
+from extproc.rewrite.hints import wire_hints
 
 __all__ = ["Rewrite", "rewrite_request", "MODEL_FOR", "encode"]
 
@@ -21,8 +21,8 @@ MODEL_FOR: Mapping[str, Callable[[Adapter, Upstream], str]] = {
 
 @dataclass(frozen=True, slots=True)
 class Rewrite:
-    body: bytes | None                         # None: forward the client's bytes untouched
-    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes | None                            # None: forward the client's bytes untouched
+    header_hints: tuple[tuple[str, str], ...] = ()   # (field, text) for ``hints: headers``
 
 
 def encode(obj: Any) -> bytes:
@@ -34,7 +34,10 @@ def _header_text(value: Any) -> str:
 
 
 def rewrite_request(body: Mapping[str, Any], d: Decision, force: bool = False) -> Rewrite:
-    """New body (or None) and hint headers for ``d.upstream``; ``force`` re-encodes anyway."""
+    """New body (or None) and header hints for ``d.upstream``; ``force`` re-encodes anyway.
+
+    Header hints travel as ``x-ace-hint-<field>`` (Envoy adds them from the decision's
+    metadata, see envoy/envoy.template.yaml)."""
     if not d.applies_adapter:
         return Rewrite(encode(body) if force else None)
     upstream = d.upstream
@@ -47,7 +50,7 @@ def rewrite_request(body: Mapping[str, Any], d: Decision, force: bool = False) -
     if upstream.hints == "body":
         changes.update((k, v) for k, v in hints.items() if body.get(k, _MISSING) != v)
     elif upstream.hints == "headers":
-        headers = tuple((hint_header(k), _header_text(v)) for k, v in hints.items())
+        headers = tuple((k, _header_text(v)) for k, v in hints.items())
     if not changes and not force:
         return Rewrite(None, headers)
     return Rewrite(encode({**body, **changes}), headers)

@@ -1,7 +1,8 @@
 """The seeds' wire hints, injected where the upstream accepts them (body, headers, off).
 
 Hints are sent only when the request is rewritten for an adapter (multi_lora prod).
-In header mode each field ``f`` travels as ``x-ace-hint-<f with - for _>``.
+In header mode each field ``f`` travels as ``x-ace-hint-<f with - for _>``: the decision
+carries it as metadata ``hint_<f>`` and Envoy adds the header (extproc.envoy_config).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from extproc.decision import Decision
 
-__all__ = ["wire_hints", "hint_header"]
+__all__ = ["wire_hints"]
 
 _MIB = 1 << 20
 
@@ -28,6 +29,3 @@ def wire_hints(d: Decision) -> dict[str, Any]:
     hints["prefetch_status"] = d.residency.tier
     return hints
 
-
-def hint_header(field: str) -> str:
-    return "x-ace-hint-" + field.replace("_", "-")

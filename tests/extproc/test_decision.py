@@ -8,7 +8,7 @@ from extproc.auth import Principal
 from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
 from extproc.residency import AdapterResidency, ResidencySnapshot
-from extproc.trace import trace_headers
+from extproc.trace import trace_metadata
 
 
 def _decide(snapshot, residency, skills, body=None, route=None):
@@ -37,9 +37,9 @@ def test_actions_from_residency(snapshot, tier, action, saved, pf):
     res = _res(tier, 35.0) if tier else ResidencySnapshot()
     d = _decide(snapshot, res, {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"})
     assert d.multi_lora_action == action and d.prefetch_action == pf
-    headers = dict(trace_headers(d, None))
-    assert f"swap_ms_saved={saved}" in headers["x-ace-trace-multi-lora"]
-    assert headers["x-ace-served-by"] == "local-vllm"
+    meta = dict(trace_metadata(d, None))
+    assert f"swap_ms_saved={saved}" in meta["trace_multi_lora"]
+    assert meta["served_by"] == "local-vllm"
     assert (d.prefetch_signal is not None) == (pf == "prefetch_signalled")
     if d.prefetch_signal:
         assert d.prefetch_signal.digest == "a" * 64 and d.prefetch_signal.upstream == "local-vllm"

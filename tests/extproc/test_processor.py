@@ -39,11 +39,11 @@ def test_inference_headers_then_body(store):
         "x-ace-skill-override": "dynamic_lora_prefetch=prod"})) is CONTINUE
     out = ex.on_request_body(json.dumps({"model": "code-python", "messages": []}).encode())
     assert isinstance(out, Continue)
-    headers = dict(out.headers)
-    assert headers["x-ace-destination-endpoint"] == "127.0.0.1:8000"
-    assert headers["x-ace-tenant-id"] == "globex"
-    assert headers["content-length"] == str(len(out.body))
-    assert "queued=true" in headers["x-ace-trace-dynamic-lora-prefetch"]
+    meta = dict(out.metadata)
+    assert meta["destination"] == "127.0.0.1:8000"
+    assert meta["tenant"] == "globex"
+    assert dict(out.headers)["content-length"] == str(len(out.body))
+    assert "queued=true" in meta["trace_dynamic_lora_prefetch"]
     assert sink.signals[0].adapter == "code-python"
 
 
@@ -64,6 +64,9 @@ def test_wire_responses():
     common = r.request_body.response
     assert common.header_mutation.set_headers[0].header.raw_value == b"b"
     assert common.body_mutation.body == b"{}"
+    r = to_response("request_body", Continue(metadata=(("served_by", "u"),)))
+    assert r.WhichOneof("response") == "request_body"   # phase set even with metadata only
+    assert r.dynamic_metadata.fields["ace"].struct_value.fields["served_by"].string_value == "u"
     r = to_response("request_body", Reply(422, b"{}"))
     assert r.immediate_response.status.code == 422
 
@@ -81,6 +84,24 @@ def test_grpc_servicer_loop(store):
     out = list(ExternalProcessor(Gateway(store)).Process(messages(), None))
     assert [o.WhichOneof("response") for o in out] == ["request_headers", "request_body"]
     assert json.loads(out[1].request_body.response.body_mutation.body)["model"] == "code-python"
+    ace = out[1].dynamic_metadata.fields["ace"].struct_value.fields
+    assert ace["destination"].string_value == "127.0.0.1:8000"
+
+
+def test_one_message_body_with_attributes(store):
+    """Headers skipped: the body message carries the request line and headers as attributes."""
+    m = pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model":"code-python"}', end_of_stream=True))
+    attrs = m.attributes["envoy.filters.http.ext_proc"].fields
+    attrs["request.url_path"].string_value = "/v1/chat/completions"
+    attrs["request.method"].string_value = "POST"
+    attrs["request.headers['authorization']"].string_value = f"Bearer {KEYS['alice']}"
+    (out,) = ExternalProcessor(Gateway(store)).Process(iter([m]), None)
+    ace = out.dynamic_metadata.fields["ace"].struct_value.fields
+    assert ace["tenant"].string_value == "acme"
+    assert ace["served_by"].string_value == "local-vllm"
+    attrs["request.headers['authorization']"].string_value = "Bearer nope"
+    (out,) = ExternalProcessor(Gateway(store)).Process(iter([m]), None)
+    assert out.immediate_response.status.code == 401
 
 
 def test_prefetch_queue_never_blocks_and_drops_when_full():

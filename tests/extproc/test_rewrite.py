@@ -31,7 +31,7 @@ MODEL = [("vllm", "code-python"), ("builtin", "code-python"), ("sglang", "ace-ti
 def test_flavour_model_table(snapshot, flavour, model):
     rw = rewrite_request(BODY, _decision(snapshot, flavour, "off"))
     assert json.loads(rw.body) == {**BODY, "model": model}
-    assert rw.headers == ()
+    assert rw.header_hints == ()
 
 
 @pytest.mark.parametrize("flavour,model", MODEL)
@@ -52,10 +52,10 @@ def test_hints_in_headers(snapshot):
     d = _decision(snapshot, "vllm", "headers", residency=res)
     rw = rewrite_request(BODY, d)
     assert json.loads(rw.body) == {**BODY, "model": "code-python"}
-    assert dict(rw.headers) == {
-        "x-ace-hint-lora-name": "code-python", "x-ace-hint-lora-adapter": "code-python",
-        "x-ace-hint-lora-prefetch": "false", "x-ace-hint-enable-lora-prefetch": "false",
-        "x-ace-hint-vram-allocated-mb": "2.0", "x-ace-hint-prefetch-status": "pool"}
+    assert dict(rw.header_hints) == {
+        "lora_name": "code-python", "lora_adapter": "code-python",
+        "lora_prefetch": "false", "enable_lora_prefetch": "false",
+        "vram_allocated_mb": "2.0", "prefetch_status": "pool"}
 
 
 def test_body_untouched_when_nothing_changes(snapshot):

@@ -1,0 +1,281 @@
+"""What the gateway adds: the same Envoy with and without ext_proc, same upstream, one run.
+
+    python -m bench.gateway_overhead --out reports/gateway_overhead.json
+
+Sides: ``envoy`` (the rendered ace config without the ext_proc filter and the buffer
+filter) and ``gateway`` (the same config with them, talking to ``python -m extproc``).
+Both route to the same upstream: ``--upstream recording`` (default; the test suite's
+aiohttp OpenAI-shaped server, tests/support/upstream.py) or ``--upstream fast`` (a raw
+asyncio responder with a fixed answer: shows Envoy's own ceiling, so the ratio is far
+lower). The load generator is a small asyncio client over raw keep-alive HTTP/1.1
+connections.
+Concurrency 1 gives p50/p99 latency; concurrency 8 gives throughput. Runs alternate
+sides, twice, and keep each side's best run to damp noise from a shared machine.
+``decision_us_*`` times ``extproc.decision.decide`` in-process for a 2 KB body;
+``body_phase_us_*`` times the whole body message (protobuf in -> protobuf out).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BODY = None  # built in main
+
+
+def _chat_body(size: int = 2048) -> bytes:
+    msg = {"model": "ace-tiny-llama", "lora_name": "code-python", "max_tokens": 16,
+           "messages": [{"role": "system", "content": "You are a careful coding assistant."},
+                        {"role": "user", "content": ""}]}
+    pad = size - len(json.dumps(msg))
+    msg["messages"][1]["content"] = ("Write a python function that parses a log line. " * 64)[:pad]
+    return json.dumps(msg).encode()
+
+
+# ---------------------------------------------------------------- upstream
+_ANSWER = json.dumps({"id": "cmpl-bench", "object": "chat.completion", "created": 0, "model": "code-python",
+                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                   "finish_reason": "stop"}],
+                      "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+             + str(len(_ANSWER)).encode() + b"\r\n\r\n" + _ANSWER)
+
+
+class _Upstream(asyncio.Protocol):
+    """Reads whole requests (content-length or chunked) and answers each with _RESPONSE."""
+
+    def connection_made(self, transport):
+        self.t, self.buf = transport, bytearray()
+
+    def data_received(self, data):
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(self.buf[:end]).lower()
+            i = head.find(b"content-length:")
+            if i >= 0:
+                n = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None])
+                total = end + 4 + n
+                if len(self.buf) < total:
+                    return
+            elif b"transfer-encoding: chunked" in head:
+                z = self.buf.find(b"\r\n0\r\n\r\n", end)
+                if z < 0 and not self.buf[end + 4:].startswith(b"0\r\n\r\n"):
+                    return
+                total = (z + 7) if z >= 0 else end + 9
+            else:
+                total = end + 4
+            del self.buf[:total]
+            self.t.write(_RESPONSE)
+
+
+def serve_upstream(port: int) -> None:
+    async def main():
+        server = await asyncio.get_running_loop().create_server(_Upstream, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------- load generator
+class _Client(asyncio.Protocol):
+    def __init__(self):
+        self.buf, self.waiter = bytearray(), None
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0 or self.waiter is None:
+            return
+        head = bytes(self.buf[:end]).lower()
+        i = head.find(b"content-length:")
+        if i >= 0:
+            j = head.find(b"\r\n", i)
+            total = end + 4 + int(head[i + 15:j if j > 0 else None])
+        else:
+            z = self.buf.find(b"0\r\n\r\n", end)
+            if z < 0:
+                return
+            total = z + 5
+        if len(self.buf) >= total:
+            status = int(head[9:12])
+            del self.buf[:total]
+            w, self.waiter = self.waiter, None
+            w.set_result(status)
+
+    def connection_lost(self, exc):
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("closed"))
+
+
+async def _load(port: int, request: bytes, concurrency: int, seconds: float) -> dict:
+    loop = asyncio.get_running_loop()
+    lat: list[int] = []
+    errors = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker():
+        nonlocal errors
+        _, conn = await loop.create_connection(_Client, "127.0.0.1", port)
+        while time.perf_counter() < deadline:
+            conn.waiter = loop.create_future()
+            t0 = time.perf_counter_ns()
+            conn.t.write(request)
+            status = await conn.waiter
+            lat.append(time.perf_counter_ns() - t0)
+            if status != 200:
+                errors += 1
+        conn.t.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    lat.sort()
+    return {"requests": len(lat), "errors": errors, "rps": round(len(lat) / elapsed, 1),
+            "p50_ms": round(lat[len(lat) // 2] / 1e6, 4),
+            "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e6, 4)}
+
+
+def _request(body: bytes, key: str) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer " + key.encode() + b"\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+# ---------------------------------------------------------------- in-process decision
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    samples.sort()
+    return (round(samples[len(samples) // 2], 2), round(samples[int(len(samples) * 0.99)], 2))
+
+
+def measure_decision(state: Path, db: Path, key: str, body: bytes, n: int = 20000) -> dict:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from extproc.auth import authenticate
+    from extproc.decision import InferenceRequest, decide
+    from extproc.processor import Gateway, RequestHead
+    from extproc.residency import ResidencySnapshot
+    from extproc.store import Store
+    from extproc.wire import to_response
+
+    store = Store(state, db)
+    snap = store.snapshot
+    principal = authenticate(snap, f"Bearer {key}", None)
+    parsed = json.loads(body)
+    req = InferenceRequest(principal, parsed)
+    res = ResidencySnapshot()
+    dec = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        decide(snap, res, req)
+        dec.append((time.perf_counter_ns() - t0) / 1e3)
+    gw = Gateway(store)
+    head = RequestHead("POST", "/v1/chat/completions",
+                       {":path": "/v1/chat/completions", ":method": "POST",
+                        "authorization": f"Bearer {key}"}, False)
+    wire_body = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString()
+    phase = []
+    for _ in range(n // 4):
+        ex = gw.exchange()
+        ex.on_request_headers(head)
+        t0 = time.perf_counter_ns()
+        msg = pb.ProcessingRequest.FromString(wire_body)
+        to_response("request_body", ex.on_request_body(msg.request_body.body)).SerializeToString()
+        phase.append((time.perf_counter_ns() - t0) / 1e3)
+    store.close()
+    d50, d99 = _percentiles(dec)
+    p50, p99 = _percentiles(phase)
+    return {"decision_us_p50": d50, "decision_us_p99": d99, "body_phase_us_p50": p50, "body_phase_us_p99": p99}
+
+
+# ---------------------------------------------------------------- orchestration
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("reports/gateway_overhead.json"))
+    p.add_argument("--seconds", type=float, default=4.0, help="length of each measured run")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; best run per side kept")
+    p.add_argument("--upstream", choices=("recording", "fast"), default="recording",
+                   help="which upstream both sides use (see above)")
+    p.add_argument("--server", choices=("aio", "threads"), default="aio",
+                   help="the ext_proc's gRPC server flavour")
+    p.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.serve_upstream:
+        serve_upstream(a.serve_upstream)
+        return 0
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.extproc.builders import KEYS, upstream, write_state
+    from tests.support.envoy import run_envoy
+    from tests.support.procs import free_port, running, wait_port
+
+    body = _chat_body()
+    key = KEYS["alice"]
+    with tempfile.TemporaryDirectory(prefix="ace-bench-") as tmp_s:
+        tmp = Path(tmp_s)
+        up_port, xp_port = free_port(), free_port()
+        up_addr = f"127.0.0.1:{up_port}"
+        state = write_state(tmp, [upstream("bench-upstream", up_addr, "vllm", "body")])
+        decision = measure_decision(state, tmp / "decision.sqlite3", key, body)
+        if a.upstream == "fast":
+            up_cmd = [sys.executable, "-m", "bench.gateway_overhead", "--serve-upstream", str(up_port)]
+        else:
+            up_cmd = [sys.executable, "-m", "tests.support.upstream", "--port", str(up_port)]
+        xp_cmd = [sys.executable, "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
+                  "--listen", f"127.0.0.1:{xp_port}", "--log-level", "WARNING", "--server", a.server]
+        with running(up_cmd, tmp / "upstream.log") as up_proc, running(xp_cmd, tmp / "extproc.log") as xp_proc:
+            wait_port(up_port, proc=up_proc, log=tmp / "upstream.log")
+            wait_port(xp_port, proc=xp_proc, log=tmp / "extproc.log")
+            with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up_addr, name="plain",
+                           with_extproc=False) as plain_port, \
+                 run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up_addr,
+                           name="gateway") as gw_port:
+                request = _request(body, key)
+                ports = {"envoy": plain_port, "gateway": gw_port}
+                best: dict[str, dict[int, dict]] = {"envoy": {}, "gateway": {}}
+                for side, port in ports.items():      # warm-up (connections, ext_proc threads)
+                    asyncio.run(_load(port, request, 8, 1.0))
+                for _ in range(a.rounds):
+                    for c in (1, 8):
+                        for side, port in ports.items():
+                            r = asyncio.run(_load(port, request, c, a.seconds))
+                            prev = best[side].get(c)
+                            if prev is None or ((r["p50_ms"] < prev["p50_ms"]) if c == 1
+                                                else (r["rps"] > prev["rps"])):
+                                best[side][c] = r
+    report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+                    "upstream": a.upstream, "extproc_server": a.server, "ext_proc_messages_per_request": 1,
+                    "body_bytes": len(body), "seconds_per_run": a.seconds, "rounds": a.rounds}
+    for side in ("envoy", "gateway"):
+        c1, c8 = best[side][1], best[side][8]
+        report[side] = {"rps": c8["rps"], "p50_ms": c1["p50_ms"], "p99_ms": c1["p99_ms"],
+                        "c1": c1, "c8": c8}
+    report["added_p50_ms"] = round(report["gateway"]["p50_ms"] - report["envoy"]["p50_ms"], 4)
+    report["added_p99_ms"] = round(report["gateway"]["p99_ms"] - report["envoy"]["p99_ms"], 4)
+    report["throughput_ratio"] = round(report["gateway"]["rps"] / report["envoy"]["rps"], 3)
+    report.update(decision)
+    report["targets"] = {"added_p50_ms<=0.5": report["added_p50_ms"] <= 0.5,
+                         "throughput_ratio>=0.5": report["throughput_ratio"] >= 0.5,
+                         "decision_us_p99<=20": report["decision_us_p99"] <= 20}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k not in ("envoy", "gateway")}, indent=2))
+    print("envoy  ", report["envoy"]["c1"], report["envoy"]["c8"])
+    print("gateway", report["gateway"]["c1"], report["gateway"]["c8"])
+    errors = report["envoy"]["c8"]["errors"] + report["gateway"]["c8"]["errors"]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
