@@ -45,8 +45,12 @@ class VLLMServer:
     """One vLLM process; `restart()` stops it and starts a fresh one on the same port."""
 
     def __init__(self, python: str, model_dir: Path, log_dir: Path, *, max_loras: int = 2,
-                 max_cpu_loras: int = 2, max_lora_rank: int = 16, startup_timeout: float = 300.0):
+                 max_cpu_loras: int = 2, max_lora_rank: int = 16, startup_timeout: float = 300.0,
+                 resolver_dir: Path | None = None):
+        """`resolver_dir`: turn on vLLM's filesystem LoRA resolver over that directory, so a
+        request naming an adapter that is not loaded loads `<dir>/<name>` on demand."""
         self.python, self.model_dir, self.log_dir = python, model_dir, log_dir
+        self.resolver_dir = resolver_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.max_cpu_loras = max_cpu_loras
@@ -65,8 +69,20 @@ class VLLMServer:
         self.starts += 1
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
                    VLLM_NO_USAGE_STATS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
+        model, cwd = str(self.model_dir), REPO
+        if self.resolver_dir is not None:
+            # The resolver only accepts adapters whose base_model_name_or_path equals vLLM's
+            # --model string, so the model is passed as a relative directory named like
+            # the base model (a symlink in the log dir, which becomes the cwd).
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            link = self.log_dir / BASE_MODEL
+            if not link.exists():
+                link.symlink_to(self.model_dir.resolve(), target_is_directory=True)
+            model, cwd = BASE_MODEL, self.log_dir
+            env.update(VLLM_PLUGINS="lora_filesystem_resolver",
+                       VLLM_LORA_RESOLVER_CACHE_DIR=str(self.resolver_dir.resolve()))
         cmd = [self.python, "-m", "vllm.entrypoints.launchers.api_server.entry",
-               "--model", str(self.model_dir), "--served-model-name", BASE_MODEL,
+               "--model", model, "--served-model-name", BASE_MODEL,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--max-model-len", "256", "--enforce-eager", "--kv-cache-memory-bytes", "67108864",
                "--max-num-seqs", "8", "--enable-lora", *self.args]
@@ -74,7 +90,7 @@ class VLLMServer:
         t0 = time.monotonic()
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         cwd=str(REPO), start_new_session=True)
+                                         cwd=str(cwd), start_new_session=True)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
