@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from extproc.errors import ConfigError
@@ -20,7 +21,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         store = Store(settings.config, settings.db, settings.catalog)
-        gateway = Gateway(store, prefetch=NullPrefetchSink(), route=load_policy(settings.routing_policy))
+        agents = {u.name: u.agent for u in store.snapshot.upstreams if u.agent}
+        link = None
+        if agents:  # upstreams with a GPU agent: prefetch to it, residency from it
+            from extproc.agent_client import AgentLink
+            link = AgentLink(agents, token=os.environ.get("ACE_AGENT_TOKEN") or None,
+                             queue_size=settings.prefetch_queue).start()
+        gateway = Gateway(store, residency=link.board if link else None,
+                          prefetch=link or NullPrefetchSink(), route=load_policy(settings.routing_policy))
     except ConfigError as exc:
         print(f"extproc: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -30,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             serve(gateway, settings.listen, settings.workers)
     finally:
+        if link is not None:
+            link.close()
         store.close()
     return 0
 

@@ -4,7 +4,8 @@
 
 multi_lora actions (prod):
 - ``adapter_resident_applied``: the adapter is in the upstream's GPU pool,
-- ``adapter_prefetched_applied``: it sits in host memory (a fast copy away),
+- ``adapter_prefetched_applied``: it is in the pool because a prefetch put it there
+  (the agent's ``loaded_by=prefetch``), or it sits in host memory (a fast copy away),
 - ``adapter_cold_loaded``: on disk, remote or nowhere: the upstream loads it,
 - ``adapter_applied``: residency unknown (no agent data): applied, honest about it,
 - ``passthrough``: the skill is off, or no adapter is selected (base model).
@@ -62,7 +63,7 @@ class Decision:
 
 def _applied_action(res: AdapterResidency) -> str:
     if res.tier == "pool":
-        return "adapter_resident_applied"
+        return "adapter_prefetched_applied" if res.prefetched else "adapter_resident_applied"
     if res.tier == "host":
         return "adapter_prefetched_applied"
     if res.tier in ("disk", "remote", "none"):

@@ -18,13 +18,32 @@ def _num(value: float | None) -> str:
 
 def _swap_ms_saved(d: Decision) -> str:
     action = d.multi_lora_would or d.multi_lora_action
-    if action == "adapter_resident_applied":
-        return _num(d.residency.cold_load_ms)
+    if action == "adapter_resident_applied" or (action == "adapter_prefetched_applied"
+                                                and d.residency.tier == "pool"):
+        return _num(d.residency.cold_load_ms)  # the agent's measured cold load of this adapter
     if action == "adapter_cold_loaded":
         return "0"
     if action == "passthrough":
         return "0"
     return "unknown"   # host tier (saving not measured yet) or residency unknown
+
+
+def _is_prefetch_hit(d: Decision) -> str:
+    """true: the adapter was in the pool because a prefetch put it there before the request."""
+    if d.adapter is None or d.multi_lora_action == "passthrough":
+        return "false"
+    if not d.residency.known:
+        return "unknown"
+    return "true" if d.residency.tier == "pool" and d.residency.prefetched else "false"
+
+
+def _vram_mb_saved(d: Decision) -> str:
+    """Serving the adapter on the shared base instead of a dedicated instance saves the base
+    model's weights (as the upstream's agent measured them)."""
+    if d.adapter is None or d.multi_lora_action == "passthrough":
+        return "0"
+    base = d.residency.base_model_bytes
+    return "unknown" if not base else f"{base / (1 << 20):.3g}"
 
 
 def trace_entries(d: Decision, prefetch_queued: bool | None) -> list[dict[str, str]]:
@@ -33,6 +52,7 @@ def trace_entries(d: Decision, prefetch_queued: bool | None) -> list[dict[str, s
     if d.multi_lora_would:
         ml["would"] = d.multi_lora_would
     ml.update(adapter=adapter, residency=d.residency.tier, swap_ms_saved=_swap_ms_saved(d),
+              is_prefetch_hit=_is_prefetch_hit(d), vram_mb_saved=_vram_mb_saved(d),
               upstream=d.upstream.name)
     pf = {"skill": DYNAMIC_LORA_PREFETCH, "mode": d.skills[DYNAMIC_LORA_PREFETCH],
           "action": d.prefetch_action, "adapter": adapter, "residency": d.residency.tier}
