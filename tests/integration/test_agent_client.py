@@ -174,3 +174,43 @@ def test_wrong_token_is_refused_and_residency_stays_unknown(agent):
         assert link.board.current.of("u1", "a1").tier == "unknown"
     finally:
         link.close()
+
+
+# ---- what the gateway's trace makes of agent residency (pure) ----
+
+def _decision(res, mode="prod"):
+    from extproc.catalog import Adapter, Upstream
+    from extproc.decision import Decision, _applied_action
+    up = Upstream("u1", "127.0.0.1:1", "vllm", "ace-tiny-llama")
+    ad = Adapter("code-python", "ace-tiny-llama", 8, ("q_proj",), 4096, "public", "adapters/x", "a" * 64)
+    action = _applied_action(res)
+    return Decision(upstream=up, adapter=ad, selected_by="model",
+                    skills={"multi_lora": mode, "dynamic_lora_prefetch": "prod"}, residency=res,
+                    multi_lora_action=action if mode == "prod" else "shadow",
+                    multi_lora_would=None if mode == "prod" else action,
+                    prefetch_action="not_needed", prefetch_signal=None)
+
+
+@pytest.mark.parametrize("res,action,hit,saved,vram", [
+    (dict(tier="pool", cold_load_ms=27.5, bytes=4096, prefetched=True, base_model_bytes=3 << 20),
+     "adapter_prefetched_applied", "true", "27.5", "3"),
+    (dict(tier="pool", cold_load_ms=27.5, bytes=4096, prefetched=False, base_model_bytes=3 << 20),
+     "adapter_resident_applied", "false", "27.5", "3"),
+    (dict(tier="disk", cold_load_ms=None, bytes=4096, base_model_bytes=3 << 20),
+     "adapter_cold_loaded", "false", "0", "3"),
+    (dict(tier="unknown", cold_load_ms=None, bytes=None), "adapter_applied", "unknown", "unknown", "unknown"),
+])
+def test_trace_reports_prefetch_hits_from_agent_residency(res, action, hit, saved, vram):
+    from extproc.residency import AdapterResidency
+    from extproc.trace import trace_entries
+    ml, _ = trace_entries(_decision(AdapterResidency(**res)), None)
+    assert (ml["action"], ml["is_prefetch_hit"], ml["swap_ms_saved"], ml["vram_mb_saved"]) == (
+        action, hit, saved, vram)
+
+
+def test_shadow_trace_says_what_prod_would_have_done():
+    from extproc.residency import AdapterResidency
+    from extproc.trace import trace_entries
+    res = AdapterResidency("pool", 12.0, 4096, prefetched=True, base_model_bytes=1 << 20)
+    ml, _ = trace_entries(_decision(res, mode="shadow"), None)
+    assert (ml["action"], ml["would"], ml["swap_ms_saved"]) == ("shadow", "adapter_prefetched_applied", "12")
