@@ -5,7 +5,9 @@ and httpx for the seeds' curl shapes; assertions read what the upstream received
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -40,22 +42,28 @@ class Stack:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=10)
 
 
+@contextlib.contextmanager
+def gateway_stack(tmp: Path, up: RecordingUpstream, flavour: str = "vllm", hints: str = "body"):
+    state = write_state(tmp, [upstream("local-" + flavour, up.address, flavour, hints)])
+    xp_port = free_port()
+    log = tmp / "extproc.log"
+    cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
+           "--listen", f"127.0.0.1:{xp_port}"]
+    with running(cmd, log) as proc:
+        wait_port(xp_port, timeout=30, proc=proc, log=log)
+        with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up.address) as port:
+            s = Stack(f"http://127.0.0.1:{port}", up)
+            try:
+                yield s
+            finally:
+                s.http.close()
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp: Path = tmp_path_factory.mktemp("gateway")
     with RecordingUpstream(chunk_delay_s=0.2) as up:
-        state = write_state(tmp, [upstream("local-vllm", up.address, "vllm", "body")])
-        xp_port = free_port()
-        log = tmp / "extproc.log"
-        cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
-               "--listen", f"127.0.0.1:{xp_port}", "--workers", "16"]
-        with running(cmd, log) as proc:
-            wait_port(xp_port, timeout=30, proc=proc, log=log)
-            with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up.address) as port:
-                s = Stack(f"http://127.0.0.1:{port}", up)
-                s.tmp = tmp
-                yield s
-                s.http.close()
+        with gateway_stack(tmp_path_factory.mktemp("gateway"), up) as s:
+            yield s
 
 
 CHAT = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
@@ -277,12 +285,68 @@ def test_dev_key_skills_post_then_get(stack):
 
 
 def test_unknown_path_passes_through_untouched(stack):
-    r = stack.http.post("/v2/whatever?x=1", content=b"not json", headers={"x-custom": "1"})
+    r = stack.http.post("/v2/whatever?x=1", content=b"not json",
+                        headers={"x-custom": "1", "x-ace-tenant-id": "spoofed"})
     assert r.status_code == 200
     got = stack.last()
     assert (got.path, got.query, got.body) == ("/v2/whatever", "x=1", b"not json")
     assert got.headers["x-custom"] == "1"
+    assert "x-ace-tenant-id" not in got.headers     # never forwarded unvalidated
     assert "x-ace-served-by" not in r.headers and "x-ace-trace-multi-lora" not in r.headers
+
+
+def test_chunked_body_takes_the_headers_first_path(stack):
+    body = dict(CHAT, lora_name="code-python")
+
+    def chunks():
+        yield json.dumps(body).encode()
+    r = stack.http.post("/v1/chat/completions", content=chunks(), headers=ALICE)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ace-served-by"] == "local-vllm"
+    sent = stack.last()
+    assert sent.json()["model"] == "code-python"
+    assert sent.headers["x-ace-tenant-id"] == "acme"
+
+
+def test_sglang_upstream_with_header_hints(tmp_path):
+    with RecordingUpstream() as up, gateway_stack(tmp_path, up, "sglang", "headers") as s:
+        r = s.post("/v1/chat/completions", dict(CHAT, lora_name="code-python"),
+                   {**ALICE, "x-ace-hint-lora-name": "spoofed"})
+        assert r.status_code == 200, r.text
+        got = s.last()
+        assert got.json() == dict(CHAT, lora_name="code-python", model="ace-tiny-llama:code-python")
+        assert got.headers["x-ace-hint-lora-name"] == "code-python"
+        assert got.headers["x-ace-hint-lora-adapter"] == "code-python"
+        assert got.headers["x-ace-hint-prefetch-status"] == "unknown"
+        assert "x-ace-hint-vram-allocated-mb" not in got.headers   # unknown: not sent
+        assert r.headers["x-ace-served-by"] == "local-sglang"
+
+
+def test_extproc_health_and_graceful_sigterm(tmp_path):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    state = write_state(tmp_path, [upstream()])
+    port = free_port()
+    cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp_path / "db"),
+           "--listen", f"127.0.0.1:{port}"]
+    with running(cmd, tmp_path / "x.log") as proc:
+        wait_port(port, proc=proc, log=tmp_path / "x.log")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+
+
+def test_bad_config_exits_with_a_message(tmp_path):
+    import subprocess
+    bad = tmp_path / "state.yaml"
+    bad.write_text("upstreams: []\n")
+    out = subprocess.run([python(), "-m", "extproc", "--config", str(bad), "--db", str(tmp_path / "db")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "at least one upstream" in out.stderr
 
 
 # ---------- fail-open ----------
