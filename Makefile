@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Tiny deterministic model, tokenizer and PEFT adapters, made locally (no hub).
-$(FIXTURES)/.done: $(STAMP)
+$(FIXTURES)/.done: $(STAMP) gpu_agent/fixtures.py
 	$(BIN)/python -m gpu_agent.fixtures --out $(FIXTURES)
 	@touch $@
 
