@@ -37,8 +37,9 @@ class AgentProc:
 
 @contextlib.contextmanager
 def agent_process(catalog: Path, work: Path, engine: str, extra: Sequence[str] = (),
-                  engine_url: str | None = None, timeout: float = 120.0) -> Iterator[AgentProc]:
-    grpc_port, metrics_port = free_port(), free_port()
+                  engine_url: str | None = None, timeout: float = 120.0,
+                  grpc_port: int | None = None) -> Iterator[AgentProc]:
+    grpc_port, metrics_port = grpc_port or free_port(), free_port()
     log = work / f"agent-{grpc_port}.log"
     cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", engine,
            "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
