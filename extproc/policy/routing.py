@@ -30,9 +30,9 @@ import hashlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
-__all__ = ["RoutingDecision", "choose_endpoint", "load_bound", "ring_walk"]
+__all__ = ["RoutingDecision", "choose_endpoint", "load_bound", "ring_walk", "route"]
 
 RESIDENT_TIERS = frozenset({"device", "pool", "gpu", "vram"})
 STAGED_TIERS = frozenset({"host", "cpu"})
@@ -146,3 +146,29 @@ def choose_endpoint(
         return RoutingDecision(walk[0], "hashed")
     order = {h: i for i, h in enumerate(walk)}
     return RoutingDecision(min(owners, key=lambda h: (loads.get(h, 0), order[h])), "hashed")
+
+
+def route(upstreams: Sequence[Any], adapter: Any, residency: Any) -> Any:
+    """The gateway's ``RoutePolicy`` (``--routing-policy extproc.policy.routing:route``).
+
+    ``upstreams``: the configured ``extproc.catalog.Upstream`` list; ``adapter``: the
+    selected ``Adapter`` or None (base model); ``residency``: the current
+    ``ResidencySnapshot`` (keyed by upstream name). Candidates serve the adapter's base
+    model; those the agents' view knows are ranked by ``choose_endpoint``; when the view
+    knows none of them (no agent connected yet, or all down) it fails open to consistent
+    hashing over every candidate, so traffic never stops for want of residency data.
+    The gateway passes no in-flight counts through this seam, so the load bound is inert
+    here (every host at 0); ``choose_endpoint`` takes them when a caller has them.
+    """
+    if adapter is None:
+        return upstreams[0]
+    candidates = [u for u in upstreams if u.base_model == adapter.base_model] or list(upstreams)
+    view = _upstreams(residency)
+    known = {u.name: u for u in candidates if u.name in view}
+    if known:
+        snapshot = {name: view[name] for name in known}
+    else:
+        known = {u.name: u for u in candidates}
+        snapshot = {name: {} for name in known}
+    decision = choose_endpoint(snapshot, adapter.name, adapter.sha256 or adapter.name)
+    return known[decision.endpoint]

@@ -110,3 +110,25 @@ def test_warm_set_replicates_the_hottest():
     pop = {"hot": 10, "b": 5, "c": 1}
     ws = warm_set(pop, {}, ["h1", "h2"], per_host=2, replicas_for_top=1)
     assert "hot" in ws["h1"] and "hot" in ws["h2"]
+
+
+def test_route_plugs_into_the_gateway_seam():
+    from extproc.catalog import Adapter, Upstream
+    from extproc.residency import AdapterResidency, ResidencySnapshot
+    from extproc.policy.routing import route
+    from extproc.routing import load_policy
+
+    assert load_policy("extproc.policy.routing:route") is route
+    ups = [Upstream(f"e{i}", f"127.0.0.1:{9000 + i}", "builtin", "tiny") for i in range(3)]
+    other = Upstream("x", "127.0.0.1:9100", "builtin", "other-base")
+    ad = Adapter("code-sql", "tiny", 32, ("q_proj",), 100, "public", "adapters/code-sql", "ab" * 32)
+    res = lambda tier: AdapterResidency(tier=tier, cold_load_ms=None)
+    # resident on e2
+    snap = ResidencySnapshot.build({"e0": {}, "e1": {}, "e2": {"code-sql": res("pool")}})
+    assert route(ups + [other], ad, snap).name == "e2"
+    # e2's agent is gone: only e0/e1 are known, never e2
+    snap = ResidencySnapshot.build({"e0": {}, "e1": {}})
+    assert route(ups, ad, snap).name in ("e0", "e1")
+    # no residency at all: fail open to hashing over the base model's upstreams
+    assert route(ups + [other], ad, ResidencySnapshot()).name in ("e0", "e1", "e2")
+    assert route(ups, None, ResidencySnapshot()).name == "e0"
