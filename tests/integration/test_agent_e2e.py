@@ -1,0 +1,84 @@
+"""Client -> Envoy -> ext_proc -> builtin engine, with the agent that hosts that engine.
+
+Runs without vLLM (part of `make test-unit`): the agent process serves the builtin engine
+in-process; the gateway's upstream names the agent. A prefetched adapter and a cold one
+side by side, in the gateway's trace headers and the engine's own tier header.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import pytest
+
+from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
+from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from tests.integration.test_vllm_e2e import HEADERS, trace, write_state
+from tests.support.agent import AUTH, TOKEN, agent_process
+from tests.support.envoy import run_envoy
+from tests.support.procs import free_port, python, running, wait_http, wait_port
+from tests.support.vllm import fixtures_dir
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agent-e2e")
+    fixtures = fixtures_dir(tmp_path_factory)
+    engine_port = free_port()
+    with agent_process(fixtures / "catalog.yaml", tmp, "builtin",
+                       extra=["--engine-port", str(engine_port), "--reconcile-interval-s", "0.2"]) as agent:
+        wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=60)
+        state = write_state(tmp, fixtures / "catalog.yaml", f"127.0.0.1:{engine_port}", agent.target)
+        state.write_text(state.read_text().replace("flavour: vllm", "flavour: builtin")
+                         .replace("vllm-1", "builtin-1"))
+        xp_port = free_port()
+        log = tmp / "extproc.log"
+        cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
+               "--listen", f"127.0.0.1:{xp_port}"]
+        with running(cmd, log, env={"ACE_AGENT_TOKEN": TOKEN}) as proc:
+            wait_port(xp_port, timeout=30, proc=proc, log=log)
+            with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=f"127.0.0.1:{engine_port}",
+                           message_timeout="5s") as port:
+                yield {"agent": agent, "base": f"http://127.0.0.1:{port}"}
+
+
+def rpc(agent, method, request):
+    async def call():
+        async with grpc.aio.insecure_channel(agent.target) as ch:
+            return await getattr(pb_grpc.AgentStub(ch), method)(request, metadata=AUTH, timeout=30)
+    return asyncio.run(call())
+
+
+def through_gateway(stack, model):
+    r = httpx.post(stack["base"] + "/v1/completions", headers=HEADERS, timeout=60,
+                   json={"model": model, "prompt": "SELECT name FROM", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_prefetched_and_cold_side_by_side_through_envoy(stack):
+    agent = stack["agent"]
+    assert rpc(agent, "Prefetch", pb.PrefetchRequest(adapter="code-sql", reason="predicted")).outcome == \
+        pb.PrefetchReply.ACCEPTED
+    deadline = time.monotonic() + 30
+    while trace(through_gateway(stack, "code-sql"))["action"] != "adapter_prefetched_applied":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    hot = through_gateway(stack, "code-sql")
+    cold = through_gateway(stack, "legal-review")
+    t_hot, t_cold = trace(hot), trace(cold)
+    print(f"\nprefetched: {hot.headers['x-ace-trace-multi-lora']} (engine tier {hot.headers['x-ace-adapter-tier']})"
+          f"\ncold:       {cold.headers['x-ace-trace-multi-lora']} (engine tier {cold.headers['x-ace-adapter-tier']})")
+    assert t_hot["is_prefetch_hit"] == "true" and float(t_hot["swap_ms_saved"]) > 0
+    assert hot.headers["x-ace-adapter-tier"] == "pool"
+    assert t_cold["action"] == "adapter_cold_loaded" and t_cold["is_prefetch_hit"] == "false"
+    assert cold.headers["x-ace-adapter-tier"] in ("disk", "host")
+    # the cold request's prefetch signal (or the engine's own load) makes it resident next time
+    deadline = time.monotonic() + 30
+    while trace(through_gateway(stack, "legal-review"))["residency"] != "pool":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
