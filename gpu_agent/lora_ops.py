@@ -22,7 +22,8 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
     """In place: ``y[i] += scale[a] * (x[i] @ A[a]^T) @ B[a]^T`` with ``a = adapter(i)``.
 
     ``x [n, in]``, ``y [n, out]`` (rows are tokens); rows without adapter untouched.
-    Mixed ranks in one call; A/B are read from the pool pages. Returns ``y``.
+    Mixed ranks in one call; A/B are read from the pool pages. Rows whose adapter
+    does not target ``(layer, module)`` are untouched too. Returns ``y``.
     """
     import torch
 
@@ -37,7 +38,10 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
     if batch.perm is None:
         # Every adapter's rows are consecutive in x: slice, no gather / scatter.
         for seg in segments:
-            a, bt = matrices(seg.entry, layer, module)
+            mats = matrices(seg.entry, layer, module)
+            if mats is None:
+                continue           # adapter does not target this module: rows untouched
+            a, bt = mats
             t = linear(x[seg.start:seg.end], a)
             y[seg.start:seg.end].addmm_(t, bt, alpha=seg.entry.scale)
         return y
@@ -46,7 +50,11 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
     xs = x.index_select(0, perm)
     out = torch.empty((xs.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
     for seg, xp, o in zip(segments, xs.split(sizes), out.split(sizes)):
-        a, bt = matrices(seg.entry, layer, module)
+        mats = matrices(seg.entry, layer, module)
+        if mats is None:
+            o.zero_()              # adapter does not target this module: adds nothing
+            continue
+        a, bt = mats
         # the scale rides on the expand GEMM (alpha); beta=0 ignores o's old contents
         torch.addmm(o, linear(xp, a), bt, beta=0, alpha=seg.entry.scale, out=o)
     y.index_add_(0, perm, out)

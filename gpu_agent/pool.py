@@ -57,6 +57,7 @@ class PoolEntry:
     pinned: bool = False
     in_use: int = 0
     load_ms: float = 0.0
+    gathered_matrices: int = 0       # matrices whose pages are not consecutive (read by gather)
     _mats: dict[tuple[int, str], tuple[Any, Any]] = field(default_factory=dict, repr=False)
 
 
@@ -132,6 +133,7 @@ class AdapterPool:
         self.loads = 0
         self.load_ms_total = 0.0
         self.scattered_loads = 0
+        self.gathered_matrices = 0
 
     # ---- layout ---------------------------------------------------------------------
     def _plan(self, adapter: LoraAdapter) -> tuple[dict[tuple[int, str], list[int]], int, bool]:
@@ -167,20 +169,40 @@ class AdapterPool:
         return self._plan(adapter)[1]
 
     # ---- allocation -----------------------------------------------------------------
-    def _alloc(self, n: int) -> tuple[np.ndarray, bool]:
-        """n free pages: best-fit contiguous run if one exists, else any free pages."""
+    def _alloc(self, n: int, layout: dict[tuple[int, str], list[int]]) -> tuple[np.ndarray, bool]:
+        """n free pages in logical order: a best-fit contiguous run if one exists; else
+        every matrix best-fit into its own free run (so it is still a view), and only
+        a matrix larger than every remaining run is spread over several runs."""
         free = self._free
         padded = np.concatenate(([False], free, [False]))
         edges = np.flatnonzero(padded[1:] != padded[:-1])
-        starts, ends = edges[0::2], edges[1::2]
-        lengths = ends - starts
+        starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
         fits = np.flatnonzero(lengths >= n)
         if fits.size:
             best = fits[np.argmin(lengths[fits])]
             ids = np.arange(starts[best], starts[best] + n)
             contiguous = True
         else:
-            ids = np.flatnonzero(free)[:n]
+            ids = np.empty(n, dtype=np.int64)
+            mats = sorted(((v[j + 1], v[j]) for v in layout.values() for j in (0, 2)), reverse=True)
+            left: list[tuple[int, int]] = []
+            for size, off in mats:                       # biggest matrices first, best fit
+                if size == 0:
+                    continue
+                cand = np.where(lengths >= size, lengths, np.iinfo(np.int64).max)
+                best = int(np.argmin(cand))
+                if lengths[best] < size:
+                    left.append((off, size))
+                    continue
+                ids[off: off + size] = np.arange(starts[best], starts[best] + size)
+                starts[best] += size
+                lengths[best] -= size
+            if left:                                     # spread over the remaining runs
+                rest = np.concatenate([np.arange(st, st + ln) for st, ln in zip(starts, lengths) if ln])
+                k = 0
+                for off, size in left:
+                    ids[off: off + size] = rest[k: k + size]
+                    k += size
             contiguous = False
         free[ids] = False
         self._num_free -= n
@@ -254,7 +276,7 @@ class AdapterPool:
             t0 = time.perf_counter()
             layout, n, one_copy = self._plan(adapter)
             self._make_room(n, adapter.name)
-            ids, contiguous = self._alloc(n)
+            ids, contiguous = self._alloc(n, layout)
             try:
                 self._copy_in(adapter, layout, ids, contiguous, one_copy)
             except BaseException:
@@ -273,6 +295,10 @@ class AdapterPool:
             self.loads += 1
             self.load_ms_total += entry.load_ms
             self.scattered_loads += not contiguous
+            if not contiguous:
+                entry.gathered_matrices = sum(
+                    not _consecutive(ids[v[j]: v[j] + v[j + 1]]) for v in layout.values() for j in (0, 2))
+                self.gathered_matrices += entry.gathered_matrices
             return entry
 
     def _copy_in(self, adapter: LoraAdapter, layout, ids: np.ndarray, contiguous: bool,
@@ -312,15 +338,18 @@ class AdapterPool:
         """The first ``numel`` elements of pages ``[p, p + n)`` as one flat view."""
         return self.pages[p: p + n].view(-1)[:numel]
 
-    def matrices(self, entry: PoolEntry, layer: int, module: str) -> tuple[Any, Any]:
+    def matrices(self, entry: PoolEntry, layer: int, module: str) -> tuple[Any, Any] | None:
         """(A [r, in], B^T [r, out]) of a resident adapter: views of the pool pages
         (B^T is a transposed view of B [out, r]), or gathered copies when the
-        matrix's pages are scattered."""
+        matrix's pages are scattered; None when the adapter does not target it."""
         key = (layer, module)
         mats = entry._mats.get(key)
         if mats is not None:
             return mats
-        a_off, a_pages, b_off, b_pages = entry.layout[key]
+        where = entry.layout.get(key)
+        if where is None:
+            return None  # the adapter does not target this layer/module
+        a_off, a_pages, b_off, b_pages = where
         fan_in, fan_out = self.spec.modules[module]
         r = entry.rank
         ids = entry.page_ids
@@ -329,7 +358,7 @@ class AdapterPool:
         for off, n, shape in ((a_off, a_pages, (r, fan_in)), (b_off, b_pages, (fan_out, r))):
             run = ids[off: off + n]
             numel = shape[0] * shape[1]
-            if entry.contiguous or bool(np.all(np.diff(run) == 1)):
+            if entry.contiguous or _consecutive(run):
                 out.append(self._flat(int(run[0]), n, numel).view(shape))
             else:
                 import torch
@@ -441,6 +470,7 @@ class AdapterPool:
                 "evictions": self.evictions,
                 "scattered_adapters": sum(not e.contiguous for e in self._entries.values()),
                 "scattered_loads": self.scattered_loads,
+                "gathered_matrices_loaded": self.gathered_matrices,
                 "load_ms_total": self.load_ms_total,
             }
 
@@ -458,6 +488,10 @@ class AdapterPool:
                 raise AssertionError(f"{e.name}: page count")
         if not np.array_equal(owner == -1, self._free) or int(self._free.sum()) != self._num_free:
             raise AssertionError("free bitmap disagrees with page tables")
+
+
+def _consecutive(run: np.ndarray) -> bool:
+    return len(run) == 0 or int(run[-1]) - int(run[0]) == len(run) - 1 and bool(np.all(np.diff(run) == 1))
 
 
 class _nullcontext:

@@ -102,3 +102,30 @@ def test_scattered_pages_give_same_result():
         apply_lora(y, x, pool, batch, 1, "k_proj")
     a, b = big.weights[(1, "k_proj")]
     torch.testing.assert_close(y[[0, 2]], big.scale * (x[[0, 2]] @ a.t()) @ b.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_matrix_split_over_free_runs_is_gathered():
+    """A matrix bigger than every free run spans several runs and is gathered."""
+    from gpu_agent.peft import LoraAdapter
+
+    pool = AdapterPool(SPEC, 4 * 112 * 32 * 4, dtype=torch.float32)
+    for i in range(4):
+        pool.load(make_adapter(f"x{i}", 8, seed=i))
+    pool.evict("x0")
+    pool.evict("x2")                                   # free: two runs of 112 pages
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(48, 32, generator=g), torch.randn(80, 48, generator=g)
+    wide = LoraAdapter("wide", 48, 24.0, ("up_proj",), SPEC.name, {(0, "up_proj"): (a, b)})
+    entry = pool.load(wide)                            # B^T needs 80*48/32 = 120 pages > 112
+    assert not entry.contiguous and entry.gathered_matrices == 1
+    pool.check_invariants()
+    x = torch.randn(5, 32, generator=g)
+    y = torch.zeros(5, 80)
+    with pool.batch(["wide", None, "x1", "wide", "wide"]) as batch:
+        apply_lora(y, x, pool, batch, 0, "up_proj")
+    rows = [0, 3, 4]
+    torch.testing.assert_close(y[rows], wide.scale * (x[rows] @ a.t()) @ b.t(), atol=1e-4, rtol=1e-4)
+    y1 = torch.zeros(2, 80)
+    with pool.batch(["x1", "x1"]) as batch:                # x1 does not target up_proj
+        apply_lora(y1, x[:2], pool, batch, 0, "up_proj")
+    assert not y1.any()
