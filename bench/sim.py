@@ -27,10 +27,15 @@ Policies:
 - ``speculative``: ingress, plus on every session step the transition model predicts the
   next adapter(s); each is prefetched only if ``should_speculate`` says it is likelier
   to be used within ``--horizon-s`` than the LRU victim it would evict.
-- ``belady``: offline optimum for demand caching: loads only adapters that a request
-  asked for, as early as any request-driven policy can (at ingress), and evicts the adapter
-  used furthest in the future (optimal for unit-size slots). Loading at ingress, not at
-  the engine, makes it the optimum of ``ingress`` too, so beating it takes prediction.
+- ``scored``: ``ingress`` with the speculative policy's eviction (``AdapterCache.coldest``:
+  the coldest of the ``--window`` least recent entries by decayed popularity and pending
+  predictions) and no speculation: shows what the eviction alone is worth.
+- ``belady``: Belady's offline optimum for demand caching: the engine loads a missing
+  adapter when the request reaches it and evicts the adapter used furthest in the
+  future (optimal for unit-size slots).
+- ``belady_ingress``: the same, loading at ingress: the optimum of every policy that
+  loads only adapters a request has asked for (``ingress`` included), so beating it
+  takes prediction.
 - ``oracle``: offline prefetcher with the same budget and load model: Belady eviction,
   and at each arrival it loads every upcoming adapter whose next use comes before the
   furthest next use in the cache (Cao et al.'s "aggressive" rule, a prefetch-ahead bound
@@ -42,7 +47,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -50,17 +54,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.workload import Workload, WorkloadSpec, encode_trace, synthetic
-from extproc.policy.cache import HIT, LATE, AdapterCache
-from extproc.policy.prediction import (
-    DecayedPopularity,
-    PredictionLedger,
-    TransitionModel,
-    candidate_score,
-    should_speculate,
-    victim_score,
-)
+from extproc.policy.cache import AdapterCache
+from extproc.policy.speculate import SpeculationSettings, Speculator
 
-POLICIES = ("lru", "ingress", "scored", "speculative", "belady", "oracle")
+POLICIES = ("lru", "ingress", "scored", "speculative", "belady", "belady_ingress", "oracle")
 
 
 class Progress:
@@ -169,75 +166,33 @@ def run_lru(cols, budget: int, channels: int, *, ingress: bool) -> dict:
     return res.summary(n, cache)
 
 
-def run_speculative(cols, budget: int, channels: int, *, horizon_s: float, k: int, min_p: float,
-                    window: int, half_life_s: float, max_backlog_s: float, speculate: bool = True) -> dict:
-    """Ingress loads + (if ``speculate``) predicted next adapters; score-aware LRU eviction."""
+def run_speculative(cols, budget: int, channels: int, settings: SpeculationSettings, *,
+                    max_backlog_s: float, speculate: bool = True) -> dict:
+    """``extproc.policy.speculate.Speculator`` (the gateway's code) over the trace:
+    ingress loads, score-aware eviction and, if ``speculate``, predicted prefetches."""
     t, s, ad, tn, ss, L = cols
     n = len(t)
-    cache = AdapterCache(budget)
+    spec = Speculator(budget, settings)
     chan = LoadChannel(channels)
-    model = TransitionModel()
-    pop = DecayedPopularity(half_life_s=half_life_s)
-    ledger = PredictionLedger()
     res = Result(n)
     prog = Progress(f"{'speculative' if speculate else 'scored'}@{budget}", n)
-    decay = 1.0 / horizon_s
-    rate = pop.rate
-    now = 0.0
 
-    def score(key, e) -> float:
-        pending = e.score * math.exp(-(now - e.scored_at) * decay) if e.score else 0.0
-        return victim_score(rate(key, now), horizon_s, pending)
+    def load(key: int, now: float) -> float:
+        return chan.load(now, L[key])
 
     for i in range(n):
-        a, now, tenant, session = ad[i], t[i], tn[i], ss[i]
-        if a not in cache:
-            if cache.used + 1 > cache.capacity:
-                cache.evict(cache.coldest(score, window))
-            cache.admit(a, chan.load(now, L[a]))
-        e = cache.get(a)
-        cache.access(a, s[i])
-        res.record(i, e.ready_at, now, s[i])
-        pop.hit(a, now)
-        if not speculate:
-            prog.tick(i)
-            continue
-        ledger.resolve(tenant, session, a)
-        model.observe(tenant, session, a)
-        predicted = []
-        e.score = 0.0  # its pending prediction came true; the model may renew it below
-        for b, p in model.predict_next(tenant, a, k):
-            if p < min_p:
-                continue
-            if b != a:
-                predicted.append(b)
-            # already resident (the same adapter again, or one loaded for someone else):
-            # no load, but the prediction protects it from eviction
-            if cache.predict(b, p, now):
-                continue
-            # the agent's prefetch queue is bounded: a busy link drops speculation first
-            if chan.backlog(now) > max_backlog_s:
-                continue
-            c = candidate_score(p, rate(b, now), horizon_s)
-            victim = None
-            v = 0.0
-            if cache.used + 1 > cache.capacity:
-                victim = cache.coldest(score, window)
-                v = score(victim, cache.get(victim))
-            if should_speculate(c, v, min_score=min_p):
-                if victim is not None:
-                    cache.evict(victim)
-                cache.admit(b, chan.load(now, L[b]), prefetched=True, score=p, scored_at=now)
-        ledger.record(tenant, session, tuple(predicted))
+        now = t[i]
+        ready = spec.demand(ad[i], now, load=load, engine_at=s[i])
+        res.record(i, ready, now, s[i])
+        if speculate:
+            # the agent's prefetch queue is bounded: a busy load link drops speculation first
+            spec.speculate(tn[i], ss[i], ad[i], now, load=load, may_load=chan.backlog(now) <= max_backlog_s)
         prog.tick(i)
-    ledger.flush()
+    spec.ledger.flush()
     if speculate:
-        res.extra = {
-            "predictions": ledger.stats.predictions,
-            "predictions_used": ledger.stats.used,
-            "predictions_wasted": ledger.stats.wasted,
-        }
-    return res.summary(n, cache)
+        c = spec.counters()
+        res.extra = {k: c[k] for k in ("predictions", "predictions_used", "predictions_wasted")}
+    return res.summary(n, spec.cache)
 
 
 def _furthest(heap: list, cur: dict) -> int:
@@ -249,7 +204,7 @@ def _furthest(heap: list, cur: dict) -> int:
         heapq.heappop(heap)
 
 
-def run_belady(cols, nxt: list[int], budget: int, channels: int, *, prefetch: bool) -> dict:
+def run_belady(cols, nxt: list[int], budget: int, channels: int, *, prefetch: bool, ingress: bool) -> dict:
     t, s, ad, _, _, L = cols
     n = len(t)
     cache = AdapterCache(budget)
@@ -257,7 +212,7 @@ def run_belady(cols, nxt: list[int], budget: int, channels: int, *, prefetch: bo
     cur: dict[int, int] = {}  # cached key -> its next use index
     heap: list = []
     res = Result(n)
-    prog = Progress(f"{'oracle' if prefetch else 'belady'}@{budget}", n)
+    prog = Progress(f"{'oracle' if prefetch else 'belady'}{'' if ingress else '-demand'}@{budget}", n)
     window = max(256, 8 * budget)
     ptr = 0
 
@@ -277,7 +232,7 @@ def run_belady(cols, nxt: list[int], budget: int, channels: int, *, prefetch: bo
     for i in range(n):
         a = ad[i]
         if a not in cache:
-            if not bring(a, i, t[i], False):
+            if not bring(a, i, t[i] if ingress else s[i], False):
                 # everything cached is needed before this request (the oracle refused to
                 # evict for it): load on demand anyway, evicting the furthest
                 victim = _furthest(heap, cur)
@@ -315,11 +270,12 @@ def simulate(w: Workload, budgets: list[int], args) -> dict:
             if p in ("lru", "ingress"):
                 r = run_lru(cols, b, args.channels, ingress=p == "ingress")
             elif p in ("speculative", "scored"):
-                r = run_speculative(cols, b, args.channels, horizon_s=args.horizon_s, k=args.k,
-                                    min_p=args.min_p, window=args.window, half_life_s=args.half_life_s,
+                settings = SpeculationSettings(k=args.k, min_p=args.min_p, horizon_s=args.horizon_s,
+                                               half_life_s=args.half_life_s, window=args.window)
+                r = run_speculative(cols, b, args.channels, settings,
                                     max_backlog_s=args.max_backlog_ms / 1000.0, speculate=p == "speculative")
             else:
-                r = run_belady(cols, nxt, b, args.channels, prefetch=p == "oracle")
+                r = run_belady(cols, nxt, b, args.channels, prefetch=p == "oracle", ingress=p != "belady")
             r["seconds"] = round(time.monotonic() - t0, 2)
             results[p][str(b)] = r
             print(f"budget {b:>5} {p:<12} hit {r['hit_ratio']:.4f} resident {r['resident_hit_ratio']:.4f} "
@@ -333,6 +289,7 @@ def targets(results: dict, budgets: list[int]) -> dict:
     if not all(p in results and mid in results[p] for p in need):
         return {}
     h = {p: results[p][mid]["hit_ratio"] for p in results if mid in results[p]}
+    hits = {p: round(v, 4) for p, v in h.items()}
     gap = h["oracle"] - h["lru"]
     closed = (h["speculative"] - h["lru"]) / gap if gap > 0 else float("nan")
     out = {
@@ -341,7 +298,10 @@ def targets(results: dict, budgets: list[int]) -> dict:
         "gap_closed_target": 0.5,
         "gap_closed_met": closed >= 0.5,
         "beats_belady": h["speculative"] > h["belady"],
+        "hit_ratio": hits,
     }
+    if "belady_ingress" in h:
+        out["beats_belady_ingress"] = h["speculative"] > h["belady_ingress"]
     if "ingress" in h and h["oracle"] > h["ingress"]:
         out["gap_closed_vs_ingress"] = (h["speculative"] - h["ingress"]) / (h["oracle"] - h["ingress"])
     return out

@@ -1,0 +1,86 @@
+from extproc.policy.speculate import SpeculationSettings, Speculator
+
+
+def run_sessions(spec, n, chain=("code", "review", "sql"), start=0.0, tenant="acme"):
+    now = start
+    out = []
+    for s in range(n):
+        for a in chain:
+            out.append(spec.on_request(tenant, f"s{s}", a, now))
+            now += 1.0
+    return out, now
+
+
+def test_learns_the_chain_and_prefetches_the_next_step():
+    spec = Speculator(capacity=8)
+    out, _ = run_sessions(spec, 5)
+    # after learning: code -> prefetch review? review is resident (8 slots) -> only noted
+    assert spec.model.predict_next("acme", "code", 1)[0][0] == "review"
+    c = spec.counters()
+    assert c["predictions_used"] >= 8 and c["predictions_wasted"] == 0
+
+
+def test_prefetch_goes_out_when_the_next_adapter_is_not_resident():
+    spec = Speculator(capacity=2, settings=SpeculationSettings(window=2))
+    _, now = run_sessions(spec, 4)
+    # fill the pool with two one-off adapters nobody will ask again soon
+    spec.on_request("other", "x1", "junk1", now + 100)
+    spec.on_request("other", "x2", "junk2", now + 101)
+    assert "review" not in spec.cache
+    got = spec.on_request("acme", "new", "code", now + 102)
+    assert [p.adapter for p in got] == ["review"] and got[0].probability == 1.0
+    assert "review" in spec.cache and spec.cache.get("review").prefetched
+    used = spec.cache.stats.prefetch_used
+    spec.on_request("acme", "new", "review", now + 103)
+    assert spec.cache.stats.prefetch_used == used + 1
+
+
+def test_never_evicts_the_adapter_in_use():
+    spec = Speculator(capacity=1)
+    for s in range(5):
+        spec.on_request("t", s, "a", 2.0 * s)
+        spec.on_request("t", s, "b", 2.0 * s + 1)
+    assert spec.on_request("t", "last", "a", 20.0) == []  # the only slot serves this request
+    assert "a" in spec.cache
+
+
+def test_never_evicts_something_hotter():
+    spec = Speculator(capacity=2, settings=SpeculationSettings(window=2, horizon_s=10, half_life_s=60))
+    now = 0.0
+    for i in range(600):  # "hot" is asked every second by everyone: use probability ~1
+        spec.on_request("t", f"h{i}", "hot", now)
+        now += 1.0
+    for s in range(10):  # a strong but not certain habit: a -> b 9 times in 10
+        spec.on_request("t", f"s{s}", "a", now)
+        spec.on_request("t", f"s{s}", "b" if s else "c", now + 0.5)
+        spec.on_request("t", f"k{s}", "hot", now + 0.7)
+        now += 1.0
+    spec.cache.evict("b")
+    spec.cache.evict("c")
+    spec.on_request("t", f"k{s}", "hot", now)
+    got = spec.on_request("t", "last", "a", now + 0.1)
+    assert got == [] and "hot" in spec.cache  # b (p=0.9) is not worth hot (p~1)
+    spec2 = Speculator(capacity=3, settings=SpeculationSettings(window=3))
+    for s in range(10):
+        spec2.on_request("t", s, "a", float(s))
+        spec2.on_request("t", s, "b", s + 0.5)
+    spec2.cache.evict("b")
+    assert [p.adapter for p in spec2.on_request("t", "new", "a", 20.0)] == ["b"]  # free slot
+
+
+def test_busy_load_path_learns_but_does_not_load():
+    spec = Speculator(capacity=4)
+    for s in range(3):
+        spec.demand("x", float(s))
+        spec.speculate("t", s, "x", float(s), may_load=False)
+        spec.demand("y", s + 0.5)
+        spec.speculate("t", s, "y", s + 0.5, may_load=False)
+    spec.cache.evict("y")
+    assert spec.speculate("t", 9, "x", 10.0, may_load=False) == []
+    assert spec.speculate("t", 10, "x", 11.0) != []
+
+
+def test_load_callback_sets_ready_time():
+    spec = Speculator(capacity=4)
+    ready = spec.demand("a", 5.0, load=lambda a, now: now + 0.25)
+    assert ready == 5.25 and spec.cache.stats.late == 1
