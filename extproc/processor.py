@@ -251,8 +251,9 @@ class Exchange:
     def on_request_body(self, body: bytes, head: RequestHead | None = None) -> Outcome:
         """``head``: built from request_attributes when the headers were not sent to us."""
         if self.handler is None:
-            if head is None:   # no headers, no attributes: nothing we can do safely
-                return CONTINUE
+            if head is None:   # Envoy config lacks request_attributes: never pass unchecked
+                log.error("request body without headers or request_attributes: check the Envoy config")
+                return _error_reply(GatewayError("gateway misconfigured: no request headers"))
             first = self.on_request_headers(head)
             if isinstance(first, Reply):
                 return first

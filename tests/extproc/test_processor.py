@@ -32,6 +32,11 @@ def test_unknown_path_is_pass_through(store):
     assert ex.on_request_body(b"anything") is CONTINUE
 
 
+def test_body_without_headers_or_attributes_fails_closed(store):
+    out = Gateway(store).exchange().on_request_body(b'{"model": "code-python"}')
+    assert isinstance(out, Reply) and out.status == 500
+
+
 def test_inference_headers_then_body(store):
     sink = Sink()
     ex = Gateway(store, prefetch=sink).exchange()

@@ -47,6 +47,11 @@ def test_istio_envoyfilter_carries_valid_envoy_config(tmp_path):
     filters = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_FILTER"]
     routes = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_ROUTE"]
     clusters = [p["patch"]["value"] for p in patches if p["applyTo"] == "CLUSTER"]
+    (vhost_patch,) = [p["patch"]["value"] for p in patches if p["applyTo"] == "VIRTUAL_HOST"]
+    local = yaml.safe_load(render())["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
+    for key, value in vhost_patch.items():   # the mesh carries the decision like the local stack
+        assert local[key] == value, key
     grpc_cluster = next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")[
         "typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
     bootstrap = {"static_resources": {
@@ -57,7 +62,7 @@ def test_istio_envoyfilter_carries_valid_envoy_config(tmp_path):
                                "@type": "type.googleapis.com/envoy.extensions.filters.network."
                                         "http_connection_manager.v3.HttpConnectionManager",
                                "stat_prefix": "gw",
-                               "route_config": {"virtual_hosts": [{"name": "vh", "domains": ["*"], "routes": [
+                               "route_config": {"virtual_hosts": [{"name": "vh", "domains": ["*"], **vhost_patch, "routes": [
                                    {"match": {"prefix": f"/r{i}"}, "route": {"cluster": "ace_upstream"}, **r}
                                    for i, r in enumerate(routes)]}]},
                                "http_filters": filters + [{
