@@ -140,6 +140,9 @@ class _Authenticated:
 class Inference(_Authenticated):
     """``/v1/chat/completions`` and ``/v1/completions``: decide, rewrite, route."""
 
+    forces_body = False                                  # re-encode even if nothing changed
+    extra_headers: tuple[tuple[str, str], ...] = ()      # set on the upstream request
+
     def after_auth(self, head: RequestHead) -> Outcome:
         self.header_skills = parse_override_header(head.headers.get(SKILL_OVERRIDE_HEADER))
         return super().after_auth(head)
@@ -166,9 +169,6 @@ class Inference(_Authenticated):
         if rw.body is not None:  # Envoy checks it when the headers were sent to us
             headers += (("content-length", str(len(rw.body))),)
         return Continue(headers, rw.body, tuple(metadata))
-
-    forces_body = False
-    extra_headers: tuple[tuple[str, str], ...] = ()
 
 
 class Execute(Inference):
