@@ -1,0 +1,361 @@
+"""``make bench``: replay a trace through the whole local stack, prefetch off then on.
+
+    python -m bench.multi_lora_eval [--trace FILE] [--speed 4] --out reports/multi_lora_eval.json
+
+Per run, a fresh stack on loopback ports: an artifact store (HTTP server over the
+adapters' files), the GPU agent with the builtin engine in-process (device pool capped at
+half of the trace's adapters, empty disk cache: cold means remote -> disk -> host -> pool
+with the digest checked), the ext_proc gateway (``extproc.policy.routing:route``) and
+Envoy. Requests are sent at their trace times divided by ``--speed`` with
+``stream: true``; TTFT is the time to the first streamed chunk, the stall is the engine's
+``x-ace-adapter-wait-ms`` and the tier its ``x-ace-adapter-tier``.
+
+- **baseline**: skill ``dynamic_lora_prefetch=off``: the engine loads on demand.
+- **prefetch**: ``dynamic_lora_prefetch=prod`` (the gateway signals the agent at ingress)
+  plus speculation: ``extproc.policy.speculate.Speculator`` observes every request
+  and its prefetches go to the agent's ``Prefetch`` RPC. The gateway does not call the
+  Speculator yet, so the replayer runs it beside the gateway (same code, same inputs:
+  tenant, session, adapter) and says so in the report (``speculation_driver``).
+
+Both runs start cold (no warm set: at start-up there is no history to rank by).
+The report (``bench.report``) is printed and written with a TTFT plot next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench.report import build_report, format_report, percentiles
+from bench.trace import TraceError, load_trace
+
+BASE_MODEL = "ace-tiny-llama"
+TOKEN = "bench-agent-token"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- fixtures and config
+
+def bench_fixtures(requests: list[dict], fixtures: Path, work: Path) -> Path:
+    """A catalog with every adapter the trace names, at its rank: the committed fixtures
+    when they match, else freshly made ones (deterministic, public)."""
+    from gpu_agent.fixtures import AdapterDef, make_fixtures
+
+    wanted = {}
+    for r in requests:
+        wanted.setdefault(r["adapter"], (r["rank"], r["domain"]))
+    catalog = fixtures / "catalog.yaml"
+    if catalog.exists():
+        have = {a["name"]: a["rank"] for a in yaml.safe_load(catalog.read_text())["adapters"]}
+        if all(have.get(name) == rank for name, (rank, _) in wanted.items()):
+            return catalog
+    log(f"making fixture adapters for {len(wanted)} adapters under {work / 'fixtures'}")
+    defs = [AdapterDef(name, rank, domain, "public") for name, (rank, domain) in wanted.items()]
+    return make_fixtures(work / "fixtures", defs)
+
+
+def remote_catalog(catalog: Path, store_url: str, out: Path, names: set[str]) -> dict:
+    """The catalog with every adapter's uri on the artifact store; base model path absolute."""
+    data = yaml.safe_load(catalog.read_text())
+    base = data["base_model"]
+    base["path"] = str((catalog.parent / base["path"]).resolve())
+    data["adapters"] = [dict(a, uri=f"{store_url}/{a['uri'].rstrip('/')}", owner="public")
+                        for a in data["adapters"] if a["name"] in names]
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return data
+
+
+def state_yaml(path: Path, catalog: Path, tenants: list[str], engine: str, agent: str, prefetch: bool) -> dict:
+    mode = "prod" if prefetch else "off"
+    keys = {t: f"sk-bench-{hashlib.sha256(t.encode()).hexdigest()[:16]}" for t in tenants}
+    state = {
+        "include": [str(catalog)],
+        "tenants": [{"id": t, "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": mode}} for t in tenants],
+        "keys": [{"name": f"bench-{t}", "sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": t, "skills": {}}
+                 for t, k in keys.items()],
+        "upstreams": [{"name": "engine-1", "address": engine, "flavour": "builtin", "base_model": BASE_MODEL,
+                       "hints": "off", "agent": agent}],
+        "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": mode},
+    }
+    path.write_text(yaml.safe_dump(state, sort_keys=False))
+    return keys
+
+
+# ---------------------------------------------------------------- the stack
+
+@contextlib.contextmanager
+def stack(work: Path, catalog: Path, tenants: list[str], pool_adapters: int, prefetch: bool):
+    from tests.support.envoy import run_envoy
+    from tests.support.procs import free_port, python, running, wait_http, wait_port
+
+    work.mkdir(parents=True, exist_ok=True)
+    env = {"ACE_AGENT_TOKEN": TOKEN}
+    gp, mp, ep, xp = free_port(), free_port(), free_port(), free_port()
+    agent_cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", "builtin",
+                 "--engine-port", str(ep), "--grpc-port", str(gp), "--metrics-port", str(mp),
+                 "--cache-dir", str(work / "agent-cache"), "--auth", "token",
+                 "--device-max-adapters", str(pool_adapters), "--reconcile-interval-s", "0.2"]
+    with contextlib.ExitStack() as es:
+        proc = es.enter_context(running(agent_cmd, work / "agent.log", env=env))
+        wait_port(gp, timeout=120, proc=proc, log=work / "agent.log")
+        wait_http(f"http://127.0.0.1:{ep}/health", timeout=120, proc=proc, log=work / "agent.log")
+        keys = state_yaml(work / "state.yaml", catalog, tenants, f"127.0.0.1:{ep}", f"127.0.0.1:{gp}", prefetch)
+        xcmd = [python(), "-m", "extproc", "--config", str(work / "state.yaml"), "--db", str(work / "gw.sqlite3"),
+                "--listen", f"127.0.0.1:{xp}", "--routing-policy", "extproc.policy.routing:route"]
+        xproc = es.enter_context(running(xcmd, work / "extproc.log", env=env))
+        wait_port(xp, timeout=60, proc=xproc, log=work / "extproc.log")
+        port = es.enter_context(run_envoy(work, extproc=f"127.0.0.1:{xp}", default_upstream=f"127.0.0.1:{ep}",
+                                          message_timeout="5s"))
+        yield {"gateway": f"http://127.0.0.1:{port}", "engine": f"http://127.0.0.1:{ep}",
+               "agent": f"127.0.0.1:{gp}", "metrics": f"http://127.0.0.1:{mp}/metrics", "keys": keys}
+
+
+class AgentPrefetcher:
+    """Sends the Speculator's prefetches to the agent without waiting for the loads."""
+
+    def __init__(self, target: str, digests: dict[str, str]) -> None:
+        import grpc
+
+        from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
+        from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.AgentStub(self.channel)
+        self.digests = digests
+        self.sent = 0
+        self.failed = 0
+
+    async def prefetch(self, adapter: str) -> None:
+        req = self.pb.PrefetchRequest(adapter=adapter, digest=self.digests.get(adapter, ""), priority=1,
+                                      reason="predicted")
+        try:
+            await self.stub.Prefetch(req, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=2)
+            self.sent += 1
+        except Exception:  # a prefetch is a hint: count, never fail the replay
+            self.failed += 1
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+# ---------------------------------------------------------------- replay
+
+async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -> dict:
+    body = {"model": r["adapter"], "messages": r["messages"], "max_tokens": int(r.get("max_tokens", 16)),
+            "temperature": 0, "stream": True}
+    headers = {"authorization": f"Bearer {key}"}
+    t0 = time.perf_counter()
+    ttft = None
+    try:
+        async with client.stream("POST", base + "/v1/chat/completions", json=body, headers=headers) as resp:
+            async for chunk in resp.aiter_bytes():
+                if ttft is None and chunk.strip():
+                    ttft = (time.perf_counter() - t0) * 1000
+            status = resp.status_code
+            h = resp.headers
+    except httpx.HTTPError as exc:
+        return {"id": r.get("id"), "error": str(exc)}
+    trace = dict(kv.split("=", 1) for kv in h.get("x-ace-trace-multi-lora", "").split(",") if "=" in kv)
+    wait = h.get("x-ace-adapter-wait-ms")
+    return {
+        "id": r.get("id"), "tenant": r["tenant"], "session": r["session"], "adapter": r["adapter"],
+        "domain": r["domain"], "status": status, "tier": h.get("x-ace-adapter-tier", "unknown"),
+        "wait_ms": float(wait) if wait is not None else None, "ttft_ms": ttft,
+        "total_ms": (time.perf_counter() - t0) * 1000, "action": trace.get("action"),
+    }
+
+
+async def replay(requests: list[dict], st: dict, speed: float, spec=None, prefetcher=None) -> list[dict]:
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    t0 = requests[0]["t"]
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        async def send(r: dict) -> None:
+            delay = (r["t"] - t0) / speed - (time.perf_counter() - t_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            row = await one_request(client, st["gateway"], st["keys"][r["tenant"]], r)
+            rows.append(row)
+            if len(rows) % 100 == 0:
+                log(f"  {len(rows)}/{len(requests)} requests ({time.perf_counter() - t_start:.0f}s)")
+            if spec is not None and "error" not in row:
+                # a request completed: learn the session step, prefetch what comes next
+                for p in spec.on_request(r["tenant"], r["session"], r["adapter"], time.monotonic()):
+                    await prefetcher.prefetch(p.adapter)
+
+        await asyncio.gather(*(send(r) for r in requests))
+    return rows
+
+
+async def gateway_overhead(st: dict, adapter: str, key: str, n: int = 40) -> float:
+    """Median latency through Envoy + ext_proc minus straight to the engine (same request)."""
+    body = {"model": adapter, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def timed(url: str, headers: dict) -> list[float]:
+            out = []
+            for _ in range(n):
+                t = time.perf_counter()
+                r = await client.post(url, json=body, headers=headers)
+                out.append((time.perf_counter() - t) * 1000)
+                r.raise_for_status()
+            return out
+
+        direct = await timed(st["engine"] + "/v1/chat/completions", {})
+        via = await timed(st["gateway"] + "/v1/chat/completions", {"authorization": f"Bearer {key}"})
+    return percentiles(via, (50,))["p50"] - percentiles(direct, (50,))["p50"]
+
+
+def plot_ttft(runs: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, xs in runs.items():
+        xs = sorted(xs)
+        if xs:
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("share of requests")
+    ax.set_title("TTFT through Envoy + ext_proc + agent + builtin engine")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    from extproc.policy.speculate import Speculator
+
+    try:
+        requests = load_trace(args.trace)
+    except TraceError as exc:
+        log(f"error: {exc}")
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="ace-bench-"))
+    try:
+        catalog = bench_fixtures(requests, Path(args.fixtures), work)
+        names = {r["adapter"] for r in requests}
+        pool = max(1, len(names) // 2)
+        tenants = sorted({r["tenant"] for r in requests})
+        from tests.support.procs import free_port, python, running, wait_port
+
+        store_port = free_port()
+        root = catalog.parent
+        cmd = [python(), "-m", "http.server", str(store_port), "--bind", "127.0.0.1", "--directory", str(root)]
+        with running(cmd, work / "store.log") as store:
+            wait_port(store_port, timeout=30, proc=store, log=work / "store.log")
+            results = {}
+            overhead = None
+            data = None
+            for name, prefetch in (("baseline", False), ("prefetch", True)):
+                run_dir = work / name
+                run_dir.mkdir()
+                rcat = run_dir / "catalog.yaml"
+                data = remote_catalog(catalog, f"http://127.0.0.1:{store_port}", rcat, names)
+                digests = {a["name"]: a["sha256"] for a in data["adapters"]}
+                log(f"{name}: {len(requests)} requests, pool {pool} of {len(names)} adapters, speed x{args.speed}")
+                with stack(run_dir, rcat, tenants, pool, prefetch) as st:
+                    async def go():
+                        spec = prefetcher = None
+                        if prefetch:
+                            spec = Speculator(pool)
+                            prefetcher = AgentPrefetcher(st["agent"], digests)
+                        rows = await replay(requests, st, args.speed, spec, prefetcher)
+                        extra = {}
+                        if spec is not None:
+                            extra = {"speculation": {**spec.counters(), "rpc_sent": prefetcher.sent,
+                                                     "rpc_failed": prefetcher.failed}}
+                            await prefetcher.close()
+                        ov = None
+                        if prefetch:
+                            t = requests[0]
+                            ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
+                        return rows, extra, ov
+
+                    rows, extra, ov = asyncio.run(go())
+                    if ov is not None:
+                        overhead = ov
+                results[name] = (rows, extra)
+        ok = {k: [r for r in rows if "error" not in r and r["status"] == 200 and r["wait_ms"] is not None]
+              for k, (rows, _) in results.items()}
+        errors = {k: len(rows) - len(ok[k]) for k, (rows, _) in results.items()}
+        base_rows, pre_rows = ok["baseline"], ok["prefetch"]
+        cold = [r["wait_ms"] for r in base_rows if r["tier"] in ("remote", "disk")]
+        # warm: a swap that did not go the whole way: host memory -> pool, measured on both
+        # runs; without any, the wait of requests whose adapter a prefetch made resident
+        warm = [r["wait_ms"] for r in base_rows + pre_rows if r["tier"] == "host"]
+        warm_source = "host->pool swaps"
+        if not warm:
+            warm = [r["wait_ms"] for r in pre_rows if r["action"] == "adapter_prefetched_applied"]
+            warm_source = "requests on prefetched adapters"
+        sizes = [a["size_bytes"] for a in data["adapters"]]
+        model_bytes = sum(p.stat().st_size for p in (catalog.parent / "model").glob("*.safetensors"))
+        pool_bytes = sorted(sizes, reverse=True)[:pool]
+        report = build_report(
+            base_rows, pre_rows, cold_swap_samples_ms=cold, warm_swap_samples_ms=warm,
+            base_bytes=model_bytes, pool_bytes=sum(pool_bytes), adapter_bytes=sizes,
+            gateway_overhead_ms=overhead,
+            extra={
+                "trace": str(args.trace), "speed": args.speed, "errors": errors,
+                "warm_swap_source": warm_source, "cold_swaps": len(cold), "warm_swaps": len(warm),
+                "pool_adapters": pool, "adapters": len(names),
+                "model_shape": json.loads((catalog.parent / "model" / "config.json").read_text()),
+                "adapter_sizes": {a["name"]: a["size_bytes"] for a in data["adapters"]},
+                "speculation_driver": "replayer (extproc.policy.speculate.Speculator -> agent Prefetch RPC)",
+                **results["prefetch"][1],
+            },
+        )
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        with out.with_name(out.stem + "_rows.jsonl").open("w") as f:
+            for name, (rows, _) in results.items():
+                for row in rows:
+                    f.write(json.dumps({"run": name, **row}) + "\n")
+        plot_ttft({"prefetch off": [r["ttft_ms"] for r in base_rows if r["ttft_ms"] is not None],
+                   "prefetch on": [r["ttft_ms"] for r in pre_rows if r["ttft_ms"] is not None]},
+                  out.with_suffix(".png"))
+        print(format_report(report))
+        log(f"wrote {out} and {out.with_suffix('.png')}")
+        return 0
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            log(f"kept {work}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.multi_lora_eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=str(ROOT / "data/multi_lora_eval/multi_lora_eval_800.json"),
+                    help="trace file (JSON or JSON Lines, docs/trace-format.md)")
+    ap.add_argument("--out", default="reports/multi_lora_eval.json", help="JSON report; the TTFT plot goes next to it")
+    ap.add_argument("--fixtures", default=".fixtures", help="fixtures directory (python -m gpu_agent.fixtures)")
+    ap.add_argument("--speed", type=float, default=4.0, help="replay speed-up of the trace's clock")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
