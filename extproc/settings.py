@@ -1,13 +1,15 @@
-"""The ext_proc service's settings: one object, from flags, environment or defaults.
+"""The ext_proc service's settings: one object, from flags, environment, a file or defaults.
 
-Every field can be set with ``--flag`` or ``ACE_EXTPROC_<FIELD>`` (flags win); each has
-help text (``python -m extproc --help``). Validated once at start-up.
+Every field can be set with ``--flag``, ``ACE_EXTPROC_<FIELD>`` or a key of the YAML
+file given with ``--settings`` (in that order of precedence); each has help text
+(``python -m extproc --help``). Validated once at start-up.
 """
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+import sys
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from extproc.errors import ConfigError
@@ -54,14 +56,22 @@ class Settings:
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "Settings":
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--settings", type=Path)
+        known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+        from_file = _read_settings_file(known.settings) if known.settings else {}
         parser = argparse.ArgumentParser(prog="python -m extproc", description=__doc__)
+        parser.add_argument("--settings", type=Path,
+                            help="YAML file of settings (keys as the flags, with _ for -)")
         for f in fields(cls):
             env = os.environ.get(f"ACE_EXTPROC_{f.name.upper()}")
-            default = env if env is not None else (None if f.default is f.default_factory else f.default)
-            required = f.name == "config" and env is None
+            default = env if env is not None else from_file.get(
+                f.name, None if f.default is MISSING else f.default)
+            required = f.name == "config" and default is None
             parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
                                 required=required, help=_HELP[f.name])
         ns = vars(parser.parse_args(argv))
+        ns.pop("settings")
         try:
             return cls(config=Path(ns["config"]),
                        catalog=Path(ns["catalog"]) if ns["catalog"] else None,
@@ -71,3 +81,15 @@ class Settings:
                        server=str(ns["server"]))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+
+
+def _read_settings_file(path: Path) -> dict:
+    import yaml
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--settings {path}: {exc}") from exc
+    names = {f.name for f in fields(Settings)}
+    if not isinstance(data, dict) or not set(data) <= names:
+        raise ConfigError(f"--settings {path}: a mapping with keys among {sorted(names)}")
+    return data
