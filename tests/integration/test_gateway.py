@@ -51,7 +51,9 @@ def gateway_stack(tmp: Path, up: RecordingUpstream, flavour: str = "vllm", hints
            "--listen", f"127.0.0.1:{xp_port}"]
     with running(cmd, log) as proc:
         wait_port(xp_port, timeout=30, proc=proc, log=log)
-        with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up.address) as port:
+        # a generous message timeout: a busy CI box must not turn into a silent fail-open
+        with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up.address,
+                       message_timeout="5s") as port:
             s = Stack(f"http://127.0.0.1:{port}", up)
             try:
                 yield s
