@@ -81,3 +81,24 @@ def test_errors_are_openai_shaped(cls, status):
     assert err.status == status
     body = json.loads(err.to_json())
     assert body == {"error": {"message": "boom", "type": err.type, "param": "p", "code": err.code}}
+
+
+def test_fixtures_catalog_loads_unchanged(tmp_path):
+    """The agent's generated catalog (docs/contracts.md format) is read as is via --catalog."""
+    from tests.support.procs import REPO
+    catalog = REPO / ".fixtures" / "catalog.yaml"
+    if not catalog.exists():
+        pytest.skip("fixtures not generated (make fixtures)")
+    state = tmp_path / "state.yaml"
+    state.write_text(yaml.safe_dump({
+        "tenants": [{"id": "acme"}], "keys": [{"sha256": sha("k"), "tenant": "acme"}],
+        "upstreams": [upstream()]}))
+    s = Store(state, tmp_path / "db", catalog=catalog)
+    raw = yaml.safe_load(catalog.read_text())
+    assert set(s.snapshot.adapters) == {a["name"] for a in raw["adapters"]}
+    first = raw["adapters"][0]
+    a = s.snapshot.adapters[first["name"]]
+    assert (a.rank, a.sha256, a.owner, a.size_bytes) == (first["rank"], first["sha256"], first["owner"],
+                                                         first["size_bytes"])
+    assert raw["base_model"]["name"] in s.snapshot.base_models
+    s.close()
