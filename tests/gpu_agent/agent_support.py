@@ -120,7 +120,7 @@ async def static_server(root: Path, corrupt: set[str] = frozenset()):
         await runner.cleanup()
 
 
-async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01):
+async def wait_for(predicate, timeout: float = 15.0, interval: float = 0.01):
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         if asyncio.get_running_loop().time() > deadline:

@@ -137,7 +137,7 @@ def test_slow_agent_never_blocks_submit(tmp_path):
         t0 = time.perf_counter()
         for _ in range(200):
             link.submit(signal("a1"))
-        assert time.perf_counter() - t0 < 0.2
+        assert time.perf_counter() - t0 < 0.5   # each Prefetch takes 2 s on the agent
         wait_until(lambda: link.agents["u1"].failed >= 1)   # deadline exceeded, counted
     finally:
         link.close()
