@@ -91,7 +91,7 @@ def bench_load(layers: int, reps: int) -> dict[str, Any]:
     dtype = torch.bfloat16
     src = torch.ones(128 << 20, dtype=torch.bfloat16)           # 256 MiB: far beyond caches
     dst = torch.empty_like(src)
-    pool = AdapterPool(spec, 4 * 128 * H * 2 * len(ATTN) * layers * 2 + (1 << 24), dtype=dtype)
+    pool = AdapterPool(spec, sum(RANKS) * H * 2 * len(ATTN) * layers * 2 + (1 << 24), dtype=dtype)
     tiers = AdapterTiers(pool, host_budget_bytes=1 << 30)
     out: dict[str, Any] = {"cold_load_ms": {}, "floor_ms": {}, "cold_load_verified_ms": {},
                            "cold_load_parts_ms": {}, "adapter_bytes": {}}
@@ -370,8 +370,9 @@ def _table(rep: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="reports/agent.json", help="where to write the JSON report")
-    ap.add_argument("--layers", type=int, default=4, help="layers of the cold-load model (hidden 4096, q/k/v/o)")
-    ap.add_argument("--reps", type=int, default=15, help="timed repetitions per measurement")
+    ap.add_argument("--layers", type=int, default=32,
+                    help="layers of the cold-load model (hidden 4096, q/k/v/o: a Llama-7B-shaped adapter)")
+    ap.add_argument("--reps", type=int, default=9, help="timed repetitions per measurement")
     ap.add_argument("--churn-cycles", type=int, default=10_000, help="load/evict cycles in the churn test")
     ap.add_argument("--fixtures", default=".fixtures", help="fixtures dir for memory accounting")
     args = ap.parse_args(argv)
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     rep: dict[str, Any] = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
                            "machine": platform.machine(), "python": sys.version.split()[0]}
     rep.update(bench_load(args.layers, args.reps))
-    rep.update(bench_op(args.reps * 2))
+    rep.update(bench_op(args.reps * 3))
     rep.update(bench_churn(args.churn_cycles))
     try:
         rep["memory"] = bench_memory(Path(args.fixtures))

@@ -6,7 +6,8 @@ pool pages (``A`` and ``B^T`` are views of consecutive pages), so every adapter 
 read exactly once, no weight is copied or padded to the max rank, and rows without an
 adapter cost nothing. On CPU this op is bound by the memory bandwidth of reading the
 weights; see ``docs/pool.md`` for the alternatives measured (pad-to-max-rank ``bmm``,
-per-row gather, per-adapter loop over ungrouped rows).
+per-row gather, per-adapter loop over ungrouped rows). The same code runs on CUDA
+(no Triton kernel yet: see docs/pool.md).
 """
 
 from __future__ import annotations
@@ -30,9 +31,6 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
     segments = batch.segments
     if not segments:
         return y
-    if _triton_ok(x):
-        from . import lora_triton  # optional; only with CUDA + Triton
-        return lora_triton.apply(y, x, pool, batch, layer, module)
     matrices = pool.matrices
     linear = torch.nn.functional.linear       # x @ A^T with A [r, in] as the weight
     if batch.perm is None:
@@ -59,23 +57,6 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
         torch.addmm(o, linear(xp, a), bt, beta=0, alpha=seg.entry.scale, out=o)
     y.index_add_(0, perm, out)
     return y
-
-
-_TRITON: bool | None = None
-
-
-def _triton_ok(x: Any) -> bool:
-    global _TRITON
-    if not x.is_cuda:
-        return False
-    if _TRITON is None:
-        try:
-            import triton  # noqa: F401
-            from . import lora_triton  # noqa: F401
-            _TRITON = True
-        except Exception:  # no Triton: the torch path works on CUDA too
-            _TRITON = False
-    return _TRITON
 
 
 def lora_delta_reference(x: Any, a: Any, b: Any, scale: float) -> Any:

@@ -92,6 +92,7 @@ class FilePayload:
     dtype: Any                                 # torch dtype shared by all matrices
     matrices: tuple[Matrix, ...]
     back_to_back: bool                         # matrices fill [matrices[0].start, matrices[-1].end)
+    nbytes: int = 0                            # sum of the matrices' bytes
 
 
 class _PayloadWeights(Mapping):
@@ -155,7 +156,7 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         if self.payload is not None:
-            return sum(m.end - m.start for m in self.payload.matrices)
+            return self.payload.nbytes
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
                    for a, b in self.weights.values())
 
@@ -411,7 +412,8 @@ def load_peft_dir(path: str | os.PathLike[str], spec: BaseModelSpec, sha256: str
             raise AdapterInvalid(f"{where}: layer {layer} {module}: lora_A and lora_B must both be present")
     matrices.sort(key=lambda mt: mt.start)
     back_to_back = all(a.end == b.start for a, b in zip(matrices, matrices[1:]))
-    payload = FilePayload(buf, dtype, tuple(matrices), back_to_back)
+    payload = FilePayload(buf, dtype, tuple(matrices), back_to_back,
+                          sum(mt.end - mt.start for mt in matrices))
     return LoraAdapter(
         name=adapter_name, rank=rank, alpha=float(alpha), target_modules=targets,
         base_model=spec.name, weights=_PayloadWeights(payload),
