@@ -11,6 +11,9 @@ lower). The load generator is a small asyncio client over raw keep-alive HTTP/1.
 connections.
 Concurrency 1 gives p50/p99 latency; concurrency 8 gives throughput. Runs alternate
 sides, twice, and keep each side's best run to damp noise from a shared machine.
+A third side, ``null_extproc``, is the gateway's Envoy config with an ext_proc that
+answers every message with an empty response (no parsing, no decision): the floor that
+Python gRPC alone costs, so ``ours_added_p50_ms`` is what our code adds on top of it.
 ``decision_us_*`` times ``extproc.decision.decide`` in-process for a 2 KB body;
 ``body_phase_us_*`` times the whole body message (protobuf in -> protobuf out).
 """
@@ -82,6 +85,28 @@ def serve_upstream(port: int) -> None:
         server = await asyncio.get_running_loop().create_server(_Upstream, "127.0.0.1", port)
         async with server:
             await server.serve_forever()
+    asyncio.run(main())
+
+
+def serve_null_extproc(port: int) -> None:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    empty = {k: pb.ProcessingResponse(**{k: {}}) for k in ("request_headers", "request_body",
+                                                             "response_headers", "response_body")}
+
+    class Null(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator, context):
+            while (msg := await context.read()) is not grpc.aio.EOF:
+                await context.write(empty[msg.WhichOneof("request")])
+
+    async def main():
+        server = grpc.aio.server()
+        pb_grpc.add_ExternalProcessorServicer_to_server(Null(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
     asyncio.run(main())
 
 
@@ -203,16 +228,20 @@ def measure_decision(state: Path, db: Path, key: str, body: bytes, n: int = 2000
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("reports/gateway_overhead.json"))
-    p.add_argument("--seconds", type=float, default=4.0, help="length of each measured run")
+    p.add_argument("--seconds", type=float, default=3.0, help="length of each measured run")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; best run per side kept")
     p.add_argument("--upstream", choices=("recording", "fast"), default="recording",
                    help="which upstream both sides use (see above)")
     p.add_argument("--server", choices=("aio", "threads"), default="aio",
                    help="the ext_proc's gRPC server flavour")
     p.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--serve-null-extproc", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve_upstream:
         serve_upstream(a.serve_upstream)
+        return 0
+    if a.serve_null_extproc:
+        serve_null_extproc(a.serve_null_extproc)
         return 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -224,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     key = KEYS["alice"]
     with tempfile.TemporaryDirectory(prefix="ace-bench-") as tmp_s:
         tmp = Path(tmp_s)
-        up_port, xp_port = free_port(), free_port()
+        up_port, xp_port, null_port = free_port(), free_port(), free_port()
         up_addr = f"127.0.0.1:{up_port}"
         state = write_state(tmp, [upstream("bench-upstream", up_addr, "vllm", "body")])
         decision = measure_decision(state, tmp / "decision.sqlite3", key, body)
@@ -234,16 +263,22 @@ def main(argv: list[str] | None = None) -> int:
             up_cmd = [sys.executable, "-m", "tests.support.upstream", "--port", str(up_port)]
         xp_cmd = [sys.executable, "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
                   "--listen", f"127.0.0.1:{xp_port}", "--log-level", "WARNING", "--server", a.server]
-        with running(up_cmd, tmp / "upstream.log") as up_proc, running(xp_cmd, tmp / "extproc.log") as xp_proc:
+        null_cmd = [sys.executable, "-m", "bench.gateway_overhead", "--serve-null-extproc", str(null_port)]
+        with running(up_cmd, tmp / "upstream.log") as up_proc, \
+             running(xp_cmd, tmp / "extproc.log") as xp_proc, \
+             running(null_cmd, tmp / "null.log") as null_proc:
             wait_port(up_port, proc=up_proc, log=tmp / "upstream.log")
             wait_port(xp_port, proc=xp_proc, log=tmp / "extproc.log")
+            wait_port(null_port, proc=null_proc, log=tmp / "null.log")
             with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up_addr, name="plain",
                            with_extproc=False) as plain_port, \
                  run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up_addr,
-                           name="gateway") as gw_port:
+                           name="gateway") as gw_port, \
+                 run_envoy(tmp, extproc=f"127.0.0.1:{null_port}", default_upstream=up_addr,
+                           name="null") as null_envoy_port:
                 request = _request(body, key)
-                ports = {"envoy": plain_port, "gateway": gw_port}
-                best: dict[str, dict[int, dict]] = {"envoy": {}, "gateway": {}}
+                ports = {"envoy": plain_port, "gateway": gw_port, "null_extproc": null_envoy_port}
+                best: dict[str, dict[int, dict]] = {side: {} for side in ports}
                 for side, port in ports.items():      # warm-up (connections, ext_proc threads)
                     asyncio.run(_load(port, request, 8, 1.0))
                 for _ in range(a.rounds):
@@ -257,23 +292,27 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
                     "upstream": a.upstream, "extproc_server": a.server, "ext_proc_messages_per_request": 1,
                     "body_bytes": len(body), "seconds_per_run": a.seconds, "rounds": a.rounds}
-    for side in ("envoy", "gateway"):
+    for side in ("envoy", "gateway", "null_extproc"):
         c1, c8 = best[side][1], best[side][8]
         report[side] = {"rps": c8["rps"], "p50_ms": c1["p50_ms"], "p99_ms": c1["p99_ms"],
                         "c1": c1, "c8": c8}
     report["added_p50_ms"] = round(report["gateway"]["p50_ms"] - report["envoy"]["p50_ms"], 4)
     report["added_p99_ms"] = round(report["gateway"]["p99_ms"] - report["envoy"]["p99_ms"], 4)
     report["throughput_ratio"] = round(report["gateway"]["rps"] / report["envoy"]["rps"], 3)
+    report["null_extproc_added_p50_ms"] = round(report["null_extproc"]["p50_ms"] - report["envoy"]["p50_ms"], 4)
+    report["ours_added_p50_ms"] = round(report["gateway"]["p50_ms"] - report["null_extproc"]["p50_ms"], 4)
+    report["null_extproc_throughput_ratio"] = round(report["null_extproc"]["rps"] / report["envoy"]["rps"], 3)
     report.update(decision)
     report["targets"] = {"added_p50_ms<=0.5": report["added_p50_ms"] <= 0.5,
                          "throughput_ratio>=0.5": report["throughput_ratio"] >= 0.5,
                          "decision_us_p99<=20": report["decision_us_p99"] <= 20}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k not in ("envoy", "gateway")}, indent=2))
-    print("envoy  ", report["envoy"]["c1"], report["envoy"]["c8"])
-    print("gateway", report["gateway"]["c1"], report["gateway"]["c8"])
-    errors = report["envoy"]["c8"]["errors"] + report["gateway"]["c8"]["errors"]
+    sides = ("envoy", "gateway", "null_extproc")
+    print(json.dumps({k: v for k, v in report.items() if k not in sides}, indent=2))
+    for side in sides:
+        print(f"{side:13}", report[side]["c1"], report[side]["c8"])
+    errors = sum(report[side][c]["errors"] for side in sides for c in ("c1", "c8"))
     return 1 if errors else 0
 
 
