@@ -15,6 +15,8 @@ from extproc.rewrite.hints import wire_hints
 
 __all__ = ["Rewrite", "rewrite_request", "MODEL_FOR", "encode"]
 
+_MISSING = object()
+
 MODEL_FOR: Mapping[str, Callable[[Adapter, Upstream], str]] = {
     "vllm": vllm.model_for, "sglang": sglang.model_for, "builtin": builtin.model_for}
 
@@ -55,5 +57,3 @@ def rewrite_request(body: Mapping[str, Any], d: Decision, force: bool = False) -
         return Rewrite(None, headers)
     return Rewrite(encode({**body, **changes}), headers)
 
-
-_MISSING = object()
