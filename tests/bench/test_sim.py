@@ -104,3 +104,17 @@ def test_cli_reports_bad_trace(tmp_path, capsys):
     bad.write_text('[{"t": 1}]')
     assert sim.main(["--trace", str(bad), "--out", str(tmp_path / "x.json")]) == 2
     assert "missing field" in capsys.readouterr().err
+
+
+def test_cli_synthetic_small(tmp_path):
+    out = tmp_path / "sim.json"
+    assert sim.main(["--requests", "3000", "--adapters", "200", "--tenants", "30", "--budget", "4,8,16",
+                     "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] == 3000 and report["targets"]["budget"] == 8
+    assert report["workload"]["synthetic"]["adapters"] == 200
+    for p in sim.POLICIES:
+        assert set(report["results"][p]) == {"4", "8", "16"}
+    # the oracle is an upper bound on every online policy in practice
+    for b in ("4", "8", "16"):
+        assert report["results"]["oracle"][b]["hit_ratio"] >= report["results"]["speculative"][b]["hit_ratio"]
