@@ -5,6 +5,7 @@ digest of the adapter weights: it is the cache key, so a changed adapter is a ne
 """
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -78,5 +79,10 @@ class Upstream:
         if self.hints not in HINT_MODES:
             raise ConfigError(f"upstream {self.name}: hints must be one of {HINT_MODES}")
         host, _, port = self.address.rpartition(":")
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            host = ""
         if not host or not port.isdigit():
-            raise ConfigError(f"upstream {self.name}: address must be host:port, got {self.address!r}")
+            # Envoy's ORIGINAL_DST cluster takes the destination header as is: no DNS.
+            raise ConfigError(f"upstream {self.name}: address must be IP:port, got {self.address!r}")

@@ -49,7 +49,8 @@ def test_separate_catalog_file(tmp_path):
 @pytest.mark.parametrize("mutate,match", [
     (lambda st: st["keys"][0].update(sha256="plaintext"), "sha256"),
     (lambda st: st["upstreams"][0].update(flavour="tgi"), "flavour"),
-    (lambda st: st["upstreams"][0].update(address="nohost"), "host:port"),
+    (lambda st: st["upstreams"][0].update(address="nohost"), "IP:port"),
+    (lambda st: st["upstreams"][0].update(address="localhost:8000"), "IP:port"),
     (lambda st: st.update(upstreams=[]), "upstream"),
     (lambda st: st["tenants"][0].update(default_adapter="nope"), "default_adapter"),
     (lambda st: st.update(skills={"multi_lora": "max"}), "skills"),
