@@ -236,6 +236,9 @@ def test_error_body_over_limit_413(stack):
     def chunks():   # chunked: no content-length, caught on the body
         yield json.dumps(big).encode()
     _err(stack.http.post("/v1/chat/completions", content=chunks(), headers=ALICE), 413)
+    # beyond Envoy's own buffer (limit + 64 KiB): Envoy answers, still OpenAI-shaped
+    _err(stack.post("/v1/chat/completions", dict(CHAT, padding="x" * 200_000), ALICE), 413,
+         "payload_too_large")
 
 
 def test_error_invalid_fields_422(stack):
@@ -364,4 +367,4 @@ def test_fail_open_when_extproc_is_dead(tmp_path):
             assert "x-ace-served-by" not in r.headers
             # the native API cannot be served untranslated: it fails closed
             r = httpx.post(f"http://127.0.0.1:{port}/v1/execute", json={}, timeout=10)
-            assert r.status_code == 503
+            assert _err(r, 503, "service_unavailable")["type"] == "service_unavailable"
