@@ -1,7 +1,8 @@
 """What the gateway tells the client about its decision.
 
-Response header values (sent to Envoy as metadata, see ``trace_metadata``) are ``k=v`` lists (``x-ace-trace-multi-lora: mode=prod,action=...``);
-``/v1/execute`` returns the same facts as a list of objects. Numbers come from the
+Response header values are ``k=v`` lists (``x-ace-trace-multi-lora: mode=prod,action=...``),
+handed to Envoy as dynamic metadata (``trace_metadata``) which the virtual host turns
+into headers; ``/v1/execute`` returns the same facts as a list of objects. Numbers come from the
 residency snapshot; without agent data they read ``unknown``.
 """
 from __future__ import annotations
