@@ -45,8 +45,8 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
         return y
     perm = batch.perm
     sizes = batch.sizes
-    xs = x.index_select(0, perm)
-    out = torch.empty((xs.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
+    xs = torch.index_select(x, 0, perm, out=batch.scratch(x.shape[1], x.dtype, x.device, 0))
+    out = batch.scratch(y.shape[1], y.dtype, y.device, 1)
     for seg, xp, o in zip(segments, xs.split(sizes), out.split(sizes)):
         mats = matrices(seg.entry, layer, module)
         if mats is None:

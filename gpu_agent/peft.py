@@ -19,6 +19,8 @@ import mmap
 import os
 import re
 import struct
+import threading
+from collections import OrderedDict
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +95,7 @@ class FilePayload:
     matrices: tuple[Matrix, ...]
     back_to_back: bool                         # matrices fill [matrices[0].start, matrices[-1].end)
     nbytes: int = 0                            # sum of the matrices' bytes
+    plans: dict = field(default_factory=dict, compare=False)  # pool layouts, shared per structure
 
 
 class _PayloadWeights(Mapping):
@@ -101,10 +104,17 @@ class _PayloadWeights(Mapping):
 
     def __init__(self, payload: FilePayload) -> None:
         self._payload = payload
-        self._index: dict[tuple[int, str], dict[str, Matrix]] = {}
-        for m in payload.matrices:
-            self._index.setdefault(m.key, {})[m.half] = m
+        self._idx: dict[tuple[int, str], dict[str, Matrix]] | None = None
         self._cache: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+    @property
+    def _index(self) -> dict[tuple[int, str], dict[str, Matrix]]:
+        if self._idx is None:
+            idx: dict[tuple[int, str], dict[str, Matrix]] = {}
+            for m in self._payload.matrices:
+                idx.setdefault(m.key, {})[m.half] = m
+            self._idx = idx
+        return self._idx
 
     def __getitem__(self, key: tuple[int, str]) -> tuple[Any, Any]:
         ab = self._cache.get(key)
@@ -254,7 +264,7 @@ def _same_base(declared: Any, spec: BaseModelSpec) -> bool:
 
 def _read_safetensors(path: Path, sha256: str | None, pin_memory: bool,
                       timings: dict[str, float] | None = None):
-    """Map the file as one uint8 host tensor; return (buffer, header, data_offset).
+    """Map the file as one uint8 host tensor; return (buffer, header bytes, data_offset).
 
     The file is mapped copy-on-write (private): tensors are views of the page cache,
     so disk -> host costs no copy and host -> pool is the only memcpy. With
@@ -289,13 +299,7 @@ def _read_safetensors(path: Path, sha256: str | None, pin_memory: bool,
     (hlen,) = struct.unpack("<Q", bytes(view[:8]))
     if hlen > size - 8:
         raise AdapterInvalid(f"{path}: safetensors header length {hlen} exceeds file")
-    try:
-        header = json.loads(bytes(view[8:8 + hlen]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AdapterInvalid(f"{path}: bad safetensors header: {exc}") from exc
-    if not isinstance(header, dict):
-        raise AdapterInvalid(f"{path}: bad safetensors header")
-    return buf, header, 8 + hlen
+    return buf, bytes(view[8:8 + hlen]), 8 + hlen
 
 
 _HALVES = {"lora_A": "A", "lora_B": "B"}
@@ -330,38 +334,57 @@ def _torch_dtype(name: Any, key: str, where: str) -> Any:
     return dtype
 
 
-def load_peft_dir(path: str | os.PathLike[str], spec: BaseModelSpec, sha256: str | None = None,
-                  *, name: str | None = None, pin_memory: bool = False,
-                  timings: dict[str, float] | None = None) -> LoraAdapter:
-    """Load and validate a PEFT LoRA directory for ``spec``.
+class _Structure(NamedTuple):
+    dtype: Any
+    matrices: tuple[Matrix, ...]
+    back_to_back: bool
+    nbytes: int
+    plans: dict = {}     # replaced per instance: pool layouts computed for this structure
 
-    Checks: peft_type LORA without DoRA / modules_to_save / rank_pattern / bias /
-    fan_in_fan_out; base model name; target modules are modules of ``spec``; every
-    tensor belongs to a known layer and target module; shapes ``A [r, in]`` and
-    ``B [out, r]`` with the config's ``r``; both halves present. ``sha256`` (hex of
-    adapter_model.safetensors) is verified when given -- pass it when the file enters
-    from outside, not on every load from the local cache. ``timings``, when given,
-    receives ``read_ms`` (disk -> host) and ``verify_ms`` (SHA-256).
-    """
-    p = Path(path)
-    where = str(p)
-    adapter_name = check_adapter_name(name if name is not None else p.name)
-    cfg = _read_config(p)
-    _check_features(cfg, where)
-    if not _same_base(cfg.get("base_model_name_or_path"), spec):
-        raise BaseModelMismatch(
-            f"{where}: trained for base model {cfg.get('base_model_name_or_path')!r}, "
-            f"this agent serves {spec.name!r}")
-    rank = cfg.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise AdapterInvalid(f"{where}: rank r must be a positive integer, got {rank!r}")
-    alpha = cfg.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise AdapterInvalid(f"{where}: lora_alpha must be a number, got {alpha!r}")
-    targets = _target_modules(cfg, spec, where)
 
-    buf, header, base = _read_safetensors(p / WEIGHTS_FILE, sha256, pin_memory, timings)
+# Validated structures by header bytes: adapters of one rank and target set for one
+# base model share byte-identical safetensors headers, so the second such adapter
+# skips JSON parsing and per-tensor validation. Bounded; guarded by a lock.
+_STRUCTURES: "OrderedDict[tuple, _Structure]" = OrderedDict()
+_STRUCTURES_MAX = 256
+_STRUCTURES_LOCK = threading.Lock()
+
+
+def clear_structure_cache() -> None:
+    """Forget validated header structures (benchmarks measure a first load with it)."""
+    with _STRUCTURES_LOCK:
+        _STRUCTURES.clear()
+
+
+def _payload(buf: Any, header_bytes: bytes, base: int, spec: BaseModelSpec, rank: int,
+             targets: tuple[str, ...], where: str) -> FilePayload:
     size = buf.numel()
+    key = (header_bytes, size, rank, targets, spec.name, spec.num_layers, spec.hidden_size,
+           tuple(sorted(spec.modules.items())))
+    with _STRUCTURES_LOCK:
+        st = _STRUCTURES.get(key)
+        if st is not None:
+            _STRUCTURES.move_to_end(key)
+    if st is None:
+        st = _structure(header_bytes, base, size, spec, rank, targets, where)
+        st = st._replace(plans={})
+        with _STRUCTURES_LOCK:
+            _STRUCTURES[key] = st
+            while len(_STRUCTURES) > _STRUCTURES_MAX:
+                _STRUCTURES.popitem(last=False)
+    return FilePayload(buf, st.dtype, st.matrices, st.back_to_back, st.nbytes, st.plans)
+
+
+def _structure(header_bytes: bytes, base: int, size: int, spec: BaseModelSpec, rank: int,
+               targets: tuple[str, ...], where: str) -> _Structure:
+    """Validate the header against the model: every tensor a LoRA A/B of a known layer
+    and target module with the right shape, both halves present, one dtype."""
+    try:
+        header = json.loads(header_bytes)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterInvalid(f"{where}: bad safetensors header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise AdapterInvalid(f"{where}: bad safetensors header")
     matrices: list[Matrix] = []
     halves: dict[tuple[int, str], dict[str, Matrix]] = {}
     modules = spec.modules
@@ -412,8 +435,41 @@ def load_peft_dir(path: str | os.PathLike[str], spec: BaseModelSpec, sha256: str
             raise AdapterInvalid(f"{where}: layer {layer} {module}: lora_A and lora_B must both be present")
     matrices.sort(key=lambda mt: mt.start)
     back_to_back = all(a.end == b.start for a, b in zip(matrices, matrices[1:]))
-    payload = FilePayload(buf, dtype, tuple(matrices), back_to_back,
-                          sum(mt.end - mt.start for mt in matrices))
+    return _Structure(dtype, tuple(matrices), back_to_back, sum(mt.end - mt.start for mt in matrices))
+
+
+def load_peft_dir(path: str | os.PathLike[str], spec: BaseModelSpec, sha256: str | None = None,
+                  *, name: str | None = None, pin_memory: bool = False,
+                  timings: dict[str, float] | None = None) -> LoraAdapter:
+    """Load and validate a PEFT LoRA directory for ``spec``.
+
+    Checks: peft_type LORA without DoRA / modules_to_save / rank_pattern / bias /
+    fan_in_fan_out; base model name; target modules are modules of ``spec``; every
+    tensor belongs to a known layer and target module; shapes ``A [r, in]`` and
+    ``B [out, r]`` with the config's ``r``; both halves present. ``sha256`` (hex of
+    adapter_model.safetensors) is verified when given -- pass it when the file enters
+    from outside, not on every load from the local cache. ``timings``, when given,
+    receives ``read_ms`` (disk -> host) and ``verify_ms`` (SHA-256).
+    """
+    p = Path(path)
+    where = str(p)
+    adapter_name = check_adapter_name(name if name is not None else p.name)
+    cfg = _read_config(p)
+    _check_features(cfg, where)
+    if not _same_base(cfg.get("base_model_name_or_path"), spec):
+        raise BaseModelMismatch(
+            f"{where}: trained for base model {cfg.get('base_model_name_or_path')!r}, "
+            f"this agent serves {spec.name!r}")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise AdapterInvalid(f"{where}: rank r must be a positive integer, got {rank!r}")
+    alpha = cfg.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise AdapterInvalid(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    targets = _target_modules(cfg, spec, where)
+
+    buf, header_bytes, base = _read_safetensors(p / WEIGHTS_FILE, sha256, pin_memory, timings)
+    payload = _payload(buf, header_bytes, base, spec, rank, targets, where)
     return LoraAdapter(
         name=adapter_name, rank=rank, alpha=float(alpha), target_modules=targets,
         base_model=spec.name, weights=_PayloadWeights(payload),

@@ -79,7 +79,8 @@ class LoraBatch:
     rows are already consecutive, ``perm`` is None and segments index ``x`` directly.
     """
 
-    __slots__ = ("pool", "num_rows", "row_slots", "slot_scales", "perm", "segments", "sizes", "entries")
+    __slots__ = ("pool", "num_rows", "row_slots", "slot_scales", "perm", "segments", "sizes", "entries",
+                 "_scratch")
 
     def __init__(self, pool: "AdapterPool", num_rows: int, row_slots: Any, perm: Any,
                  segments: list[Segment], entries: list[PoolEntry]) -> None:
@@ -91,6 +92,19 @@ class LoraBatch:
         self.segments = segments
         self.sizes = [s.end - s.start for s in segments]   # for Tensor.split over grouped rows
         self.entries = entries
+        self._scratch: dict[tuple[int, Any], Any] = {}
+
+    def scratch(self, width: int, dtype: Any, device: Any, which: int) -> Any:
+        """A ``[grouped rows, width]`` work buffer reused by every layer of this forward
+        (a fresh 1 MB tensor per call costs page faults on CPU)."""
+        key = (which, dtype)
+        n = len(self.perm) if self.perm is not None else self.num_rows
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < n * width:
+            import torch
+            buf = torch.empty(n * width, dtype=dtype, device=device)
+            self._scratch[key] = buf
+        return buf[: n * width].view(n, width)
 
     def weights(self, seg: Segment, layer: int, module: str) -> tuple[Any, Any]:
         """(A [r, in], B^T [r, out]) of the segment's adapter, read from pool pages."""
@@ -146,6 +160,9 @@ class AdapterPool:
         w = self.row_width
         payload = adapter.payload
         if payload is not None:
+            cached = payload.plans.get((w, self.dtype))
+            if cached is not None:
+                return cached      # same header structure seen before: same layout
             order = [(m.key, m.half, m.numel) for m in payload.matrices]
         else:
             order = [(key, half, shape[0] * shape[1]) for key, half, shape in adapter.matrix_shapes()]
@@ -162,6 +179,8 @@ class AdapterPool:
             off += n
         one_copy = bool(payload is not None and exact and payload.back_to_back
                         and payload.dtype == self.dtype)
+        if payload is not None:
+            payload.plans[(w, self.dtype)] = (layout, off, one_copy)   # read-only from here on
         return layout, off, one_copy
 
     def pages_for(self, adapter: LoraAdapter) -> int:
