@@ -141,6 +141,7 @@ class AdapterPool:
         self.slot_scales = torch.zeros(64, dtype=torch.float32, device=self.device)
         self._row_slots = torch.full((max_rows,), EMPTY_SLOT, dtype=torch.int64, device=self.device)
         self._perm = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
+        self._index_busy = False
         self._lock = threading.RLock()
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.evictions = 0
@@ -400,10 +401,11 @@ class AdapterPool:
 
     def touch(self, name: str) -> bool:
         """Resident lookup: True (and counts as an access) when ``name`` is in the pool."""
-        if name in self._entries:
-            self.policy.on_access(name)
-            return True
-        return False
+        with self._lock:
+            if name in self._entries:
+                self.policy.on_access(name)
+                return True
+            return False
 
     def resident(self) -> list[str]:
         return list(self._entries)
@@ -439,10 +441,19 @@ class AdapterPool:
             for e in entries.values():
                 e.in_use += 1
                 self.policy.on_access(e.name)
+            # The preallocated index tensors serve one open batch at a time; a second
+            # concurrent batch gets its own.
+            shared = not self._index_busy
+            if shared:
+                self._index_busy = True
+                if n > self._row_slots.numel():
+                    self._row_slots = torch.full((2 * n,), EMPTY_SLOT, dtype=torch.int64, device=self.device)
+                    self._perm = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+                row_buf, perm_buf = self._row_slots, self._perm
         try:
-            if n > self._row_slots.numel():
-                self._row_slots = torch.full((2 * n,), EMPTY_SLOT, dtype=torch.int64, device=self.device)
-                self._perm = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+            if not shared:
+                row_buf = torch.empty(n, dtype=torch.int64, device=self.device)
+                perm_buf = torch.empty(n, dtype=torch.int64, device=self.device)
             slots = [entries[a].slot if a is not None else EMPTY_SLOT for a in row_adapters]
             # Group rows by adapter (stable: order of first appearance, then row order).
             groups: dict[str, list[int]] = {}
@@ -461,15 +472,17 @@ class AdapterPool:
                 segments = [Segment(s.entry, order[s.start], order[s.start] + s.end - s.start) for s in segments]
                 perm = None
             else:
-                perm = self._perm[: len(order)]
+                perm = perm_buf[: len(order)]
                 perm.copy_(torch.tensor(order, dtype=torch.int64), non_blocking=True)
-            row_slots = self._row_slots[:n]
+            row_slots = row_buf[:n]
             row_slots.copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
             yield LoraBatch(self, n, row_slots, perm, segments, list(entries.values()))
         finally:
             with self._lock:
                 for e in entries.values():
                     e.in_use -= 1
+                if shared:
+                    self._index_busy = False
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

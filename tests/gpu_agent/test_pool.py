@@ -151,3 +151,17 @@ def test_loaded_from_disk_all_copy_paths(tmp_path, rank, file_dtype, pool_dtype)
     for key, (a, b) in ad.weights.items():
         pa, pbt = pool.matrices(e, *key)
         assert torch.equal(pa, a.to(pool_dtype)) and torch.equal(pbt, b.t().to(pool_dtype))
+
+
+def test_concurrent_batches_do_not_share_index_tensors():
+    pool = AdapterPool(SPEC, 1 << 20)
+    for n in "ab":
+        pool.load(make_adapter(n, 8))
+    with pool.batch(["a", "b", "a"]) as first:
+        with pool.batch(["b", "a", "b", "b"]) as second:
+            assert first.row_slots.data_ptr() != second.row_slots.data_ptr()
+            assert second.perm.tolist() == [0, 2, 3, 1]
+        assert first.perm.tolist() == [0, 2, 1]
+        assert first.row_slots.tolist() == [pool.entry(n).slot for n in "aba"]
+    with pool.batch(["a"]) as third:               # the shared buffers are free again
+        assert third.row_slots.data_ptr() == pool._row_slots.data_ptr()
