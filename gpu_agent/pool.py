@@ -326,6 +326,10 @@ class AdapterPool:
         import torch
 
         stream = self._copy_stream
+        if stream is not None:
+            # Freed pages may still be read by kernels queued on the compute stream (a
+            # batch's host-side context exits before its GPU work ends): order after them.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
         non_blocking = stream is not None
         with ctx:
