@@ -31,10 +31,11 @@ class LoadTimings:
 
     name: str
     tier: str                  # pool | host | disk (the agent service adds remote)
-    read_ms: float = 0.0       # disk -> host buffer (one read)
+    read_ms: float = 0.0       # open + map the file (CPU: pages come in during the pool
+                               # copy) or the copy into pinned memory (CUDA)
     verify_ms: float = 0.0     # SHA-256, only when a digest was given
     parse_ms: float = 0.0      # config + header validation
-    pool_ms: float = 0.0       # host -> pool pages (H2D on CUDA)
+    pool_ms: float = 0.0       # host -> pool pages (one memcpy; H2D on the side stream on CUDA)
     total_ms: float = 0.0
     nbytes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
