@@ -133,3 +133,20 @@ def test_unparseable_keys_rejected(tmp_path, key):
     path = write_peft_dir(tmp_path, make_adapter("k", 8), tensor_overrides={key: torch.zeros(8, 32)})
     with pytest.raises(UnsupportedFeature):
         load_peft_dir(path, SPEC)
+
+
+def test_same_header_structure_keeps_each_adapters_own_bytes(tmp_path):
+    """Adapters of one rank share a cached header structure, never each other's data."""
+    from gpu_agent.pool import AdapterPool
+
+    one, two = make_adapter("one", 16, seed=1), make_adapter("two", 16, seed=2)
+    p1, p2 = write_peft_dir(tmp_path, one), write_peft_dir(tmp_path, two)
+    assert (p1 / "adapter_model.safetensors").read_bytes()[:200] == (p2 / "adapter_model.safetensors").read_bytes()[:200]
+    got1, got2 = load_peft_dir(p1, SPEC), load_peft_dir(p2, SPEC)
+    assert got1.payload.matrices is got2.payload.matrices          # structure reused
+    pool = AdapterPool(SPEC, 1 << 20)
+    e1, e2 = pool.load(got1), pool.load(got2)
+    for ad, e in ((one, e1), (two, e2)):
+        for key, (a, b) in ad.weights.items():
+            pa, pbt = pool.matrices(e, *key)
+            assert torch.equal(pa, a) and torch.equal(pbt, b.t())
