@@ -150,3 +150,14 @@ def test_same_header_structure_keeps_each_adapters_own_bytes(tmp_path):
         for key, (a, b) in ad.weights.items():
             pa, pbt = pool.matrices(e, *key)
             assert torch.equal(pa, a) and torch.equal(pbt, b.t())
+
+
+def test_core_modules_import_without_torch():
+    """The gateway imports gpu_agent pieces; torch must load only when used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gpu_agent, gpu_agent.errors, gpu_agent.peft, gpu_agent.eviction, "
+            "gpu_agent.pool, gpu_agent.lora_ops, gpu_agent.tiers; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
