@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -99,7 +100,7 @@ def state_yaml(path: Path, catalog: Path, tenants: list[str], engine: str, agent
 # ---------------------------------------------------------------- the stack
 
 @contextlib.contextmanager
-def stack(work: Path, catalog: Path, tenants: list[str], pool_adapters: int, prefetch: bool):
+def stack(work: Path, catalog: Path, tenants: list[str], pool_adapters: int, pool_mb: int, prefetch: bool):
     from tests.support.envoy import run_envoy
     from tests.support.procs import free_port, python, running, wait_http, wait_port
 
@@ -109,7 +110,8 @@ def stack(work: Path, catalog: Path, tenants: list[str], pool_adapters: int, pre
     agent_cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", "builtin",
                  "--engine-port", str(ep), "--grpc-port", str(gp), "--metrics-port", str(mp),
                  "--cache-dir", str(work / "agent-cache"), "--auth", "token",
-                 "--device-max-adapters", str(pool_adapters), "--reconcile-interval-s", "0.2"]
+                 "--device-max-adapters", str(pool_adapters), "--pool-mb", str(pool_mb),
+                 "--reconcile-interval-s", "0.2"]
     with contextlib.ExitStack() as es:
         proc = es.enter_context(running(agent_cmd, work / "agent.log", env=env))
         wait_port(gp, timeout=120, proc=proc, log=work / "agent.log")
@@ -257,6 +259,10 @@ def run(args) -> int:
         catalog = bench_fixtures(requests, Path(args.fixtures), work)
         names = {r["adapter"] for r in requests}
         pool = max(1, len(names) // 2)
+        # the builtin engine's own on-demand loads are bounded by its pool's bytes, not by
+        # the agent's count: size the pool to half of the adapters' bytes too (MiB, >= 1)
+        sizes_all = {a["name"]: a["size_bytes"] for a in yaml.safe_load(catalog.read_text())["adapters"]}
+        pool_mb = max(1, math.ceil(sum(sizes_all[n] for n in names) / 2 / (1 << 20)))
         tenants = sorted({r["tenant"] for r in requests})
         from tests.support.procs import free_port, python, running, wait_port
 
@@ -274,8 +280,9 @@ def run(args) -> int:
                 rcat = run_dir / "catalog.yaml"
                 data = remote_catalog(catalog, f"http://127.0.0.1:{store_port}", rcat, names)
                 digests = {a["name"]: a["sha256"] for a in data["adapters"]}
-                log(f"{name}: {len(requests)} requests, pool {pool} of {len(names)} adapters, speed x{args.speed}")
-                with stack(run_dir, rcat, tenants, pool, prefetch) as st:
+                log(f"{name}: {len(requests)} requests, pool {pool} of {len(names)} adapters / {pool_mb} MiB, "
+                    f"speed x{args.speed}")
+                with stack(run_dir, rcat, tenants, pool, pool_mb, prefetch) as st:
                     async def go():
                         spec = prefetcher = None
                         if prefetch:
@@ -311,7 +318,7 @@ def run(args) -> int:
             warm_source = "requests on prefetched adapters"
         sizes = [a["size_bytes"] for a in data["adapters"]]
         model_bytes = sum(p.stat().st_size for p in (catalog.parent / "model").glob("*.safetensors"))
-        pool_bytes = sorted(sizes, reverse=True)[:pool]
+        pool_bytes = [pool_mb << 20]
         report = build_report(
             base_rows, pre_rows, cold_swap_samples_ms=cold, warm_swap_samples_ms=warm,
             base_bytes=model_bytes, pool_bytes=sum(pool_bytes), adapter_bytes=sizes,
@@ -319,7 +326,7 @@ def run(args) -> int:
             extra={
                 "trace": str(args.trace), "speed": args.speed, "errors": errors,
                 "warm_swap_source": warm_source, "cold_swaps": len(cold), "warm_swaps": len(warm),
-                "pool_adapters": pool, "adapters": len(names),
+                "pool_adapters": pool, "pool_mb": pool_mb, "adapters": len(names),
                 "model_shape": json.loads((catalog.parent / "model" / "config.json").read_text()),
                 "adapter_sizes": {a["name"]: a["size_bytes"] for a in data["adapters"]},
                 "speculation_driver": "replayer (extproc.policy.speculate.Speculator -> agent Prefetch RPC)",
