@@ -43,7 +43,7 @@ async def run(settings) -> None:
         engine_settings = EngineSettings(catalog=Path(settings.catalog), pool_bytes=settings.pool_mb << 20,
                                          host_cache_bytes=settings.engine_host_mb << 20)
         connector = make_connector("builtin", store=store, engine_settings=engine_settings,
-                                   http_port=settings.engine_port)
+                                   http_host=settings.engine_host, http_port=settings.engine_port)
     budgets = ResidencyBudgets(
         device_count=settings.device_max_adapters or None,
         device_bytes=(settings.device_budget_mb << 20) or None,

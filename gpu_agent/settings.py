@@ -29,6 +29,7 @@ class AgentSettings:
     catalog: Path = _f(None, "catalog.yaml listing the adapters this agent may load (required)")
     engine: str = _f("builtin", "engine connector: builtin (in-process), vllm or sglang")
     engine_url: str = _f("", "base URL of the vLLM/SGLang server (vllm, sglang)")
+    engine_host: str = _f("127.0.0.1", "builtin only: address the in-process engine's OpenAI HTTP API binds")
     engine_port: int = _f(0, "builtin only: port of the in-process engine's OpenAI HTTP API (0 = ephemeral)")
     engine_api_key_env: str = _f("", "name of the env var holding the engine's API key, if it has one")
     grpc_host: str = _f("127.0.0.1", "address the gRPC API binds")
