@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable
 
 from extproc.policy.cache import AdapterCache, Entry
 from extproc.policy.prediction import (
@@ -145,6 +145,22 @@ class Speculator:
                 ready = load(b, now)
                 cache.admit(b, ready, prefetched=True, score=p, scored_at=now)
                 out.append(Prefetch(b, p, ready))
+
+    def sync(self, resident: Iterable[Hashable], now: float) -> None:
+        """Align the pool model with the agent's view (``ResidencySnapshot``: the adapters
+        in the pool). The engine evicts on its own, so the model drifts; call this when
+        the snapshot changes. A model entry the pool no longer holds is dropped (an unused
+        prefetch counts as wasted); a pooled adapter the model lacks is added while
+        there is room. Loads in flight (not yet resident) are kept."""
+        resident = set(resident)
+        cache = self.cache
+        for key in list(cache):
+            entry = cache.get(key)
+            if key not in resident and entry.ready_at <= now:
+                cache.evict(key)
+        for key in resident:
+            if key not in cache and cache.used + 1 <= cache.capacity:
+                cache.admit(key, now)
 
     def on_request(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
                    load: LoadFn = _now_load) -> list[Prefetch]:

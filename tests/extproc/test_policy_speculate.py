@@ -84,3 +84,14 @@ def test_load_callback_sets_ready_time():
     spec = Speculator(capacity=4)
     ready = spec.demand("a", 5.0, load=lambda a, now: now + 0.25)
     assert ready == 5.25 and spec.cache.stats.late == 1
+
+
+def test_sync_follows_the_agents_view():
+    spec = Speculator(capacity=3)
+    spec.demand("a", 0.0)
+    spec.demand("b", 0.0)
+    spec.demand("loading", 0.0, load=lambda a, now: now + 5.0)
+    spec.sync({"a", "c"}, now=1.0)  # the engine evicted b and loaded c on its own
+    assert set(spec.cache) == {"a", "c", "loading"}  # b's slot went to c; the load in flight stays
+    spec.sync({"a", "c"}, now=6.0)  # loading is done but not in the pool: dropped
+    assert set(spec.cache) == {"a", "c"}
