@@ -127,33 +127,43 @@ def stack(work: Path, catalog: Path, tenants: list[str], pool_adapters: int, poo
                "agent": f"127.0.0.1:{gp}", "metrics": f"http://127.0.0.1:{mp}/metrics", "keys": keys}
 
 
-class AgentPrefetcher:
-    """Sends the Speculator's prefetches to the agent without waiting for the loads."""
+class SpeculationDriver:
+    """Runs ``Speculator`` the way the gateway would: its pool model synced from the
+    agent's ``WatchResidency`` view (``extproc.agent_client.AgentLink``, the gateway's own
+    link) and its prefetches sent through that link's bounded queue (``PrefetchSink``)."""
 
-    def __init__(self, target: str, digests: dict[str, str]) -> None:
-        import grpc
+    def __init__(self, target: str, digests: dict[str, str], capacity: int, upstream: str = "engine-1") -> None:
+        from extproc.agent_client import AgentLink
+        from extproc.policy.speculate import Speculator
 
-        from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
-        from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
-
-        self.pb = pb
-        self.channel = grpc.aio.insecure_channel(target)
-        self.stub = pb_grpc.AgentStub(self.channel)
+        self.upstream = upstream
+        self.link = AgentLink({upstream: target}, token=TOKEN).start()
+        self.spec = Speculator(capacity)
         self.digests = digests
         self.sent = 0
-        self.failed = 0
+        self.dropped = 0
+        self._seen = None
 
-    async def prefetch(self, adapter: str) -> None:
-        req = self.pb.PrefetchRequest(adapter=adapter, digest=self.digests.get(adapter, ""), priority=1,
-                                      reason="predicted")
-        try:
-            await self.stub.Prefetch(req, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=2)
-            self.sent += 1
-        except Exception:  # a prefetch is a hint: count, never fail the replay
-            self.failed += 1
+    def on_response(self, tenant: str, session, adapter: str) -> None:
+        from extproc.prefetch import PrefetchSignal
 
-    async def close(self) -> None:
-        await self.channel.close()
+        now = time.monotonic()
+        snap = self.link.board.current
+        if snap is not self._seen:
+            self._seen = snap
+            table = snap.by_upstream.get(self.upstream, {})
+            self.spec.sync([a for a, r in table.items() if r.tier == "pool"], now)
+        for p in self.spec.on_request(tenant, session, adapter, now):
+            ok = self.link.submit(PrefetchSignal(self.upstream, p.adapter, self.digests.get(p.adapter, ""),
+                                                 1, "predicted"))
+            self.sent += ok
+            self.dropped += not ok
+
+    def counters(self) -> dict:
+        return {**self.spec.counters(), "signals_sent": self.sent, "signals_dropped": self.dropped}
+
+    def close(self) -> None:
+        self.link.close()
 
 
 # ---------------------------------------------------------------- replay
@@ -183,7 +193,7 @@ async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -
     }
 
 
-async def replay(requests: list[dict], st: dict, speed: float, spec=None, prefetcher=None) -> list[dict]:
+async def replay(requests: list[dict], st: dict, speed: float, driver=None) -> list[dict]:
     rows: list[dict] = []
     t_start = time.perf_counter()
     t0 = requests[0]["t"]
@@ -197,10 +207,9 @@ async def replay(requests: list[dict], st: dict, speed: float, spec=None, prefet
             rows.append(row)
             if len(rows) % 100 == 0:
                 log(f"  {len(rows)}/{len(requests)} requests ({time.perf_counter() - t_start:.0f}s)")
-            if spec is not None and "error" not in row:
+            if driver is not None and "error" not in row:
                 # a request completed: learn the session step, prefetch what comes next
-                for p in spec.on_request(r["tenant"], r["session"], r["adapter"], time.monotonic()):
-                    await prefetcher.prefetch(p.adapter)
+                driver.on_response(r["tenant"], r["session"], r["adapter"])
 
         await asyncio.gather(*(send(r) for r in requests))
     return rows
@@ -247,8 +256,6 @@ def plot_ttft(runs: dict[str, list[float]], path: Path) -> None:
 
 
 def run(args) -> int:
-    from extproc.policy.speculate import Speculator
-
     try:
         requests = load_trace(args.trace)
     except TraceError as exc:
@@ -284,16 +291,13 @@ def run(args) -> int:
                     f"speed x{args.speed}")
                 with stack(run_dir, rcat, tenants, pool, pool_mb, prefetch) as st:
                     async def go():
-                        spec = prefetcher = None
-                        if prefetch:
-                            spec = Speculator(pool)
-                            prefetcher = AgentPrefetcher(st["agent"], digests)
-                        rows = await replay(requests, st, args.speed, spec, prefetcher)
-                        extra = {}
-                        if spec is not None:
-                            extra = {"speculation": {**spec.counters(), "rpc_sent": prefetcher.sent,
-                                                     "rpc_failed": prefetcher.failed}}
-                            await prefetcher.close()
+                        driver = SpeculationDriver(st["agent"], digests, pool) if prefetch else None
+                        try:
+                            rows = await replay(requests, st, args.speed, driver)
+                        finally:
+                            if driver is not None:
+                                driver.close()
+                        extra = {"speculation": driver.counters()} if driver is not None else {}
                         ov = None
                         if prefetch:
                             t = requests[0]
@@ -329,7 +333,7 @@ def run(args) -> int:
                 "pool_adapters": pool, "pool_mb": pool_mb, "adapters": len(names),
                 "model_shape": json.loads((catalog.parent / "model" / "config.json").read_text()),
                 "adapter_sizes": {a["name"]: a["size_bytes"] for a in data["adapters"]},
-                "speculation_driver": "replayer (extproc.policy.speculate.Speculator -> agent Prefetch RPC)",
+                "speculation_driver": "replayer: Speculator synced by AgentLink residency, signals via AgentLink",
                 **results["prefetch"][1],
             },
         )
