@@ -5,14 +5,30 @@ import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 
 from extproc.errors import ConfigError
 from extproc.prefetch import NullPrefetchSink
 from extproc.processor import Gateway
-from extproc.routing import load_policy
+from extproc.routing import choose_upstream, load_policy
 from extproc.server import serve, serve_aio
 from extproc.settings import Settings
 from extproc.store import Store
+
+DEFAULT_MULTI_HOST_POLICY = "extproc.policy.routing:route"
+
+
+def route_policy(spec: str | None, upstreams: int):
+    """``--routing-policy`` when given; else adapter-affinity routing when there are several
+    upstreams (``extproc.policy.routing:route``), the first matching upstream for one."""
+    if spec:
+        return load_policy(spec)
+    return load_policy(DEFAULT_MULTI_HOST_POLICY) if upstreams > 1 else choose_upstream
+
+
+def popularity_path(db: Path) -> Path:
+    """Request counts persisted beside the SQLite file (``gw.sqlite3`` -> ``gw.popularity.json``)."""
+    return Path(db).with_suffix(".popularity.json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,13 +38,20 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         store = Store(settings.config, settings.db, settings.catalog)
         agents = {u.name: u.agent for u in store.snapshot.upstreams if u.agent}
-        link = None
-        if agents:  # upstreams with a GPU agent: prefetch to it, residency from it
+        route = route_policy(settings.routing_policy, len(store.snapshot.upstreams))
+        link = speculation = None
+        if agents:  # upstreams with a GPU agent: prefetch to it, residency from it, speculate
             from extproc.agent_client import AgentLink
+            from extproc.speculation import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
+                                             route_by_policy)
             link = AgentLink(agents, token=os.environ.get("ACE_AGENT_TOKEN") or None,
                              queue_size=settings.prefetch_queue).start()
+            popularity = PopularityFile(popularity_path(settings.db))
+            _, slots = popularity.load()
+            planner = SpeculationPlanner(route=route_by_policy(route), slots=slots)
+            speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity).start()
         gateway = Gateway(store, residency=link.board if link else None,
-                          prefetch=link or NullPrefetchSink(), route=load_policy(settings.routing_policy))
+                          prefetch=link or NullPrefetchSink(), route=route, speculation=speculation)
     except ConfigError as exc:
         print(f"extproc: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -38,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             serve(gateway, settings.listen, settings.workers)
     finally:
+        if speculation is not None:
+            speculation.close()
         if link is not None:
             link.close()
         store.close()

@@ -5,7 +5,10 @@
 multi_lora actions (prod):
 - ``adapter_resident_applied``: the adapter is in the upstream's GPU pool,
 - ``adapter_prefetched_applied``: it is in the pool because a prefetch put it there
-  (the agent's ``loaded_by=prefetch``), or it sits in host memory (a fast copy away),
+  (the agent's ``loaded_by=prefetch``), or it sits in host memory (a fast copy away);
+  only when ``dynamic_lora_prefetch`` is prod for this request (nothing else claims a
+  prefetch),
+- ``adapter_staged_applied``: in host memory, prefetch skill not prod (a host-to-pool copy),
 - ``adapter_cold_loaded``: on disk, remote or nowhere: the upstream loads it,
 - ``adapter_applied``: residency unknown (no agent data): applied, honest about it,
 - ``passthrough``: the skill is off, or no adapter is selected (base model).
@@ -61,11 +64,15 @@ class Decision:
         return self.adapter is not None and self.skills[MULTI_LORA] == PROD
 
 
-def _applied_action(res: AdapterResidency) -> str:
+def _applied_action(res: AdapterResidency, prefetching: bool = True) -> str:
+    """``prefetching``: this request's ``dynamic_lora_prefetch`` is prod. Only then may the
+    action claim a prefetch: with the skill off or in shadow this gateway signalled none,
+    so an adapter the agent reports as ``loaded_by=prefetch`` (another key's prefetch, or
+    an earlier prod setting) or staged in host memory is reported for what it is."""
     if res.tier == "pool":
-        return "adapter_prefetched_applied" if res.prefetched else "adapter_resident_applied"
+        return "adapter_prefetched_applied" if prefetching and res.prefetched else "adapter_resident_applied"
     if res.tier == "host":
-        return "adapter_prefetched_applied"
+        return "adapter_prefetched_applied" if prefetching else "adapter_staged_applied"
     if res.tier in ("disk", "remote", "none"):
         return "adapter_cold_loaded"
     return "adapter_applied"
@@ -85,15 +92,16 @@ def decide(snapshot: Snapshot, residency: ResidencySnapshot, request: InferenceR
     upstream = route(snapshot.upstreams, adapter if ml_mode == PROD else None, residency)
     res = residency.of(upstream.name, adapter.name) if adapter is not None else UNKNOWN
 
+    pf_mode = skills[DYNAMIC_LORA_PREFETCH]
+    prefetching = pf_mode == PROD
     would = None
     if adapter is None or ml_mode == OFF:
         ml_action = "passthrough"
     elif ml_mode == SHADOW:
-        ml_action, would = "shadow", _applied_action(res)
+        ml_action, would = "shadow", _applied_action(res, prefetching)
     else:
-        ml_action = _applied_action(res)
+        ml_action = _applied_action(res, prefetching)
 
-    pf_mode = skills[DYNAMIC_LORA_PREFETCH]
     signal = None
     if pf_mode == OFF:
         pf_action = "passthrough"

@@ -20,6 +20,7 @@ from extproc.residency import ResidencyBoard
 from extproc.rewrite import rewrite_request
 from extproc.routing import RoutePolicy, choose_upstream
 from extproc.skills import SKILLS, parse_override_header, resolve, validate_skills
+from extproc.speculation import SESSION_HEADER, RequestObserver, session_of
 from extproc.store import Store
 from extproc.trace import trace_entries, trace_metadata
 
@@ -62,11 +63,13 @@ class Gateway:
     """What every exchange shares: state, residency, the prefetch sink, the routing policy."""
 
     def __init__(self, store: Store, residency: ResidencyBoard | None = None,
-                 prefetch: PrefetchSink | None = None, route: RoutePolicy = choose_upstream) -> None:
+                 prefetch: PrefetchSink | None = None, route: RoutePolicy = choose_upstream,
+                 speculation: "RequestObserver | None" = None) -> None:
         self.store = store
         self.residency = residency or ResidencyBoard()
         self.prefetch = prefetch or NullPrefetchSink()
         self.route = route
+        self.speculation = speculation  # extproc.speculation.GatewaySpeculation: one append per request
 
     def exchange(self) -> "Exchange":
         return Exchange(self)
@@ -145,6 +148,7 @@ class Inference(_Authenticated):
 
     def after_auth(self, head: RequestHead) -> Outcome:
         self.header_skills = parse_override_header(head.headers.get(SKILL_OVERRIDE_HEADER))
+        self.session_header = head.headers.get(SESSION_HEADER)
         return super().after_auth(head)
 
     def to_chat(self, parsed: dict[str, Any]) -> dict[str, Any]:
@@ -160,6 +164,8 @@ class Inference(_Authenticated):
         d = decide(snap, self.gw.residency.current,
                    InferenceRequest(self.principal, chat, self.header_skills), self.gw.route)
         queued = self.gw.prefetch.submit(d.prefetch_signal) if d.prefetch_signal else None
+        if self.gw.speculation is not None:
+            self.gw.speculation.observe(d, self.principal.tenant.id, session_of(self.session_header, chat))
         self.decision, self.queued = d, queued
         rw = rewrite_request(chat, d, force=self.forces_body)
         metadata = [("destination", d.upstream.address), ("tenant", self.principal.tenant.id),

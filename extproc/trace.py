@@ -30,12 +30,14 @@ def _swap_ms_saved(d: Decision) -> str:
 
 
 def _is_prefetch_hit(d: Decision) -> str:
-    """true: the adapter was in the pool because a prefetch put it there before the request."""
+    """true: the adapter was in the pool because a prefetch put it there before the request,
+    and the request's prefetch skill is prod (``decide`` claims no prefetch otherwise)."""
     if d.adapter is None or d.multi_lora_action == "passthrough":
         return "false"
     if not d.residency.known:
         return "unknown"
-    return "true" if d.residency.tier == "pool" and d.residency.prefetched else "false"
+    action = d.multi_lora_would or d.multi_lora_action
+    return "true" if action == "adapter_prefetched_applied" and d.residency.tier == "pool" else "false"
 
 
 def _vram_mb_saved(d: Decision) -> str:

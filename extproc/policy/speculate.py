@@ -61,12 +61,15 @@ def _now_load(adapter: Hashable, now: float) -> float:
 
 
 class Speculator:
-    def __init__(self, capacity: int, settings: SpeculationSettings = SpeculationSettings()) -> None:
+    def __init__(self, capacity: int, settings: SpeculationSettings = SpeculationSettings(), *,
+                 model: TransitionModel | None = None, ledger: PredictionLedger | None = None) -> None:
+        """``model`` / ``ledger``: shared between the Speculators of several hosts (the
+        gateway: a session's steps may be served by different hosts); own ones by default."""
         self.settings = settings
         self.cache = AdapterCache(capacity)
-        self.model = TransitionModel()
+        self.model = model if model is not None else TransitionModel()
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
-        self.ledger = PredictionLedger()
+        self.ledger = ledger if ledger is not None else PredictionLedger()
         self._decay = 1.0 / settings.horizon_s
         self._now = 0.0
 
@@ -96,6 +99,14 @@ class Speculator:
         self.popularity.hit(adapter, now)
         return ready_at
 
+    def learn(self, tenant: Hashable, session: Hashable, adapter: Hashable) -> list[tuple[Hashable, float]]:
+        """Learn the step ``adapter`` of (tenant, session); settle the session's pending
+        predictions; return the next adapters worth considering (probability >= ``min_p``)."""
+        self.ledger.resolve(tenant, session, adapter)
+        self.model.observe(tenant, session, adapter)
+        st = self.settings
+        return [(b, p) for b, p in self.model.predict_next(tenant, adapter, st.k) if p >= st.min_p]
+
     def speculate(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
                   load: LoadFn = _now_load, may_load: bool = True) -> list[Prefetch]:
         """Learn the step ``adapter`` of (tenant, session) and return the prefetches to send.
@@ -103,57 +114,62 @@ class Speculator:
         ``may_load=False`` (the load path is busy) still learns and notes predictions on
         resident adapters, but starts no load.
         """
-        self._now = now
-        cache = self.cache
-        self.ledger.resolve(tenant, session, adapter)
-        self.model.observe(tenant, session, adapter)
-        predicted = []
+        predicted = self.learn(tenant, session, adapter)
         out: list[Prefetch] = []
-        current = cache.get(adapter)
-        was_pinned = current.pinned if current is not None else False
-        if current is not None:
-            current.pinned = True  # the request in flight uses it: never a victim
-        try:
-            self._predict(tenant, adapter, now, load, may_load, predicted, out)
-        finally:
-            if current is not None:
-                current.pinned = was_pinned
-        self.ledger.record(tenant, session, tuple(predicted))
+        for b, p in predicted:
+            got = self.offer(b, p, now, load=load, may_load=may_load, in_use=adapter)
+            if got is not None:
+                out.append(got)
+        self.ledger.record(tenant, session, tuple(b for b, _ in predicted if b != adapter))
         return out
 
-    def _predict(self, tenant, adapter, now, load, may_load, predicted, out) -> None:
-        st = self.settings
+    def offer(self, adapter: Hashable, p: float, now: float, *, load: LoadFn = _now_load,
+              may_load: bool = True, in_use: Hashable | None = None) -> Prefetch | None:
+        """A prediction: ``adapter`` is needed next with probability ``p``. Resident: the
+        prediction is noted on its entry (it protects it from eviction). Absent: loaded if
+        ``should_speculate`` says it beats the victim it would evict; ``in_use`` (the
+        adapter of the request in flight) is never a victim. Returns the prefetch or None."""
+        self._now = now
         cache = self.cache
-        for b, p in self.model.predict_next(tenant, adapter, st.k):
-            if p < st.min_p:
-                continue
-            if b != adapter:
-                predicted.append(b)
-            if cache.predict(b, p, now) or not may_load:
-                continue
+        if cache.predict(adapter, p, now) or not may_load:
+            return None
+        current = cache.get(in_use) if in_use is not None else None
+        was_pinned = current.pinned if current is not None else False
+        if current is not None:
+            current.pinned = True
+        try:
             victim = None
             v = 0.0
             if cache.used + 1 > cache.capacity:
-                victim = cache.coldest(self.score, st.window)
+                victim = cache.coldest(self.score, self.settings.window)
                 if victim is None:
-                    continue
+                    return None
                 v = self.score(victim, cache.get(victim))
-            c = candidate_score(p, self.popularity.rate(b, now), st.horizon_s)
-            if should_speculate(c, v, min_score=st.min_p):
-                if victim is not None:
-                    cache.evict(victim)
-                ready = load(b, now)
-                cache.admit(b, ready, prefetched=True, score=p, scored_at=now)
-                out.append(Prefetch(b, p, ready))
+            c = candidate_score(p, self.popularity.rate(adapter, now), self.settings.horizon_s)
+            if not should_speculate(c, v, min_score=self.settings.min_p):
+                return None
+            if victim is not None:
+                cache.evict(victim)
+            ready = load(adapter, now)
+            cache.admit(adapter, ready, prefetched=True, score=p, scored_at=now)
+            return Prefetch(adapter, p, ready)
+        finally:
+            if current is not None:
+                current.pinned = was_pinned
 
-    def sync(self, resident: Iterable[Hashable], now: float) -> None:
+    def sync(self, resident: Iterable[Hashable], now: float, *, learn_capacity: bool = False) -> None:
         """Align the pool model with the agent's view (``ResidencySnapshot``: the adapters
         in the pool). The engine evicts on its own, so the model drifts; call this when
         the snapshot changes. A model entry the pool no longer holds is dropped (an unused
         prefetch counts as wasted); a pooled adapter the model lacks is added while
-        there is room. Loads in flight (not yet resident) are kept."""
+        there is room. Loads in flight (not yet resident) are kept.
+
+        ``learn_capacity``: the capacity grows to the most adapters seen in the pool at
+        once (the gateway is not told the pool's size; it counts what the pool held)."""
         resident = set(resident)
         cache = self.cache
+        if learn_capacity and len(resident) > cache.capacity:
+            cache.capacity = len(resident)
         for key in list(cache):
             entry = cache.get(key)
             if key not in resident and entry.ready_at <= now:

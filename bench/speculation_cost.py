@@ -1,0 +1,78 @@
+"""Request-path cost of speculation: ``decide()`` alone vs ``decide()`` + ``observe()``.
+
+    python -m bench.speculation_cost [--n 20000] [--mode thread|inline-drain]
+
+In-process, on the gateway's test state (tests/extproc/builders.py): every request is a
+two-step session (``user`` field). ``thread``: the speculation thread runs beside the
+timed loop (what the gateway does); ``inline-drain``: no thread, the planner is drained
+outside the timed region (the cost of the hand-off alone). Prints p50/p99 in µs.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import tempfile
+import time
+
+from extproc.auth import Principal
+from extproc.decision import InferenceRequest, decide
+from extproc.residency import ResidencyBoard, ResidencySnapshot
+from extproc.speculation import GatewaySpeculation, SpeculationPlanner, session_of
+from extproc.store import Store
+from tests.extproc.builders import upstream, write_state
+
+
+class _Sink:
+    def submit(self, signal) -> bool:
+        return True
+
+
+def measure(n: int, mode: str) -> dict[str, float]:
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="ace-spec-cost-"))
+    store = Store(write_state(tmp, [upstream("local-vllm", "127.0.0.1:8000")]), tmp / "gw.sqlite3")
+    snap = store.snapshot
+    key = next(k for k in snap.keys.values() if k.name == "alice")
+    principal = Principal(key=key, tenant=snap.tenants["acme"])
+    gs = GatewaySpeculation(store, ResidencyBoard(), _Sink(), SpeculationPlanner())
+    if mode == "thread":
+        gs.start()
+    skills = {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
+    res = ResidencySnapshot()
+    alone, both = [], []
+    try:
+        for i in range(n):
+            body = {"model": ("code-python", "acme-legal")[i % 2], "user": f"s{i // 2}"}
+            t0 = time.perf_counter_ns()
+            d = decide(snap, res, InferenceRequest(principal, body, skills))
+            t1 = time.perf_counter_ns()
+            gs.observe(d, "acme", session_of(None, body))
+            t2 = time.perf_counter_ns()
+            alone.append(t1 - t0)
+            both.append(t2 - t0)
+            if mode != "thread":
+                gs.drain()
+            elif i % 64 == 0:
+                time.sleep(0.0005)
+    finally:
+        gs.close()
+        store.close()
+    out = {}
+    for name, xs in (("decide", alone), ("decide_observe", both)):
+        xs.sort()
+        out[f"{name}_p50_us"] = xs[len(xs) // 2] / 1e3
+        out[f"{name}_p99_us"] = xs[int(0.99 * len(xs))] / 1e3
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.speculation_cost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=20000, help="requests timed")
+    ap.add_argument("--mode", choices=("thread", "inline-drain"), default="thread")
+    args = ap.parse_args(argv)
+    for k, v in measure(args.n, args.mode).items():
+        print(f"{k:<22}{v:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,333 @@
+"""Speculative prefetch in the gateway: learn each request's session step, prefetch the next.
+
+```
+ request path (ext_proc)                      background thread "speculation"
+ decide() -> Decision ─ observe() ─ deque ──▶ SpeculationPlanner.sync(ResidencySnapshot)
+            (one append, bounded)             SpeculationPlanner.step(Step) -> [PrefetchSignal]
+                                              ─ PrefetchSink.submit (AgentLink: bounded queue)
+```
+
+The request path only appends a tuple to a bounded deque (``observe``, well under a
+microsecond; a full deque drops the step and counts it). Speculation itself (the
+``extproc.policy.speculate.Speculator`` of the serving host, 5-15 us a step on this
+machine, plus syncs) runs in one daemon thread, so the ext_proc decision budget (<= 20 us
+p99 for ``decide``) is not spent on it.
+
+- **Session**: header ``x-ace-session-id`` › the OpenAI body field ``user`` (the end
+  user: one agent's consecutive requests) › none. Without a session a request still
+  counts as demand (popularity, pool model) but teaches no transition.
+- **Which requests**: only requests that apply an adapter (``multi_lora=prod``). With
+  ``dynamic_lora_prefetch=prod`` the planner's prefetches are submitted to the sink;
+  with ``shadow`` they are decided and counted (``shadow_prefetches``) but never sent;
+  ``off`` requests are not observed at all.
+- **Where**: one ``Speculator`` (pool model, popularity) per upstream; one transition
+  model and prediction ledger for all of them (a session's steps may go to different
+  hosts). A predicted adapter is offered to the host the routing policy would send it to.
+- **Pool model**: synced from the residency snapshot (the adapters in ``pool``) whenever
+  the snapshot changes; its capacity is learned as the most adapters seen in one pool
+  (the agents do not publish the pool's size).
+- **Warm set**: at start-up, ``extproc.policy.warmset.warm_set`` over the request counts
+  this gateway persisted (``PopularityFile``, next to the SQLite file); each host's
+  list is submitted once, when its agent's residency first arrives. No file, no warm set.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+from extproc.decision import Decision
+from extproc.policy.prediction import PredictionLedger, TransitionModel
+from extproc.policy.speculate import SpeculationSettings, Speculator
+from extproc.policy.warmset import warm_set
+from extproc.prefetch import PrefetchSignal, PrefetchSink
+from extproc.residency import ResidencySnapshot
+from extproc.skills import DYNAMIC_LORA_PREFETCH, OFF, PROD
+from extproc.store import Snapshot
+
+__all__ = ["SESSION_HEADER", "GatewaySpeculation", "PopularityFile", "RequestObserver",
+           "SpeculationPlanner", "Step", "route_by_policy", "session_of", "warm_signals"]
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-ace-session-id"
+_MAX_SESSION = 256
+
+
+class RequestObserver(Protocol):
+    def observe(self, d: Decision, tenant: str, session: str | None) -> bool:
+        """Take note of a decided request without blocking; False if not taken."""
+        ...
+
+
+def session_of(header: str | None, body: Mapping[str, Any]) -> str | None:
+    """The session a request belongs to: the header, else the body's ``user``, else None."""
+    if header:
+        return header[:_MAX_SESSION]
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return user[:_MAX_SESSION]
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One observed request: served by ``upstream`` for ``tenant``; ``signal``: prod."""
+
+    upstream: str
+    tenant: str
+    session: str | None
+    adapter: str
+    signal: bool
+
+
+class SpeculationPlanner:
+    """The decisions, without threads or clocks: per-upstream ``Speculator`` s over a shared
+    transition model. ``route(snapshot, adapter_name, residency) -> upstream name``."""
+
+    def __init__(self, settings: SpeculationSettings = SpeculationSettings(), *,
+                 route: Callable[[Snapshot, str, ResidencySnapshot], str | None] | None = None,
+                 initial_slots: int = 2, load_grace_s: float = 2.0,
+                 slots: Mapping[str, int] | None = None) -> None:
+        self.settings = settings
+        self.route = route
+        self.initial_slots = initial_slots
+        self.load_grace_s = load_grace_s  # a prefetch not yet in the pool is in flight this long
+        self.model = TransitionModel()
+        self.ledger = PredictionLedger()
+        self.speculators: dict[str, Speculator] = {}
+        self._slots = dict(slots or {})
+
+    def speculator(self, upstream: str) -> Speculator:
+        spec = self.speculators.get(upstream)
+        if spec is None:
+            spec = Speculator(max(self.initial_slots, self._slots.get(upstream, 0)), self.settings,
+                              model=self.model, ledger=self.ledger)
+            self.speculators[upstream] = spec
+        return spec
+
+    def sync(self, residency: ResidencySnapshot, now: float) -> None:
+        """Align every known host's pool model with the agents' view."""
+        for upstream, table in residency.by_upstream.items():
+            pooled = [a for a, r in table.items() if r.tier == "pool"]
+            self.speculator(upstream).sync(pooled, now, learn_capacity=True)
+
+    def step(self, step: Step, snapshot: Snapshot, residency: ResidencySnapshot, now: float) -> list[PrefetchSignal]:
+        """Count the demand, learn the session step, and return the prefetches worth sending."""
+        spec = self.speculator(step.upstream)
+        spec.demand(step.adapter, now)
+        if step.session is None:
+            return []
+        predicted = spec.learn(step.tenant, step.session, step.adapter)
+        grace = self.load_grace_s
+        out: list[PrefetchSignal] = []
+        for name, p in predicted:
+            adapter = snapshot.adapters.get(name)
+            if adapter is None or not adapter.visible_to(step.tenant):
+                continue
+            target = step.upstream
+            if self.route is not None and len(snapshot.upstreams) > 1:
+                target = self.route(snapshot, name, residency) or step.upstream
+            got = self.speculator(target).offer(
+                name, p, now, load=lambda a, t: t + grace,
+                in_use=step.adapter if target == step.upstream else None)
+            if got is not None:
+                out.append(PrefetchSignal(upstream=target, adapter=name, digest=adapter.sha256,
+                                          priority=0, reason="predicted"))
+        self.ledger.record(step.tenant, step.session, tuple(b for b, _ in predicted if b != step.adapter))
+        return out
+
+    def slots(self) -> dict[str, int]:
+        """Learned pool capacity per upstream (persisted for the next start's warm set)."""
+        return {u: s.cache.capacity for u, s in self.speculators.items()}
+
+    def counters(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for spec in self.speculators.values():
+            for k, v in spec.counters().items():
+                if k.startswith("prefetch"):
+                    total[k] = total.get(k, 0) + v
+        st = self.ledger.stats
+        total.update(predictions=st.predictions, predictions_used=st.used, predictions_wasted=st.wasted)
+        return total
+
+
+def route_by_policy(policy) -> Callable[[Snapshot, str, ResidencySnapshot], str | None]:
+    """Adapt a gateway ``RoutePolicy`` to the planner: where would a request for it go?"""
+    def route(snapshot: Snapshot, name: str, residency: ResidencySnapshot) -> str | None:
+        adapter = snapshot.adapters.get(name)
+        return policy(snapshot.upstreams, adapter, residency).name if adapter is not None else None
+    return route
+
+
+def warm_signals(counts: Mapping[str, float], snapshot: Snapshot, slots: Mapping[str, int],
+                 hosts: list[str]) -> list[PrefetchSignal]:
+    """The start-up prefetches: the most requested adapters, placed as routing would place
+    them, at most ``slots[host]`` (the pool size learned last time) per host."""
+    known = {a: c for a, c in counts.items() if a in snapshot.adapters and c > 0}
+    digests = {a: snapshot.adapters[a].sha256 or a for a in known}
+    per_host = min((slots.get(h, 0) for h in hosts), default=0)
+    plan = warm_set(known, digests, hosts, per_host)
+    return [PrefetchSignal(upstream=h, adapter=a, digest=snapshot.adapters[a].sha256, priority=0,
+                           reason="warm_set") for h in hosts for a in plan.get(h, [])]
+
+
+class PopularityFile:
+    """Request counts per adapter and learned pool sizes, kept across restarts (JSON)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def load(self) -> tuple[dict[str, float], dict[str, int]]:
+        try:
+            data = json.loads(self.path.read_text())
+            counts = {str(k): float(v) for k, v in data.get("counts", {}).items()}
+            slots = {str(k): int(v) for k, v in data.get("slots", {}).items()}
+            return counts, slots
+        except FileNotFoundError:
+            return {}, {}
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            log.warning("ignoring unreadable popularity file %s: %s", self.path, exc)
+            return {}, {}
+
+    def save(self, counts: Mapping[str, float], slots: Mapping[str, int]) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"counts": dict(counts), "slots": dict(slots)}, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+class GatewaySpeculation:
+    """The planner behind a bounded hand-off, on its own daemon thread."""
+
+    def __init__(self, store, board, sink: PrefetchSink, planner: SpeculationPlanner | None = None, *,
+                 popularity: PopularityFile | None = None, max_pending: int = 4096,
+                 poll_s: float = 0.005, save_every_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.board, self.sink = store, board, sink
+        self.popularity = popularity
+        counts, slots = popularity.load() if popularity is not None else ({}, {})
+        self.counts: dict[str, float] = counts
+        self.planner = planner or SpeculationPlanner(slots=slots)
+        self._warm_slots = slots
+        self.max_pending, self.poll_s, self.save_every_s, self.clock = max_pending, poll_s, save_every_s, clock
+        self._pending: deque[tuple] = deque()
+        self.observed = self.dropped = self.sent = self.send_dropped = self.shadow_prefetches = 0
+        self.warm_sent = 0
+        self._warmed: set[str] = set()
+        self._seen: ResidencySnapshot | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="speculation", daemon=True)
+
+    # -- request path: one append, nothing else
+    def observe(self, d: Decision, tenant: str, session: str | None) -> bool:
+        """Hand one decided request to the planner; False when not observed or dropped."""
+        if d.adapter is None or not d.applies_adapter:
+            return False
+        mode = d.skills[DYNAMIC_LORA_PREFETCH]
+        if mode == OFF:
+            return False
+        if len(self._pending) >= self.max_pending:
+            self.dropped += 1
+            return False
+        self._pending.append((d.upstream.name, tenant, session, d.adapter.name, mode == PROD))
+        return True
+
+    # -- background
+    def start(self) -> "GatewaySpeculation":
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._save()
+        log.info("speculation counters: %s", json.dumps(self.counters(), sort_keys=True))
+
+    def drain(self) -> int:
+        """Process everything pending now (the thread's loop body; tests call it directly)."""
+        n = 0
+        pending = self._pending
+        while pending:
+            item = pending.popleft()
+            self._handle(Step(*item))
+            n += 1
+            time.sleep(0)  # release the GIL between steps: a request waits one step at most
+        return n
+
+    def _run(self) -> None:
+        last_save = self.clock()
+        while not self._stop.is_set():
+            try:
+                self._warm()
+                if not self.drain():
+                    self._stop.wait(self.poll_s)
+                if self.clock() - last_save >= self.save_every_s:
+                    self._save()
+                    last_save = self.clock()
+                    log.info("speculation counters: %s", json.dumps(self.counters(), sort_keys=True))
+            except Exception:  # speculation is a hint: log and keep serving
+                log.exception("speculation step failed")
+
+    def _sync(self, now: float) -> ResidencySnapshot:
+        residency = self.board.current
+        if residency is not self._seen:
+            self._seen = residency
+            self.planner.sync(residency, now)
+        return residency
+
+    def _handle(self, step: Step) -> None:
+        now = self.clock()
+        residency = self._sync(now)
+        self.counts[step.adapter] = self.counts.get(step.adapter, 0.0) + 1.0
+        self.observed += 1
+        for signal in self.planner.step(step, self.store.snapshot, residency, now):
+            if not step.signal:
+                self.shadow_prefetches += 1
+                log.debug("shadow: would prefetch %s on %s", signal.adapter, signal.upstream)
+            elif self.sink.submit(signal):
+                self.sent += 1
+            else:
+                self.send_dropped += 1
+
+    def _warm(self) -> None:
+        """Submit each host's warm set once, when its agent's residency first arrives."""
+        if not self.counts or not self._warm_slots:
+            return
+        residency = self.board.current
+        hosts = [h for h in residency.by_upstream if h not in self._warmed]
+        if not hosts:
+            return
+        self._warmed.update(hosts)
+        snap = self.store.snapshot
+        if not _prefetch_enabled(snap):
+            return
+        for signal in warm_signals(self.counts, snap, self._warm_slots, hosts):
+            if self.sink.submit(signal):
+                self.warm_sent += 1
+
+    def _save(self) -> None:
+        if self.popularity is None or not self.counts:
+            return
+        try:
+            self.popularity.save(self.counts, {**self._warm_slots, **self.planner.slots()})
+        except OSError as exc:
+            log.warning("cannot save popularity to %s: %s", self.popularity.path, exc)
+
+    def counters(self) -> dict[str, int]:
+        return {**self.planner.counters(), "observed": self.observed, "dropped": self.dropped,
+                "signals_sent": self.sent, "signals_dropped": self.send_dropped,
+                "shadow_prefetches": self.shadow_prefetches, "warm_sent": self.warm_sent}
+
+
+def _prefetch_enabled(snap: Snapshot) -> bool:
+    """Warm only where prefetching is on somewhere: globally or for a tenant."""
+    if snap.default_skills.get(DYNAMIC_LORA_PREFETCH) == PROD:
+        return True
+    return any(t.skills.get(DYNAMIC_LORA_PREFETCH) == PROD for t in snap.tenants.values())

@@ -1,0 +1,311 @@
+"""Gateway-side speculation: the planner over snapshots, the hand-off, the warm set."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from extproc.auth import Principal
+from extproc.catalog import Upstream
+from extproc.decision import InferenceRequest, decide
+from extproc.processor import Gateway, RequestHead
+from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot
+from extproc.speculation import (GatewaySpeculation, PopularityFile, SpeculationPlanner, Step,
+                                 route_by_policy, session_of, warm_signals)
+from tests.extproc.builders import KEYS
+
+PROD = {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
+SHADOW = {"multi_lora": "prod", "dynamic_lora_prefetch": "shadow"}
+OFF = {"multi_lora": "prod", "dynamic_lora_prefetch": "off"}
+
+
+class Sink:
+    def __init__(self, accept=True):
+        self.signals, self.accept = [], accept
+
+    def submit(self, signal):
+        self.signals.append(signal)
+        return self.accept
+
+
+class FakeStore:
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+
+
+def pool(upstream, *names, prefetched=False):
+    return ResidencySnapshot.build({upstream: {n: AdapterResidency("pool", 10.0, 1, prefetched) for n in names}})
+
+
+def decision(snapshot, adapter="code-python", skills=PROD, residency=ResidencySnapshot()):
+    key = next(k for k in snapshot.keys.values() if k.name == "alice")
+    p = Principal(key=key, tenant=snapshot.tenants["acme"])
+    return decide(snapshot, residency, InferenceRequest(p, {"model": adapter}, skills))
+
+
+def teach(planner, snapshot, steps, *, upstream="local-vllm", residency=ResidencySnapshot(), start=0.0):
+    """Run (session, adapter) steps through the planner; returns all signals and the clock."""
+    out, now = [], start
+    for session, adapter in steps:
+        out += planner.step(Step(upstream, "acme", session, adapter, True), snapshot, residency, now)
+        now += 1.0
+    return out, now
+
+
+# -- session id
+
+def test_session_from_header_then_user_then_none():
+    assert session_of("s-1", {"user": "u"}) == "s-1"
+    assert session_of(None, {"user": "agent-7"}) == "agent-7"
+    assert session_of("", {"user": ""}) is None
+    assert session_of(None, {"user": 42}) is None
+    assert len(session_of("x" * 1000, {})) == 256
+
+
+# -- planner (pure: snapshot in, signals out)
+
+def test_planner_learns_the_workflow_and_prefetches_the_next_step(snapshot):
+    planner = SpeculationPlanner(initial_slots=2)
+    _, now = teach(planner, snapshot, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
+    planner.sync(pool("local-vllm", "code-python"), now + 10)   # the engine evicted acme-legal
+    got, _ = teach(planner, snapshot, [("new", "code-python")], start=now + 10)
+    assert [(s.adapter, s.upstream, s.priority, s.reason) for s in got] == [
+        ("acme-legal", "local-vllm", 0, "predicted")]
+    assert got[0].digest == "b" * 64
+    c = planner.counters()
+    assert c["predictions"] >= 4 and c["predictions_used"] >= 3
+
+
+def test_planner_without_session_counts_demand_but_learns_nothing(snapshot):
+    planner = SpeculationPlanner()
+    for _ in range(5):
+        for a in ("code-python", "acme-legal"):
+            assert planner.step(Step("local-vllm", "acme", None, a, True), snapshot, ResidencySnapshot(), 0.0) == []
+    assert planner.model.predict_next("acme", "code-python") == []
+    assert "code-python" in planner.speculator("local-vllm").cache
+
+
+def test_planner_never_predicts_an_adapter_the_tenant_cannot_see(snapshot):
+    planner = SpeculationPlanner(initial_slots=1)
+    # another tenant's habit code-python -> globex-secret, learned from globex's traffic
+    for i in range(5):
+        for a in ("code-python", "globex-secret"):
+            planner.step(Step("local-vllm", "globex", f"g{i}", a, True), snapshot, ResidencySnapshot(), i)
+    got = planner.step(Step("local-vllm", "acme", "a1", "code-python", True), snapshot, ResidencySnapshot(), 9.0)
+    assert got == []
+
+
+def test_planner_offers_the_prediction_to_the_host_routing_picks(snapshot):
+    other = Upstream("other", "127.0.0.1:2", "vllm", "ace-tiny-llama")
+    snap = replace(snapshot, upstreams=snapshot.upstreams + (other,))
+    planner = SpeculationPlanner(initial_slots=1, route=lambda s, name, r: "other" if name == "acme-legal" else "local-vllm")
+    got, _ = teach(planner, snap, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
+    assert got and {s.upstream for s in got} == {"other"}
+
+
+def test_route_by_policy_adapts_the_gateway_seam(snapshot):
+    seen = []
+
+    def policy(upstreams, adapter, residency):
+        seen.append(adapter.name)
+        return upstreams[0]
+    assert route_by_policy(policy)(snapshot, "acme-legal", ResidencySnapshot()) == "local-vllm"
+    assert route_by_policy(policy)(snapshot, "nope", ResidencySnapshot()) is None
+    assert seen == ["acme-legal"]
+
+
+def test_sync_learns_the_pool_size_and_drops_what_the_engine_evicted():
+    planner = SpeculationPlanner(initial_slots=2)
+    planner.sync(pool("u", "a", "b", "c"), 0.0)
+    spec = planner.speculator("u")
+    assert spec.cache.capacity == 3 and set(spec.cache) == {"a", "b", "c"}
+    planner.sync(pool("u", "a"), 1.0)
+    assert set(spec.cache) == {"a"} and spec.cache.capacity == 3
+    assert planner.slots() == {"u": 3}
+
+
+def test_prefetch_in_flight_survives_a_sync_for_the_grace_period(snapshot):
+    planner = SpeculationPlanner(initial_slots=2, load_grace_s=2.0)
+    _, now = teach(planner, snapshot, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
+    planner.sync(pool("local-vllm", "code-python"), now + 10)   # acme-legal evicted by the engine
+    now += 10
+    got, _ = teach(planner, snapshot, [("n", "code-python")], start=now,
+                   residency=pool("local-vllm", "code-python"))
+    assert [s.adapter for s in got] == ["acme-legal"]                # signalled at `now`
+    planner.sync(pool("local-vllm", "code-python"), now + 1.0)      # not yet there: in flight
+    assert "acme-legal" in planner.speculator("local-vllm").cache
+    planner.sync(pool("local-vllm", "code-python"), now + 5.0)      # never arrived: dropped
+    assert "acme-legal" not in planner.speculator("local-vllm").cache
+
+
+# -- the hand-off and the background side (drained by hand: no thread)
+
+def gateway_speculation(snapshot, sink, board=None, **kw):
+    return GatewaySpeculation(FakeStore(snapshot), board or ResidencyBoard(), sink,
+                              SpeculationPlanner(initial_slots=2), clock=lambda: 0.0, **kw)
+
+
+def feed(gs, snapshot, skills, sessions=4):
+    """Teach code-python -> acme-legal, then the engine evicts acme-legal."""
+    for i in range(sessions):
+        for a in ("code-python", "acme-legal"):
+            gs.observe(decision(snapshot, a, skills), "acme", f"s{i}")
+        gs.drain()
+    gs.board.publish(pool("local-vllm", "code-python"))
+
+
+def test_prod_submits_predicted_prefetches_to_the_sink(snapshot):
+    sink = Sink()
+    gs = gateway_speculation(snapshot, sink)
+    feed(gs, snapshot, PROD)
+    assert gs.observe(decision(snapshot, "code-python", PROD), "acme", "new")
+    gs.drain()
+    assert [s.adapter for s in sink.signals][-1] == "acme-legal"
+    c = gs.counters()
+    assert c["signals_sent"] == len(sink.signals) and c["observed"] == 9 and c["shadow_prefetches"] == 0
+
+
+def test_shadow_decides_and_counts_but_signals_nothing(snapshot):
+    sink = Sink()
+    gs = gateway_speculation(snapshot, sink)
+    feed(gs, snapshot, SHADOW)
+    gs.observe(decision(snapshot, "code-python", SHADOW), "acme", "new")
+    gs.drain()
+    assert sink.signals == [] and gs.counters()["shadow_prefetches"] >= 1
+
+
+def test_off_and_unapplied_requests_are_not_observed(snapshot):
+    gs = gateway_speculation(snapshot, Sink())
+    assert not gs.observe(decision(snapshot, "code-python", OFF), "acme", "s")
+    assert not gs.observe(decision(snapshot, "code-python", {"multi_lora": "shadow",
+                                                             "dynamic_lora_prefetch": "prod"}), "acme", "s")
+    assert gs.drain() == 0
+
+
+def test_the_hand_off_is_bounded(snapshot):
+    gs = gateway_speculation(snapshot, Sink(), max_pending=3)
+    d = decision(snapshot, "code-python", PROD)
+    assert [gs.observe(d, "acme", "s") for _ in range(5)] == [True, True, True, False, False]
+    assert gs.counters()["dropped"] == 2 and gs.drain() == 3
+
+
+def test_a_full_sink_is_counted_not_retried(snapshot):
+    sink = Sink(accept=False)
+    gs = gateway_speculation(snapshot, sink)
+    feed(gs, snapshot, PROD)
+    gs.observe(decision(snapshot, "code-python", PROD), "acme", "new")
+    gs.drain()
+    assert gs.counters()["signals_dropped"] == len(sink.signals) > 0
+
+
+def test_the_thread_runs_and_stops(snapshot):
+    sink = Sink()
+    board = ResidencyBoard()
+    gs = GatewaySpeculation(FakeStore(snapshot), board, sink, SpeculationPlanner(initial_slots=2),
+                            poll_s=0.001).start()
+    try:
+        for i in range(4):
+            for a in ("code-python", "acme-legal"):
+                gs.observe(decision(snapshot, a, PROD), "acme", f"s{i}")
+        import time
+        deadline = time.monotonic() + 5
+        while gs.counters()["observed"] < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(2.1)  # past the in-flight grace, then the engine evicts acme-legal
+        board.publish(pool("local-vllm", "code-python"))
+        gs.observe(decision(snapshot, "code-python", PROD), "acme", "new")
+        deadline = time.monotonic() + 5
+        while gs.counters()["observed"] < 9:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        gs.close()
+    assert not gs._thread.is_alive()
+    assert any(s.adapter == "acme-legal" for s in sink.signals)
+
+
+# -- processor wiring: the session reaches the observer
+
+class Recorder:
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, d, tenant, session):
+        self.seen.append((d.adapter.name if d.adapter else None, tenant, session))
+        return True
+
+
+def _head(path, **headers):
+    h = {":path": path, ":method": "POST", "authorization": f"Bearer {KEYS['alice']}", **headers}
+    return RequestHead("POST", path, h, False)
+
+
+def test_gateway_hands_every_decided_request_to_the_observer(store):
+    rec = Recorder()
+    gw = Gateway(store, speculation=rec)
+    ex = gw.exchange()
+    ex.on_request_headers(_head("/v1/chat/completions", **{"x-ace-session-id": "wf-1"}))
+    ex.on_request_body(json.dumps({"model": "code-python", "messages": [], "user": "ignored"}).encode())
+    ex = gw.exchange()
+    ex.on_request_headers(_head("/v1/chat/completions"))
+    ex.on_request_body(json.dumps({"model": "code-python", "messages": [], "user": "agent-3"}).encode())
+    assert rec.seen == [("code-python", "acme", "wf-1"), ("code-python", "acme", "agent-3")]
+
+
+# -- warm set and the popularity file
+
+def test_warm_signals_follow_counts_and_learned_slots(snapshot):
+    got = warm_signals({"code-python": 10, "acme-legal": 5, "globex-secret": 1, "gone": 99},
+                       snapshot, {"local-vllm": 2}, ["local-vllm"])
+    assert [(s.adapter, s.reason, s.priority) for s in got] == [
+        ("code-python", "warm_set", 0), ("acme-legal", "warm_set", 0)]
+    assert warm_signals({"code-python": 10}, snapshot, {}, ["local-vllm"]) == []
+
+
+def test_popularity_file_round_trip_and_bad_file(tmp_path):
+    f = PopularityFile(tmp_path / "gw.popularity.json")
+    assert f.load() == ({}, {})
+    f.save({"a": 3.0}, {"u": 4})
+    assert f.load() == ({"a": 3.0}, {"u": 4})
+    f.path.write_text("{not json")
+    assert f.load() == ({}, {})
+
+
+def test_warm_set_is_sent_once_when_the_agent_appears_and_counts_are_saved(tmp_path, snapshot):
+    f = PopularityFile(tmp_path / "gw.popularity.json")
+    f.save({"code-python": 7.0, "acme-legal": 3.0}, {"local-vllm": 1})
+    snap = replace(snapshot, default_skills={**snapshot.default_skills, "dynamic_lora_prefetch": "prod"})
+    board, sink = ResidencyBoard(), Sink()
+    gs = GatewaySpeculation(FakeStore(snap), board, sink, popularity=f, clock=lambda: 0.0)
+    gs._warm()
+    assert sink.signals == []                       # no agent yet
+    board.publish(pool("local-vllm"))
+    gs._warm()
+    gs._warm()
+    assert [(s.adapter, s.reason) for s in sink.signals] == [("code-python", "warm_set")]
+    gs.observe(decision(snap, "acme-legal", PROD), "acme", "s")
+    gs.drain()
+    gs.close()
+    counts, slots = f.load()
+    assert counts == {"code-python": 7.0, "acme-legal": 4.0} and slots["local-vllm"] >= 1
+
+
+def test_no_warm_set_where_prefetch_is_off_everywhere(tmp_path, snapshot):
+    f = PopularityFile(tmp_path / "p.json")
+    f.save({"code-python": 7.0}, {"local-vllm": 2})
+    board, sink = ResidencyBoard(pool("local-vllm")), Sink()
+    gs = GatewaySpeculation(FakeStore(snapshot), board, sink, popularity=f)
+    gs._warm()
+    assert sink.signals == []
+
+
+# -- start-up wiring
+
+def test_routing_policy_defaults_to_affinity_with_several_upstreams():
+    from extproc.__main__ import popularity_path, route_policy
+    from extproc.policy.routing import route
+    from extproc.routing import choose_upstream
+    assert route_policy(None, 1) is choose_upstream
+    assert route_policy(None, 3) is route
+    assert route_policy("extproc.routing:choose_upstream", 3) is choose_upstream
+    assert popularity_path("x/gw.sqlite3").name == "gw.popularity.json"
