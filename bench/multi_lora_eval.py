@@ -1,24 +1,32 @@
 """``make bench``: replay a trace through the whole local stack, prefetch off then on.
 
-    python -m bench.multi_lora_eval [--trace FILE] [--speed 4] --out reports/multi_lora_eval.json
+    python -m bench.multi_lora_eval [--trace FILE] [--speed 4] [--open-loop] --out reports/multi_lora_eval.json
 
 Per run, a fresh stack on loopback ports: an artifact store (HTTP server over the
 adapters' files), the GPU agent with the builtin engine in-process (device pool capped at
 half of the trace's adapters, empty disk cache: cold means remote -> disk -> host -> pool
 with the digest checked), the ext_proc gateway (``extproc.policy.routing:route``) and
-Envoy. Requests are sent at their trace times divided by ``--speed`` with
-``stream: true``; TTFT is the time to the first streamed chunk, the stall is the engine's
-``x-ace-adapter-wait-ms`` and the tier its ``x-ace-adapter-tier``.
+Envoy. Requests go with ``stream: true``; TTFT is the time to the first streamed chunk,
+the stall is the engine's ``x-ace-adapter-wait-ms`` and the tier its
+``x-ace-adapter-tier``.
 
-- **baseline**: skill ``dynamic_lora_prefetch=off``: the engine loads on demand.
-- **prefetch**: ``dynamic_lora_prefetch=prod`` (the gateway signals the agent at ingress)
-  plus speculation: ``extproc.policy.speculate.Speculator`` observes every request
-  and its prefetches go to the agent's ``Prefetch`` RPC. The gateway does not call the
-  Speculator yet, so the replayer runs it beside the gateway (same code, same inputs:
-  tenant, session, adapter) and says so in the report (``speculation_driver``).
+Sessions are replayed **closed-loop** (agents wait for an answer before the next step):
+a session's first step is sent at its ``t`` / ``--speed``; each later step when the
+previous response has ended plus its ``think_s`` / ``--speed`` (without ``think_s``: the
+gap between the two steps' ``t``). ``--open-loop`` sends every request at its own ``t``
+instead. Each request carries its session as ``x-ace-session-id`` and as the OpenAI
+``user`` field (the one-message Envoy route forwards only the headers it lists, so the
+gateway reads ``user`` there).
 
-Both runs start cold (no warm set: at start-up there is no history to rank by).
-The report (``bench.report``) is printed and written with a TTFT plot next to it.
+- **baseline**: skill ``dynamic_lora_prefetch=off``: the engine loads on demand; the
+  gateway neither signals nor speculates.
+- **prefetch**: ``dynamic_lora_prefetch=prod``: the gateway signals the agent at ingress
+  and speculates (``extproc.speculation``: every request's session step feeds the
+  gateway's Speculator, its prefetches go through the gateway's AgentLink). The
+  gateway's counters come from its log (``speculation counters``) when it stops.
+
+Both runs start cold (no popularity file, so no warm set: neither run gets history the
+other lacks). The report (``bench.report``) is printed and written with a TTFT plot.
 """
 
 from __future__ import annotations
@@ -127,51 +135,26 @@ def stack(work: Path, catalog: Path, tenants: list[str], pool_adapters: int, poo
                "agent": f"127.0.0.1:{gp}", "metrics": f"http://127.0.0.1:{mp}/metrics", "keys": keys}
 
 
-class SpeculationDriver:
-    """Runs ``Speculator`` the way the gateway would: its pool model synced from the
-    agent's ``WatchResidency`` view (``extproc.agent_client.AgentLink``, the gateway's own
-    link) and its prefetches sent through that link's bounded queue (``PrefetchSink``)."""
-
-    def __init__(self, target: str, digests: dict[str, str], capacity: int, upstream: str = "engine-1") -> None:
-        from extproc.agent_client import AgentLink
-        from extproc.policy.speculate import Speculator
-
-        self.upstream = upstream
-        self.link = AgentLink({upstream: target}, token=TOKEN).start()
-        self.spec = Speculator(capacity)
-        self.digests = digests
-        self.sent = 0
-        self.dropped = 0
-        self._seen = None
-
-    def on_response(self, tenant: str, session, adapter: str) -> None:
-        from extproc.prefetch import PrefetchSignal
-
-        now = time.monotonic()
-        snap = self.link.board.current
-        if snap is not self._seen:
-            self._seen = snap
-            table = snap.by_upstream.get(self.upstream, {})
-            self.spec.sync([a for a, r in table.items() if r.tier == "pool"], now)
-        for p in self.spec.on_request(tenant, session, adapter, now):
-            ok = self.link.submit(PrefetchSignal(self.upstream, p.adapter, self.digests.get(p.adapter, ""),
-                                                 1, "predicted"))
-            self.sent += ok
-            self.dropped += not ok
-
-    def counters(self) -> dict:
-        return {**self.spec.counters(), "signals_sent": self.sent, "signals_dropped": self.dropped}
-
-    def close(self) -> None:
-        self.link.close()
+def speculation_counters(log_path: Path) -> dict | None:
+    """The gateway's last ``speculation counters: {...}`` log line (written when it stops)."""
+    found = None
+    try:
+        for line in log_path.read_text(errors="replace").splitlines():
+            i = line.find("speculation counters: ")
+            if i >= 0:
+                found = line[i + len("speculation counters: "):]
+    except OSError:
+        return None
+    return json.loads(found) if found else None
 
 
 # ---------------------------------------------------------------- replay
 
 async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -> dict:
+    session = f"{r['tenant']}/{r['session']}"
     body = {"model": r["adapter"], "messages": r["messages"], "max_tokens": int(r.get("max_tokens", 16)),
-            "temperature": 0, "stream": True}
-    headers = {"authorization": f"Bearer {key}"}
+            "temperature": 0, "stream": True, "user": session}
+    headers = {"authorization": f"Bearer {key}", "x-ace-session-id": session}
     t0 = time.perf_counter()
     ttft = None
     try:
@@ -193,25 +176,53 @@ async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -
     }
 
 
-async def replay(requests: list[dict], st: dict, speed: float, driver=None) -> list[dict]:
+def sessions(requests: list[dict]) -> list[list[dict]]:
+    """Requests grouped by (tenant, session), steps in order, sessions by first ``t``."""
+    by: dict[tuple, list[dict]] = {}
+    for r in requests:
+        by.setdefault((r["tenant"], r["session"]), []).append(r)
+    out = [sorted(steps, key=lambda r: (r.get("step", 0), r["t"])) for steps in by.values()]
+    return sorted(out, key=lambda steps: steps[0]["t"])
+
+
+def think_s(prev: dict, r: dict) -> float:
+    """Seconds between the previous step's answer and this step (closed-loop replay)."""
+    think = r.get("think_s")
+    return max(0.0, float(think) if think is not None else r["t"] - prev["t"])
+
+
+async def replay(requests: list[dict], st: dict, speed: float, closed_loop: bool = True) -> list[dict]:
     rows: list[dict] = []
     t_start = time.perf_counter()
     t0 = requests[0]["t"]
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+
+    def done(row: dict) -> None:
+        rows.append(row)
+        if len(rows) % 100 == 0:
+            log(f"  {len(rows)}/{len(requests)} requests ({time.perf_counter() - t_start:.0f}s)")
+
+    async def at(t: float) -> None:
+        delay = (t - t0) / speed - (time.perf_counter() - t_start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         async def send(r: dict) -> None:
-            delay = (r["t"] - t0) / speed - (time.perf_counter() - t_start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            row = await one_request(client, st["gateway"], st["keys"][r["tenant"]], r)
-            rows.append(row)
-            if len(rows) % 100 == 0:
-                log(f"  {len(rows)}/{len(requests)} requests ({time.perf_counter() - t_start:.0f}s)")
-            if driver is not None and "error" not in row:
-                # a request completed: learn the session step, prefetch what comes next
-                driver.on_response(r["tenant"], r["session"], r["adapter"])
+            await at(r["t"])
+            done(await one_request(client, st["gateway"], st["keys"][r["tenant"]], r))
 
-        await asyncio.gather(*(send(r) for r in requests))
+        async def session(steps: list[dict]) -> None:
+            await at(steps[0]["t"])
+            for i, r in enumerate(steps):
+                if i:
+                    await asyncio.sleep(think_s(steps[i - 1], r) / speed)
+                done(await one_request(client, st["gateway"], st["keys"][r["tenant"]], r))
+
+        if closed_loop:
+            await asyncio.gather(*(session(steps) for steps in sessions(requests)))
+        else:
+            await asyncio.gather(*(send(r) for r in requests))
     return rows
 
 
@@ -286,27 +297,26 @@ def run(args) -> int:
                 run_dir.mkdir()
                 rcat = run_dir / "catalog.yaml"
                 data = remote_catalog(catalog, f"http://127.0.0.1:{store_port}", rcat, names)
-                digests = {a["name"]: a["sha256"] for a in data["adapters"]}
                 log(f"{name}: {len(requests)} requests, pool {pool} of {len(names)} adapters / {pool_mb} MiB, "
                     f"speed x{args.speed}")
+                t_run = time.monotonic()
                 with stack(run_dir, rcat, tenants, pool, pool_mb, prefetch) as st:
                     async def go():
-                        driver = SpeculationDriver(st["agent"], digests, pool) if prefetch else None
-                        try:
-                            rows = await replay(requests, st, args.speed, driver)
-                        finally:
-                            if driver is not None:
-                                driver.close()
-                        extra = {"speculation": driver.counters()} if driver is not None else {}
+                        rows = await replay(requests, st, args.speed, closed_loop=not args.open_loop)
                         ov = None
                         if prefetch:
                             t = requests[0]
                             ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
-                        return rows, extra, ov
+                        return rows, ov
 
-                    rows, extra, ov = asyncio.run(go())
+                    rows, ov = asyncio.run(go())
                     if ov is not None:
                         overhead = ov
+                # the stack has stopped: the gateway logged its final counters
+                extra = {"replay_s": round(time.monotonic() - t_run, 1)}
+                counters = speculation_counters(run_dir / "extproc.log")
+                if prefetch:
+                    extra["speculation"] = counters
                 results[name] = (rows, extra)
         ok = {k: [r for r in rows if "error" not in r and r["status"] == 200 and r["wait_ms"] is not None]
               for k, (rows, _) in results.items()}
@@ -333,8 +343,11 @@ def run(args) -> int:
                 "pool_adapters": pool, "pool_mb": pool_mb, "adapters": len(names),
                 "model_shape": json.loads((catalog.parent / "model" / "config.json").read_text()),
                 "adapter_sizes": {a["name"]: a["size_bytes"] for a in data["adapters"]},
-                "speculation_driver": "replayer: Speculator synced by AgentLink residency, signals via AgentLink",
-                **results["prefetch"][1],
+                "speculation_driver": "gateway: extproc.speculation.GatewaySpeculation (counters from its log)",
+                "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
+                "sessions": len(sessions(requests)),
+                "replay_s": {k: extra.get("replay_s") for k, (_, extra) in results.items()},
+                "speculation": results["prefetch"][1].get("speculation"),
             },
         )
         out = Path(args.out)
@@ -364,6 +377,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/multi_lora_eval.json", help="JSON report; the TTFT plot goes next to it")
     ap.add_argument("--fixtures", default=".fixtures", help="fixtures directory (python -m gpu_agent.fixtures)")
     ap.add_argument("--speed", type=float, default=4.0, help="replay speed-up of the trace's clock")
+    ap.add_argument("--open-loop", action="store_true",
+                    help="send every request at its own t (default: sessions closed-loop, think_s after each answer)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")
     return run(ap.parse_args(argv))
 

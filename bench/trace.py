@@ -40,6 +40,10 @@ def validate_request(obj: Any, where: str) -> dict:
             _fail(where, f"{f!r} must be a non-empty string, got {obj[f]!r}")
     if not isinstance(obj["session"], (str, int)) or isinstance(obj["session"], bool):
         _fail(where, f"'session' must be a string or an integer, got {obj['session']!r}")
+    think = obj.get("think_s")
+    if think is not None and (isinstance(think, bool) or not isinstance(think, (int, float))
+                              or not math.isfinite(think) or think < 0):
+        _fail(where, f"'think_s' must be a non-negative number of seconds, got {think!r}")
     rank = obj["rank"]
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         _fail(where, f"'rank' must be a positive integer, got {rank!r}")

@@ -3,13 +3,18 @@
     python data/multi_lora_eval/generate.py [--n 800] [--seed 20261130] [--out FILE]
 
 800 requests from 8 tenants over 5 domains and the fixtures' 10 adapters (ranks 8-128).
-Traffic is sessions: a tenant opens a session (Poisson arrivals, with burst windows in
-which one tenant opens sessions several times faster), and each session is a multi-step
-workflow (e.g. acme's code -> review -> sql) whose steps follow each other after a
-think time; a step sometimes repeats (a retry / follow-up) or strays to another adapter
-the tenant may use, so the chains are habits, not rules. Each tenant sees only public
-adapters and its own (owners as in ``gpu_agent.fixtures.ADAPTERS``). The format is
-described in ``docs/trace-format.md``. Same seed, same bytes.
+Traffic is agentic sessions: a tenant opens a session (Poisson arrivals, with burst
+windows in which one tenant opens sessions several times faster) and runs one of its
+habitual workflows, 4-12 steps (e.g. acme's code -> review -> sql loop). An agent sends
+each step after the previous answer arrived plus a think time (tool execution, a human
+glance): ``think_s`` on every step after the first, so the benchmark replays sessions
+closed-loop. ``t`` is the session's first-step time; for later steps it is the nominal
+open-loop time (previous ``t`` + ``NOMINAL_SERVICE_S`` + ``think_s``), which the
+simulator uses. Steps sometimes repeat (an agent iterating), stray to another adapter
+the tenant may use, or the session ends early (never before 4 steps), so the chains are
+habits, not rules. Each tenant sees only public adapters and its own (owners as in
+``gpu_agent.fixtures.ADAPTERS``). The format is ``docs/trace-format.md``. Same seed,
+same bytes.
 """
 
 from __future__ import annotations
@@ -33,21 +38,30 @@ ADAPTERS: dict[str, tuple[int, str]] = {
     "tr-fr-en": (128, "translation"),
 }
 
-# tenant -> (relative session rate, workflows: (weight, chain)); owners: acme owns code-*,
-# medco owns med-*, everything else is public.
+# tenant -> (relative session rate, workflows: (weight, steps)); owners: acme owns code-*,
+# medco owns med-*, everything else is public. Workflows are 4-12 steps: what an agent
+# framework runs for one task (plan/code/test/review/query loops, triage/notes/translate).
 TENANTS: dict[str, tuple[float, list[tuple[float, list[str]]]]] = {
-    "acme": (1.6, [(0.6, ["code-python", "legal-review", "code-sql"]),
-                   (0.4, ["code-python", "code-sql"])]),
-    "medco": (1.3, [(0.7, ["med-triage", "med-notes", "tr-de-en"]),
-                    (0.3, ["med-notes", "med-triage"])]),
-    "lexfirm": (1.0, [(0.7, ["legal-contracts", "legal-review", "tr-fr-en"]),
-                      (0.3, ["legal-review"])]),
-    "bankco": (1.0, [(0.6, ["fin-reports", "fin-risk", "legal-review"]),
-                     (0.4, ["fin-risk", "fin-reports"])]),
-    "globetrans": (0.9, [(0.5, ["tr-de-en", "tr-fr-en"]), (0.5, ["tr-fr-en"])]),
-    "insureco": (0.7, [(1.0, ["fin-risk", "legal-contracts", "fin-reports"])]),
-    "newsdesk": (0.6, [(0.6, ["tr-fr-en", "fin-reports"]), (0.4, ["tr-de-en"])]),
-    "govdocs": (0.5, [(1.0, ["legal-contracts", "tr-de-en", "legal-review"])]),
+    "acme": (1.5, [(0.6, ["code-python", "legal-review", "code-sql", "code-python", "legal-review",
+                          "code-sql", "code-python"]),
+                   (0.4, ["code-sql", "code-python", "code-sql", "legal-review", "code-python"])]),
+    "medco": (1.3, [(0.7, ["med-triage", "med-notes", "med-triage", "med-notes", "tr-de-en"]),
+                    (0.3, ["med-notes", "med-triage", "med-notes", "tr-de-en", "med-notes", "med-triage",
+                           "med-notes", "tr-de-en"])]),
+    "lexfirm": (1.0, [(0.7, ["legal-contracts", "legal-review", "legal-contracts", "legal-review", "tr-fr-en"]),
+                      (0.3, ["legal-review", "legal-contracts", "legal-review", "legal-contracts",
+                             "legal-review", "tr-fr-en", "legal-review"])]),
+    "bankco": (1.0, [(0.6, ["fin-reports", "fin-risk", "fin-reports", "fin-risk", "legal-review", "fin-reports"]),
+                     (0.4, ["fin-risk", "legal-contracts", "fin-risk", "fin-reports", "fin-risk"])]),
+    "globetrans": (0.9, [(0.5, ["tr-de-en", "tr-fr-en", "tr-de-en", "tr-fr-en"]),
+                         (0.5, ["tr-fr-en", "tr-de-en", "tr-fr-en", "legal-review", "tr-fr-en", "tr-de-en"])]),
+    "insureco": (0.7, [(1.0, ["fin-risk", "legal-contracts", "fin-reports", "fin-risk", "legal-contracts",
+                              "legal-review", "fin-reports", "fin-risk", "legal-contracts", "fin-reports"])]),
+    "newsdesk": (0.6, [(0.6, ["tr-fr-en", "fin-reports", "tr-de-en", "fin-reports", "tr-fr-en", "fin-reports"]),
+                       (0.4, ["tr-de-en", "tr-fr-en", "tr-de-en", "fin-reports"])]),
+    "govdocs": (0.5, [(1.0, ["legal-contracts", "tr-de-en", "legal-review", "legal-contracts", "tr-de-en",
+                             "legal-review", "legal-contracts", "tr-de-en", "legal-review", "tr-fr-en",
+                             "legal-review", "legal-contracts"])]),
 }
 OWNED = {"acme": ("code-python", "code-sql"), "medco": ("med-triage", "med-notes")}
 
@@ -81,14 +95,21 @@ def visible(tenant: str) -> list[str]:
     return [a for a in ADAPTERS if a not in owned_by_others]
 
 
+NOMINAL_SERVICE_S = 0.3  # open-loop stand-in for an answer's duration (simulator only)
+P_STRAY = 0.05   # a step goes to another adapter the tenant may use
+P_REPEAT = 0.12  # a step is sent twice (the agent iterates on the same adapter)
+P_END = 0.04     # the session ends after this step (never before MIN_STEPS)
+MIN_STEPS = 4
+
+
 def generate(n: int = 800, seed: int = 20261130) -> list[dict]:
     rng = random.Random(seed)
     tenants = list(TENANTS)
     rates = [TENANTS[t][0] for t in tenants]
-    session_rate = 0.5  # sessions per second, all tenants together, outside bursts
-    # burst windows: (start, end, tenant) in which that tenant opens sessions 6x faster
-    bursts = [(rng.uniform(0, 300), rng.choice(tenants)) for _ in range(4)]
-    bursts = [(s, s + rng.uniform(15, 40), t) for s, t in bursts]
+    session_rate = 0.28  # sessions per second, all tenants together, outside bursts
+    # burst windows: (start, end, tenant) in which that tenant opens sessions 4x faster
+    bursts = [(rng.uniform(0, 300), rng.choice(tenants)) for _ in range(3)]
+    bursts = [(s, s + rng.uniform(20, 45), t) for s, t in bursts]
     requests: list[dict] = []
     clock = 0.0
     sid = 0
@@ -97,37 +118,41 @@ def generate(n: int = 800, seed: int = 20261130) -> list[dict]:
         weights = list(rates)
         for start, end, t in bursts:
             if start <= clock < end:
-                weights[tenants.index(t)] *= 6.0
+                weights[tenants.index(t)] *= 4.0
         tenant = rng.choices(tenants, weights)[0]
         flows = TENANTS[tenant][1]
         chain = rng.choices([c for _, c in flows], [w for w, _ in flows])[0]
         sid += 1
         session = f"{tenant}-s{sid:04d}"
         t = clock
+        think = 0.0
         step = 0
         for planned in chain:
-            adapter = planned
-            r = rng.random()
-            if r < 0.08:  # strays from the habit
-                adapter = rng.choice(visible(tenant))
-            repeats = 2 if rng.random() < 0.15 else 1  # a follow-up on the same adapter
-            for _ in range(repeats):
-                requests.append(_request(rng, t, tenant, session, step, "->".join(chain), adapter))
+            adapter = rng.choice(visible(tenant)) if rng.random() < P_STRAY else planned
+            for _ in range(2 if rng.random() < P_REPEAT else 1):
+                requests.append(_request(rng, t, think if step else None, tenant, session, step,
+                                         "->".join(chain), adapter))
                 step += 1
-                t += rng.uniform(1.0, 6.0)  # the answer plus the agent's/user's think time
+                # the agent's think time before the next step: tool runs, a human glance
+                think = round(min(8.0, max(0.2, rng.lognormvariate(0.3, 0.7))), 3)
+                t += NOMINAL_SERVICE_S + think
+            if step >= MIN_STEPS and rng.random() < P_END:
+                break
     requests.sort(key=lambda r: (r["t"], r["session"], r["step"]))
     requests = requests[:n]
+    # keep whole prefixes of sessions only: a cut session keeps its first steps
     for i, r in enumerate(requests):
         r["id"] = f"req-{i:04d}"
     return [{"id": r.pop("id"), **r} for r in requests]
 
 
-def _request(rng: random.Random, t: float, tenant: str, session: str, step: int,
+def _request(rng: random.Random, t: float, think: float | None, tenant: str, session: str, step: int,
              workflow: str, adapter: str) -> dict:
     rank, domain = ADAPTERS[adapter]
     prompt = rng.choice(PROMPTS[domain]).format(task=rng.choice(TASKS[domain]))
+    timing = {"t": round(t, 3)} if think is None else {"t": round(t, 3), "think_s": think}
     return {
-        "t": round(t, 3),
+        **timing,
         "tenant": tenant,
         "session": session,
         "step": step,

@@ -32,3 +32,46 @@ def test_state_yaml_keys_and_skills(tmp_path):
     for k in state["keys"]:
         assert k["sha256"] == hashlib.sha256(keys[k["tenant"]].encode()).hexdigest()
     assert state["upstreams"][0]["agent"] == "127.0.0.1:2"
+
+
+def test_sessions_group_steps_in_order_and_think_time():
+    from bench.multi_lora_eval import sessions, think_s
+    reqs = [{"tenant": "a", "session": "s1", "step": 1, "t": 5.0, "think_s": 0.5},
+            {"tenant": "b", "session": "s1", "step": 0, "t": 1.0},
+            {"tenant": "a", "session": "s1", "step": 0, "t": 2.0},
+            {"tenant": "a", "session": "s1", "step": 2, "t": 9.0}]
+    got = sessions(reqs)
+    assert [[(r["tenant"], r["step"]) for r in s] for s in got] == [[("b", 0)], [("a", 0), ("a", 1), ("a", 2)]]
+    a = got[1]
+    assert think_s(a[0], a[1]) == 0.5          # the trace's think time
+    assert think_s(a[1], a[2]) == 4.0          # none given: the gap between the steps' t
+
+
+def test_speculation_counters_read_the_last_log_line(tmp_path):
+    from bench.multi_lora_eval import speculation_counters
+    log = tmp_path / "extproc.log"
+    log.write_text('x INFO extproc.speculation: speculation counters: {"observed": 1}\n'
+                   'noise\nx INFO extproc.speculation: speculation counters: {"observed": 7}\n')
+    assert speculation_counters(log) == {"observed": 7}
+    assert speculation_counters(tmp_path / "missing.log") is None
+
+
+def test_committed_trace_has_think_times_after_first_steps():
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    reqs = json.loads((root / "data/multi_lora_eval/multi_lora_eval_800.json").read_text())
+    assert all(("think_s" in r) == (r["step"] > 0) for r in reqs)
+    assert all(0.2 <= r["think_s"] <= 8.0 for r in reqs if "think_s" in r)
+
+
+def test_think_s_is_validated(tmp_path):
+    import json
+
+    import pytest
+    from bench.trace import TraceError, load_trace
+    bad = {"t": 0, "tenant": "a", "adapter": "x", "rank": 8, "domain": "d", "session": 1,
+           "messages": [{"role": "user", "content": "hi"}], "think_s": -1}
+    (tmp_path / "t.json").write_text(json.dumps([bad]))
+    with pytest.raises(TraceError, match="think_s"):
+        load_trace(tmp_path / "t.json")
