@@ -40,8 +40,11 @@ async def run(settings) -> None:
                                    max_loaded_loras=settings.max_loaded_loras or None, api_key=api_key)
     else:
         from gpu_agent.engine.core import EngineSettings
+        # the device count budget holds for the engine's own on-demand loads too: its pool
+        # enforces it on every load (LRU, never pinned or in use)
         engine_settings = EngineSettings(catalog=Path(settings.catalog), pool_bytes=settings.pool_mb << 20,
-                                         host_cache_bytes=settings.engine_host_mb << 20)
+                                         host_cache_bytes=settings.engine_host_mb << 20,
+                                         max_adapters=settings.device_max_adapters or None)
         connector = make_connector("builtin", store=store, engine_settings=engine_settings,
                                    http_host=settings.engine_host, http_port=settings.engine_port)
     budgets = ResidencyBudgets(

@@ -15,7 +15,9 @@ Sources (`uri`):
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -30,6 +32,8 @@ import httpx
 import yaml
 
 from gpu_agent.errors import AdapterNotFound, AgentError, DigestMismatch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AdapterSpec", "Catalog", "CatalogError", "DiskCache", "ArtifactStore",
            "FetchError", "valid_adapter_name", "sha256_file"]
@@ -198,10 +202,35 @@ class DiskCache:
         shutil.rmtree(self.root / digest, ignore_errors=True)
         return True
 
-    def admit(self, digest: str, staged: Path) -> Path:
+    def _complete(self, digest: str) -> bool:
+        """`root/<digest>/` holds both files and its weights hash to `digest`."""
         final = self.root / digest
-        os.replace(staged, final)
+        if digest in self._lru:
+            return True  # admitted by us, hence verified
+        weights = final / WEIGHTS
+        return weights.is_file() and (final / CONFIG).is_file() and sha256_file(weights) == digest
+
+    def admit(self, digest: str, staged: Path) -> Path:
+        """Rename the verified `staged` directory to `root/<digest>/`.
+
+        A complete verified copy already there (another fetch of the same digest won the
+        race, in this process or another one sharing the cache) is success: `staged` is
+        dropped and the existing copy kept. A torn or wrong copy there is replaced.
+        """
+        final = self.root / digest
+        try:
+            os.replace(staged, final)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR) and not final.exists():
+                raise
+            if self._complete(digest):
+                log.info("disk cache: %s already present and verified; keeping it", digest[:12])
+                shutil.rmtree(staged, ignore_errors=True)
+            else:
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(staged, final)
         self._lru[digest] = (final / WEIGHTS).stat().st_size
+        self._lru.move_to_end(digest)
         return final
 
 
@@ -215,8 +244,27 @@ class ArtifactStore:
         self._client = client
         self._timeout = timeout_s
         self._verified_local: set[str] = set()  # digests of local sources already hashed
+        # One fetch per digest (one first hash per local adapter) at a time: concurrent
+        # callers (a prefetch and the engine's on-demand load of one adapter) await one task.
+        self._inflight: dict[str, asyncio.Task] = {}
+        # Extra digests no disk eviction may remove (set by the residency manager and the
+        # builtin connector: adapters being loaded, pinned or on a higher tier).
+        self.protect_providers: list = []
+
+    def protected(self, extra: set[str] = frozenset()) -> set[str]:
+        """Digests the disk tier must keep now: `extra`, every provider's, and in-flight fetches."""
+        out = set(extra) | {k for k in self._inflight if not k.startswith("local:")}
+        for provider in self.protect_providers:
+            out |= provider()
+        return out
 
     async def aclose(self) -> None:
+        tasks = list(self._inflight.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._inflight.clear()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -232,6 +280,26 @@ class ArtifactStore:
     async def ensure_local(self, spec: AdapterSpec, protected: set[str]) -> tuple[Path, bool]:
         """A verified directory for `spec`; returns (path, fetched_from_remote)."""
         if (path := self.local_path(spec)) is not None:
+            return path, False
+        # remote: one cache entry per digest; local: one directory per catalog entry
+        key = spec.sha256 if spec.is_remote else f"local:{spec.name}"
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._bring_local(spec, protected))
+            self._inflight[key] = task
+            task.add_done_callback(lambda t, k=key: self._fetch_done(k, t))
+        # shield: one waiter giving up (a client that went away) does not cancel the
+        # download the other waiters share
+        return await asyncio.shield(task)
+
+    def _fetch_done(self, key: str, task: asyncio.Task) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: a failure nobody awaited any more is not logged as lost
+
+    async def _bring_local(self, spec: AdapterSpec, protected: set[str]) -> tuple[Path, bool]:
+        if (path := self.local_path(spec)) is not None:  # another path finished it meanwhile
             return path, False
         if spec.is_remote:
             return await self._fetch(spec, protected), True
@@ -258,7 +326,7 @@ class ArtifactStore:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._timeout, follow_redirects=False)
         base = spec.uri.rstrip("/") + "/"
-        self.cache.make_room(max(spec.size_bytes, 1), protected)
+        self.cache.make_room(max(spec.size_bytes, 1), self.protected(protected))
         staged = self.cache.root / f".partial-{spec.sha256}-{time.monotonic_ns()}"
         staged.mkdir()
         try:
@@ -266,7 +334,7 @@ class ArtifactStore:
             digest = await self._download(base + WEIGHTS, staged / WEIGHTS, spec.size_bytes)
             if digest != spec.sha256:
                 raise DigestMismatch(f"adapter {spec.name}: fetched sha256 {digest} != catalog {spec.sha256}")
-            return self.cache.admit(spec.sha256, staged)
+            return self.cache.admit(spec.sha256, staged)  # in the loop: the LRU is not thread-safe
         finally:
             if staged.exists():
                 shutil.rmtree(staged, ignore_errors=True)

@@ -116,14 +116,20 @@ class AdapterPool:
 
     ``budget_bytes`` is the size of the single page tensor; ``eviction`` orders
     victims (LRU default); pinned and in-use adapters are never evicted.
+    ``max_adapters`` (optional) also bounds how many adapters are resident at once (the
+    agent's device count budget): every load, whoever asks for it, evicts by the same
+    policy to stay within it, or fails with PoolExhausted.
     """
 
     def __init__(self, spec: BaseModelSpec, budget_bytes: int, *, dtype: Any = None,
                  device: Any = None, eviction: EvictionPolicy | None = None,
-                 max_rows: int = 4096) -> None:
+                 max_rows: int = 4096, max_adapters: int | None = None) -> None:
         import torch
 
+        if max_adapters is not None and max_adapters < 1:
+            raise ValueError(f"max_adapters must be >= 1 (or None), got {max_adapters}")
         self.spec = spec
+        self.max_adapters = max_adapters
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dtype = dtype if dtype is not None else torch.float32
         self.row_width = spec.hidden_size
@@ -253,6 +259,22 @@ class AdapterPool:
         raise PoolExhausted(
             f"{loading}: needs {n} pages, {self._num_free} free and the rest pinned or in use")
 
+    def _make_count_room(self, loading: str) -> None:
+        """Evict (policy order, never pinned or in use) until one more adapter fits the count."""
+        limit = self.max_adapters
+        if limit is None or len(self._entries) < limit:
+            return
+        for name in list(self.policy.candidates()):
+            entry = self._entries.get(name)
+            if entry is None or entry.pinned or entry.in_use:
+                continue
+            self._release(entry)
+            self.evictions += 1
+            if len(self._entries) < limit:
+                return
+        raise PoolExhausted(
+            f"{loading}: {len(self._entries)} adapters resident (max {limit}), all pinned or in use")
+
     def _take_slot(self) -> int:
         if self._free_slots:
             return self._free_slots.pop()
@@ -295,6 +317,9 @@ class AdapterPool:
             self._validate(adapter)
             t0 = time.perf_counter()
             layout, n, one_copy = self._plan(adapter)
+            if n > self.num_pages:  # never fits: fail before evicting anything
+                raise PoolExhausted(f"{adapter.name}: needs {n} pages, pool has {self.num_pages}")
+            self._make_count_room(adapter.name)
             self._make_room(n, adapter.name)
             ids, contiguous = self._alloc(n, layout)
             try:
@@ -500,6 +525,7 @@ class AdapterPool:
                 "used_bytes": used * self.page_bytes,
                 "adapter_bytes": sum(e.nbytes for e in self._entries.values()),
                 "adapters": len(self._entries),
+                "max_adapters": self.max_adapters,
                 "pinned": sum(e.pinned for e in self._entries.values()),
                 "in_use": sum(bool(e.in_use) for e in self._entries.values()),
                 "loads": self.loads,

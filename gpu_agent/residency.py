@@ -145,6 +145,8 @@ class ResidencyManager:
         self.version = 0
         self.base_model_bytes = _weights_bytes(catalog.base_model_path)
         self.metrics.add_gauges(self._gauges)
+        # every disk-cache eviction (the engine's own fetches included) spares what we protect
+        store.protect_providers.append(self._protected_digests)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -302,7 +304,13 @@ class ResidencyManager:
                 if name not in self._device:
                     await self._make_device_room(spec)
                     t = time.perf_counter()
-                    await self.connector.load(spec, path, pinned=self._states[name].pinned)
+                    pinned = self._states[name].pinned
+                    await self.connector.load(spec, path, pinned=pinned)
+                    if self._states[name].pinned != pinned:  # (un)pinned while it loaded
+                        try:
+                            self.connector.set_pinned(name, self._states[name].pinned)
+                        except AgentError as exc:
+                            log.warning("could not (un)pin %s after its load: %s", name, exc)
                     self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="device")
                     self._device[name] = spec.size_bytes
                     self.engine_up = True
@@ -349,6 +357,18 @@ class ResidencyManager:
 
         if not over():
             return
+        if self.connector.self_managed:
+            # the engine evicts by itself (builtin pool): count only what it still holds,
+            # rather than unload a live adapter to make room for one already gone
+            loaded = await self.connector.loaded()
+            gone = [n for n in self._device if n not in loaded]
+            for n in gone:
+                self._device.pop(n, None)
+                self._publish(n)
+            if gone:
+                self.metrics.inc("ace_agent_evictions_total", float(len(gone)), tier="device")
+            if not over():
+                return
         busy = await self.connector.busy()
         for victim in list(self._device):
             if not over():
@@ -396,6 +416,11 @@ class ResidencyManager:
         if self.catalog.get(name) is None:
             return False, "unknown_adapter"
         self._states[name].pinned = True
+        if name in self._device:
+            try:  # an engine that evicts by itself must know too (builtin pool)
+                self.connector.set_pinned(name, True)
+            except AgentError:  # it left the engine meanwhile: load (and pin) it again
+                self._device.pop(name, None)
         if name not in self._device:
             result = self.prefetch(name, priority=1 << 30, reason="pin")
             if result.outcome is PrefetchOutcome.REJECTED:
@@ -408,6 +433,11 @@ class ResidencyManager:
         if self.catalog.get(name) is None:
             return False, "unknown_adapter"
         self._states[name].pinned = False
+        if name in self._device:
+            try:
+                self.connector.set_pinned(name, False)
+            except AgentError:
+                pass  # not resident any more: nothing to unpin
         self._publish(name)
         return True, ""
 
@@ -438,7 +468,7 @@ class ResidencyManager:
             for name in lost:
                 self._device.pop(name, None)
                 self._publish(name)
-            adopted = [n for n in loaded if n in self._states and n not in self._device]
+            adopted = sorted(n for n in loaded if n in self._states and n not in self._device)
             for name in adopted:  # the engine loaded it itself (on demand), or a previous agent run
                 self._device[name] = self._states[name].spec.size_bytes
                 self._device.move_to_end(name, last=False)  # not used through us: LRU end

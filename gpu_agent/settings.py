@@ -39,7 +39,8 @@ class AgentSettings:
     disk_budget_mb: int = _f(4096, "disk tier budget (MiB), LRU")
     host_budget_mb: int = _f(0, "agent host tier budget (MiB), LRU; 0 = off (vLLM/SGLang read files themselves)")
     engine_host_mb: int = _f(512, "builtin only: the engine's own host tier of parsed adapters (MiB)")
-    device_max_adapters: int = _f(0, "device tier count budget; 0 = the engine's (vLLM: --max-cpu-loras)")
+    device_max_adapters: int = _f(0, "device tier count budget; 0 = the engine's (vLLM: --max-cpu-loras); "
+                                    "builtin: also enforced by the engine's pool on its own on-demand loads")
     device_budget_mb: int = _f(0, "device tier byte budget (MiB); 0 = none (builtin: the pool's)")
     max_cpu_loras: int = _f(4, "vllm: the engine's --max-cpu-loras, mirrored by the device tier")
     max_loaded_loras: int = _f(0, "sglang: the engine's --max-loaded-loras (0 = no count limit)")
@@ -74,6 +75,8 @@ class AgentSettings:
             raise SettingsError(f"auth=token needs a token in ${self.token_env} or --token-file")
         if self.auth == "mtls" and not (self.tls_cert and self.tls_key and self.tls_client_ca):
             raise SettingsError("auth=mtls needs --tls-cert, --tls-key and --tls-client-ca")
+        if self.device_max_adapters < 0:
+            raise SettingsError("--device-max-adapters must be >= 0 (0 = the engine's)")
         if self.queue_size < 1 or self.workers < 1:
             raise SettingsError("--queue-size and --workers must be >= 1")
         return self

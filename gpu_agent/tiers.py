@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import AdapterNotFound
+from .errors import AdapterNotFound, AdapterNotResident
 from .peft import LoraAdapter, load_peft_dir
 from .pool import AdapterPool, PoolEntry
 
@@ -112,11 +112,15 @@ class AdapterTiers:
         t0 = time.perf_counter()
         pool = self.pool
         if pool.touch(name):                      # resident lookup: the hot path
-            entry = pool.entry(name)
-            if pin:
-                pool.pin(name)
-            return entry, LoadTimings(name, "pool", total_ms=(time.perf_counter() - t0) * 1e3,
-                                      nbytes=entry.nbytes)
+            try:
+                entry = pool.entry(name)
+                if pin:
+                    pool.pin(name)
+            except AdapterNotResident:            # another thread's load evicted it just now
+                pass                              # load it again below
+            else:
+                return entry, LoadTimings(name, "pool", total_ms=(time.perf_counter() - t0) * 1e3,
+                                          nbytes=entry.nbytes)
         with self._lock:
             adapter = self.host.get(name)
             t = LoadTimings(name, "host" if adapter is not None else "disk")

@@ -56,6 +56,10 @@ class EngineConnector(abc.ABC):
     async def loaded(self) -> set[str]:
         """Adapter names the engine holds now; EngineUnavailable when it cannot tell."""
 
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        """Tell an engine that evicts by itself (builtin) that a resident adapter is (un)pinned;
+        ConnectorError when it is not resident. Engines the agent alone evicts ignore it."""
+
     async def busy(self) -> set[str]:
         """Adapters used by running or waiting requests (never evicted)."""
         return set()

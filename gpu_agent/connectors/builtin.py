@@ -57,6 +57,8 @@ class BuiltinConnector(EngineConnector):
         if self.engine is None:
             from gpu_agent.engine.core import Engine
             self.engine = Engine.create(self._settings, source=StoreSource(self.store))
+        # the disk tier never evicts the files of an adapter the engine is loading right now
+        self.store.protect_providers.append(self._loading_digests)
         host, port = self._http
         if port is not None and self._runner is None:
             from gpu_agent.engine import server as engine_server
@@ -74,13 +76,34 @@ class BuiltinConnector(EngineConnector):
     def url(self) -> str | None:
         return self._url
 
+    def _loading_digests(self) -> set[str]:
+        if self.engine is None:
+            return set()
+        out = set()
+        for name in self.engine.residency.loading():
+            spec = self.store.catalog.get(name)
+            if spec is not None:
+                out.add(spec.sha256)
+        return out
+
     async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
         try:
-            await self.engine.residency.ensure_resident(spec.name)
-            if pinned:
-                self.engine.residency.pin(spec.name)
+            if pinned:  # load and pin atomically: the pool's LRU may not take it in between
+                await self.engine.residency.ensure_pinned(spec.name)
+            else:
+                await self.engine.residency.ensure_resident(spec.name)
         except Exception as exc:
             raise ConnectorError(f"builtin load {spec.name}: {exc}") from exc
+
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        res = self.engine.residency
+        try:
+            if pinned:
+                res.pin(name)
+            else:
+                res.unpin(name)
+        except Exception as exc:  # not resident (any more)
+            raise ConnectorError(f"builtin pin {name}: {exc}") from exc
 
     async def unload(self, name: str) -> None:
         try:

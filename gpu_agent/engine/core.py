@@ -49,6 +49,9 @@ class EngineSettings:
         "help": "when idle, wait this long after a request so requests arriving together share a pass"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length (prompt + max_tokens); default max_position_embeddings"})
+    max_adapters: int | None = field(default=None, metadata={
+        "help": "most adapters resident in the pool at once (LRU eviction on every load); "
+                "default: bounded by pool bytes only"})
 
     def validate(self) -> "EngineSettings":
         if self.model is None and self.catalog is None:
@@ -59,6 +62,8 @@ class EngineSettings:
             raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
         if self.max_batch_sequences < 1 or self.max_batch_tokens < 1:
             raise ValueError("batch limits must be >= 1")
+        if self.max_adapters is not None and self.max_adapters < 1:
+            raise ValueError("max_adapters must be >= 1 (or unset)")
         return self
 
     @staticmethod
@@ -112,7 +117,8 @@ class Engine:
         model = LlamaModel.from_dir(model_dir, device=device, dtype=dtype)
         spec = BaseModelSpec(name=name, num_layers=model.cfg.num_layers,
                              hidden_size=model.cfg.hidden_size, modules=model.cfg.module_shapes())
-        pool = AdapterPool(spec, settings.pool_bytes, dtype=dtype, device=device)
+        pool = AdapterPool(spec, settings.pool_bytes, dtype=dtype, device=device,
+                           max_adapters=settings.max_adapters)
         residency = AdapterResidency(pool, spec, entries, source=source,
                                      host_budget_bytes=settings.host_cache_bytes)
         return cls(settings, model=model, tokenizer=ModelTokenizer(model_dir), pool=pool,

@@ -24,6 +24,7 @@ serving while a cold load is under way. Concurrent loads of one adapter share on
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +32,22 @@ from typing import Any, Mapping, Protocol
 from urllib.parse import unquote, urlparse
 
 from gpu_agent import errors as core
-from gpu_agent.engine.errors import AdapterUnavailable, ModelNotFound
+from gpu_agent.engine.errors import AdapterUnavailable, EngineError, ModelNotFound
 
 __all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "AdapterResidency",
            "TIERS"]
 
 TIERS = ("pool", "host", "disk", "remote")
+
+log = logging.getLogger("gpu_agent.engine")
+
+
+def _unavailable(name: str, exc: BaseException) -> AdapterUnavailable:
+    """An unexpected failure while loading ``name`` (an OSError from the disk tier, a bug):
+    logged with its traceback, answered as a 503 that says what happened (never a bare 500)."""
+    log.error("loading adapter %s failed: %s: %s", name, type(exc).__name__, exc, exc_info=exc)
+    return AdapterUnavailable(f"adapter {name} could not be loaded: {type(exc).__name__}: {exc}",
+                              param="model", code="adapter_load_failed")
 
 
 @dataclass(frozen=True)
@@ -247,8 +258,35 @@ class AdapterResidency:
         return removed
 
     def pin(self, name: str) -> None:
+        """Pin a resident adapter; AdapterNotResident (nothing changed) if it is not in the
+        pool: use :meth:`ensure_pinned` to load and pin."""
+        was_pinned = name in self._user_pins
         self._user_pins.add(name)
-        self.pool.pin(name)  # AdapterNotResident: load it first (ensure_resident)
+        try:
+            self.pool.pin(name)
+        except core.AdapterNotResident:
+            if not was_pinned:
+                self._user_pins.discard(name)
+            raise
+
+    async def ensure_pinned(self, name: str) -> str:
+        """Load ``name`` and pin it in one step (no window in which another load's LRU
+        eviction can take it between the load and the pin); returns the tier it was in."""
+        self.entry(name)
+        before = self.tier(name)
+        was_pinned = name in self._user_pins
+        self._user_pins.add(name)  # first: a holder's release must not unpin it meanwhile
+        try:
+            await self._load_when_room(name, pin=True)
+        except BaseException:
+            if not was_pinned:
+                self._user_pins.discard(name)
+            raise
+        return before
+
+    def loading(self) -> set[str]:
+        """Adapters with a cold load under way."""
+        return set(self._inflight)
 
     def unpin(self, name: str) -> None:
         self._user_pins.discard(name)
@@ -303,6 +341,14 @@ class AdapterResidency:
                 await self._load_once(name, pin=True)
 
     async def _load_once(self, name: str, pin: bool = False) -> None:
+        try:
+            await self._load_from_source(name, pin)
+        except (core.AgentError, EngineError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - anything else is an internal load failure
+            raise _unavailable(name, exc) from exc
+
+    async def _load_from_source(self, name: str, pin: bool) -> None:
         path, digest = None, None
         if self.tiers.where(name) is None:  # not in host memory: the source gives a directory
             entry = self.entry(name)
@@ -317,6 +363,14 @@ class AdapterResidency:
             self._verified.add(digest)
 
     async def _to_host(self, name: str) -> None:
+        try:
+            await self._to_host_from_source(name)
+        except (core.AgentError, EngineError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _unavailable(name, exc) from exc
+
+    async def _to_host_from_source(self, name: str) -> None:
         from gpu_agent.peft import load_peft_dir
 
         entry = self.entry(name)

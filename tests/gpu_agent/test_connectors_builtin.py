@@ -80,3 +80,20 @@ def test_pool_self_eviction_drops_a_tier_without_reload_storm(fixtures, tmp_path
         finally:
             await mgr.close()
     run(main())
+
+
+def test_pinning_a_resident_adapter_pins_it_in_the_engine_pool(fixtures, tmp_path):
+    """The builtin pool evicts by itself: an agent Pin of an adapter already on the device
+    must reach the pool, or the pool's LRU takes the 'pinned' adapter (and Unpin releases it)."""
+    async def main():
+        mgr, conn = await make(fixtures, tmp_path)
+        try:
+            await mgr.ensure_resident("code-sql")
+            assert mgr.pin("code-sql") == (True, "")
+            res = conn.engine.residency
+            assert res.snapshot()["code-sql"]["pinned"] and conn.engine.pool.entry("code-sql").pinned
+            assert mgr.unpin("code-sql") == (True, "")
+            assert not conn.engine.pool.entry("code-sql").pinned
+        finally:
+            await mgr.close()
+    run(main())

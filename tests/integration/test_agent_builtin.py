@@ -91,3 +91,49 @@ def test_evict_and_pin_reach_the_engine_pool(agent):
     reply = rpc(agent, "Evict", pb.EvictRequest(adapter="fin-reports", down_to=pb.TIER_DISK))
     assert reply.evicted and reply.status.tier in (pb.TIER_HOST, pb.TIER_DISK)
     assert complete(agent, "fin-reports").headers["x-ace-adapter-tier"] != "pool"
+
+
+def pool_adapters(engine_url):
+    models = httpx.get(engine_url + "/v1/models", timeout=10).json()["data"]
+    return {m["id"] for m in models if m.get("ace_tier") == "pool"}
+
+
+def test_device_count_budget_holds_for_the_engines_own_on_demand_loads(tmp_path_factory):
+    """`--device-max-adapters 2`: requests that make the engine load adapters on demand, and
+    agent prefetches in between, never leave more than two adapters in the pool (LRU goes;
+    a pinned one stays); concurrent requests for more adapters than the budget all succeed."""
+    fixtures = fixtures_dir(tmp_path_factory)
+    work = tmp_path_factory.mktemp("agent-budget")
+    port = free_port()
+    with agent_process(fixtures / "catalog.yaml", work, "builtin",
+                       extra=["--engine-port", str(port), "--reconcile-interval-s", "0.2",
+                              "--device-max-adapters", "2"]) as proc:
+        proc.engine_url = f"http://127.0.0.1:{port}"
+        wait_http(proc.engine_url + "/health", timeout=60)
+        for name in ("code-sql", "med-triage", "fin-reports", "tr-de-en"):   # on-demand loads
+            complete(proc, name)
+            assert len(pool_adapters(proc.engine_url)) <= 2, pool_adapters(proc.engine_url)
+        assert pool_adapters(proc.engine_url) == {"fin-reports", "tr-de-en"}   # LRU went
+        assert rpc(proc, "Pin", pb.PinRequest(adapter="code-python")).ok
+        deadline = time.monotonic() + 30
+        while "code-python" not in pool_adapters(proc.engine_url):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for name in ("legal-review", "med-notes", "code-sql"):                # on demand, pin held
+            complete(proc, name)
+            pool = pool_adapters(proc.engine_url)
+            assert len(pool) <= 2 and "code-python" in pool, pool
+        rpc(proc, "Unpin", pb.PinRequest(adapter="code-python"))
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=proc.engine_url, timeout=60) as client:
+                body = {"prompt": "SELECT", "max_tokens": 4, "temperature": 0}
+                return await asyncio.gather(*(client.post("/v1/completions", json={**body, "model": m})
+                                              for m in ("code-python", "fin-risk", "tr-fr-en", "legal-contracts")))
+        assert [r.status_code for r in asyncio.run(burst())] == [200] * 4
+        assert len(pool_adapters(proc.engine_url)) <= 2
+        time.sleep(0.6)   # a few reconciles: the agent's view agrees with the pool
+        device = {n for n in pool_adapters(proc.engine_url)}
+        for name in ("code-python", "fin-risk", "tr-fr-en", "legal-contracts"):
+            tier = rpc(proc, "Status", pb.StatusRequest(adapter=name)).tier
+            assert (tier == pb.TIER_DEVICE) == (name in device), name
