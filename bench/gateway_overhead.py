@@ -88,7 +88,11 @@ def serve_upstream(port: int) -> None:
     asyncio.run(main())
 
 
-def serve_null_extproc(port: int) -> None:
+def serve_null_extproc(port: int, server: str = "aio") -> None:
+    if server == "h2":   # the same bare HTTP/2 loop as ``--server h2``, answering empty responses
+        from extproc.server import serve_h2
+        asyncio.run(serve_h2(None, f"127.0.0.1:{port}", null=True))
+        return
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -232,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; best run per side kept")
     p.add_argument("--upstream", choices=("recording", "fast"), default="recording",
                    help="which upstream both sides use (see above)")
-    p.add_argument("--server", choices=("aio", "threads"), default="aio",
-                   help="the ext_proc's gRPC server flavour")
+    p.add_argument("--server", choices=("h2", "aio", "threads"), default="h2",
+                   help="the ext_proc's gRPC server flavour (the null ext_proc uses h2 for h2, "
+                        "grpc.aio otherwise)")
     p.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     p.add_argument("--serve-null-extproc", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_upstream(a.serve_upstream)
         return 0
     if a.serve_null_extproc:
-        serve_null_extproc(a.serve_null_extproc)
+        serve_null_extproc(a.serve_null_extproc, a.server)
         return 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -263,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             up_cmd = [sys.executable, "-m", "tests.support.upstream", "--port", str(up_port)]
         xp_cmd = [sys.executable, "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
                   "--listen", f"127.0.0.1:{xp_port}", "--log-level", "WARNING", "--server", a.server]
-        null_cmd = [sys.executable, "-m", "bench.gateway_overhead", "--serve-null-extproc", str(null_port)]
+        null_cmd = [sys.executable, "-m", "bench.gateway_overhead", "--serve-null-extproc", str(null_port),
+                    "--server", a.server]
         with running(up_cmd, tmp / "upstream.log") as up_proc, \
              running(xp_cmd, tmp / "extproc.log") as xp_proc, \
              running(null_cmd, tmp / "null.log") as null_proc:

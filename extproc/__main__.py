@@ -11,7 +11,7 @@ from extproc.errors import ConfigError
 from extproc.prefetch import NullPrefetchSink
 from extproc.processor import Gateway
 from extproc.routing import choose_upstream, load_policy
-from extproc.server import serve, serve_aio
+from extproc.server import serve, serve_aio, serve_h2
 from extproc.settings import Settings
 from extproc.store import Store
 
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if settings.server == "aio":
             asyncio.run(serve_aio(gateway, settings.listen))
+        elif settings.server == "h2":
+            asyncio.run(serve_h2(gateway, settings.listen))
         else:
             serve(gateway, settings.listen, settings.workers)
     finally:

@@ -25,7 +25,8 @@ _HELP = {
     "routing_policy": "module:function choosing the upstream (default extproc.routing.choose_upstream)",
     "prefetch_queue": "bound of the out-of-band prefetch signal queue",
     "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
-    "server": "gRPC server flavour: aio (grpc.aio, one event loop) or threads (grpc thread pool)",
+    "server": "gRPC server flavour: h2 (default: gRPC on a bare asyncio HTTP/2 loop, fewest "
+              "syscalls, see docs/gateway.md), aio (grpc.aio) or threads (grpc thread pool)",
 }
 
 
@@ -39,7 +40,7 @@ class Settings:
     routing_policy: str | None = None
     prefetch_queue: int = 1024
     log_level: str = "INFO"
-    server: str = "aio"
+    server: str = "h2"
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
@@ -49,8 +50,8 @@ class Settings:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"--listen must be host:port, got {self.listen!r}")
-        if self.server not in ("aio", "threads"):
-            raise ConfigError(f"--server must be aio or threads, got {self.server!r}")
+        if self.server not in ("aio", "threads", "h2"):
+            raise ConfigError(f"--server must be aio, threads or h2, got {self.server!r}")
         if self.workers < 1 or self.prefetch_queue < 1:
             raise ConfigError("--workers and --prefetch-queue must be positive")
 
