@@ -25,8 +25,14 @@ gateway reads ``user`` there).
   gateway's Speculator, its prefetches go through the gateway's AgentLink). The
   gateway's counters come from its log (``speculation counters``) when it stops.
 
-Both runs start cold (no popularity file, so no warm set: neither run gets history the
-other lacks). The report (``bench.report``) is printed and written with a TTFT plot.
+Warm set: the baseline run starts cold (no history). Its gateway counts the requests it
+serves per adapter and the pool size it saw (``gw.popularity.json``, written when it
+stops), and the prefetch run's gateway starts with that file, as a restarted gateway
+starts with yesterday's counts: at start-up it prefetches the most requested adapters,
+up to the pool size it learned (``--no-warm-set``: start the prefetch run cold too).
+The counts come from the same trace, so they are "yesterday = today": aggregate
+popularity only, no order, no timing. The report (``bench.report``) is printed and
+written with a TTFT plot.
 """
 
 from __future__ import annotations
@@ -291,10 +297,15 @@ def run(args) -> int:
             wait_port(store_port, timeout=30, proc=store, log=work / "store.log")
             results = {}
             overhead = None
+            warm_set = None
             data = None
             for name, prefetch in (("baseline", False), ("prefetch", True)):
                 run_dir = work / name
                 run_dir.mkdir()
+                warm_file = work / "baseline" / "gw.popularity.json"
+                if prefetch and not args.no_warm_set and warm_file.exists():
+                    shutil.copy(warm_file, run_dir / "gw.popularity.json")
+                    warm_set = json.loads(warm_file.read_text())
                 rcat = run_dir / "catalog.yaml"
                 data = remote_catalog(catalog, f"http://127.0.0.1:{store_port}", rcat, names)
                 log(f"{name}: {len(requests)} requests, pool {pool} of {len(names)} adapters / {pool_mb} MiB, "
@@ -348,6 +359,7 @@ def run(args) -> int:
                 "sessions": len(sessions(requests)),
                 "replay_s": {k: extra.get("replay_s") for k, (_, extra) in results.items()},
                 "speculation": results["prefetch"][1].get("speculation"),
+                "warm_set_from": warm_set,
             },
         )
         out = Path(args.out)
@@ -377,6 +389,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/multi_lora_eval.json", help="JSON report; the TTFT plot goes next to it")
     ap.add_argument("--fixtures", default=".fixtures", help="fixtures directory (python -m gpu_agent.fixtures)")
     ap.add_argument("--speed", type=float, default=4.0, help="replay speed-up of the trace's clock")
+    ap.add_argument("--no-warm-set", action="store_true",
+                    help="start the prefetch run without the baseline gateway's popularity counts")
     ap.add_argument("--open-loop", action="store_true",
                     help="send every request at its own t (default: sessions closed-loop, think_s after each answer)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")

@@ -19,7 +19,8 @@ p99 for ``decide``) is not spent on it.
 - **Which requests**: only requests that apply an adapter (``multi_lora=prod``). With
   ``dynamic_lora_prefetch=prod`` the planner's prefetches are submitted to the sink;
   with ``shadow`` they are decided and counted (``shadow_prefetches``) but never sent;
-  ``off`` requests are not observed at all.
+  ``off`` requests are only counted (popularity for the next start's warm set; the pool
+  size is still learned from residency), never planned.
 - **Where**: one ``Speculator`` (pool model, popularity) per upstream; one transition
   model and prediction ledger for all of them (a session's steps may go to different
   hosts). A predicted adapter is offered to the host the routing policy would send it to.
@@ -78,13 +79,13 @@ def session_of(header: str | None, body: Mapping[str, Any]) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One observed request: served by ``upstream`` for ``tenant``; ``signal``: prod."""
+    """One observed request: served by ``upstream`` for ``tenant``, its prefetch ``mode``."""
 
     upstream: str
     tenant: str
     session: str | None
     adapter: str
-    signal: bool
+    mode: str  # off: counted only; shadow: planned, not sent; prod: planned and sent
 
 
 class SpeculationPlanner:
@@ -229,13 +230,10 @@ class GatewaySpeculation:
         """Hand one decided request to the planner; False when not observed or dropped."""
         if d.adapter is None or not d.applies_adapter:
             return False
-        mode = d.skills[DYNAMIC_LORA_PREFETCH]
-        if mode == OFF:
-            return False
         if len(self._pending) >= self.max_pending:
             self.dropped += 1
             return False
-        self._pending.append((d.upstream.name, tenant, session, d.adapter.name, mode == PROD))
+        self._pending.append((d.upstream.name, tenant, session, d.adapter.name, d.skills[DYNAMIC_LORA_PREFETCH]))
         return True
 
     # -- background
@@ -287,8 +285,10 @@ class GatewaySpeculation:
         residency = self._sync(now)
         self.counts[step.adapter] = self.counts.get(step.adapter, 0.0) + 1.0
         self.observed += 1
+        if step.mode == OFF:
+            return
         for signal in self.planner.step(step, self.store.snapshot, residency, now):
-            if not step.signal:
+            if step.mode != PROD:
                 self.shadow_prefetches += 1
                 log.debug("shadow: would prefetch %s on %s", signal.adapter, signal.upstream)
             elif self.sink.submit(signal):

@@ -46,7 +46,7 @@ def teach(planner, snapshot, steps, *, upstream="local-vllm", residency=Residenc
     """Run (session, adapter) steps through the planner; returns all signals and the clock."""
     out, now = [], start
     for session, adapter in steps:
-        out += planner.step(Step(upstream, "acme", session, adapter, True), snapshot, residency, now)
+        out += planner.step(Step(upstream, "acme", session, adapter, "prod"), snapshot, residency, now)
         now += 1.0
     return out, now
 
@@ -79,7 +79,7 @@ def test_planner_without_session_counts_demand_but_learns_nothing(snapshot):
     planner = SpeculationPlanner()
     for _ in range(5):
         for a in ("code-python", "acme-legal"):
-            assert planner.step(Step("local-vllm", "acme", None, a, True), snapshot, ResidencySnapshot(), 0.0) == []
+            assert planner.step(Step("local-vllm", "acme", None, a, "prod"), snapshot, ResidencySnapshot(), 0.0) == []
     assert planner.model.predict_next("acme", "code-python") == []
     assert "code-python" in planner.speculator("local-vllm").cache
 
@@ -89,8 +89,8 @@ def test_planner_never_predicts_an_adapter_the_tenant_cannot_see(snapshot):
     # another tenant's habit code-python -> globex-secret, learned from globex's traffic
     for i in range(5):
         for a in ("code-python", "globex-secret"):
-            planner.step(Step("local-vllm", "globex", f"g{i}", a, True), snapshot, ResidencySnapshot(), i)
-    got = planner.step(Step("local-vllm", "acme", "a1", "code-python", True), snapshot, ResidencySnapshot(), 9.0)
+            planner.step(Step("local-vllm", "globex", f"g{i}", a, "prod"), snapshot, ResidencySnapshot(), i)
+    got = planner.step(Step("local-vllm", "acme", "a1", "code-python", "prod"), snapshot, ResidencySnapshot(), 9.0)
     assert got == []
 
 
@@ -173,12 +173,17 @@ def test_shadow_decides_and_counts_but_signals_nothing(snapshot):
     assert sink.signals == [] and gs.counters()["shadow_prefetches"] >= 1
 
 
-def test_off_and_unapplied_requests_are_not_observed(snapshot):
-    gs = gateway_speculation(snapshot, Sink())
-    assert not gs.observe(decision(snapshot, "code-python", OFF), "acme", "s")
+def test_off_requests_are_counted_never_planned_and_unapplied_ones_ignored(snapshot):
+    sink = Sink()
+    gs = gateway_speculation(snapshot, sink)
+    feed(gs, snapshot, OFF)
+    assert gs.observe(decision(snapshot, "code-python", OFF), "acme", "new")
     assert not gs.observe(decision(snapshot, "code-python", {"multi_lora": "shadow",
                                                              "dynamic_lora_prefetch": "prod"}), "acme", "s")
-    assert gs.drain() == 0
+    assert gs.drain() == 1
+    assert sink.signals == [] and gs.counts == {"code-python": 5.0, "acme-legal": 4.0}
+    c = gs.counters()
+    assert c["predictions"] == 0 and c["shadow_prefetches"] == 0 and c["observed"] == 9
 
 
 def test_the_hand_off_is_bounded(snapshot):
