@@ -176,6 +176,26 @@ async def _load(port: int, request: bytes, concurrency: int, seconds: float) -> 
             "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e6, 4)}
 
 
+def _cpu_s(pid: int) -> float | None:
+    """user+system CPU seconds of a process (Linux /proc), None where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _listening_pid(port: int) -> int | None:
+    """The process listening on a loopback port (Envoy's; run_envoy yields only the port)."""
+    import subprocess
+    try:
+        out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True,
+                             timeout=5).stdout
+        return int(out.split("pid=", 1)[1].split(",", 1)[0])
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        return None
+
+
 def _request(body: bytes, key: str) -> bytes:
     return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
             b"authorization: Bearer " + key.encode() + b"\r\ncontent-length: "
@@ -287,15 +307,25 @@ def main(argv: list[str] | None = None) -> int:
                 best: dict[str, dict[int, dict]] = {side: {} for side in ports}
                 for side, port in ports.items():      # warm-up (connections, ext_proc threads)
                     asyncio.run(_load(port, request, 8, 1.0))
+                procs = {"envoy": {side: _listening_pid(port) for side, port in ports.items()},
+                         "upstream": up_proc.pid, "load_generator": os.getpid(),
+                         "ext_proc": {"gateway": xp_proc.pid, "null_extproc": null_proc.pid}}
+                load_before = os.getloadavg()[0]
                 for _ in range(a.rounds):
                     for c in (1, 8):
                         for side, port in ports.items():
+                            pids = {name: (p.get(side) if isinstance(p, dict) else p) for name, p in procs.items()}
+                            before = {name: _cpu_s(pid) for name, pid in pids.items() if pid}
                             r = asyncio.run(_load(port, request, c, a.seconds))
+                            r["cpu_us_per_request"] = {
+                                name: round((_cpu_s(pids[name]) - t0) / max(1, r["requests"]) * 1e6)
+                                for name, t0 in before.items() if t0 is not None}
                             prev = best[side].get(c)
                             if prev is None or ((r["p50_ms"] < prev["p50_ms"]) if c == 1
                                                 else (r["rps"] > prev["rps"])):
                                 best[side][c] = r
-    report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                                "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
                     "upstream": a.upstream, "extproc_server": a.server, "ext_proc_messages_per_request": 1,
                     "body_bytes": len(body), "seconds_per_run": a.seconds, "rounds": a.rounds}
     for side in ("envoy", "gateway", "null_extproc"):
