@@ -531,6 +531,7 @@ class H2Server:
 
     async def start(self, listen: str) -> asyncio.AbstractServer:
         host, _, port = listen.rpartition(":")
+        host = host.strip("[]")     # "[::]:50051" as grpc spells it
         loop = asyncio.get_running_loop()
         # asyncio sets TCP_NODELAY on accepted sockets
         return await loop.create_server(lambda: _H2Connection(self), host or None, int(port))
