@@ -12,8 +12,13 @@ connections.
 Concurrency 1 gives p50/p99 latency; concurrency 8 gives throughput. Runs alternate
 sides, twice, and keep each side's best run to damp noise from a shared machine.
 A third side, ``null_extproc``, is the gateway's Envoy config with an ext_proc that
-answers every message with an empty response (no parsing, no decision): the floor that
-Python gRPC alone costs, so ``ours_added_p50_ms`` is what our code adds on top of it.
+answers every message with an empty response (no parsing, no decision), on the same
+server flavour as ``--server`` (default ``h2``): the floor that a Python gRPC ext_proc alone
+costs, so ``ours_added_p50_ms`` is what our code adds on top of it.
+Every run also records each process's CPU per request (``cpu_us_per_request``: Envoy,
+ext_proc, upstream, load generator; from /proc): on 2 shared cores that, not waiting,
+sets the throughput, and ``throughput_ratio_if_ext_proc_were_free`` is the ratio the
+CPU accounting would allow with an ext_proc process that cost nothing.
 ``decision_us_*`` times ``extproc.decision.decide`` in-process for a 2 KB body;
 ``body_phase_us_*`` times the whole body message (protobuf in -> protobuf out).
 """
@@ -328,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
                     "upstream": a.upstream, "extproc_server": a.server, "ext_proc_messages_per_request": 1,
                     "body_bytes": len(body), "seconds_per_run": a.seconds, "rounds": a.rounds}
-    for side in ("envoy", "gateway", "null_extproc"):
+    sides_all = ("envoy", "gateway", "null_extproc")
+    for side in sides_all:
         c1, c8 = best[side][1], best[side][8]
         report[side] = {"rps": c8["rps"], "p50_ms": c1["p50_ms"], "p99_ms": c1["p99_ms"],
                         "c1": c1, "c8": c8}
@@ -338,6 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     report["null_extproc_added_p50_ms"] = round(report["null_extproc"]["p50_ms"] - report["envoy"]["p50_ms"], 4)
     report["ours_added_p50_ms"] = round(report["gateway"]["p50_ms"] - report["null_extproc"]["p50_ms"], 4)
     report["null_extproc_throughput_ratio"] = round(report["null_extproc"]["rps"] / report["envoy"]["rps"], 3)
+    # Where the CPU goes at c=8 (2 cores shared by every process): microseconds per request,
+    # and the throughput ratio the CPU accounting allows if the ext_proc process cost nothing
+    # (what is left is Envoy's side of the ext_proc stream, the upstream and the generator).
+    cpu8 = {side: report[side]["c8"].get("cpu_us_per_request", {}) for side in sides_all}
+    if all(cpu8.values()):
+        totals = {side: sum(v.values()) for side, v in cpu8.items()}
+        report["cpu_us_per_request_c8"] = {side: dict(v, total=totals[side]) for side, v in cpu8.items()}
+        report["envoy_ext_proc_side_us_c8"] = cpu8["null_extproc"]["envoy"] - cpu8["envoy"]["envoy"]
+        report["throughput_ratio_cpu_bound"] = round(totals["envoy"] / totals["gateway"], 3)
+        report["throughput_ratio_if_ext_proc_were_free"] = round(
+            totals["envoy"] / (totals["gateway"] - cpu8["gateway"].get("ext_proc", 0)), 3)
     report.update(decision)
     report["targets"] = {"added_p50_ms<=0.5": report["added_p50_ms"] <= 0.5,
                          "throughput_ratio>=0.5": report["throughput_ratio"] >= 0.5,
