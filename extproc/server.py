@@ -194,7 +194,7 @@ class _Call:
     def send_message(self, payload: bytes) -> None:
         if not self.headers_sent:
             self.headers_sent = True
-            self.conn.out += _frame(_HEADERS, _END_HEADERS, self.sid, _RESPONSE_HEADERS)
+            self.conn.out += _frame(_HEADERS, _END_HEADERS, self.sid, self.conn.outgoing_block(_RESPONSE_HEADERS))
         self.conn.send_data(self, b"\x00" + len(payload).to_bytes(4, "big") + payload)
 
     def finish(self, code: int, message: str = "") -> None:
@@ -282,6 +282,16 @@ class _H2Connection(asyncio.Protocol):
         self.header_block: tuple[int, int, bytearray] | None = None   # (sid, flags, block) awaiting CONTINUATION
         self.transport: asyncio.Transport | None = None
         self.going_away = False
+        self.table_size = 4096         # our HPACK encoder's table limit (empty: we never index)
+        self.table_update_due = False
+
+    def outgoing_block(self, block: bytes) -> bytes:
+        """After the peer lowers SETTINGS_HEADER_TABLE_SIZE, the first block we send carries
+        the size update RFC 7541 4.2 asks for (our table is empty whatever its size)."""
+        if self.table_update_due:
+            self.table_update_due = False
+            return _hpack_int(self.table_size, 5, 0x20) + block
+        return block
 
     # -- asyncio
     def connection_made(self, transport) -> None:
@@ -381,6 +391,9 @@ class _H2Connection(asyncio.Protocol):
                         call.window += delta
                 elif key == 0x5:
                     self.peer_max_frame = value
+                elif key == 0x1 and value < self.table_size:   # the peer shrank our HPACK table:
+                    self.table_size = value                      # the next block we send says so
+                    self.table_update_due = True
             self.out += _frame(_SETTINGS, _ACK, 0)
             self._pump_all()
         elif kind == _PING:
@@ -498,6 +511,8 @@ class _H2Connection(asyncio.Protocol):
                     return
                 call.window -= size
                 self.conn_window -= size
+            else:
+                payload = self.outgoing_block(payload)
             self.out += _frame(kind, flags, call.sid, payload)
             pending.pop(0)
         self._maybe_forget(call)
