@@ -70,14 +70,23 @@ class Speculator:
         self.model = model if model is not None else TransitionModel()
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
         self.ledger = ledger if ledger is not None else PredictionLedger()
+        self.horizon_s = settings.horizon_s
         self._decay = 1.0 / settings.horizon_s
         self._now = 0.0
+
+    def set_horizon(self, horizon_s: float) -> None:
+        """Compare use probabilities over ``horizon_s`` from now on (the gateway sets it to
+        the time sessions actually take between steps)."""
+        if horizon_s <= 0:
+            raise ValueError(f"horizon must be positive, got {horizon_s}")
+        self.horizon_s = horizon_s
+        self._decay = 1.0 / horizon_s
 
     def score(self, key: Hashable, entry: Entry) -> float:
         """Use probability within the horizon: decayed popularity or a pending prediction."""
         now = self._now
         pending = entry.score * math.exp(-(now - entry.scored_at) * self._decay) if entry.score else 0.0
-        return victim_score(self.popularity.rate(key, now), self.settings.horizon_s, pending)
+        return victim_score(self.popularity.rate(key, now), self.horizon_s, pending)
 
     def demand(self, adapter: Hashable, now: float, *, load: LoadFn = _now_load,
                engine_at: float | None = None) -> float:
@@ -145,7 +154,7 @@ class Speculator:
                 if victim is None:
                     return None
                 v = self.score(victim, cache.get(victim))
-            c = candidate_score(p, self.popularity.rate(adapter, now), self.settings.horizon_s)
+            c = candidate_score(p, self.popularity.rate(adapter, now), self.horizon_s)
             if not should_speculate(c, v, min_score=self.settings.min_p):
                 return None
             if victim is not None:

@@ -95,3 +95,16 @@ def test_sync_follows_the_agents_view():
     assert set(spec.cache) == {"a", "c", "loading"}  # b's slot went to c; the load in flight stays
     spec.sync({"a", "c"}, now=6.0)  # loading is done but not in the pool: dropped
     assert set(spec.cache) == {"a", "c"}
+
+
+def test_a_shorter_horizon_tells_hot_from_lukewarm():
+    import pytest
+    spec = Speculator(capacity=4)
+    for i in range(20):                     # "warm" asked every 2 s for 40 s
+        spec.demand("warm", 2.0 * i)
+    entry = spec.cache.get("warm")
+    long = spec.score("warm", entry)
+    spec.set_horizon(0.5)
+    assert spec.score("warm", entry) < long  # within half a second it is far less certain
+    with pytest.raises(ValueError):
+        spec.set_horizon(0)

@@ -113,6 +113,19 @@ def test_route_by_policy_adapts_the_gateway_seam(snapshot):
     assert seen == ["acme-legal"]
 
 
+def test_horizon_follows_the_sessions_pace(snapshot):
+    planner = SpeculationPlanner()
+    assert planner.speculator("local-vllm").horizon_s == 10.0
+    now = 0.0
+    for i in range(40):          # 40 sessions, 2 steps 0.5 s apart
+        planner.step(Step("local-vllm", "acme", f"s{i}", "code-python", "prod"), snapshot, ResidencySnapshot(), now)
+        planner.step(Step("local-vllm", "acme", f"s{i}", "acme-legal", "prod"), snapshot, ResidencySnapshot(), now + 0.5)
+        now += 3.0
+    assert planner.horizon_s == 1.0 and planner.speculator("local-vllm").horizon_s == 1.0
+    assert planner.speculator("other").horizon_s == 1.0
+    assert planner.counters()["horizon_ms"] == 1000
+
+
 def test_sync_learns_the_pool_size_and_drops_what_the_engine_evicted():
     planner = SpeculationPlanner(initial_slots=2)
     planner.sync(pool("u", "a", "b", "c"), 0.0)
