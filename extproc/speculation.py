@@ -24,10 +24,11 @@ p99 for ``decide``) is not spent on it.
 - **Where**: one ``Speculator`` (pool model, popularity) per upstream; one transition
   model and prediction ledger for all of them (a session's steps may go to different
   hosts). A predicted adapter is offered to the host the routing policy would send it to.
-- **Horizon**: the bound compares use probabilities over a horizon; the planner sets it
-  to twice the median gap between a session's consecutive steps as observed (last 256
-  gaps, clamped to 0.25-60 s; the settings' 10 s until 32 gaps are seen), so "likely to
-  be used soon" means "before the sessions' next steps", whatever the traffic's pace.
+- **Horizon**: the bound compares use probabilities over a horizon; one shared
+  ``StepPace`` sets it to twice the median gap between a session's consecutive steps as
+  observed (last 256 gaps, clamped to 0.25-60 s; the settings' 10 s until 32 gaps are
+  seen), so "likely to be used soon" means "before the sessions' next steps", whatever
+  the traffic's pace. The simulator's ``speculative`` policy runs the same rule.
 - **Pool model**: synced from the residency snapshot (the adapters in ``pool``) whenever
   the snapshot changes; its capacity is learned as the most adapters seen in one pool
   (the agents do not publish the pool's size).
@@ -42,13 +43,13 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from extproc.decision import Decision
-from extproc.policy.prediction import PredictionLedger, TransitionModel
+from extproc.policy.prediction import PredictionLedger, StepPace, TransitionModel
 from extproc.policy.speculate import SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.prefetch import PrefetchSignal, PrefetchSink
@@ -108,17 +109,14 @@ class SpeculationPlanner:
         self.ledger = PredictionLedger()
         self.speculators: dict[str, Speculator] = {}
         self._slots = dict(slots or {})
-        self.horizon_s = settings.horizon_s
-        self._step_at: OrderedDict[tuple[str, str], float] = OrderedDict()
-        self._gaps: deque[float] = deque(maxlen=256)
-        self._new_gaps = 0
+        self.pace = StepPace(settings.horizon_s)
 
     def speculator(self, upstream: str) -> Speculator:
         spec = self.speculators.get(upstream)
         if spec is None:
             spec = Speculator(max(self.initial_slots, self._slots.get(upstream, 0)), self.settings,
-                              model=self.model, ledger=self.ledger)
-            spec.set_horizon(self.horizon_s)
+                              model=self.model, ledger=self.ledger, pace=self.pace)
+            spec.set_horizon(self.pace.horizon_s)
             self.speculators[upstream] = spec
         return spec
 
@@ -134,8 +132,11 @@ class SpeculationPlanner:
         spec.demand(step.adapter, now)
         if step.session is None:
             return []
-        self._gap(step.tenant, step.session, now)
-        predicted = spec.learn(step.tenant, step.session, step.adapter)
+        predicted = spec.learn(step.tenant, step.session, step.adapter, now)
+        if self.settings.adaptive_horizon:
+            for other in self.speculators.values():
+                if other.horizon_s != self.pace.horizon_s:
+                    other.set_horizon(self.pace.horizon_s)
         grace = self.load_grace_s
         out: list[PrefetchSignal] = []
         for name, p in predicted:
@@ -154,25 +155,6 @@ class SpeculationPlanner:
         self.ledger.record(step.tenant, step.session, tuple(b for b, _ in predicted if b != step.adapter))
         return out
 
-    def _gap(self, tenant: str, session: str, now: float) -> None:
-        """Record the time since the session's previous step; every 32 gaps, set the horizon
-        to twice their median (last 256)."""
-        key = (tenant, session)
-        last = self._step_at.pop(key, None)
-        self._step_at[key] = now
-        if len(self._step_at) > 100_000:
-            self._step_at.popitem(last=False)
-        if last is None:
-            return
-        self._gaps.append(now - last)
-        self._new_gaps += 1
-        if self._new_gaps >= 32:
-            self._new_gaps = 0
-            gaps = sorted(self._gaps)
-            self.horizon_s = min(60.0, max(0.25, 2.0 * gaps[len(gaps) // 2]))
-            for spec in self.speculators.values():
-                spec.set_horizon(self.horizon_s)
-
     def slots(self) -> dict[str, int]:
         """Learned pool capacity per upstream (persisted for the next start's warm set)."""
         return {u: s.cache.capacity for u, s in self.speculators.items()}
@@ -185,7 +167,7 @@ class SpeculationPlanner:
                     total[k] = total.get(k, 0) + v
         st = self.ledger.stats
         total.update(predictions=st.predictions, predictions_used=st.used, predictions_wasted=st.wasted,
-                     horizon_ms=round(1000 * self.horizon_s))
+                     horizon_ms=round(1000 * self.pace.horizon_s))
         return total
 
 

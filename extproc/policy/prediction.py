@@ -21,12 +21,13 @@ it) or wasted (it asked for something else, or never came back).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Hashable
 
 __all__ = [
     "DecayedPopularity",
+    "StepPace",
     "PredictionLedger",
     "TransitionModel",
     "candidate_score",
@@ -65,6 +66,41 @@ def should_speculate(candidate_score: float, victim_score: float, *, min_score: 
     is already resident.
     """
     return candidate_score >= min_score and candidate_score > victim_score
+
+
+class StepPace:
+    """How long sessions take between steps: the horizon "soon" should mean.
+
+    ``observe(tenant, session, now)`` records the gap since the session's previous step;
+    every ``every`` gaps, ``horizon_s`` becomes ``factor`` times the median of the last
+    ``window`` gaps, clamped to [``lo``, ``hi``]. Until then it is ``initial_s``. Bounded:
+    ``max_sessions`` last-step times (LRU)."""
+
+    def __init__(self, initial_s: float = 10.0, *, factor: float = 2.0, window: int = 256, every: int = 32,
+                 lo: float = 0.25, hi: float = 60.0, max_sessions: int = 200_000) -> None:
+        self.horizon_s = initial_s
+        self.factor, self.every, self.lo, self.hi, self.max_sessions = factor, every, lo, hi, max_sessions
+        self._at: OrderedDict[tuple[Hashable, Hashable], float] = OrderedDict()
+        self._gaps: deque[float] = deque(maxlen=window)
+        self._new = 0
+
+    def observe(self, tenant: Hashable, session: Hashable, now: float) -> bool:
+        """Record a step; True when ``horizon_s`` was recomputed."""
+        key = (tenant, session)
+        last = self._at.pop(key, None)
+        self._at[key] = now
+        if len(self._at) > self.max_sessions:
+            self._at.popitem(last=False)
+        if last is None:
+            return False
+        self._gaps.append(now - last)
+        self._new += 1
+        if self._new < self.every:
+            return False
+        self._new = 0
+        gaps = sorted(self._gaps)
+        self.horizon_s = min(self.hi, max(self.lo, self.factor * gaps[len(gaps) // 2]))
+        return True
 
 
 class DecayedPopularity:

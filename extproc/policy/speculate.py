@@ -29,6 +29,7 @@ from extproc.policy.cache import AdapterCache, Entry
 from extproc.policy.prediction import (
     DecayedPopularity,
     PredictionLedger,
+    StepPace,
     TransitionModel,
     candidate_score,
     should_speculate,
@@ -47,6 +48,7 @@ class SpeculationSettings:
     horizon_s: float = 10.0  # horizon of the use probabilities compared by should_speculate
     half_life_s: float = 600.0  # popularity half-life
     window: int = 16  # eviction looks at this many least recently used entries (1 = LRU)
+    adaptive_horizon: bool = True  # horizon_s follows the sessions' pace (StepPace); False: fixed
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,17 @@ def _now_load(adapter: Hashable, now: float) -> float:
 
 class Speculator:
     def __init__(self, capacity: int, settings: SpeculationSettings = SpeculationSettings(), *,
-                 model: TransitionModel | None = None, ledger: PredictionLedger | None = None) -> None:
-        """``model`` / ``ledger``: shared between the Speculators of several hosts (the
-        gateway: a session's steps may be served by different hosts); own ones by default."""
+                 model: TransitionModel | None = None, ledger: PredictionLedger | None = None,
+                 pace: StepPace | None = None) -> None:
+        """``model`` / ``ledger`` / ``pace``: shared between the Speculators of several hosts
+        (the gateway: a session's steps may be served by different hosts); own ones by
+        default. ``pace`` is used only with ``settings.adaptive_horizon``."""
         self.settings = settings
         self.cache = AdapterCache(capacity)
         self.model = model if model is not None else TransitionModel()
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
         self.ledger = ledger if ledger is not None else PredictionLedger()
+        self.pace = pace if pace is not None else StepPace(settings.horizon_s)
         self.horizon_s = settings.horizon_s
         self._decay = 1.0 / settings.horizon_s
         self._now = 0.0
@@ -108,9 +113,16 @@ class Speculator:
         self.popularity.hit(adapter, now)
         return ready_at
 
-    def learn(self, tenant: Hashable, session: Hashable, adapter: Hashable) -> list[tuple[Hashable, float]]:
-        """Learn the step ``adapter`` of (tenant, session); settle the session's pending
-        predictions; return the next adapters worth considering (probability >= ``min_p``)."""
+    def learn(self, tenant: Hashable, session: Hashable, adapter: Hashable,
+              now: float | None = None) -> list[tuple[Hashable, float]]:
+        """Learn the step ``adapter`` of (tenant, session) seen at ``now``; settle the
+        session's pending predictions; return the next adapters worth considering
+        (probability >= ``min_p``). With ``adaptive_horizon`` the step also times the
+        session's pace and the horizon follows it."""
+        if now is not None and self.settings.adaptive_horizon:
+            self.pace.observe(tenant, session, now)
+            if self.pace.horizon_s != self.horizon_s:
+                self.set_horizon(self.pace.horizon_s)
         self.ledger.resolve(tenant, session, adapter)
         self.model.observe(tenant, session, adapter)
         st = self.settings
@@ -123,7 +135,7 @@ class Speculator:
         ``may_load=False`` (the load path is busy) still learns and notes predictions on
         resident adapters, but starts no load.
         """
-        predicted = self.learn(tenant, session, adapter)
+        predicted = self.learn(tenant, session, adapter, now)
         out: list[Prefetch] = []
         for b, p in predicted:
             got = self.offer(b, p, now, load=load, may_load=may_load, in_use=adapter)

@@ -94,3 +94,14 @@ def test_decayed_popularity():
     assert pop.top(1, 10.0) == ["hot"]
     assert pop.rate("hot", 20.0) == pytest.approx(pop.rate("hot", 10.0) / 2)
     assert pop.rate("never", 0.0) == 0.0
+
+
+def test_step_pace_sets_the_horizon_from_the_median_gap():
+    from extproc.policy.prediction import StepPace
+    pace = StepPace(10.0, every=4, window=8)
+    assert not pace.observe("t", "s1", 0.0)          # a first step has no gap
+    changed = [pace.observe("t", "s1", 0.5 * (i + 1)) for i in range(4)]
+    assert changed == [False, False, False, True] and pace.horizon_s == 1.0
+    for i in range(5):
+        pace.observe("t", "s2", 1000.0 * i)          # very slow sessions: clamped
+    assert pace.horizon_s == 60.0

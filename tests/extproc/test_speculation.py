@@ -121,7 +121,7 @@ def test_horizon_follows_the_sessions_pace(snapshot):
         planner.step(Step("local-vllm", "acme", f"s{i}", "code-python", "prod"), snapshot, ResidencySnapshot(), now)
         planner.step(Step("local-vllm", "acme", f"s{i}", "acme-legal", "prod"), snapshot, ResidencySnapshot(), now + 0.5)
         now += 3.0
-    assert planner.horizon_s == 1.0 and planner.speculator("local-vllm").horizon_s == 1.0
+    assert planner.pace.horizon_s == 1.0 and planner.speculator("local-vllm").horizon_s == 1.0
     assert planner.speculator("other").horizon_s == 1.0
     assert planner.counters()["horizon_ms"] == 1000
 
