@@ -7,7 +7,10 @@ from envoy.type.v3 import http_status_pb2
 
 from extproc.processor import Continue, Outcome, Reply, RequestHead
 
-__all__ = ["request_head", "head_from_attributes", "to_response", "pb", "METADATA_NAMESPACE"]
+__all__ = ["request_head", "head_from_attributes", "to_response", "pb", "METADATA_NAMESPACE", "SERVICE"]
+
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"   # the gRPC service name
+NO_PHASE = "ProcessingRequest without a request phase"    # INVALID_ARGUMENT, every server flavour
 
 METADATA_NAMESPACE = "ace"
 _ATTRS = "envoy.filters.http.ext_proc"

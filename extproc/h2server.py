@@ -1,0 +1,440 @@
+"""``--server h2``: gRPC (ext_proc + health) on a bare asyncio HTTP/2 loop.
+
+Why: on this kind of VM every syscall and thread wake-up is expensive. grpc.aio spends
+~50 syscalls and several thread hand-offs (C-core poller thread <-> event loop) per
+ext_proc stream; the loop below does one recv and one send per message on a single
+asyncio protocol, and calls the same Exchange. It speaks just the HTTP/2 + gRPC that
+Envoy's and grpc's clients use: h2c with prior knowledge, no compression, no server push.
+A peer that breaks the protocol gets GOAWAY and loses its connection, nothing else.
+Numbers and limits: docs/gateway.md ("Speed").
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import signal
+
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
+from hpack import Decoder, HPACKError
+
+from extproc.h2calls import (INTERNAL, RESOURCE_EXHAUSTED, UNIMPLEMENTED, Call, HealthCheckCall,
+                             NullProcessCall, ProcessCall, UnknownCall)
+from extproc.h2frames import (ACK, COMPRESSION_ERROR, CONT, DATA, END_HEADERS, END_STREAM,
+                              FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS,
+                              INTERNAL_ERROR, MAX_FRAME, MAX_WINDOW, PADDED, PING, PREFACE,
+                              PRIO_FLAG, PROTOCOL_ERROR, PUSH, REFUSED_STREAM, RST, SETTINGS,
+                              STREAM_CLOSED, WINDOW, ProtocolError, frame, hpack_int)
+from extproc.processor import Gateway
+from extproc.wire import SERVICE
+
+__all__ = ["H2Server", "serve_h2", "MAX_MESSAGE"]
+
+log = logging.getLogger(__name__)
+
+RECV_WINDOW = 1 << 30          # what we let a peer send before a WINDOW_UPDATE
+MAX_MESSAGE = 64 << 20         # one gRPC message (Envoy's buffer is max_body_bytes + 64 KiB)
+MAX_HEADER_BLOCK = 256 << 10   # HEADERS + CONTINUATION bytes of one block
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_PROCESS_PATH = f"/{SERVICE}/Process"
+
+
+def _unpad(payload: bytes) -> bytes:
+    if not payload or payload[0] >= len(payload):
+        raise ProtocolError(PROTOCOL_ERROR, "padding longer than the frame")
+    return payload[1:len(payload) - payload[0]]
+
+
+class H2Connection(asyncio.Protocol):
+    def __init__(self, server: "H2Server") -> None:
+        self.server, self.gateway = server, server.gateway
+        self.decoder = Decoder()
+        self.path_cache: dict[bytes, str] = {}
+        self.inbuf = bytearray()
+        self.out = bytearray()
+        self.calls: dict[int, Call] = {}
+        self.reset_sids: collections.deque[int] = collections.deque(maxlen=128)   # we sent RST_STREAM
+        self.preface = False
+        self.peer_initial_window = 65535
+        self.peer_max_frame = 16384
+        self.conn_window = 65535
+        self.received = 0              # DATA bytes since our last connection WINDOW_UPDATE
+        self.last_sid = 0
+        self.header_block: tuple[int, int, bytearray] | None = None   # (sid, flags, block) awaiting CONTINUATION
+        self.transport: asyncio.Transport | None = None
+        self.going_away = False
+        self.broken = False
+        self.table_size = 4096         # our HPACK encoder's table limit (empty: we never index)
+        self.table_update_due = False
+
+    def outgoing_block(self, block: bytes) -> bytes:
+        """After the peer lowers SETTINGS_HEADER_TABLE_SIZE, the first block we send carries
+        the size update RFC 7541 4.2 asks for (our table is empty whatever its size)."""
+        if self.table_update_due:
+            self.table_update_due = False
+            return hpack_int(self.table_size, 5, 0x20) + block
+        return block
+
+    # -- asyncio
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server.connections.add(self)
+        settings = ((0x4).to_bytes(2, "big") + RECV_WINDOW.to_bytes(4, "big")      # INITIAL_WINDOW_SIZE
+                    + (0x2).to_bytes(2, "big") + (0).to_bytes(4, "big"))           # ENABLE_PUSH = 0
+        transport.write(frame(SETTINGS, 0, 0, settings)
+                        + frame(WINDOW, 0, 0, (RECV_WINDOW - 65535).to_bytes(4, "big")))
+
+    def connection_lost(self, exc) -> None:
+        self.server.connections.discard(self)
+        self.calls.clear()
+        self.server.idle_check()
+
+    def data_received(self, data: bytes) -> None:
+        if self.broken:
+            return
+        buf = self.inbuf
+        buf += data
+        try:
+            if not self.preface:
+                if len(buf) < 24:
+                    if not PREFACE.startswith(bytes(buf)):
+                        raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 prior-knowledge client")
+                    return
+                if bytes(buf[:24]) != PREFACE:
+                    raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 prior-knowledge client")
+                del buf[:24]
+                self.preface = True
+            pos, n = 0, len(buf)
+            while n - pos >= 9:
+                length = int.from_bytes(buf[pos:pos + 3], "big")
+                if length > MAX_FRAME:   # refuse at once rather than buffer up to 16 MiB
+                    raise ProtocolError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                end = pos + 9 + length
+                if end > n:
+                    break
+                kind, flags = buf[pos + 3], buf[pos + 4]
+                sid = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
+                self._frame(kind, flags, sid, bytes(buf[pos + 9:end]))
+                pos = end
+            del buf[:pos]
+        except ProtocolError as exc:
+            self._abort(exc.code, str(exc))
+            return
+        except HPACKError as exc:
+            self._abort(COMPRESSION_ERROR, f"HPACK: {exc}")
+            return
+        except Exception:
+            log.exception("h2: internal error, closing the connection")
+            self._abort(INTERNAL_ERROR, "internal error")
+            return
+        self.flush()
+
+    def _abort(self, code: int, reason: str) -> None:
+        log.warning("h2: closing the connection from %s: %s",
+                    self.transport.get_extra_info("peername"), reason)
+        self.broken = True
+        self.inbuf.clear()
+        self.out += frame(GOAWAY, 0, 0, self.last_sid.to_bytes(4, "big") + code.to_bytes(4, "big"))
+        self.transport.write(bytes(self.out))
+        self.out.clear()
+        self.calls.clear()
+        self.transport.close()
+
+    def flush(self) -> None:
+        if self.out:
+            self.transport.write(bytes(self.out))
+            self.out.clear()
+        if self.going_away and not self.calls:
+            self.transport.close()
+
+    # -- frames in
+    def _frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if self.header_block is not None and (kind != CONT or sid != self.header_block[0]):
+            raise ProtocolError(PROTOCOL_ERROR, "header block interrupted")
+        if kind == DATA:
+            if sid == 0:
+                raise ProtocolError(PROTOCOL_ERROR, "DATA on stream 0")
+            self.received += len(payload)
+            if self.received > RECV_WINDOW // 2:
+                self.out += frame(WINDOW, 0, 0, self.received.to_bytes(4, "big"))
+                self.received = 0
+            call = self.calls.get(sid)
+            if call is None:    # a stream we reset or forgot: its bytes only count for the window
+                return
+            call.received += len(payload)
+            if call.received > RECV_WINDOW // 2 and not flags & END_STREAM:
+                self.out += frame(WINDOW, 0, sid, call.received.to_bytes(4, "big"))
+                call.received = 0
+            if flags & PADDED:
+                payload = _unpad(payload)
+            if payload and not call.done:
+                call.buf += payload
+                self._messages(call)
+            if flags & END_STREAM:
+                self._half_close(call)
+        elif kind == HEADERS:
+            if flags & PADDED:
+                payload = _unpad(payload)
+            if flags & PRIO_FLAG:
+                if len(payload) < 5:
+                    raise ProtocolError(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+                payload = payload[5:]
+            if flags & END_HEADERS:
+                self._headers(sid, flags, payload)
+            else:
+                self.header_block = (sid, flags, bytearray(payload))
+        elif kind == CONT:
+            if self.header_block is None:
+                raise ProtocolError(PROTOCOL_ERROR, "unexpected CONTINUATION")
+            block = self.header_block[2]
+            block.extend(payload)
+            if len(block) > MAX_HEADER_BLOCK:
+                raise ProtocolError(PROTOCOL_ERROR, "header block too large")
+            if flags & END_HEADERS:
+                first_flags = self.header_block[1]
+                self.header_block = None
+                self._headers(sid, first_flags, bytes(block))
+        elif kind == SETTINGS:
+            self._settings(flags, sid, payload)
+        elif kind == PING:
+            if len(payload) != 8 or sid:
+                raise ProtocolError(FRAME_SIZE_ERROR if len(payload) != 8 else PROTOCOL_ERROR, "bad PING")
+            if not flags & ACK:
+                self.out += frame(PING, ACK, 0, payload)
+        elif kind == WINDOW:
+            if len(payload) != 4:
+                raise ProtocolError(FRAME_SIZE_ERROR, "bad WINDOW_UPDATE")
+            inc = int.from_bytes(payload, "big") & 0x7FFFFFFF
+            if sid == 0:
+                if inc == 0:
+                    raise ProtocolError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+                self.conn_window += inc
+                if self.conn_window > MAX_WINDOW:
+                    raise ProtocolError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+                self._pump_all()
+            elif (call := self.calls.get(sid)) is not None:
+                call.window += inc
+                self._pump(call)
+        elif kind == RST:
+            if len(payload) != 4 or sid == 0:
+                raise ProtocolError(PROTOCOL_ERROR, "bad RST_STREAM")
+            self.calls.pop(sid, None)
+        elif kind == GOAWAY:
+            self.going_away = True
+        elif kind == PUSH:
+            raise ProtocolError(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+        # PRIORITY and unknown frame types are ignored
+
+    def _settings(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid:
+            raise ProtocolError(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise ProtocolError(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        if len(payload) % 6:
+            raise ProtocolError(FRAME_SIZE_ERROR, "SETTINGS length not a multiple of 6")
+        for i in range(0, len(payload), 6):
+            key = int.from_bytes(payload[i:i + 2], "big")
+            value = int.from_bytes(payload[i + 2:i + 6], "big")
+            if key == 0x4:
+                if value > MAX_WINDOW:
+                    raise ProtocolError(FLOW_CONTROL_ERROR, "INITIAL_WINDOW_SIZE over 2^31-1")
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for call in self.calls.values():
+                    call.window += delta
+            elif key == 0x5:
+                if not 16384 <= value <= 0xFFFFFF:
+                    raise ProtocolError(PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
+                self.peer_max_frame = value
+            elif key == 0x1 and value < self.table_size:   # the peer shrank our HPACK table:
+                self.table_size = value                      # the next block we send says so
+                self.table_update_due = True
+        self.out += frame(SETTINGS, ACK, 0)
+        self._pump_all()
+
+    def _headers(self, sid: int, flags: int, block: bytes) -> None:
+        if sid == 0 or sid % 2 == 0:
+            raise ProtocolError(PROTOCOL_ERROR, f"HEADERS on stream {sid}")
+        path = self._path(block)
+        call = self.calls.get(sid)
+        if call is not None:                      # trailers from a client: the end of its side
+            if not flags & END_STREAM:
+                raise ProtocolError(PROTOCOL_ERROR, "second HEADERS without END_STREAM")
+            self._half_close(call)
+            return
+        if sid <= self.last_sid:
+            if sid in self.reset_sids:            # sent before our RST_STREAM reached the peer
+                return
+            raise ProtocolError(STREAM_CLOSED, f"HEADERS on closed stream {sid}")
+        self.last_sid = sid
+        if self.going_away:
+            self.out += frame(RST, 0, sid, REFUSED_STREAM.to_bytes(4, "big"))
+            self.reset_sids.append(sid)
+            return
+        if path == _PROCESS_PATH:
+            call = self.server.process_call(self, sid)
+        elif path == _HEALTH_PREFIX + "Check":
+            call = HealthCheckCall(self, sid)
+        else:
+            call = UnknownCall(self, sid)
+            self.calls[sid] = call
+            call.closed_remote = bool(flags & END_STREAM)
+            call.finish(UNIMPLEMENTED, f"method {path} not implemented")
+            return
+        self.calls[sid] = call
+        if flags & END_STREAM:
+            self._half_close(call)
+
+    def _path(self, block: bytes) -> str:
+        """``:path`` of a header block. Every block is decoded (that keeps the HPACK table in
+        step), except one seen before that left the table unchanged: Envoy sends the same
+        bytes for every ext_proc stream (``:path`` as a Huffman literal, the rest indexed),
+        and Huffman-decoding it in Python was ~30% of a request's ext_proc time."""
+        path = self.path_cache.get(block)
+        if path is not None:
+            return path
+        table = self.decoder.header_table
+        entries = table.dynamic_entries
+        # identity of the newest entry: hpack adds a new tuple per insertion, so an insertion
+        # that evicts one and re-adds an equal header still shows as a change
+        first = entries[0] if entries else None
+        before = (len(entries), table.maxsize)
+        headers = self.decoder.decode(block)
+        path = next((v for k, v in headers if k == ":path"), "")
+        if (entries[0] if entries else None) is first and before == (len(entries), table.maxsize):
+            if len(self.path_cache) < 64:     # the table did not change: the same bytes mean the same headers
+                self.path_cache[block] = path
+        else:
+            self.path_cache.clear()           # the table changed: cached blocks may decode differently
+        return path
+
+    def _messages(self, call: Call) -> None:
+        buf = call.buf
+        while len(buf) >= 5 and not call.done:
+            size = int.from_bytes(buf[1:5], "big")
+            if size > MAX_MESSAGE:
+                call.finish(RESOURCE_EXHAUSTED, f"message of {size} bytes over the {MAX_MESSAGE} limit")
+                return
+            if len(buf) < 5 + size:
+                return
+            if buf[0]:
+                call.finish(UNIMPLEMENTED, "compressed messages are not supported")
+                return
+            data = bytes(buf[5:5 + size])
+            del buf[:5 + size]
+            try:
+                call.on_message(data)
+            except DecodeError:   # the peer's bytes, not our bug: no traceback
+                log.warning("h2: stream %d: unparseable request message", call.sid)
+                call.finish(INTERNAL, "could not parse the request message")
+            except Exception as exc:
+                log.exception("h2: call failed")
+                call.finish(INTERNAL, f"internal error: {type(exc).__name__}")
+
+    def _half_close(self, call: Call) -> None:
+        call.closed_remote = True
+        if not call.done:
+            call.on_half_close()
+        self._maybe_forget(call)
+
+    def _maybe_forget(self, call: Call) -> None:
+        if call.done and not call.pending and self.calls.get(call.sid) is call:
+            if not call.closed_remote:   # we ended first: tell the client to stop sending
+                self.out += frame(RST, 0, call.sid, b"\x00\x00\x00\x00")
+                self.reset_sids.append(call.sid)
+            del self.calls[call.sid]
+
+    # -- frames out (flow controlled)
+    def send_data(self, call: Call, data: bytes) -> None:
+        step = self.peer_max_frame
+        for i in range(0, len(data), step):
+            call.pending.append((DATA, 0, data[i:i + step]))
+        self._pump(call)
+
+    def send_trailers(self, call: Call, block: bytes) -> None:
+        call.pending.append((HEADERS, END_HEADERS | END_STREAM, block))
+        self._pump(call)
+
+    def _pump(self, call: Call) -> None:
+        pending = call.pending
+        while pending:
+            kind, flags, payload = pending[0]
+            if kind == DATA:
+                size = len(payload)
+                if size > call.window or size > self.conn_window:
+                    return
+                call.window -= size
+                self.conn_window -= size
+            else:
+                payload = self.outgoing_block(payload)
+            self.out += frame(kind, flags, call.sid, payload)
+            pending.pop(0)
+        self._maybe_forget(call)
+
+    def _pump_all(self) -> None:
+        for call in list(self.calls.values()):
+            if call.pending:
+                self._pump(call)
+
+    def go_away(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.going_away = True
+        self.out += frame(GOAWAY, 0, 0, self.last_sid.to_bytes(4, "big") + b"\x00\x00\x00\x00")
+        self.flush()
+
+
+class H2Server:
+    """ext_proc + health over the loop above; one asyncio event loop, no extra threads."""
+
+    def __init__(self, gateway: Gateway | None, null: bool = False) -> None:
+        self.gateway = gateway
+        self.process_call = NullProcessCall if null else ProcessCall
+        self.health = {name: health_pb2.HealthCheckResponse.SERVING for name in ("", SERVICE)}
+        self.connections: set[H2Connection] = set()
+        self._idle: asyncio.Event | None = None
+
+    def idle_check(self) -> None:
+        if self._idle is not None and not self.connections:
+            self._idle.set()
+
+    async def start(self, listen: str) -> asyncio.AbstractServer:
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]")     # "[::]:50051" as grpc spells it
+        loop = asyncio.get_running_loop()
+        # asyncio sets TCP_NODELAY on accepted sockets
+        return await loop.create_server(lambda: H2Connection(self), host or None, int(port))
+
+    async def shutdown(self, server: asyncio.AbstractServer, grace_s: float) -> None:
+        """NOT_SERVING, GOAWAY to every connection, wait up to ``grace_s`` for open streams."""
+        for name in self.health:
+            self.health[name] = health_pb2.HealthCheckResponse.NOT_SERVING
+        server.close()
+        self._idle = asyncio.Event()
+        for conn in list(self.connections):
+            conn.go_away()
+        self.idle_check()
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except asyncio.TimeoutError:
+            log.warning("h2: %d connection(s) still open after %.1fs, cutting them",
+                        len(self.connections), grace_s)
+        for conn in list(self.connections):
+            conn.transport.abort()   # close() would wait for a peer that does not read
+
+
+async def serve_h2(gateway: Gateway | None, listen: str, grace_s: float = 5.0, null: bool = False) -> None:
+    """``null=True``: the benchmark's do-nothing ext_proc on the same loop."""
+    h2 = H2Server(gateway, null=null)
+    server = await h2.start(listen)
+    log.info("ext_proc (h2) listening on %s", listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await h2.shutdown(server, grace_s)
+    log.info("ext_proc stopped")

@@ -1,0 +1,600 @@
+"""``--server h2`` (extproc.h2server) against grpcio's own client, and against broken peers.
+
+The server runs in-process on an ephemeral loopback port (its own event loop in a thread),
+except where the CLI matters (the grpc.aio reference, SIGTERM): there ``python -m extproc``
+runs as a subprocess. Broken peers are raw sockets that speak just enough HTTP/2 to be wrong.
+Every wait has a timeout: a hang is a failure, not a stuck suite.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import hpack
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.h2frames import (CONT, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PREFACE,
+                              SETTINGS, frame)
+from extproc.h2server import H2Server
+from extproc.processor import Gateway
+from extproc.store import Store
+from extproc.wire import NO_PHASE, SERVICE
+from tests.extproc.builders import KEYS, upstream, write_state
+from tests.support.procs import free_port, python, running, wait_port
+
+PROCESS = f"/{SERVICE}/Process"
+ALICE = f"Bearer {KEYS['alice']}"
+BOB = f"Bearer {KEYS['bob']}"
+TIMEOUT = 20
+
+
+# ---------------------------------------------------------------- fixtures
+
+class ServerThread:
+    """An ``H2Server`` on its own event loop in a daemon thread; ``stop`` drains and joins."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.h2 = H2Server(gateway)
+        self.loop = asyncio.new_event_loop()
+        self.loop_errors: list[dict] = []
+        self.loop.set_exception_handler(lambda loop, ctx: self.loop_errors.append(ctx))
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server = self.loop.run_until_complete(self.h2.start("127.0.0.1:0"))
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="h2-server", daemon=True)
+        self.thread.start()
+        assert ready.wait(10), "h2 server did not start"
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def inspect(self, fn):
+        """Run ``fn()`` on the server's loop (its state is only touched there)."""
+        async def call():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(5)
+
+    def open_streams(self) -> int:
+        return self.inspect(lambda: sum(len(c.calls) for c in self.h2.connections))
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.h2.shutdown(self.server, 1.0), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("h2")
+    return tmp, write_state(tmp, [upstream("local-vllm", "127.0.0.1:8000", "vllm", "body")],
+                            max_body_bytes=4 << 20)
+
+
+@pytest.fixture(scope="module")
+def h2(state):
+    tmp, path = state
+    store = Store(path, tmp / "h2.sqlite3")
+    srv = ServerThread(Gateway(store))
+    yield srv
+    srv.stop()
+    store.close()
+    assert not srv.loop_errors, srv.loop_errors
+
+
+@pytest.fixture(scope="module")
+def aio(state):
+    """The grpc.aio flavour through the CLI: the reference behaviour."""
+    tmp, path = state
+    port = free_port()
+    log = tmp / "aio.log"
+    cmd = [python(), "-m", "extproc", "--server", "aio", "--config", str(path),
+           "--db", str(tmp / "aio.sqlite3"), "--listen", f"127.0.0.1:{port}"]
+    with running(cmd, log) as proc:
+        wait_port(port, timeout=30, proc=proc, log=log)
+        yield f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def no_errors_logged(caplog):
+    """The server logs broken peers as warnings; an ERROR from it would be a bug of ours.
+    (The processor's own ERROR for a body without attributes is by design.)"""
+    caplog.set_level(logging.WARNING)
+    yield caplog
+    errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR
+              and r.name in ("extproc.h2server", "extproc.h2calls", "extproc.server", "asyncio")]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def channel(address: str, **options) -> grpc.Channel:
+    opts = [("grpc.use_local_subchannel_pool", 1), *options.items()]   # a connection of its own
+    return grpc.insecure_channel(address, options=opts)
+
+
+def health_check(address: str, service: str = "", timeout: float = TIMEOUT) -> int:
+    with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+
+def assert_still_serving(srv: ServerThread) -> None:
+    assert srv.thread.is_alive()
+    assert health_check(srv.address) == health_pb2.HealthCheckResponse.SERVING
+    assert process(srv.address, [body_request(chat(), authorization=ALICE)])[0].HasField("request_body")
+
+
+# ---------------------------------------------------------------- ext_proc messages
+
+def chat(content: str = "hi", **extra) -> bytes:
+    """A chat request body; without ``model`` the tenant's default adapter applies."""
+    return json.dumps({"messages": [{"role": "user", "content": content}], **extra}).encode()
+
+
+def body_request(body: bytes, path: str = "/v1/chat/completions", method: str = "POST",
+                 **headers: str) -> pb.ProcessingRequest:
+    """The one-message route: the body plus request_attributes, as Envoy sends it."""
+    msg = pb.ProcessingRequest()
+    msg.request_body.body = body
+    msg.request_body.end_of_stream = True
+    fields = msg.attributes["envoy.filters.http.ext_proc"].fields
+    fields["request.url_path"].string_value = path
+    fields["request.method"].string_value = method
+    for name, value in headers.items():
+        fields[f"request.headers['{name.replace('_', '-')}']"].string_value = value
+    return msg
+
+
+def headers_request(path: str, method: str = "POST", eos: bool = False, **headers: str) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    for name, value in {":path": path, ":method": method, **headers}.items():
+        msg.request_headers.headers.headers.add(key=name.replace("_", "-"), raw_value=value.encode())
+    msg.request_headers.end_of_stream = eos
+    return msg
+
+
+def plain_body(body: bytes) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.request_body.body = body
+    msg.request_body.end_of_stream = True
+    return msg
+
+
+def process(address: str, messages, timeout: float = TIMEOUT, **options) -> list[pb.ProcessingResponse]:
+    with channel(address, **options) as ch:
+        return list(pb_grpc.ExternalProcessorStub(ch).Process(iter(messages), timeout=timeout))
+
+
+EXCHANGES = {
+    "one-message chat, tenant default adapter": [body_request(chat(), authorization=ALICE)],
+    "one-message chat, explicit adapter": [body_request(chat(lora_name="code-python"), authorization=BOB)],
+    "headers then body": [headers_request("/v1/chat/completions", authorization=BOB,
+                                          content_length="60"),
+                          plain_body(chat(extra_body={"lora_name": "code-python"}))],
+    "invalid JSON": [body_request(b'{"model": ', authorization=ALICE)],
+    "missing key": [body_request(chat())],
+    "unknown adapter": [body_request(chat(model="globex-secret"), authorization=ALICE)],
+    "GET on chat": [headers_request("/v1/chat/completions", "GET", True, authorization=ALICE)],
+    "dev key skills": [headers_request("/api/v1/dev_key/skills", "GET", True, authorization=ALICE)],
+    "pass-through path": [headers_request("/metrics", "GET", True), plain_body(b"x")],
+    "execute, response body": [headers_request("/v1/execute", authorization=ALICE),
+                               plain_body(json.dumps({"input": {"messages": [{"role": "user", "content": "x"}]},
+                                                      "target": {"model": "code-python"}}).encode()),
+                               pb.ProcessingRequest(response_body={"body": b'{"choices": []}'})],
+}
+
+
+# ---------------------------------------------------------------- behaviour = grpc.aio's
+
+@pytest.mark.parametrize("name", list(EXCHANGES))
+def test_same_responses_as_grpc_aio(h2, aio, name):
+    ours, reference = process(h2.address, EXCHANGES[name]), process(aio, EXCHANGES[name])
+    assert len(ours) == len(EXCHANGES[name])
+    assert ours == reference
+
+
+def test_a_message_without_a_phase_is_invalid_argument(h2, aio, no_errors_logged):
+    """(Was a KeyError in wire.to_response on every flavour: a traceback and UNKNOWN/INTERNAL.)"""
+    codes = []
+    for address in (h2.address, aio):
+        with pytest.raises(grpc.RpcError) as err:
+            process(address, [pb.ProcessingRequest()])
+        codes.append((err.value.code(), err.value.details()))
+    assert codes[0] == codes[1] == (grpc.StatusCode.INVALID_ARGUMENT, NO_PHASE)
+
+
+def test_a_real_request_is_decided(h2):
+    (resp,) = process(h2.address, [body_request(chat(), authorization=ALICE)])
+    meta = resp.dynamic_metadata.fields["ace"].struct_value.fields
+    assert meta["destination"].string_value == "127.0.0.1:8000"
+    assert meta["tenant"].string_value == "acme"
+    body = json.loads(resp.request_body.response.body_mutation.body)
+    assert body["model"] == "acme-legal" and body["lora_name"] == "acme-legal"
+    (err,) = process(h2.address, [body_request(b"[]", authorization=ALICE)])
+    assert err.immediate_response.status.code == 400
+    assert json.loads(err.immediate_response.body)["error"]["code"] == "invalid_json"
+
+
+# ---------------------------------------------------------------- size and concurrency
+
+def test_large_messages_both_ways(h2, aio):
+    """~1.5 MiB in, ~1.5 MiB out: split DATA frames, and grpcio's 64 KiB windows hold our
+    answer back until it sends WINDOW_UPDATEs."""
+    big = [body_request(chat("x" * (3 << 19)), authorization=ALICE)]
+    (resp,) = process(h2.address, big)
+    out = resp.request_body.response.body_mutation.body
+    assert len(out) > 3 << 19 and json.loads(out)["lora_name"] == "acme-legal"
+    assert [resp] == process(aio, big)
+    # a small window on our side of grpcio's connection, too
+    (resp,) = process(h2.address, big, **{"grpc.http2.lookahead_bytes": 16384,
+                                          "grpc.http2.bdp_probe": 0})
+    assert resp.request_body.response.body_mutation.body == out
+
+
+def test_large_metadata_arrives_in_continuation_frames(h2):
+    with channel(h2.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        resp = stub.Check(health_pb2.HealthCheckRequest(), metadata=[("x-big", "a" * 40000)],
+                          timeout=TIMEOUT)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_many_streams_on_one_connection_and_several_connections(h2):
+    async def run(connections: int, streams: int) -> list[list[pb.ProcessingResponse]]:
+        chans = [grpc.aio.insecure_channel(h2.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                 for _ in range(connections)]
+        try:
+            async def one(ch, i):
+                call = pb_grpc.ExternalProcessorStub(ch).Process(
+                    iter([body_request(chat(f"req {i}"), authorization=ALICE)]), timeout=TIMEOUT)
+                return [r async for r in call]
+            return await asyncio.gather(*(one(chans[i % connections], i)
+                                          for i in range(connections * streams)))
+        finally:
+            for ch in chans:
+                await ch.close()
+
+    for connections, streams in ((1, 200), (4, 50)):
+        results = asyncio.run(run(connections, streams))
+        assert len(results) == connections * streams
+        for i, (resp,) in enumerate(results):
+            assert json.loads(resp.request_body.response.body_mutation.body)["messages"][0]["content"] == f"req {i}"
+    assert h2.open_streams() == 0
+
+
+# ---------------------------------------------------------------- gRPC semantics
+
+def test_health_check(h2):
+    assert health_check(h2.address) == health_pb2.HealthCheckResponse.SERVING
+    assert health_check(h2.address, SERVICE) == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        health_check(h2.address, "no.such.Service")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_unknown_method_is_unimplemented(h2):
+    with channel(h2.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            ch.unary_unary("/no.such.Service/Method")(b"", timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as err:
+            list(ch.stream_stream(f"/{SERVICE}/Nope")(iter([b"a", b"b"]), timeout=TIMEOUT))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as err:   # its name is quoted in the trailers, cut to fit a frame
+            ch.unary_unary("/no.such.Service/" + "m" * 30000)(b"", timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as err:   # Watch is not served
+            list(ch.unary_stream("/grpc.health.v1.Health/Watch")(b"", timeout=TIMEOUT))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert_still_serving(h2)
+
+
+def test_compressed_message_is_refused(h2):
+    msg = body_request(chat("y" * 4096), authorization=ALICE)
+    with pytest.raises(grpc.RpcError) as err:
+        process(h2.address, [msg], **{"grpc.default_compression_algorithm": 2})   # gzip
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "compress" in err.value.details()
+    assert_still_serving(h2)
+
+
+def test_client_cancels_a_stream_midway(h2):
+    release = threading.Event()
+
+    def messages():
+        yield headers_request("/v1/chat/completions", authorization=ALICE)
+        release.wait(TIMEOUT)   # the body never comes: the client cancels first
+
+    with channel(h2.address) as ch:
+        call = pb_grpc.ExternalProcessorStub(ch).Process(messages(), timeout=TIMEOUT)
+        first = next(call)
+        assert first.HasField("request_headers")
+        assert h2.open_streams() == 1
+        call.cancel()
+        release.set()
+        deadline = time.monotonic() + 5
+        while h2.open_streams() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert h2.open_streams() == 0
+        # the same connection goes on
+        (resp,) = pb_grpc.ExternalProcessorStub(ch).Process(
+            iter([body_request(chat(), authorization=ALICE)]), timeout=TIMEOUT)
+        assert resp.HasField("request_body")
+
+
+# ---------------------------------------------------------------- broken peers
+
+class RawPeer:
+    """A TCP client writing whatever bytes a test gives it and reading frames back."""
+
+    def __init__(self, address: str, preface: bool = True) -> None:
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.encoder = hpack.Encoder()
+        self.data = bytearray()
+        if preface:
+            self.send(PREFACE + frame(SETTINGS, 0, 0))
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def request_block(self, path: str = "/grpc.health.v1.Health/Check") -> bytes:
+        return self.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path),
+                                    (":authority", "test"), ("content-type", "application/grpc"),
+                                    ("te", "trailers")])
+
+    def frames(self) -> list[tuple[int, int, int, bytes]]:
+        out, pos, buf = [], 0, self.data
+        while len(buf) - pos >= 9:
+            length = int.from_bytes(buf[pos:pos + 3], "big")
+            if len(buf) - pos < 9 + length:
+                break
+            out.append((buf[pos + 3], buf[pos + 4], int.from_bytes(buf[pos + 5:pos + 9], "big"),
+                        bytes(buf[pos + 9:pos + 9 + length])))
+            pos += 9 + length
+        return out
+
+    def read_until(self, done, timeout: float = 5.0) -> bool:
+        """Read until ``done(frames)`` or EOF; True on EOF. A timeout fails the test."""
+        deadline = time.monotonic() + timeout
+        while not done(self.frames()):
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = self.sock.recv(65536)
+            except socket.timeout:
+                pytest.fail(f"the server neither answered nor closed in {timeout}s: {self.frames()}")
+            except ConnectionResetError:
+                return True
+            if not chunk:
+                return True
+            self.data += chunk
+        return False
+
+    def expect_closed(self, code: int | None) -> None:
+        """The server closes the connection, after GOAWAY(code) when ``code`` is given."""
+        assert self.read_until(lambda frames: False), "connection still open"
+        goaways = [int.from_bytes(p[4:8], "big") for kind, _, _, p in self.frames() if kind == GOAWAY]
+        if code is not None:
+            assert goaways and goaways[-1] == code, self.frames()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _health_request(peer: RawPeer, sid: int) -> None:
+    block = peer.request_block()
+    msg = health_pb2.HealthCheckRequest().SerializeToString()
+    peer.send(frame(HEADERS, END_HEADERS, sid, block)
+              + frame(DATA, END_STREAM, sid, b"\x00" + len(msg).to_bytes(4, "big") + msg))
+
+
+def _stream_ended(sid: int):
+    return lambda frames: any(k == HEADERS and f & END_STREAM and s == sid for k, f, s, _ in frames)
+
+
+def test_raw_peer_valid_exchange_with_continuation(h2):
+    """The raw client is right when it is right: a header block in three frames."""
+    peer = RawPeer(h2.address)
+    block = peer.request_block()
+    msg = health_pb2.HealthCheckRequest().SerializeToString()
+    peer.send(frame(HEADERS, 0, 1, block[:3]) + frame(CONT, 0, 1, block[3:7])
+              + frame(CONT, END_HEADERS, 1, block[7:])
+              + frame(DATA, END_STREAM, 1, b"\x00" + len(msg).to_bytes(4, "big") + msg))
+    assert not peer.read_until(_stream_ended(1))
+    data = [p for k, _, s, p in peer.frames() if k == DATA and s == 1]
+    assert health_pb2.HealthCheckResponse.FromString(b"".join(data)[5:]).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    peer.close()
+
+
+BROKEN = {
+    # name: (bytes after connecting, GOAWAY code expected or None for a plain close)
+    "HTTP/1.1 request": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 1),
+    "garbage": (bytes(range(256)) * 4, 1),
+    "bad preface": (b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n" + frame(SETTINGS, 0, 0), 1),
+    "oversize frame header": (PREFACE + frame(SETTINGS, 0, 0) + b"\xff\xff\xff\x00\x00\x00\x00\x00\x01", 6),
+    "HEADERS on stream 0": (PREFACE + frame(HEADERS, END_HEADERS, 0, b"\x82"), 1),
+    "HEADERS on an even stream": (PREFACE + frame(HEADERS, END_HEADERS, 2, b"\x82"), 1),
+    "HPACK garbage": (PREFACE + frame(HEADERS, END_HEADERS, 1, b"\xff\xff\xff\xff\xff\xff"), 9),
+    "interrupted header block": (PREFACE + frame(HEADERS, 0, 1, b"\x82") + frame(DATA, 0, 1, b"x"), 1),
+    "CONTINUATION out of the blue": (PREFACE + frame(CONT, END_HEADERS, 1, b"\x82"), 1),
+    "bad padding": (PREFACE + frame(HEADERS, END_HEADERS | 0x8, 1, b"\x09\x82"), 1),
+    "SETTINGS of odd length": (PREFACE + frame(SETTINGS, 0, 0, b"\x00\x04\x00"), 6),
+    "tiny MAX_FRAME_SIZE": (PREFACE + frame(SETTINGS, 0, 0, b"\x00\x05\x00\x00\x00\x01"), 1),
+    "PING of 3 bytes": (PREFACE + frame(6, 0, 0, b"abc"), 6),
+    "WINDOW_UPDATE overflow": (PREFACE + frame(8, 0, 0, b"\x7f\xff\xff\xff"), 3),
+    "PUSH_PROMISE": (PREFACE + frame(5, END_HEADERS, 1, b"\x00\x00\x00\x02\x82"), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_broken_peer_loses_its_connection_only(h2, no_errors_logged, name):
+    data, code = BROKEN[name]
+    with channel(h2.address) as bystander:   # another connection, open across the breakage
+        stub = health_pb2_grpc.HealthStub(bystander)
+        assert stub.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status == 1
+        peer = RawPeer(h2.address, preface=False)
+        peer.send(data)
+        peer.expect_closed(code)
+        peer.close()
+        assert stub.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status == 1
+    assert_still_serving(h2)
+
+
+def test_headers_on_a_closed_stream(h2, no_errors_logged):
+    peer = RawPeer(h2.address)
+    _health_request(peer, 1)
+    assert not peer.read_until(_stream_ended(1))
+    peer.send(frame(HEADERS, END_HEADERS, 1, peer.request_block()))
+    peer.expect_closed(5)   # STREAM_CLOSED
+    peer.close()
+    assert_still_serving(h2)
+
+
+def test_truncated_frame_then_eof(h2, no_errors_logged):
+    peer = RawPeer(h2.address)
+    block = peer.request_block(PROCESS)
+    peer.send(frame(HEADERS, END_HEADERS, 1, block)[:-3])   # the frame's last bytes never come
+    peer.sock.shutdown(socket.SHUT_WR)
+    peer.expect_closed(None)
+    peer.close()
+    assert_still_serving(h2)
+
+
+def test_connection_closed_mid_message(h2, no_errors_logged):
+    before = h2.inspect(lambda: set(h2.h2.connections))
+    peer = RawPeer(h2.address)
+    msg = body_request(chat("z" * 50000), authorization=ALICE).SerializeToString()
+    prefixed = b"\x00" + len(msg).to_bytes(4, "big") + msg
+    peer.send(frame(HEADERS, END_HEADERS, 1, peer.request_block(PROCESS))
+              + frame(DATA, 0, 1, prefixed[:16000]) + frame(DATA, 0, 1, prefixed[16000:30000]))
+    ours = _wait_for(lambda: h2.inspect(lambda: [c for c in h2.h2.connections
+                                                 if c not in before and c.calls]))
+    assert len(ours) == 1
+    peer.close()
+    assert _wait_for(lambda: h2.inspect(lambda: ours[0] not in h2.h2.connections))
+    assert_still_serving(h2)
+
+
+def test_random_corruption_never_breaks_the_server(h2, no_errors_logged):
+    """A valid ext_proc exchange with bytes flipped, cut or repeated: every run ends with an
+    answer or a closed connection, never an internal error or a hang."""
+    rng = random.Random(1234)
+    msg = body_request(chat(), authorization=ALICE).SerializeToString()
+    for i in range(150):
+        peer = RawPeer(h2.address, preface=False)
+        good = bytearray(PREFACE + frame(SETTINGS, 0, 0)
+                         + frame(HEADERS, END_HEADERS, 1, peer.request_block(PROCESS))
+                         + frame(DATA, END_STREAM, 1, b"\x00" + len(msg).to_bytes(4, "big") + msg))
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(len(good))
+            op = rng.random()
+            if op < 0.6:
+                good[at] = rng.randrange(256)
+            elif op < 0.8:
+                del good[at:at + rng.randint(1, 20)]
+            else:
+                good[at:at] = good[at:at + rng.randint(1, 30)]
+        peer.send(bytes(good))
+        peer.sock.shutdown(socket.SHUT_WR)
+        peer.read_until(lambda frames: False)   # EOF: the server closed its side
+        peer.close()
+    assert_still_serving(h2)
+
+
+def _wait_for(probe, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while not (value := probe()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def test_oversize_message_is_refused_without_buffering(h2, no_errors_logged):
+    peer = RawPeer(h2.address)
+    peer.send(frame(HEADERS, END_HEADERS, 1, peer.request_block(PROCESS))
+              + frame(DATA, 0, 1, b"\x00\x7f\xff\xff\xff" + b"x" * 100))
+    assert not peer.read_until(_stream_ended(1))
+    trailers = [p for k, f, s, p in peer.frames() if k == HEADERS and s == 1]
+    assert dict(hpack.Decoder().decode(trailers[-1]))["grpc-status"] == "8"   # RESOURCE_EXHAUSTED
+    peer.close()
+    assert_still_serving(h2)
+
+
+# ---------------------------------------------------------------- SIGTERM through the CLI
+
+def test_sigterm_drains_an_open_stream_and_exits_0(state, tmp_path):
+    _, path = state
+    port = free_port()
+    log = tmp_path / "h2.log"
+    cmd = [python(), "-m", "extproc", "--config", str(path), "--db", str(tmp_path / "gw.sqlite3"),
+           "--listen", f"127.0.0.1:{port}"]
+    with running(cmd, log) as proc:
+        wait_port(port, timeout=30, proc=proc, log=log)
+        address = f"127.0.0.1:{port}"
+        release = threading.Event()
+
+        def messages():
+            yield headers_request("/v1/chat/completions", authorization=ALICE)
+            assert release.wait(TIMEOUT)
+            yield plain_body(chat())
+
+        with channel(address) as ch:
+            call = pb_grpc.ExternalProcessorStub(ch).Process(messages(), timeout=TIMEOUT)
+            assert next(call).HasField("request_headers")
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert proc.poll() is None, "exited with a stream open"
+            release.set()
+            rest = list(call)
+            assert len(rest) == 1 and rest[0].request_body.response.body_mutation.body
+        assert proc.wait(timeout=10) == 0, log.read_text()
+
+
+def test_sigterm_drain_is_bounded(state, tmp_path):
+    _, path = state
+    port = free_port()
+    log = tmp_path / "h2.log"
+    cmd = [python(), "-m", "extproc", "--config", str(path), "--db", str(tmp_path / "gw.sqlite3"),
+           "--listen", f"127.0.0.1:{port}"]
+    with running(cmd, log) as proc:
+        wait_port(port, timeout=30, proc=proc, log=log)
+        release = threading.Event()
+
+        def messages():
+            yield headers_request("/v1/chat/completions", authorization=ALICE)
+            release.wait(TIMEOUT)
+
+        with channel(f"127.0.0.1:{port}") as ch:
+            call = pb_grpc.ExternalProcessorStub(ch).Process(messages(), timeout=TIMEOUT)
+            assert next(call).HasField("request_headers")
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0, log.read_text()
+            assert time.monotonic() - start < 10    # the 5 s grace, then the stream is cut
+            with pytest.raises(grpc.RpcError):
+                list(call)
+            release.set()
+
+
+def test_unparseable_message_fails_the_call_only(h2, aio, no_errors_logged):
+    with channel(h2.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(ch.stream_stream(PROCESS)(iter([b"\xff\xff\xff"]), timeout=TIMEOUT))
+    with channel(aio) as ch:
+        with pytest.raises(grpc.RpcError) as ref:
+            list(ch.stream_stream(PROCESS)(iter([b"\xff\xff\xff"]), timeout=TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.INTERNAL   # gRPC's code for it; grpc.aio says UNKNOWN
+    assert ref.value.code() == grpc.StatusCode.UNKNOWN
+    assert_still_serving(h2)
