@@ -221,7 +221,7 @@ def measure_decision(state: Path, db: Path, key: str, body: bytes, n: int = 2000
     from extproc.processor import Gateway, RequestHead
     from extproc.residency import ResidencySnapshot
     from extproc.store import Store
-    from extproc.wire import to_response
+    from extproc.wire import serialize_response
 
     store = Store(state, db)
     snap = store.snapshot
@@ -245,7 +245,7 @@ def measure_decision(state: Path, db: Path, key: str, body: bytes, n: int = 2000
         ex.on_request_headers(head)
         t0 = time.perf_counter_ns()
         msg = pb.ProcessingRequest.FromString(wire_body)
-        to_response("request_body", ex.on_request_body(msg.request_body.body)).SerializeToString()
+        serialize_response("request_body", ex.on_request_body(msg.request_body.body))   # as --server h2
         phase.append((time.perf_counter_ns() - t0) / 1e3)
     store.close()
     d50, d99 = _percentiles(dec)

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2
 
 from extproc.h2frames import HEADERS, END_HEADERS, RESPONSE_HEADERS, TRAILERS_OK, frame, status_block
 from extproc.processor import CONTINUE
-from extproc.wire import NO_PHASE, head_from_attributes, pb, request_head, to_response
+from extproc.wire import NO_PHASE, head_from_attributes, pb, request_head, serialize_response
 
 __all__ = ["Call", "ProcessCall", "NullProcessCall", "HealthCheckCall", "UnknownCall"]
 
@@ -81,7 +81,7 @@ class ProcessCall(Call):
             return
         else:
             outcome = CONTINUE
-        self.send_message(to_response(phase, outcome).SerializeToString())
+        self.send_message(serialize_response(phase, outcome))
 
 
 class NullProcessCall(Call):

@@ -98,7 +98,7 @@ class PassThrough:
 def _parse_object(body: bytes) -> dict[str, Any]:
     try:
         parsed = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:   # RecursionError: nesting deeper than json's stack
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(parsed, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")

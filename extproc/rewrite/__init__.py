@@ -4,13 +4,13 @@ One module per flavour (``vllm``, ``sglang``, ``builtin``), each with ``model_fo
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from extproc.catalog import Adapter, Upstream
 from extproc.decision import Decision
 from extproc.rewrite import builtin, sglang, vllm
+from extproc.rewrite.codec import encode
 from extproc.rewrite.hints import wire_hints
 
 __all__ = ["Rewrite", "rewrite_request", "MODEL_FOR", "encode"]
@@ -25,10 +25,6 @@ MODEL_FOR: Mapping[str, Callable[[Adapter, Upstream], str]] = {
 class Rewrite:
     body: bytes | None                            # None: forward the client's bytes untouched
     header_hints: tuple[tuple[str, str], ...] = ()   # (field, text) for ``hints: headers``
-
-
-def encode(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _header_text(value: Any) -> str:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.prefetch import PrefetchQueue, PrefetchSignal
 from extproc.processor import CONTINUE, Continue, Gateway, Reply, RequestHead
 from extproc.server import ExternalProcessor
-from extproc.wire import to_response
+from extproc.wire import serialize_response, to_response
 from tests.extproc.builders import KEYS
 
 
@@ -120,3 +121,47 @@ def test_prefetch_queue_never_blocks_and_drops_when_full():
     gate.set()
     q.close()
     assert sent
+
+
+def _rewritten(store, raw: bytes) -> Continue | Reply:
+    ex = Gateway(store).exchange()
+    ex.on_request_headers(_head("/v1/chat/completions"))
+    return ex.on_request_body(raw)
+
+
+@pytest.mark.parametrize("raw, expected", [
+    # orjson encodes these (it parses back equal)
+    (b'{"model": "code-python", "temperature": 0.00001, "n": 1, "x": "\\u00e9\\n"}', None),
+    # json encodes these: orjson would write NaN / Infinity as null, refuses big integers
+    (b'{"model": "code-python", "a": NaN, "b": -Infinity}', b'"a":NaN,"b":-Infinity'),
+    (b'{"model": "code-python", "seed": 123456789012345678901234567890}',
+     b'"seed":123456789012345678901234567890'),
+    # a lone surrogate escape stays an escape (it was a UnicodeEncodeError, a 500)
+    (b'{"model": "code-python", "s": "\\ud800"}', b'"s":"\\ud800"'),
+])
+def test_rewritten_body_keeps_every_value(store, raw, expected):
+    out = _rewritten(store, raw)
+    assert isinstance(out, Continue) and out.body is not None
+    sent = json.loads(out.body)
+    assert sent["model"] == "code-python" and sent["lora_name"] == "code-python"
+    assert repr({k: v for k, v in sent.items() if k in json.loads(raw)}) == \
+        repr({**json.loads(raw), "model": "code-python"})
+    assert b" " not in out.body.replace(b"code-python", b"")   # compact
+    if expected is not None:
+        assert expected in out.body
+
+
+def test_deeply_nested_body_is_a_400_not_a_500(store):
+    out = _rewritten(store, b'{"model": ' + b"[" * 30000 + b"]" * 30000 + b"}")
+    assert isinstance(out, Reply) and out.status == 400
+    assert json.loads(out.body)["error"]["code"] == "invalid_json"
+
+
+def test_serialized_response_equals_to_response():
+    outcomes = [CONTINUE, Reply(401, b"{}"), Continue(metadata=(("tenant", "acme"),)),
+                Continue((("content-length", "2"),), b"{}", (("destination", "1.2.3.4:5"), ("tenant", "a"))),
+                Continue((("content-length", "2"),), b"{}", (("destination", "1.2.3.4:5"), ("tenant", "b")))]
+    for phase in ("request_headers", "request_body", "response_body"):
+        for outcome in outcomes * 2:   # the second time from the metadata cache
+            fast = pb.ProcessingResponse.FromString(serialize_response(phase, outcome))
+            assert fast == to_response(phase, outcome)
