@@ -1,11 +1,14 @@
 """Request-path cost of speculation: ``decide()`` alone vs ``decide()`` + ``observe()``.
 
-    python -m bench.speculation_cost [--n 20000] [--mode thread|inline-drain]
+    python -m bench.speculation_cost [--n 20000] [--rate 0] [--mode thread|inline-drain]
 
 In-process, on the gateway's test state (tests/extproc/builders.py): every request is a
 two-step session (``user`` field). ``thread``: the speculation thread runs beside the
 timed loop (what the gateway does); ``inline-drain``: no thread, the planner is drained
-outside the timed region (the cost of the hand-off alone). Prints p50/p99 in µs.
+outside the timed region (the cost of the hand-off alone). Requests are paced at
+``--rate`` per second (the gateway serves ~1,200-1,500 req/s on this machine,
+docs/gateway.md; 0 = back to back, the worst case for the thread's GIL holds). Prints
+p50/p99 in µs.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ class _Sink:
         return True
 
 
-def measure(n: int, mode: str) -> dict[str, float]:
+def measure(n: int, mode: str, rate: float = 0.0) -> dict[str, float]:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="ace-spec-cost-"))
     store = Store(write_state(tmp, [upstream("local-vllm", "127.0.0.1:8000")]), tmp / "gw.sqlite3")
     snap = store.snapshot
@@ -39,8 +42,15 @@ def measure(n: int, mode: str) -> dict[str, float]:
     skills = {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
     res = ResidencySnapshot()
     alone, both = [], []
+    interval = 1.0 / rate if rate > 0 else 0.0
+    next_at = time.perf_counter()
     try:
         for i in range(n):
+            if interval:
+                next_at += interval
+                pause = next_at - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
             body = {"model": ("code-python", "acme-legal")[i % 2], "user": f"s{i // 2}"}
             t0 = time.perf_counter_ns()
             d = decide(snap, res, InferenceRequest(principal, body, skills))
@@ -51,8 +61,6 @@ def measure(n: int, mode: str) -> dict[str, float]:
             both.append(t2 - t0)
             if mode != "thread":
                 gs.drain()
-            elif i % 64 == 0:
-                time.sleep(0.0005)
     finally:
         gs.close()
         store.close()
@@ -68,8 +76,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.speculation_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=20000, help="requests timed")
     ap.add_argument("--mode", choices=("thread", "inline-drain"), default="thread")
+    ap.add_argument("--rate", type=float, default=0.0, help="requests per second (0: back to back)")
     args = ap.parse_args(argv)
-    for k, v in measure(args.n, args.mode).items():
+    for k, v in measure(args.n, args.mode, args.rate).items():
         print(f"{k:<22}{v:8.1f}")
     return 0
 
