@@ -218,7 +218,7 @@ def test_a_full_sink_is_counted_not_retried(snapshot):
 def test_the_thread_runs_and_stops(snapshot):
     sink = Sink()
     board = ResidencyBoard()
-    gs = GatewaySpeculation(FakeStore(snapshot), board, sink, SpeculationPlanner(initial_slots=2),
+    gs = GatewaySpeculation(FakeStore(snapshot), board, sink, SpeculationPlanner(initial_slots=2, load_grace_s=0.05),
                             poll_s=0.001).start()
     try:
         for i in range(4):
@@ -229,7 +229,7 @@ def test_the_thread_runs_and_stops(snapshot):
         while gs.counters()["observed"] < 8:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        time.sleep(2.1)  # past the in-flight grace, then the engine evicts acme-legal
+        time.sleep(0.1)  # past the in-flight grace, then the engine evicts acme-legal
         board.publish(pool("local-vllm", "code-python"))
         gs.observe(decision(snapshot, "code-python", PROD), "acme", "new")
         deadline = time.monotonic() + 5
