@@ -22,7 +22,7 @@ _HELP = {
     "db": "SQLite file for runtime changes (dev-key skills); survives restarts",
     "listen": "host:port the gRPC ext_proc + health service binds",
     "workers": "gRPC worker threads; each in-flight HTTP request holds one stream",
-    "routing_policy": "module:function choosing the upstream (default extproc.routing.choose_upstream)",
+    "routing_policy": "module:function choosing the upstream (default extproc.routing.choose_upstream with one upstream, extproc.policy.routing:route with several)",
     "prefetch_queue": "bound of the out-of-band prefetch signal queue",
     "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
     "server": "gRPC server flavour: h2 (default: gRPC on a bare asyncio HTTP/2 loop, fewest "

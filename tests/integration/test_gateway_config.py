@@ -80,3 +80,14 @@ def test_istio_envoyfilter_carries_valid_envoy_config(tmp_path):
     path = tmp_path / "istio-bootstrap.yaml"
     path.write_text(yaml.safe_dump(bootstrap))
     _ok(path)
+
+
+def test_one_message_route_sends_every_header_the_gateway_reads():
+    """On the one-message route ext_proc sees only the request_attributes Envoy sends:
+    each request header the processor reads must be listed there."""
+    from extproc.processor import SKILL_OVERRIDE_HEADER, TENANT_HEADER
+    from extproc.speculation import SESSION_HEADER
+
+    text = (ENVOY_DIR / "envoy.template.yaml").read_text()
+    for header in ("authorization", TENANT_HEADER, SKILL_OVERRIDE_HEADER, SESSION_HEADER):
+        assert f"request.headers['{header}']" in text, header
