@@ -16,6 +16,7 @@ NO_PHASE = "ProcessingRequest without a request phase"    # INVALID_ARGUMENT, ev
 METADATA_NAMESPACE = "ace"
 _ATTRS = "envoy.filters.http.ext_proc"
 _HEADER_ATTR = "request.headers['"
+_HEADER_CUT = len(_HEADER_ATTR)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY = {phase: pb.ProcessingResponse(**{phase: {}}) for phase in (
@@ -37,16 +38,14 @@ def head_from_attributes(msg: pb.ProcessingRequest) -> RequestHead | None:
     attrs = msg.attributes.get(_ATTRS)
     if attrs is None:
         return None
-    headers: dict[str, str] = {}
-    method = path = ""
-    for key, value in attrs.fields.items():
-        if key.startswith(_HEADER_ATTR):
-            headers[key[len(_HEADER_ATTR):-2]] = value.string_value
-        elif key == "request.url_path":
-            path = value.string_value
-        elif key == "request.method":
-            method = value.string_value
-    return RequestHead(method=method, path=path, headers=headers, end_of_stream=False)
+    fields = attrs.fields
+    # keys, then lookups: the upb map's items() is collections.abc's ItemsView, in Python
+    headers = {key[_HEADER_CUT:-2]: fields[key].string_value
+               for key in fields if key.startswith(_HEADER_ATTR)}
+    path, method = fields.get("request.url_path"), fields.get("request.method")
+    return RequestHead(method=method.string_value if method is not None else "",
+                       path=path.string_value if path is not None else "",
+                       headers=headers, end_of_stream=False)
 
 
 def _set_headers(mutation: pb.HeaderMutation, headers) -> None:
