@@ -25,6 +25,7 @@ preallocated per-batch index tensors that are only copied into.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -230,12 +231,19 @@ class AdapterPool:
                     ids[off: off + size] = rest[k: k + size]
                     k += size
             contiguous = False
-        free[ids] = False
+        if contiguous:
+            free[ids[0]: ids[0] + n] = False      # a slice: no fancy indexing
+        else:
+            free[ids] = False
         self._num_free -= n
         return ids, contiguous
 
     def _release(self, entry: PoolEntry) -> None:
-        self._free[entry.page_ids] = True
+        ids = entry.page_ids
+        if entry.contiguous:
+            self._free[ids[0]: ids[0] + len(ids)] = True
+        else:
+            self._free[ids] = True
         self._num_free += len(entry.page_ids)
         self._slots[entry.slot] = None
         self._free_slots.append(entry.slot)
@@ -364,7 +372,11 @@ class AdapterPool:
                 start, end = payload.matrices[0].start, payload.matrices[-1].end
                 p0 = int(ids[0])
                 dst = self.pages[p0: p0 + len(ids)].view(-1).view(torch.uint8)
-                dst.copy_(payload.buffer[start:end], non_blocking=non_blocking)
+                raw = payload.file
+                if stream is None and raw is not None and not raw.closed:
+                    _pread_into(raw.fileno(), dst, start, adapter.name)
+                else:
+                    dst.copy_(payload.buffer[start:end], non_blocking=non_blocking)
             elif contiguous:
                 p0 = int(ids[0])
                 for key, (a, b) in adapter.weights.items():
@@ -550,6 +562,54 @@ class AdapterPool:
                 raise AssertionError(f"{e.name}: page count")
         if not np.array_equal(owner == -1, self._free) or int(self._free.sum()) != self._num_free:
             raise AssertionError("free bitmap disagrees with page tables")
+
+
+# pread into the pool: parts of at least this many bytes, one per torch intra-op thread
+# (at most 4), read concurrently (os.preadv releases the GIL; the kernel copies from
+# the page cache with no page-table fill, unlike a fresh mmap).
+PREAD_PART_MIN = 4 << 20
+_readers = None
+_readers_lock = threading.Lock()
+
+
+def _reader_pool(n: int):
+    global _readers
+    with _readers_lock:
+        if _readers is None or _readers._max_workers < n:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _readers = ThreadPoolExecutor(n, thread_name_prefix="ace-pool-read")
+        return _readers
+
+
+def _pread_full(fd: int, mv: memoryview, offset: int, name: str) -> None:
+    done = 0
+    while done < len(mv):
+        got = os.preadv(fd, [mv[done:]], offset + done)
+        if got <= 0:
+            raise AdapterInvalid(f"{name}: weights file ended early (file changed after it was read?)")
+        done += got
+
+
+def _pread_into(fd: int, dst: Any, offset: int, name: str) -> None:
+    """Fill the CPU uint8 tensor ``dst`` with the file's bytes from ``offset``."""
+    import torch
+
+    mv = memoryview(dst.numpy()).cast("B")
+    n = len(mv)
+    parts = max(1, min(torch.get_num_threads(), 4, n // PREAD_PART_MIN))
+    if parts == 1:
+        _pread_full(fd, mv, offset, name)
+        return
+    step = ((n + parts - 1) // parts + 4095) & ~4095        # page-aligned parts
+    cuts = [(o, min(o + step, n)) for o in range(0, n, step)]
+    ex = _reader_pool(len(cuts) - 1)
+    futs = [ex.submit(_pread_full, fd, mv[a:b], offset + a, name) for a, b in cuts[1:]]
+    try:
+        _pread_full(fd, mv[cuts[0][0]:cuts[0][1]], offset, name)
+    finally:
+        for f in futs:
+            f.result()
 
 
 def _consecutive(run: np.ndarray) -> bool:

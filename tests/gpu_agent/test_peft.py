@@ -161,3 +161,27 @@ def test_core_modules_import_without_torch():
             "gpu_agent.pool, gpu_agent.lora_ops, gpu_agent.tiers; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_header_read_in_pieces_and_digest_still_enforced(tmp_path, monkeypatch):
+    """The header comes from pread (one read when it fits _HEAD_READ, else a second one);
+    the weights are the file's bytes either way, and a digest is still checked."""
+    import gpu_agent.peft as peft_mod
+
+    ad = make_adapter("hdr", 8, modules=("q_proj", "k_proj", "up_proj"))
+    path = write_peft_dir(tmp_path, ad)
+    digest = _sha(path)
+    for head in (16, 1 << 16):
+        monkeypatch.setattr(peft_mod, "_HEAD_READ", head)
+        peft_mod.clear_structure_cache()
+        got = load_peft_dir(path, SPEC, sha256=digest)
+        for key, (a, b) in ad.weights.items():
+            assert torch.equal(got.weights[key][0], a) and torch.equal(got.weights[key][1], b)
+    # one data byte changed: same header (structure cache hit), digest must fail
+    f = path / "adapter_model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(DigestMismatch):
+        load_peft_dir(path, SPEC, sha256=digest)
+    load_peft_dir(path, SPEC)          # without a digest the (valid) file still loads

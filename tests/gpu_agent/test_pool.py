@@ -165,3 +165,72 @@ def test_concurrent_batches_do_not_share_index_tensors():
         assert first.row_slots.tolist() == [pool.entry(n).slot for n in "aba"]
     with pool.batch(["a"]) as third:               # the shared buffers are free again
         assert third.row_slots.data_ptr() == pool._row_slots.data_ptr()
+
+
+def test_disk_load_into_scattered_pages_same_bytes(tmp_path):
+    """A file-backed adapter placed in scattered free pages holds the same bytes as the
+    one-memcpy path (contiguous) and as the in-memory adapter; releases keep the bitmap."""
+    from gpu_agent.peft import load_peft_dir
+
+    from .lora_testing import write_peft_dir
+
+    ad = make_adapter("d", 8, modules=("q_proj", "k_proj", "o_proj"))
+    loaded = load_peft_dir(write_peft_dir(tmp_path, ad), SPEC)
+    pool = AdapterPool(SPEC, 1 << 20)
+    need = pool.pages_for(loaded)
+    one = AdapterPool(SPEC, 1 << 20)
+    e1 = one.load(loaded)
+    assert e1.contiguous
+    # fill the pool with small adapters, then free every other one: no run fits `d`
+    small = []
+    i = 0
+    while pool.stats()["pages_free"] >= pool.pages_for(make_adapter("s", 1, modules=("q_proj",))):
+        pool.load(make_adapter(f"s{i}", 1, modules=("q_proj",)))
+        small.append(f"s{i}")
+        i += 1
+    for n in small[::2]:
+        pool.evict(n)
+    assert pool.stats()["pages_free"] >= need
+    e = pool.load(loaded)
+    assert not e.contiguous
+    pool.check_invariants()
+    for key, (a, b) in ad.weights.items():
+        pa, pbt = pool.matrices(e, *key)
+        qa, qbt = one.matrices(e1, *key)
+        assert torch.equal(pa, a) and torch.equal(pbt, b.t())
+        assert torch.equal(pa, qa) and torch.equal(pbt, qbt)
+    pool.evict("d")
+    one.evict("d")
+    pool.check_invariants()
+    one.check_invariants()
+    assert one.stats()["pages_free"] == one.num_pages
+
+
+@pytest.mark.parametrize("part_min, close_file", [(None, False), (4096, False), (None, True)])
+def test_pread_into_pages_same_bytes_as_mapping(tmp_path, monkeypatch, part_min, close_file):
+    """CPU one-copy loads pread the file into the page run (in parts when large); with
+    the file closed they copy from the mapping. Same bytes either way."""
+    import gpu_agent.pool as pool_mod
+    from gpu_agent.peft import load_peft_dir
+
+    from .lora_testing import write_peft_dir
+
+    if part_min is not None:
+        monkeypatch.setattr(pool_mod, "PREAD_PART_MIN", part_min)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    ad = make_adapter("d", 16, modules=("q_proj", "o_proj"))
+    loaded = load_peft_dir(write_peft_dir(tmp_path, ad), SPEC)
+    assert loaded.payload.file is not None
+    if close_file:
+        loaded.payload.file.close()
+    pool = AdapterPool(SPEC, 1 << 20)
+    pool.load(make_adapter("first", 8))
+    e = pool.load(loaded)
+    assert e.contiguous and loaded.payload.plans[(pool.row_width, pool.dtype)][2]   # one-copy path
+    for key, (a, b) in ad.weights.items():
+        pa, pbt = pool.matrices(e, *key)
+        assert torch.equal(pa, a) and torch.equal(pbt, b.t())
+    start, end = loaded.payload.matrices[0].start, loaded.payload.matrices[-1].end
+    p0 = int(e.page_ids[0])
+    got = pool.pages[p0: p0 + len(e.page_ids)].view(-1).view(torch.uint8)
+    assert torch.equal(got, loaded.payload.buffer[start:end])
