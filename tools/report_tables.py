@@ -113,6 +113,16 @@ def eval800(r: dict) -> list[str]:
         f"({100 * p['effective_hit_ratio']:.1f}%); P99 stall ≥ 10× lower with prefetch — "
         f"{_ok(r['stall_p99_reduction'] >= 10)} ({r['stall_p99_reduction']:.2f}×). Why: docs/prediction.md.",
         "",
+        "What the numbers mean: an **effective hit** is a request whose adapter was already in the "
+        "engine's pool when the engine started it, whether it stayed there or a prefetch put it "
+        "there (the engine's `x-ace-adapter-wait-ms` ≤ 1 ms); a **resident hit** is one whose adapter "
+        "was in the pool when the request arrived; the **adapter stall** is the engine's measured "
+        "wait for the adapter; **TTFT** is the client's time to the first streamed chunk through "
+        "Envoy; **cold swap** is the agent's remote → pool load and **warm swap** a host → pool copy; "
+        "**VRAM savings** compares base + pool bytes with one base model per adapter; **gateway "
+        "overhead** is the added p50 of the same request through Envoy + ext_proc vs to the engine "
+        "directly.",
+        "",
         "![TTFT distributions, prefetch off vs on](reports/multi_lora_eval.png)",
     ]
 
