@@ -15,7 +15,7 @@ from pathlib import Path
 from gpu_agent.artifacts import AdapterSpec
 from gpu_agent.errors import AgentError
 
-__all__ = ["ConnectorError", "EngineUnavailable", "EngineConnector"]
+__all__ = ["ConnectorError", "EngineUnavailable", "EngineConnector", "listed_adapters"]
 
 
 class ConnectorError(AgentError):
@@ -76,3 +76,17 @@ class EngineConnector(abc.ABC):
     def url(self) -> str | None:
         """Where requests for this engine go (None for in-process without HTTP)."""
         return None
+
+
+async def listed_adapters(client, engine: str, url: str) -> set[str]:
+    """Adapters an OpenAI-style server lists in ``GET /v1/models`` (entries with a
+    ``parent``: vLLM and SGLang both list an adapter with its base model as parent)."""
+    import httpx
+
+    try:
+        resp = await client.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise EngineUnavailable(f"{engine} {url}/v1/models: {exc!r}") from exc
+    if resp.status_code != 200:
+        raise EngineUnavailable(f"{engine} /v1/models: HTTP {resp.status_code}")
+    return {m["id"] for m in resp.json().get("data", []) if m.get("parent")}

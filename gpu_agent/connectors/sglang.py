@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from gpu_agent.artifacts import AdapterSpec
-from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
+from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable, listed_adapters
 
 __all__ = ["SGLangConnector"]
 
@@ -71,12 +71,6 @@ class SGLangConnector(EngineConnector):
         raise ConnectorError(f"SGLang unload {name}: {str(doc.get('error_message'))[:300]}")
 
     async def loaded(self) -> set[str]:
-        try:
-            resp = await self._client.get("/v1/models")
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"SGLang {self._url}/v1/models: {exc!r}") from exc
-        if resp.status_code != 200:
-            raise EngineUnavailable(f"SGLang /v1/models: HTTP {resp.status_code}")
-        listed = {m["id"] for m in resp.json().get("data", []) if m.get("parent")}
+        listed = await listed_adapters(self._client, "SGLang", self._url)
         self._known = listed
         return set(listed)

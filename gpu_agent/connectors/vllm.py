@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from gpu_agent.artifacts import AdapterSpec
-from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
+from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable, listed_adapters
 
 __all__ = ["VLLMConnector", "parse_lora_metrics"]
 
@@ -95,13 +95,7 @@ class VLLMConnector(EngineConnector):
         raise ConnectorError(f"vLLM unload {name}: HTTP {resp.status_code}: {_error_message(resp)[:300]}")
 
     async def loaded(self) -> set[str]:
-        try:
-            resp = await self._client.get("/v1/models")
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"vLLM {self._url}/v1/models: {exc!r}") from exc
-        if resp.status_code != 200:
-            raise EngineUnavailable(f"vLLM /v1/models: HTTP {resp.status_code}")
-        return {m["id"] for m in resp.json().get("data", []) if m.get("parent")}
+        return await listed_adapters(self._client, "vLLM", self._url)
 
     async def busy(self) -> set[str]:
         try:
