@@ -115,30 +115,18 @@ def state_yaml(path: Path, catalog: Path, tenants: list[str], engine: str, agent
 
 @contextlib.contextmanager
 def stack(work: Path, catalog: Path, tenants: list[str], pool_adapters: int, pool_mb: int, prefetch: bool):
-    from tests.support.envoy import run_envoy
-    from tests.support.procs import free_port, python, running, wait_http, wait_port
+    """The local stack (``tools.localstack.gateway_stack``) with the pool capped and the
+    residency-aware routing policy; yields its addresses and the tenants' keys."""
+    from tools.localstack import gateway_stack
 
-    work.mkdir(parents=True, exist_ok=True)
-    env = {"ACE_AGENT_TOKEN": TOKEN}
-    gp, mp, ep, xp = free_port(), free_port(), free_port(), free_port()
-    agent_cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", "builtin",
-                 "--engine-port", str(ep), "--grpc-port", str(gp), "--metrics-port", str(mp),
-                 "--cache-dir", str(work / "agent-cache"), "--auth", "token",
-                 "--device-max-adapters", str(pool_adapters), "--pool-mb", str(pool_mb),
-                 "--reconcile-interval-s", "0.2"]
-    with contextlib.ExitStack() as es:
-        proc = es.enter_context(running(agent_cmd, work / "agent.log", env=env))
-        wait_port(gp, timeout=120, proc=proc, log=work / "agent.log")
-        wait_http(f"http://127.0.0.1:{ep}/health", timeout=120, proc=proc, log=work / "agent.log")
-        keys = state_yaml(work / "state.yaml", catalog, tenants, f"127.0.0.1:{ep}", f"127.0.0.1:{gp}", prefetch)
-        xcmd = [python(), "-m", "extproc", "--config", str(work / "state.yaml"), "--db", str(work / "gw.sqlite3"),
-                "--listen", f"127.0.0.1:{xp}", "--routing-policy", "extproc.policy.routing:route"]
-        xproc = es.enter_context(running(xcmd, work / "extproc.log", env=env))
-        wait_port(xp, timeout=60, proc=xproc, log=work / "extproc.log")
-        port = es.enter_context(run_envoy(work, extproc=f"127.0.0.1:{xp}", default_upstream=f"127.0.0.1:{ep}",
-                                          message_timeout="5s"))
-        yield {"gateway": f"http://127.0.0.1:{port}", "engine": f"http://127.0.0.1:{ep}",
-               "agent": f"127.0.0.1:{gp}", "metrics": f"http://127.0.0.1:{mp}/metrics", "keys": keys}
+    def write_state(path: Path, engine: str, agent: str) -> dict:
+        return state_yaml(path, catalog, tenants, engine, agent, prefetch)
+
+    agent_args = ["--device-max-adapters", str(pool_adapters), "--pool-mb", str(pool_mb),
+                  "--reconcile-interval-s", "0.2"]
+    with gateway_stack(work, catalog, write_state, token=TOKEN, agent_args=agent_args,
+                       extproc_args=["--routing-policy", "extproc.policy.routing:route"]) as st:
+        yield dict(st, keys=st["state"])
 
 
 def speculation_counters(log_path: Path) -> dict | None:

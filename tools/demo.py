@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import json
 import re
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tools.localstack import REPO, free_port, python, run_envoy, running, wait_http, wait_port
+from tools.localstack import REPO, gateway_stack
 
 TOKEN = "demo-agent-token"
 KEYS = {"acme": "sk-ace-demo-acme", "medco": "sk-ace-demo-medco"}
@@ -59,33 +58,12 @@ def write_state(path: Path, catalog: Path, engine: str, agent: str) -> None:
 @contextlib.contextmanager
 def local_stack(fixtures: Path, work: Path):
     """Agent (+ builtin engine), ext_proc and Envoy; yields their addresses."""
-    work.mkdir(parents=True, exist_ok=True)
-    env = {"ACE_AGENT_TOKEN": TOKEN}
-    engine_port, grpc_port, metrics_port, xp_port = free_port(), free_port(), free_port(), free_port()
-    agent_cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(fixtures / "catalog.yaml"),
-                 "--engine", "builtin", "--engine-port", str(engine_port), "--grpc-port", str(grpc_port),
-                 "--metrics-port", str(metrics_port), "--cache-dir", str(work / "agent-cache"),
-                 "--auth", "token", "--reconcile-interval-s", "0.5",
-                 # a pool of 2 MiB holds about half of the fixtures' 3.4 MiB of adapters
-                 "--pool-mb", "2"]
-    with contextlib.ExitStack() as stack:
-        say(f"starting the GPU agent with its builtin engine (logs: {work}/agent.log)")
-        agent = stack.enter_context(running(agent_cmd, work / "agent.log", env=env))
-        wait_port(grpc_port, timeout=120, proc=agent, log=work / "agent.log")
-        wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=120, proc=agent, log=work / "agent.log")
-        write_state(work / "state.yaml", fixtures / "catalog.yaml", f"127.0.0.1:{engine_port}",
-                    f"127.0.0.1:{grpc_port}")
-        say("starting the ext_proc gateway")
-        xp_cmd = [python(), "-m", "extproc", "--config", str(work / "state.yaml"),
-                  "--db", str(work / "gateway.sqlite3"), "--listen", f"127.0.0.1:{xp_port}"]
-        xp = stack.enter_context(running(xp_cmd, work / "extproc.log", env=env))
-        wait_port(xp_port, timeout=60, proc=xp, log=work / "extproc.log")
-        say("starting Envoy")
-        port = stack.enter_context(run_envoy(work, extproc=f"127.0.0.1:{xp_port}",
-                                             default_upstream=f"127.0.0.1:{engine_port}",
-                                             message_timeout="5s"))
-        yield {"gateway": f"http://127.0.0.1:{port}", "engine": f"http://127.0.0.1:{engine_port}",
-               "agent": f"127.0.0.1:{grpc_port}", "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+    catalog = fixtures / "catalog.yaml"
+    say(f"starting the GPU agent with its builtin engine, the ext_proc gateway and Envoy (logs: {work})")
+    # a pool of 2 MiB holds about half of the fixtures' 3.4 MiB of adapters
+    with gateway_stack(work, catalog, lambda path, engine, agent: write_state(path, catalog, engine, agent),
+                       token=TOKEN, agent_args=["--reconcile-interval-s", "0.5", "--pool-mb", "2"]) as st:
+        yield st
 
 
 def trace_of(headers: httpx.Headers) -> dict[str, str]:

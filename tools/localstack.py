@@ -120,3 +120,36 @@ def run_envoy(tmp: Path, *, extproc: str, default_upstream: str, name: str = "en
     with running(cmd, log) as proc:
         wait_http(f"http://127.0.0.1:{admin}/ready", timeout=30, proc=proc, log=log)
         yield port
+
+
+@contextlib.contextmanager
+def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_args: Sequence[str] = (),
+                  extproc_args: Sequence[str] = (), message_timeout: str = "5s") -> Iterator[dict]:
+    """The local stack: the GPU agent with its builtin engine in-process, the ext_proc
+    gateway and Envoy, each on an ephemeral loopback port, stopped on exit.
+
+    ``write_state(path, engine_address, agent_address)`` writes the gateway's state
+    YAML once the agent's ports are known; what it returns is yielded as ``state``.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    env = {"ACE_AGENT_TOKEN": token}
+    engine_port, grpc_port, metrics_port, xp_port = free_port(), free_port(), free_port(), free_port()
+    agent_cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", "builtin",
+                 "--engine-port", str(engine_port), "--grpc-port", str(grpc_port),
+                 "--metrics-port", str(metrics_port), "--cache-dir", str(work / "agent-cache"),
+                 "--auth", "token", *agent_args]
+    with contextlib.ExitStack() as stack:
+        agent = stack.enter_context(running(agent_cmd, work / "agent.log", env=env))
+        wait_port(grpc_port, timeout=120, proc=agent, log=work / "agent.log")
+        wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=120, proc=agent, log=work / "agent.log")
+        state = write_state(work / "state.yaml", f"127.0.0.1:{engine_port}", f"127.0.0.1:{grpc_port}")
+        xp_cmd = [python(), "-m", "extproc", "--config", str(work / "state.yaml"),
+                  "--db", str(work / "gw.sqlite3"), "--listen", f"127.0.0.1:{xp_port}", *extproc_args]
+        xp = stack.enter_context(running(xp_cmd, work / "extproc.log", env=env))
+        wait_port(xp_port, timeout=60, proc=xp, log=work / "extproc.log")
+        port = stack.enter_context(run_envoy(work, extproc=f"127.0.0.1:{xp_port}",
+                                             default_upstream=f"127.0.0.1:{engine_port}",
+                                             message_timeout=message_timeout))
+        yield {"gateway": f"http://127.0.0.1:{port}", "engine": f"http://127.0.0.1:{engine_port}",
+               "agent": f"127.0.0.1:{grpc_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+               "state": state}
