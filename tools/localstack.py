@@ -123,6 +123,22 @@ def run_envoy(tmp: Path, *, extproc: str, default_upstream: str, name: str = "en
 
 
 @contextlib.contextmanager
+def gateway_front(work: Path, state: Path, default_upstream: str, *, env: dict[str, str] | None = None,
+                  extproc_args: Sequence[str] = (), message_timeout: str = "5s") -> Iterator[int]:
+    """The gateway in front of an engine: ``python -m extproc`` with ``state`` (log
+    ``work/extproc.log``, db ``work/gw.sqlite3``) and Envoy; yields Envoy's port."""
+    xp_port = free_port()
+    log = work / "extproc.log"
+    cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(work / "gw.sqlite3"),
+           "--listen", f"127.0.0.1:{xp_port}", *extproc_args]
+    with running(cmd, log, env=env) as proc:
+        wait_port(xp_port, timeout=60, proc=proc, log=log)
+        with run_envoy(work, extproc=f"127.0.0.1:{xp_port}", default_upstream=default_upstream,
+                       message_timeout=message_timeout) as port:
+            yield port
+
+
+@contextlib.contextmanager
 def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_args: Sequence[str] = (),
                   extproc_args: Sequence[str] = (), message_timeout: str = "5s") -> Iterator[dict]:
     """The local stack: the GPU agent with its builtin engine in-process, the ext_proc
@@ -133,7 +149,7 @@ def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_a
     """
     work.mkdir(parents=True, exist_ok=True)
     env = {"ACE_AGENT_TOKEN": token}
-    engine_port, grpc_port, metrics_port, xp_port = free_port(), free_port(), free_port(), free_port()
+    engine_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     agent_cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", "builtin",
                  "--engine-port", str(engine_port), "--grpc-port", str(grpc_port),
                  "--metrics-port", str(metrics_port), "--cache-dir", str(work / "agent-cache"),
@@ -143,13 +159,8 @@ def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_a
         wait_port(grpc_port, timeout=120, proc=agent, log=work / "agent.log")
         wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=120, proc=agent, log=work / "agent.log")
         state = write_state(work / "state.yaml", f"127.0.0.1:{engine_port}", f"127.0.0.1:{grpc_port}")
-        xp_cmd = [python(), "-m", "extproc", "--config", str(work / "state.yaml"),
-                  "--db", str(work / "gw.sqlite3"), "--listen", f"127.0.0.1:{xp_port}", *extproc_args]
-        xp = stack.enter_context(running(xp_cmd, work / "extproc.log", env=env))
-        wait_port(xp_port, timeout=60, proc=xp, log=work / "extproc.log")
-        port = stack.enter_context(run_envoy(work, extproc=f"127.0.0.1:{xp_port}",
-                                             default_upstream=f"127.0.0.1:{engine_port}",
-                                             message_timeout=message_timeout))
+        port = stack.enter_context(gateway_front(work, work / "state.yaml", f"127.0.0.1:{engine_port}", env=env,
+                                                 extproc_args=extproc_args, message_timeout=message_timeout))
         yield {"gateway": f"http://127.0.0.1:{port}", "engine": f"http://127.0.0.1:{engine_port}",
                "agent": f"127.0.0.1:{grpc_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
                "state": state}

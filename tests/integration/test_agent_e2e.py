@@ -16,9 +16,9 @@ import pytest
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.integration.test_vllm_e2e import HEADERS, trace, write_state
+from tools.localstack import gateway_front
 from tests.support.agent import AUTH, TOKEN, agent_process
-from tests.support.envoy import run_envoy
-from tests.support.procs import free_port, python, running, wait_http, wait_port
+from tests.support.procs import free_port, wait_http
 from tests.support.vllm import fixtures_dir
 
 pytest.importorskip("torch")
@@ -35,15 +35,8 @@ def stack(tmp_path_factory):
         state = write_state(tmp, fixtures / "catalog.yaml", f"127.0.0.1:{engine_port}", agent.target)
         state.write_text(state.read_text().replace("flavour: vllm", "flavour: builtin")
                          .replace("vllm-1", "builtin-1"))
-        xp_port = free_port()
-        log = tmp / "extproc.log"
-        cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
-               "--listen", f"127.0.0.1:{xp_port}"]
-        with running(cmd, log, env={"ACE_AGENT_TOKEN": TOKEN}) as proc:
-            wait_port(xp_port, timeout=30, proc=proc, log=log)
-            with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=f"127.0.0.1:{engine_port}",
-                           message_timeout="5s") as port:
-                yield {"agent": agent, "base": f"http://127.0.0.1:{port}"}
+        with gateway_front(tmp, state, f"127.0.0.1:{engine_port}", env={"ACE_AGENT_TOKEN": TOKEN}) as port:
+            yield {"agent": agent, "base": f"http://127.0.0.1:{port}"}
 
 
 def rpc(agent, method, request):

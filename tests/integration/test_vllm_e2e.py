@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import re
 import time
 
 import grpc
@@ -22,9 +21,9 @@ import yaml
 
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from tools.localstack import gateway_front
 from tests.support.agent import AUTH, TOKEN, agent_process
-from tests.support.envoy import run_envoy
-from tests.support.procs import free_port, python, running, wait_port
+from tests.support.procs import free_port
 from tests.support.vllm import BASE_MODEL, VLLMServer, fixtures_dir, vllm_python
 
 pytestmark = pytest.mark.vllm
@@ -85,15 +84,8 @@ def stack(tmp_path_factory):
     try:
         agent.start()
         state = write_state(tmp, fixtures / "catalog.yaml", f"127.0.0.1:{vllm.port}", f"127.0.0.1:{agent.port}")
-        xp_port = free_port()
-        log = tmp / "extproc.log"
-        cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
-               "--listen", f"127.0.0.1:{xp_port}"]
-        with running(cmd, log, env={"ACE_AGENT_TOKEN": TOKEN}) as proc:
-            wait_port(xp_port, timeout=30, proc=proc, log=log)
-            with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=f"127.0.0.1:{vllm.port}",
-                           message_timeout="5s") as port:
-                yield {"vllm": vllm, "agent": agent, "base": f"http://127.0.0.1:{port}", "log": log}
+        with gateway_front(tmp, state, f"127.0.0.1:{vllm.port}", env={"ACE_AGENT_TOKEN": TOKEN}) as port:
+            yield {"vllm": vllm, "agent": agent, "base": f"http://127.0.0.1:{port}", "log": tmp / "extproc.log"}
     finally:
         agent.stop()
         vllm.stop()
