@@ -56,6 +56,7 @@ class Prefetch:
     adapter: Hashable
     probability: float
     ready_at: float
+    victim: Hashable | None = None  # what the pool model evicted to make room (None: there was room)
 
 
 def _now_load(adapter: Hashable, now: float) -> float:
@@ -173,7 +174,7 @@ class Speculator:
                 cache.evict(victim)
             ready = load(adapter, now)
             cache.admit(adapter, ready, prefetched=True, score=p, scored_at=now)
-            return Prefetch(adapter, p, ready)
+            return Prefetch(adapter, p, ready, victim)
         finally:
             if current is not None:
                 current.pinned = was_pinned
