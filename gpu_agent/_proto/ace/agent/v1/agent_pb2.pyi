@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -22,16 +23,18 @@ TIER_HOST: Tier
 TIER_DEVICE: Tier
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("adapter", "digest", "priority", "reason")
+    __slots__ = ("adapter", "digest", "priority", "reason", "evict")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     digest: str
     priority: int
     reason: str
-    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., priority: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    evict: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., priority: _Optional[int] = ..., reason: _Optional[str] = ..., evict: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("outcome", "reason")
