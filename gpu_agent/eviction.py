@@ -1,16 +1,19 @@
-"""Pluggable eviction policies for :class:`gpu_agent.pool.AdapterPool`.
+"""Pluggable eviction policies for :class:`gpu_agent.pool.AdapterPool`, and the
+caller's eviction hints for the agent's device tier.
 
 A policy only orders candidates; the pool decides who may go (never an adapter that is
 pinned or in use by a running batch) and stops as soon as enough pages are free. That
-split keeps policies pure and testable with plain access sequences.
+split keeps policies pure and testable with plain access sequences. ``hinted_victims``
+is the same split for a Prefetch's ``evict`` list: it only says which named adapters
+may go, in the caller's order; the residency manager evicts them while room is needed.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Protocol
+from typing import Container, Iterable, Iterator, Protocol
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "FIFOPolicy", "make_policy"]
+__all__ = ["EvictionPolicy", "LRUPolicy", "FIFOPolicy", "make_policy", "hinted_victims"]
 
 
 class EvictionPolicy(Protocol):
@@ -65,3 +68,16 @@ def make_policy(name: str) -> EvictionPolicy:
         return _POLICIES[name.lower()]()
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(_POLICIES)}") from None
+
+
+def hinted_victims(hints: Iterable[str], loading: str, *, resident: Container[str],
+                   protected: Container[str]) -> list[str]:
+    """The hinted adapters that may be evicted to make room for ``loading``, in hint order:
+    resident, not ``protected`` (pinned, in use, being loaded), not ``loading`` itself,
+    each once. Names that match nothing are dropped (a hint is never an error)."""
+    out: list[str] = []
+    for name in hints:
+        if name == loading or name in out or name not in resident or name in protected:
+            continue
+        out.append(name)
+    return out

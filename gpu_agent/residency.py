@@ -5,7 +5,9 @@ memory) > disk (a verified local copy) > remote (only at its URL); `absent` = no
 catalog. Every tier has a budget (device: a count mirroring the engine's own cache and/or
 bytes; host and disk: bytes) and evicts least-recently-used adapters, never a pinned
 one, one being loaded, or one the engine reports busy. A budget that cannot be met
-without evicting those fails the load; nothing grows past its budget.
+without evicting those fails the load; nothing grows past its budget. A prefetch may
+name adapters to evict first (``evict``: the victim the gateway's model of this pool
+chose): when its load needs device room, those go before the LRU (``hinted_victims``).
 
 Prefetches go into a bounded priority queue (duplicates coalesce with the queued or
 running load) and are worked off by background tasks; `ensure_resident` is the same
@@ -24,16 +26,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Callable, Iterable
 
 from gpu_agent.artifacts import WEIGHTS, AdapterSpec, ArtifactStore, Catalog
-from gpu_agent.connectors.base import EngineConnector, EngineUnavailable
+from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
 from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
+from gpu_agent.eviction import hinted_victims
 from gpu_agent.metrics import AgentMetrics
 
 __all__ = ["Tier", "AdapterView", "PrefetchOutcome", "PrefetchResult", "ResidencyManager",
            "ResidencyBudgets", "Subscription"]
 
 log = logging.getLogger(__name__)
+
+MAX_EVICT_HINTS = 16  # names read from one Prefetch's evict list (the gateway sends one)
 
 
 class Tier(str, Enum):
@@ -91,6 +97,7 @@ class _State:
     loading: bool = False
     loaded_by: str = ""
     pending_reason: str = ""   # reason of the queued prefetch that will load it
+    pending_evict: tuple[str, ...] = ()  # adapters to evict first if its load needs room
 
 
 class Subscription:
@@ -201,8 +208,13 @@ class ResidencyManager:
             sub.push(view)
 
     # ---- prefetch --------------------------------------------------------------------
-    def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "") -> PrefetchResult:
-        """Decide at once; the load itself runs in the background."""
+    def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
+                 evict: Iterable[str] = ()) -> PrefetchResult:
+        """Decide at once; the load itself runs in the background.
+
+        ``evict``: adapters to evict first should the load need device room (catalog
+        names only; others are ignored). A duplicate of a still-queued prefetch replaces
+        the queued hints with its own when it has any."""
         spec = self.catalog.get(name)
         if spec is None:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_unknown")
@@ -214,7 +226,10 @@ class ResidencyManager:
             self._device.move_to_end(name)
             self.metrics.inc("ace_agent_prefetch_total", outcome="already_resident")
             return PrefetchResult(PrefetchOutcome.ALREADY_RESIDENT)
+        hints = self._known_hints(name, evict)
         if name in self._inflight or name in self._queued:
+            if hints and name not in self._inflight:
+                self._states[name].pending_evict = hints
             self.metrics.inc("ace_agent_prefetch_total", outcome="coalesced")
             return PrefetchResult(PrefetchOutcome.ACCEPTED, "coalesced")
         if len(self._queued) >= self.budgets.queue_size:
@@ -223,10 +238,19 @@ class ResidencyManager:
         heapq.heappush(self._queue, (-priority, next(self._seq), name))
         self._queued.add(name)
         self._states[name].pending_reason = reason
+        self._states[name].pending_evict = hints
         self._wakeup.set()
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
         return PrefetchResult(PrefetchOutcome.ACCEPTED)
+
+    def _known_hints(self, name: str, evict: Iterable[str]) -> tuple[str, ...]:
+        """The hinted names that are catalog adapters (looked up, never used as paths)."""
+        out: list[str] = []
+        for hint in itertools.islice(evict, MAX_EVICT_HINTS):
+            if hint != name and hint not in out and self.catalog.get(hint) is not None:
+                out.append(hint)
+        return tuple(out)
 
     async def _worker(self) -> None:
         while True:
@@ -275,6 +299,7 @@ class ResidencyManager:
 
     async def _load(self, spec: AdapterSpec, by: str) -> None:
         name = spec.name
+        hints, self._states[name].pending_evict = self._states[name].pending_evict, ()
         t0 = time.perf_counter()
         start_tier = self.view(name).tier
         self.metrics.inc("ace_agent_tier_misses_total", tier="device")
@@ -302,7 +327,7 @@ class ResidencyManager:
                 self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="read")
             async with self._device_lock:
                 if name not in self._device:
-                    await self._make_device_room(spec)
+                    await self._make_device_room(spec, hints)
                     t = time.perf_counter()
                     pinned = self._states[name].pinned
                     await self.connector.load(spec, path, pinned=pinned)
@@ -348,25 +373,19 @@ class ResidencyManager:
     def host_bytes(self, name: str) -> bytes | None:
         return self._host.get(name)
 
-    async def _make_device_room(self, spec: AdapterSpec) -> None:
+    async def _make_device_room(self, spec: AdapterSpec, hints: tuple[str, ...] = ()) -> None:
         def over() -> bool:
             count = self.device_count is not None and len(self._device) + 1 > self.device_count
             nbytes = (self.budgets.device_bytes is not None
                       and sum(self._device.values()) + spec.size_bytes > self.budgets.device_bytes)
             return count or nbytes
 
+        if hints:
+            await self._evict_hinted(spec, hints, over)
         if not over():
             return
         if self.connector.self_managed:
-            # the engine evicts by itself (builtin pool): count only what it still holds,
-            # rather than unload a live adapter to make room for one already gone
-            loaded = await self.connector.loaded()
-            gone = [n for n in self._device if n not in loaded]
-            for n in gone:
-                self._device.pop(n, None)
-                self._publish(n)
-            if gone:
-                self.metrics.inc("ace_agent_evictions_total", float(len(gone)), tier="device")
+            await self._forget_gone()
             if not over():
                 return
         busy = await self.connector.busy()
@@ -381,6 +400,44 @@ class ResidencyManager:
             self._publish(victim)
         if over():
             raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
+
+    async def _forget_gone(self) -> None:
+        """The engine evicts by itself (builtin pool): count only what it still holds,
+        rather than unload a live adapter to make room for one already gone."""
+        loaded = await self.connector.loaded()
+        gone = [n for n in self._device if n not in loaded]
+        for n in gone:
+            self._device.pop(n, None)
+            self._publish(n)
+        if gone:
+            self.metrics.inc("ace_agent_evictions_total", float(len(gone)), tier="device")
+
+    async def _evict_hinted(self, spec: AdapterSpec, hints: tuple[str, ...],
+                            over: Callable[[], bool]) -> None:
+        """Evict the caller's named adapters first, one at a time, while the load of
+        `spec` still needs room: over our budgets, or (an engine with its own pool) over
+        the engine's. What is still missing afterwards comes from the LRU, as always."""
+        protected = {n for n in hints if n in self._states and self._states[n].pinned} | set(self._inflight)
+        victims = hinted_victims(hints, spec.name, resident=self._device, protected=protected)
+        if not victims:
+            return
+        if self.connector.self_managed:
+            await self._forget_gone()
+        protected |= await self.connector.busy()
+        victims = hinted_victims(victims, spec.name, resident=self._device, protected=protected)
+        for victim in victims:
+            if not over() and not await self.connector.needs_room(spec):
+                return
+            try:
+                await self.connector.unload(victim)
+            except EngineUnavailable:
+                raise
+            except ConnectorError as exc:  # it became busy meanwhile: the next hint, or LRU
+                log.info("hinted eviction of %s for %s refused: %s", victim, spec.name, exc)
+                continue
+            self._device.pop(victim, None)
+            self.metrics.inc("ace_agent_evictions_total", tier="device", reason="hint")
+            self._publish(victim)
 
     # ---- operator actions ------------------------------------------------------------
     async def evict(self, name: str, down_to: Tier = Tier.DISK) -> tuple[bool, str]:

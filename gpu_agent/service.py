@@ -47,7 +47,8 @@ class AgentService(pb_grpc.AgentServicer):
         self.manager = manager
 
     async def Prefetch(self, request, context):
-        result = self.manager.prefetch(request.adapter, request.digest, request.priority, request.reason)
+        result = self.manager.prefetch(request.adapter, request.digest, request.priority, request.reason,
+                                       evict=request.evict)
         return pb.PrefetchReply(outcome=_OUTCOME[result.outcome], reason=result.reason)
 
     async def Status(self, request, context):

@@ -64,6 +64,12 @@ class EngineConnector(abc.ABC):
         """Adapters used by running or waiting requests (never evicted)."""
         return set()
 
+    async def needs_room(self, spec: AdapterSpec) -> bool:
+        """Loading `spec` now would make the engine evict on its own (a pool with limits of
+        its own: builtin). False where the agent's device budgets are the engine's only
+        limits (vLLM, SGLang): the agent then knows from its budgets alone."""
+        return False
+
     def in_host(self, name: str) -> bool:
         """The engine keeps its own host-memory copy of `name` (builtin)."""
         return False

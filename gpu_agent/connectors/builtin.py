@@ -8,6 +8,7 @@ is `self_managed`: an adapter that left the pool just dropped a tier.
 """
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,28 @@ class BuiltinConnector(EngineConnector):
             self.engine.residency.evict(name)
         except AdapterBusy as exc:
             raise ConnectorError(str(exc)) from exc
+
+    async def needs_room(self, spec: AdapterSpec) -> bool:
+        """The pool is at its adapter count, or has fewer free pages than `spec` needs.
+        Pages are counted on the parsed adapter: the engine's host copy, else the verified
+        local files read for it (mapped, not copied). Not readable: False (the load that
+        follows reports why, and the pool's own LRU makes any room as before)."""
+        res, pool = self.engine.residency, self.engine.pool
+        if pool.contains(spec.name):
+            return False
+        if pool.max_adapters is not None and len(pool.resident()) >= pool.max_adapters:
+            return True
+        adapter = res.tiers.host.get(spec.name)
+        if adapter is None:
+            path = self.store.local_path(spec)
+            if path is None:
+                return False
+            from gpu_agent.peft import load_peft_dir
+            try:
+                adapter = await asyncio.to_thread(load_peft_dir, path, pool.spec, None, name=spec.name)
+            except Exception:  # noqa: BLE001 - see the docstring
+                return False
+        return pool.pages_for(adapter) > pool.stats()["pages_free"]
 
     async def loaded(self) -> set[str]:
         res = self.engine.residency

@@ -97,3 +97,29 @@ def test_pinning_a_resident_adapter_pins_it_in_the_engine_pool(fixtures, tmp_pat
         finally:
             await mgr.close()
     run(main())
+
+
+def test_a_prefetch_hint_chooses_what_the_engine_pool_evicts(fixtures, tmp_path):
+    """The builtin pool evicts by itself (pages, no count budget): a hinted adapter goes
+    instead of the pool's LRU when the load needs pages, and nothing goes while it fits."""
+    async def main():
+        # pages: rank 16 = 224, rank 8 = 112 (hidden 128, fp32 pool: 512 B a page)
+        mgr, conn = await make(fixtures, tmp_path, pool_bytes=(2 * 224 + 112 - 1) * 512)
+        pool = conn.engine.pool
+        try:
+            await mgr.ensure_resident("med-triage")      # LRU
+            await mgr.ensure_resident("tr-de-en")
+            assert pool.stats()["pages_free"] < 112
+            assert mgr.prefetch("code-python", evict=["tr-de-en"]).outcome is PrefetchOutcome.ACCEPTED
+            await wait_for(lambda: mgr.view("code-python").tier is Tier.DEVICE, timeout=30)
+            assert set(pool.resident()) == {"med-triage", "code-python"}
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
+            # room for a rank 8 again after evicting one: a hint is not taken while it fits
+            await mgr.evict("med-triage")
+            mgr.prefetch("fin-reports", evict=["code-python"])
+            await wait_for(lambda: mgr.view("fin-reports").tier is Tier.DEVICE, timeout=30)
+            assert set(pool.resident()) == {"code-python", "fin-reports"}
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
+        finally:
+            await mgr.close()
+    run(main())

@@ -65,3 +65,17 @@ def test_in_use_skipped_by_policy():
         pool.load(make_adapter("c", 8))   # a is LRU but in use: b goes
     assert sorted(pool.resident()) == ["a", "c"]
     assert torch.is_tensor(pool.pages)
+
+
+@pytest.mark.parametrize("hints, resident, protected, victims", [
+    (["b"], "abc", "", ["b"]),
+    (["c", "a"], "abc", "", ["c", "a"]),             # the caller's order, not residency order
+    (["b", "b"], "abc", "", ["b"]),                  # each once
+    (["x"], "x", "", []),                            # never the adapter being loaded
+    (["d"], "abc", "", []),                          # not resident
+    (["b", "c"], "abc", "b", ["c"]),                 # pinned / in use / loading
+    ([], "abc", "", []),
+])
+def test_hinted_victims(hints, resident, protected, victims):
+    from gpu_agent.eviction import hinted_victims
+    assert hinted_victims(hints, "x", resident=set(resident), protected=set(protected)) == victims

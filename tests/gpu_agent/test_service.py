@@ -90,6 +90,20 @@ def test_prefetch_returns_at_once_while_load_is_slow(tmp_path):
     run(main())
 
 
+def test_prefetch_evict_list_reaches_the_manager(tmp_path):
+    async def main():
+        async with Agent(tmp_path, capacity=2) as agent:
+            await agent.manager.ensure_resident("a1")            # LRU
+            await agent.manager.ensure_resident("a2")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{agent.port}") as ch:
+                stub = pb_grpc.AgentStub(ch)
+                r = await stub.Prefetch(pb.PrefetchRequest(adapter="a3", evict=["a2", "no-such"]), metadata=AUTH)
+                assert r.outcome == pb.PrefetchReply.ACCEPTED
+                await wait_for(lambda: agent.manager.view("a3").tier.value == "device")
+            assert set(agent.engine.held) == {"a1", "a3"}         # the hint went, not the LRU
+    run(main())
+
+
 def test_watch_residency_streams_snapshot_then_changes(tmp_path):
     async def main():
         async with Agent(tmp_path) as agent:

@@ -1,0 +1,124 @@
+"""A Prefetch's `evict` list: the caller's victims go first when (and only when) the load
+needs device room; hints that may not go (pinned, in use, unknown) leave it to the LRU."""
+from __future__ import annotations
+
+import asyncio
+
+import yaml
+
+from gpu_agent.residency import PrefetchOutcome, Tier
+
+from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, wait_for, write_adapter
+
+NAMES = ["a1", "a2", "a3", "a4"]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def full_pool(tmp_path, eng, **budgets):
+    """a1, a2, a3 on the device, a1 least recently used."""
+    mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng, **budgets)
+    await mgr.start()
+    for name in ("a1", "a2", "a3"):
+        await mgr.ensure_resident(name)
+    return mgr
+
+
+def unloads(eng):
+    return [n for op, n in eng.calls if op == "unload"]
+
+
+def test_a_full_pool_evicts_the_hinted_adapter_not_the_lru(tmp_path):
+    async def main():
+        eng = FakeConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            assert mgr.prefetch("a4", evict=["a3"]).outcome is PrefetchOutcome.ACCEPTED
+            await wait_for(lambda: mgr.view("a4").tier is Tier.DEVICE)
+            assert unloads(eng) == ["a3"]
+            assert set(eng.held) == {"a1", "a2", "a4"}
+            assert mgr.view("a3").tier is Tier.DISK
+            m = mgr.metrics
+            assert m.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
+            assert m.counter("ace_agent_evictions_total", tier="device") == 0  # no LRU eviction
+            assert 'ace_agent_evictions_total{reason="hint",tier="device"} 1' in m.render()
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_hints_that_may_not_go_fall_back_to_the_lru(tmp_path):
+    async def main():
+        eng = FakeConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            assert mgr.pin("a3") == (True, "")
+            eng.busy_set = {"a2"}
+            # pinned, in use, not in the catalog, unsafe as a path, the adapter itself
+            r = mgr.prefetch("a4", evict=["a3", "a2", "nope", "../a1", "a4"])
+            assert r.outcome is PrefetchOutcome.ACCEPTED
+            await wait_for(lambda: mgr.view("a4").tier is Tier.DEVICE)
+            assert unloads(eng) == ["a1"]          # the LRU, as without hints
+            assert set(eng.held) == {"a2", "a3", "a4"}
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 0
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device") == 1
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_no_hinted_eviction_while_there_is_room(tmp_path):
+    async def main():
+        eng = FakeConnector(capacity=4)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            mgr.prefetch("a4", evict=["a3"])
+            await wait_for(lambda: mgr.view("a4").tier is Tier.DEVICE)
+            assert unloads(eng) == []
+            assert set(eng.held) == {"a1", "a2", "a3", "a4"}
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_hints_go_first_and_the_lru_makes_the_rest_of_the_room(tmp_path):
+    async def main():
+        # a byte budget of four small adapters; the big one needs the room of two
+        sizes = {"s1": 4096, "s2": 4096, "s3": 4096, "s4": 4096, "big": 8192}
+        entries = []
+        for name, n in sizes.items():
+            digest, size = write_adapter(tmp_path / "adapters" / name, name, n)
+            entries.append({"name": name, "base_model": "ace-tiny-llama", "rank": 8, "size_bytes": size,
+                            "uri": f"adapters/{name}", "sha256": digest})
+        cat = tmp_path / "catalog.yaml"
+        cat.write_text(yaml.safe_dump({"base_model": {"name": "ace-tiny-llama"}, "adapters": entries}))
+        eng = FakeConnector()
+        mgr = make_manager(cat, tmp_path / "cache", eng, device_bytes=4 * 4096)
+        await mgr.start()
+        try:
+            for name in ("s1", "s2", "s3", "s4"):
+                await mgr.ensure_resident(name)
+            mgr.prefetch("big", evict=["s4"])
+            await wait_for(lambda: mgr.view("big").tier is Tier.DEVICE)
+            assert unloads(eng) == ["s4", "s1"]    # the hint, then the LRU
+            assert set(eng.held) == {"s2", "s3", "big"}
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_a_duplicate_of_a_queued_prefetch_brings_its_hints(tmp_path):
+    async def main():
+        eng = FakeConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            assert mgr.prefetch("a4").outcome is PrefetchOutcome.ACCEPTED    # queued, no worker yet
+            r = mgr.prefetch("a4", evict=["a3"])
+            assert (r.outcome, r.reason) == (PrefetchOutcome.ACCEPTED, "coalesced")
+            await wait_for(lambda: mgr.view("a4").tier is Tier.DEVICE)
+            assert unloads(eng) == ["a3"]
+        finally:
+            await mgr.close()
+    run(main())
