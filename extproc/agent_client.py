@@ -76,7 +76,7 @@ class _Agent:
         try:
             reply = self.stub.Prefetch(
                 pb.PrefetchRequest(adapter=signal.adapter, digest=signal.digest,
-                                   priority=signal.priority, reason=signal.reason),
+                                   priority=signal.priority, reason=signal.reason, evict=signal.evict),
                 timeout=self.link.send_timeout_s, metadata=self.link.metadata)
             self.sent += 1
             if reply.outcome == pb.PrefetchReply.REJECTED:

@@ -24,6 +24,9 @@ class PrefetchSignal:
     digest: str
     priority: int      # higher first; 0 = background
     reason: str        # e.g. "request_cold", "request_unknown"
+    # adapters the agent should evict first if this load needs room: the victim the
+    # speculation's model of that pool chose ("predicted"); () = the agent's LRU
+    evict: tuple[str, ...] = ()
 
 
 class PrefetchSink(Protocol):

@@ -149,9 +149,10 @@ class SpeculationPlanner:
             got = self.speculator(target).offer(
                 name, p, now, load=lambda a, t: t + grace,
                 in_use=step.adapter if target == step.upstream else None)
-            if got is not None:
+            if got is not None:  # the model's victim is the one the agent should evict
                 out.append(PrefetchSignal(upstream=target, adapter=name, digest=adapter.sha256,
-                                          priority=0, reason="predicted"))
+                                          priority=0, reason="predicted",
+                                          evict=() if got.victim is None else (str(got.victim),)))
         self.ledger.record(step.tenant, step.session, tuple(b for b, _ in predicted if b != step.adapter))
         return out
 

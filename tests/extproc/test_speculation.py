@@ -75,6 +75,19 @@ def test_planner_learns_the_workflow_and_prefetches_the_next_step(snapshot):
     assert c["predictions"] >= 4 and c["predictions_used"] >= 3
 
 
+def test_a_prefetch_names_the_victim_its_pool_model_evicted_for_the_agent(snapshot):
+    planner = SpeculationPlanner(initial_slots=2)
+    _, now = teach(planner, snapshot, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
+    full = pool("local-vllm", "code-python", "old-one")            # two slots, both taken
+    planner.sync(full, now + 10)
+    got, now = teach(planner, snapshot, [("new", "code-python")], start=now + 10, residency=full)
+    assert [(s.adapter, s.evict) for s in got] == [("acme-legal", ("old-one",))]
+    roomy = pool("local-vllm", "code-python")                     # a free slot: no victim
+    planner.sync(roomy, now + 10)
+    got, _ = teach(planner, snapshot, [("newer", "code-python")], start=now + 10, residency=roomy)
+    assert [(s.adapter, s.evict) for s in got] == [("acme-legal", ())]
+
+
 def test_planner_without_session_counts_demand_but_learns_nothing(snapshot):
     planner = SpeculationPlanner()
     for _ in range(5):

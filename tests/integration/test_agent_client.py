@@ -28,8 +28,9 @@ NAMES = ["a1", "a2", "a3"]
 class AgentThread:
     """A real agent (manager + gRPC server) on its own loop, started/stopped on a fixed port."""
 
-    def __init__(self, tmp_path, port: int, load_delay_s: float = 0.0):
+    def __init__(self, tmp_path, port: int, load_delay_s: float = 0.0, capacity: int | None = None):
         self.tmp_path, self.port, self.load_delay_s = tmp_path, port, load_delay_s
+        self.capacity = capacity
         self.catalog = make_catalog(tmp_path, NAMES)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -41,7 +42,7 @@ class AgentThread:
 
     def start(self) -> None:
         async def up():
-            self.engine = FakeConnector(load_delay_s=self.load_delay_s)
+            self.engine = FakeConnector(capacity=self.capacity, load_delay_s=self.load_delay_s)
             self.manager = make_manager(self.catalog, self.tmp_path / "cache", self.engine)
             await self.manager.start()
             self.server, _, self.health = await start_server(self.manager, "127.0.0.1", self.port, token=TOKEN)
@@ -96,6 +97,25 @@ def test_prefetch_through_the_link_shows_up_as_prefetched_pool_residency(agent):
         assert link.board.current.of("u1", "nope").tier == "unknown"
     finally:
         link.close()
+
+
+def test_a_signals_evict_list_travels_to_the_agent(tmp_path):
+    agent = AgentThread(tmp_path, free_port(), capacity=2)
+    agent.start()
+    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
+    try:
+        for name in ("a1", "a2"):                                   # a1 least recently used
+            assert link.submit(signal(name))
+            wait_until(lambda n=name: link.board.current.of("u1", n).tier == "pool")
+        assert link.submit(PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=0,
+                                          reason="predicted", evict=("a2",)))
+        wait_until(lambda: link.board.current.of("u1", "a3").tier == "pool")
+        wait_until(lambda: link.board.current.of("u1", "a2").tier == "disk")
+        assert link.board.current.of("u1", "a1").tier == "pool"
+        assert set(agent.engine.held) == {"a1", "a3"}
+    finally:
+        link.close()
+        agent.close()
 
 
 def test_agent_down_submit_never_blocks_and_residency_is_unknown(tmp_path):
