@@ -153,6 +153,12 @@ class DiskCache:
 
     Entries named in `protected` (pinned or on a higher tier) are skipped by eviction;
     if nothing else can go, the cache refuses the new entry rather than grow.
+
+    A budget of 0 is *resident-only*: no byte bound, but the cache keeps nothing for
+    later. Every fetch first drops every entry not protected (so only adapters that are
+    resident, being loaded or pinned keep their files), and the store drops an adapter's
+    files as soon as it leaves the device (:meth:`ArtifactStore.left_device`): an adapter
+    that comes back is fetched and verified again (a cold benchmark's setting).
     """
 
     def __init__(self, root: Path, budget_bytes: int):
@@ -171,6 +177,11 @@ class DiskCache:
     def used_bytes(self) -> int:
         return sum(self._lru.values())
 
+    @property
+    def resident_only(self) -> bool:
+        """Budget 0: keep only the files of adapters that are resident or loading."""
+        return self.budget_bytes == 0
+
     def path(self, digest: str) -> Path | None:
         if digest in self._lru:
             self._lru.move_to_end(digest)
@@ -181,7 +192,13 @@ class DiskCache:
         return digest in self._lru
 
     def make_room(self, nbytes: int, protected: set[str]) -> list[str]:
-        """Evict LRU entries until `nbytes` more fit; returns the evicted digests."""
+        """Evict LRU entries until `nbytes` more fit; returns the evicted digests.
+        Resident-only (budget 0): evict every entry not `protected`, never refuse."""
+        if self.resident_only:
+            evicted = [d for d in self._lru if d not in protected]
+            for digest in evicted:
+                self.remove(digest)
+            return evicted
         if nbytes > self.budget_bytes:
             raise FetchError(f"adapter of {nbytes} bytes exceeds the disk budget {self.budget_bytes}")
         evicted = []
@@ -321,6 +338,16 @@ class ArtifactStore:
             self._verified_local.discard(spec.sha256)
             return True
         return False
+
+    def left_device(self, spec: AdapterSpec, keep: set[str] = frozenset()) -> bool:
+        """`spec` left the device tier. A resident-only disk cache (budget 0) drops its files
+        now, unless `keep` names its digest or a fetch of it is under way; any other cache
+        keeps them (LRU). True when files were dropped."""
+        if not self.cache.resident_only or not spec.is_remote:
+            return False
+        if spec.sha256 in keep or spec.sha256 in self._inflight:
+            return False
+        return self.cache.remove(spec.sha256)
 
     async def _fetch(self, spec: AdapterSpec, protected: set[str]) -> Path:
         if self._client is None:

@@ -30,7 +30,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -120,6 +120,10 @@ class AdapterPool:
     ``max_adapters`` (optional) also bounds how many adapters are resident at once (the
     agent's device count budget): every load, whoever asks for it, evicts by the same
     policy to stay within it, or fails with PoolExhausted.
+
+    ``release_listeners`` are called with the name of every adapter that leaves the pool
+    (LRU/count eviction or :meth:`evict`), with the pool lock held and on the thread
+    that released it: they must only hand the name off (no blocking, no pool calls).
     """
 
     def __init__(self, spec: BaseModelSpec, budget_bytes: int, *, dtype: Any = None,
@@ -156,6 +160,7 @@ class AdapterPool:
         self.load_ms_total = 0.0
         self.scattered_loads = 0
         self.gathered_matrices = 0
+        self.release_listeners: list[Callable[[str], None]] = []
 
     # ---- layout ---------------------------------------------------------------------
     def _plan(self, adapter: LoraAdapter) -> tuple[dict[tuple[int, str], list[int]], int, bool]:
@@ -250,6 +255,8 @@ class AdapterPool:
         self.slot_scales[entry.slot] = 0.0
         del self._entries[entry.name]
         self.policy.on_remove(entry.name)
+        for listener in self.release_listeners:
+            listener(entry.name)
 
     def _make_room(self, n: int, loading: str) -> None:
         if n > self.num_pages:

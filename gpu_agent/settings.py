@@ -36,9 +36,14 @@ class AgentSettings:
     grpc_port: int = _f(50061, "gRPC API port (0 = ephemeral; the bound port is printed)")
     metrics_port: int = _f(0, "Prometheus /metrics port (0 = ephemeral, -1 = off)")
     cache_dir: Path = _f(Path("var/agent-cache"), "disk tier: verified copies of remote adapters, by digest")
-    disk_budget_mb: int = _f(4096, "disk tier budget (MiB), LRU")
+    disk_budget_mb: int = _f(4096, "disk tier budget (MiB), LRU; 0 = resident-only: keep only the files of "
+                                   "adapters on the device, loading or pinned (a file is dropped when its "
+                                   "adapter leaves the builtin pool, at the next fetch with other engines): "
+                                   "every re-load fetches and verifies again")
     host_budget_mb: int = _f(0, "agent host tier budget (MiB), LRU; 0 = off (vLLM/SGLang read files themselves)")
-    engine_host_mb: int = _f(512, "builtin only: the engine's own host tier of parsed adapters (MiB)")
+    engine_host_mb: int = _f(512, "builtin only: the engine's own host tier of parsed adapters (MiB), LRU; "
+                                  "0 = none: a parsed adapter lives only for its load, so one that left "
+                                  "the pool comes back from disk (or remote)")
     device_max_adapters: int = _f(0, "device tier count budget; 0 = the engine's (vLLM: --max-cpu-loras); "
                                     "builtin: also enforced by the engine's pool on its own on-demand loads")
     device_budget_mb: int = _f(0, "device tier byte budget (MiB); 0 = none (builtin: the pool's)")
@@ -75,6 +80,12 @@ class AgentSettings:
             raise SettingsError(f"auth=token needs a token in ${self.token_env} or --token-file")
         if self.auth == "mtls" and not (self.tls_cert and self.tls_key and self.tls_client_ca):
             raise SettingsError("auth=mtls needs --tls-cert, --tls-key and --tls-client-ca")
+        for flag, value in (("--disk-budget-mb", self.disk_budget_mb), ("--host-budget-mb", self.host_budget_mb),
+                            ("--engine-host-mb", self.engine_host_mb), ("--device-budget-mb", self.device_budget_mb)):
+            if value < 0:
+                raise SettingsError(f"{flag} must be >= 0")
+        if self.pool_mb < 1:
+            raise SettingsError("--pool-mb must be >= 1")
         if self.device_max_adapters < 0:
             raise SettingsError("--device-max-adapters must be >= 0 (0 = the engine's)")
         if self.queue_size < 1 or self.workers < 1:

@@ -4,11 +4,14 @@ The engine keeps its own tiers (paged device pool, parsed host copies); the agen
 an `AdapterSource` backed by the agent's `ArtifactStore`, so remote fetches, the disk
 cache and digest checks are the agent's, and the engine only ever reads verified
 directories. The pool evicts by its own LRU when a request needs room, so this connector
-is `self_managed`: an adapter that left the pool just dropped a tier.
+is `self_managed`: an adapter that left the pool just dropped a tier. The connector hears
+every such departure and tells the store (`ArtifactStore.left_device`), so a resident-only
+disk cache (`--disk-budget-mb 0`) drops the files at once.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,8 @@ from gpu_agent.connectors.base import ConnectorError, EngineConnector
 from gpu_agent.errors import AdapterBusy
 
 __all__ = ["BuiltinConnector", "StoreSource"]
+
+log = logging.getLogger(__name__)
 
 
 class StoreSource:
@@ -58,8 +63,9 @@ class BuiltinConnector(EngineConnector):
         if self.engine is None:
             from gpu_agent.engine.core import Engine
             self.engine = Engine.create(self._settings, source=StoreSource(self.store))
-        # the disk tier never evicts the files of an adapter the engine is loading right now
-        self.store.protect_providers.append(self._loading_digests)
+        # the disk tier never evicts the files of an adapter the engine holds or is loading
+        self.store.protect_providers.append(self._engine_digests)
+        self.engine.residency.left_pool_listeners.append(self._left_pool)
         host, port = self._http
         if port is not None and self._runner is None:
             from gpu_agent.engine import server as engine_server
@@ -77,15 +83,21 @@ class BuiltinConnector(EngineConnector):
     def url(self) -> str | None:
         return self._url
 
-    def _loading_digests(self) -> set[str]:
+    def _engine_digests(self) -> set[str]:
+        """Digests of the adapters the engine's pool holds or is loading now."""
         if self.engine is None:
             return set()
         out = set()
-        for name in self.engine.residency.loading():
+        for name in self.engine.residency.loading() | set(self.engine.pool.resident()):
             spec = self.store.catalog.get(name)
             if spec is not None:
                 out.add(spec.sha256)
         return out
+
+    def _left_pool(self, name: str) -> None:
+        spec = self.store.catalog.get(name)
+        if spec is not None and self.store.left_device(spec, keep=self._engine_digests()):
+            log.debug("adapter %s left the pool: disk copy dropped (resident-only disk tier)", name)
 
     async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
         try:

@@ -38,7 +38,8 @@ class EngineSettings:
     pool_bytes: int = field(default=DEFAULT_POOL_BYTES, metadata={
         "help": "size of the paged adapter pool in bytes (one preallocated tensor)"})
     host_cache_bytes: int = field(default=1 << 30, metadata={
-        "help": "host-memory tier for parsed adapters (LRU), in bytes"})
+        "help": "host-memory tier for parsed adapters (LRU), in bytes; 0 = none (an adapter that "
+                "left the pool is read from disk again)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     max_batch_sequences: int = field(default=32, metadata={
@@ -58,6 +59,8 @@ class EngineSettings:
             raise ValueError("give --model or --catalog (whose base_model.path names the model)")
         if self.pool_bytes <= 0:
             raise ValueError("pool_bytes must be positive")
+        if self.host_cache_bytes < 0:
+            raise ValueError("host_cache_bytes must be >= 0 (0 = no host tier)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
         if self.max_batch_sequences < 1 or self.max_batch_tokens < 1:

@@ -10,9 +10,15 @@
   ``tier="host"``); refused (AdapterBusy) while a sequence holds it.
 - ``pin`` / ``unpin``: keep an adapter in the pool regardless of LRU.
 - ``register`` / ``unregister``: adapters added at run time (vLLM-style load endpoint).
+- ``left_pool_listeners``: called on the event loop with the name of every adapter that
+  left the pool (its LRU, its count cap, or :meth:`evict`) and is neither back nor being
+  loaded again (the agent drops its disk copy there when the disk tier keeps only what
+  is resident).
 
 Tiers: ``pool`` (in the paged device pool), ``host`` (a parsed copy in host memory),
-``disk`` (a local directory), ``remote`` (an http(s) uri the source must fetch).
+``disk`` (a local directory), ``remote`` (an http(s) uri the source must fetch). A host
+budget of 0 keeps no parsed copy: an adapter that leaves the pool comes back from disk
+(or remote).
 
 The host and pool tiers are ``gpu_agent.tiers.AdapterTiers`` (host LRU + paged pool,
 with per-tier timings); this module adds what an engine needs on top: names from the
@@ -28,7 +34,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 from urllib.parse import unquote, urlparse
 
 from gpu_agent import errors as core
@@ -143,10 +149,15 @@ class AdapterResidency:
         self._holds: dict[str, int] = {}
         self._user_pins: set[str] = set()
         self._inflight: dict[str, asyncio.Future] = {}
-        self.loads: dict[str, int] = {t: 0 for t in TIERS}  # cold loads by the tier they came from
+        # loads into the pool by the tier they came from: one per load, however many
+        # requests shared it
+        self.loads: dict[str, int] = {t: 0 for t in TIERS}
         self.last_load: dict[str, LoadRecord] = {}
         self.room_timeout_s = room_timeout_s
         self._room = asyncio.Event()  # replaced on every set: one wake-up per release
+        self.left_pool_listeners: list[Callable[[str], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        pool.release_listeners.append(self._pool_released)
 
     # -- names and tiers ---------------------------------------------------------------
 
@@ -207,7 +218,6 @@ class AdapterResidency:
         if hold:
             self._holds[name] = self._holds.get(name, 0) + 1
         ms = (time.perf_counter() - t0) * 1e3
-        self.loads[tier_before] = self.loads.get(tier_before, 0) + 1
         self.last_load[name] = LoadRecord(tier_before, ms, time.time())
         return tier_before, ms
 
@@ -245,6 +255,7 @@ class AdapterResidency:
         self.entry(name)
         if self._holds.get(name):
             raise core.AdapterBusy(f"adapter {name!r} is used by running requests")
+        self._note_loop()
         removed = False
         if self.pool.contains(name):
             try:
@@ -307,6 +318,31 @@ class AdapterResidency:
 
     # -- internals ---------------------------------------------------------------------
 
+    def _note_loop(self) -> None:
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside a loop (tests): listeners hear nothing
+            pass
+
+    def _pool_released(self, name: str) -> None:
+        """Pool release hook (pool lock held, any thread): hand the name to the loop."""
+        loop = self._loop
+        if loop is None or not self.left_pool_listeners:
+            return
+        try:
+            loop.call_soon_threadsafe(self._left_pool, name)
+        except RuntimeError:  # the loop is closed (shutting down)
+            pass
+
+    def _left_pool(self, name: str) -> None:
+        if self.pool.contains(name) or name in self._inflight:
+            return  # back already, or on its way back
+        for listener in list(self.left_pool_listeners):
+            try:
+                listener(name)
+            except Exception:  # noqa: BLE001 - a listener's failure must not stop the engine
+                log.exception("left-pool listener failed for %s", name)
+
     async def _load_when_room(self, name: str, *, pin: bool) -> None:
         """Load; when the pool is full of held adapters, wait for a holder to finish
         (as S-LoRA queues a request whose adapter does not fit yet) instead of failing."""
@@ -328,6 +364,7 @@ class AdapterResidency:
                 pass  # one last try, then raise
 
     async def _load(self, name: str, *, pin: bool) -> None:
+        self._loop = asyncio.get_running_loop()  # pool releases during the load are heard here
         fut = self._inflight.get(name)
         if fut is None:
             fut = asyncio.ensure_future(self._load_once(name))
@@ -350,6 +387,7 @@ class AdapterResidency:
 
     async def _load_from_source(self, name: str, pin: bool) -> None:
         path, digest = None, None
+        tier = self.tier(name)
         if self.tiers.where(name) is None:  # not in host memory: the source gives a directory
             entry = self.entry(name)
             path, verify = await self.source.local_dir(entry)
@@ -361,6 +399,8 @@ class AdapterResidency:
             raise core.AdapterNotFound(f"adapter {name}: {exc}") from exc
         if digest:
             self._verified.add(digest)
+        if tier != "pool":
+            self.loads[tier] = self.loads.get(tier, 0) + 1
 
     async def _to_host(self, name: str) -> None:
         try:

@@ -123,3 +123,47 @@ def test_a_prefetch_hint_chooses_what_the_engine_pool_evicts(fixtures, tmp_path)
         finally:
             await mgr.close()
     run(main())
+
+
+def test_cold_settings_every_reload_goes_the_whole_way(fixtures, tmp_path):
+    """The bench's cold settings (engine host tier 0, resident-only disk tier): an adapter
+    the pool evicted loses its disk copy at once, and a request for it again fetches it from
+    the store (tier ``remote``), never a host or disk shortcut."""
+    import yaml
+
+    from gpu_agent.engine.core import EngineSettings
+    from tests.gpu_agent.agent_support import static_server
+
+    async def main():
+        async with static_server(fixtures / "adapters") as (base, hits):
+            doc = yaml.safe_load((fixtures / "catalog.yaml").read_text())
+            doc["base_model"]["path"] = str((fixtures / doc["base_model"]["path"]).resolve())
+            for a in doc["adapters"]:
+                a["uri"] = f"{base}/{a['name']}"
+            cat_path = tmp_path / "remote.yaml"
+            cat_path.write_text(yaml.safe_dump(doc))
+            catalog = Catalog.from_yaml(cat_path)
+            store = ArtifactStore(catalog, DiskCache(tmp_path / "cache", 0))
+            conn = BuiltinConnector(store, EngineSettings(catalog=cat_path, pool_bytes=4 << 20, host_cache_bytes=0,
+                                                          max_adapters=1, batch_window_ms=0.0), http_port=0)
+            mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(device_count=1, reconcile_interval_s=0.1))
+            await mgr.start()
+            try:
+                async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
+                    async def ask(model):
+                        r = await client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1})
+                        assert r.status_code == 200, r.text
+                        return r.headers["x-ace-adapter-tier"]
+
+                    assert [await ask(m) for m in ("code-sql", "code-sql", "med-notes")] == ["remote", "pool", "remote"]
+                    await wait_for(lambda: store.local_path(catalog.get("code-sql")) is None, timeout=5)
+                    assert [p.name for p in (tmp_path / "cache").iterdir()] == [catalog.get("med-notes").sha256]
+                    assert await ask("code-sql") == "remote"
+                assert hits["code-sql/adapter_model.safetensors"] == 2
+                res = conn.engine.residency
+                assert res.loads["remote"] == 3 and res.loads["host"] == res.loads["disk"] == 0
+                assert res.tiers.host.names() == []
+                await wait_for(lambda: mgr.view("med-notes").tier is Tier.REMOTE, timeout=5)
+            finally:
+                await mgr.close()
+    run(main())

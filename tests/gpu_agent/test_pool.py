@@ -234,3 +234,13 @@ def test_pread_into_pages_same_bytes_as_mapping(tmp_path, monkeypatch, part_min,
     p0 = int(e.page_ids[0])
     got = pool.pages[p0: p0 + len(e.page_ids)].view(-1).view(torch.uint8)
     assert torch.equal(got, loaded.payload.buffer[start:end])
+
+
+def test_release_listeners_hear_every_adapter_that_leaves():
+    pool = AdapterPool(SPEC, 2 * 8 * PAGES_PER_RANK * 128, max_adapters=2)   # two rank-8 adapters
+    left: list[str] = []
+    pool.release_listeners.append(left.append)
+    for name in "abc":
+        pool.load(make_adapter(name, 8))    # "c" evicts "a" (LRU, count cap)
+    pool.evict("b")
+    assert left == ["a", "b"] and pool.resident() == ["c"]

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from gpu_agent.artifacts import Catalog, CatalogError
+from gpu_agent.artifacts import ArtifactStore, Catalog, CatalogError, DiskCache
 from gpu_agent.errors import AdapterNotFound, DigestMismatch
 from gpu_agent.residency import PrefetchOutcome, Tier
 
@@ -229,6 +229,47 @@ def test_disk_cache_budget_evicts_lru_remote_copies(tmp_path):
                 assert mgr.store.cache.used_bytes <= 2 * 4096
             finally:
                 await mgr.close()
+    run(main())
+
+
+def test_disk_budget_zero_keeps_only_resident_files(tmp_path):
+    """Resident-only disk tier (budget 0): a fetch first drops every file whose adapter is
+    not resident, loading or pinned; an adapter that comes back is fetched again."""
+    async def main():
+        async with static_server(tmp_path / "adapters") as (base, hits):
+            cat = make_catalog(tmp_path, NAMES, remote_base=base)
+            mgr = make_manager(cat, tmp_path / "cache", FakeConnector(capacity=1), disk_bytes=0)
+            await mgr.start()
+            try:
+                for name in ("a1", "a2", "a3"):
+                    await mgr.ensure_resident(name)
+                # a1's file went at a3's fetch; a2 left the device after it (other engines:
+                # dropped at the next fetch)
+                tiers = {n: mgr.view(n).tier for n in ("a1", "a2", "a3")}
+                assert tiers == {"a1": Tier.REMOTE, "a2": Tier.DISK, "a3": Tier.DEVICE}
+                await mgr.ensure_resident("a1")
+                assert hits["a1/adapter_model.safetensors"] == 2       # the whole way again
+                assert {n: mgr.view(n).tier for n in ("a2", "a3")} == {"a2": Tier.REMOTE, "a3": Tier.DISK}
+            finally:
+                await mgr.close()
+    run(main())
+
+
+def test_left_device_drops_files_only_from_a_resident_only_cache(tmp_path):
+    async def main():
+        async with static_server(tmp_path / "adapters") as (base, _):
+            cat = Catalog.from_yaml(make_catalog(tmp_path, NAMES, remote_base=base))
+            spec = cat.get("a1")
+            for budget, dropped in ((1 << 20, False), (0, True)):
+                store = ArtifactStore(cat, DiskCache(tmp_path / f"cache-{budget}", budget))
+                try:
+                    path, fetched = await store.ensure_local(spec, set())
+                    assert fetched and path.is_dir()
+                    assert store.left_device(spec, keep={spec.sha256}) is False   # still held
+                    assert store.left_device(spec) is dropped
+                    assert (store.local_path(spec) is None) is dropped and path.exists() is not dropped
+                finally:
+                    await store.aclose()
     run(main())
 
 

@@ -48,3 +48,20 @@ def test_host_cache_lru_by_bytes():
     assert not cache.put(make_adapter("big", 64))
     cache.drop("a")
     assert cache.names() == ["c"]
+
+
+def test_host_budget_zero_keeps_no_parsed_copy(tmp_path):
+    """Budget 0: the parsed adapter lives only for its load; after eviction it is read
+    from disk again (no host -> pool shortcut)."""
+    ad = make_adapter("med", 16)
+    path = write_peft_dir(tmp_path, ad)
+    pool = AdapterPool(SPEC, 1 << 20)
+    tiers = AdapterTiers(pool, host_budget_bytes=0)
+    assert tiers.ensure("med", path)[1].tier == "disk"
+    assert tiers.host.names() == [] and tiers.host.used_bytes == 0
+    pool.evict("med")
+    assert tiers.where("med") is None
+    with pytest.raises(AdapterNotFound):
+        tiers.ensure("med")                 # nothing in memory: it needs its directory
+    _, t = tiers.ensure("med", path)
+    assert t.tier == "disk" and t.read_ms > 0

@@ -1,0 +1,40 @@
+"""The agent's settings: defaults, what 0 means for the tier budgets, validation."""
+from __future__ import annotations
+
+import pytest
+
+from gpu_agent.settings import AgentSettings, SettingsError, parse_args
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    path = tmp_path / "catalog.yaml"
+    path.write_text("base_model: {name: m}\nadapters: []\n")
+    return path
+
+
+def help_of(name: str) -> str:
+    return AgentSettings.__dataclass_fields__[name].metadata["help"]
+
+
+def test_production_defaults_keep_warm_tiers(catalog):
+    s = parse_args(["--catalog", str(catalog), "--auth", "none"])
+    assert (s.disk_budget_mb, s.engine_host_mb, s.host_budget_mb, s.pool_mb) == (4096, 512, 0, 64)
+
+
+def test_zero_budgets_are_documented_and_accepted(catalog):
+    assert "0 = resident-only" in help_of("disk_budget_mb")
+    assert "0 = none" in help_of("engine_host_mb")
+    s = parse_args(["--catalog", str(catalog), "--auth", "none", "--disk-budget-mb", "0", "--engine-host-mb", "0"])
+    assert s.disk_budget_mb == 0 and s.engine_host_mb == 0
+
+
+@pytest.mark.parametrize("flag", ["--disk-budget-mb", "--engine-host-mb", "--host-budget-mb", "--device-budget-mb"])
+def test_negative_budgets_are_refused(catalog, flag):
+    with pytest.raises(SettingsError, match=flag):
+        parse_args(["--catalog", str(catalog), "--auth", "none", flag, "-1"])
+
+
+def test_pool_needs_a_mib(catalog):
+    with pytest.raises(SettingsError, match="--pool-mb"):
+        parse_args(["--catalog", str(catalog), "--auth", "none", "--pool-mb", "0"])
