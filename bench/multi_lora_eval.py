@@ -3,12 +3,27 @@
     python -m bench.multi_lora_eval [--trace FILE] [--speed 4] [--open-loop] --out reports/multi_lora_eval.json
 
 Per run, a fresh stack on loopback ports: an artifact store (HTTP server over the
-adapters' files), the GPU agent with the builtin engine in-process (device pool capped at
-half of the trace's adapters, empty disk cache: cold means remote -> disk -> host -> pool
-with the digest checked), the ext_proc gateway (``extproc.policy.routing:route``) and
-Envoy. Requests go with ``stream: true``; TTFT is the time to the first streamed chunk,
-the stall is the engine's ``x-ace-adapter-wait-ms`` and the tier its
-``x-ace-adapter-tier``.
+adapters' files), the GPU agent with the builtin engine in-process, the ext_proc gateway
+(``extproc.policy.routing:route``) and Envoy. Requests go with ``stream: true``; TTFT is
+the time to the first streamed chunk, the stall is the engine's ``x-ace-adapter-wait-ms``
+and the tier its ``x-ace-adapter-tier``.
+
+The pool, as vLLM's ``--max-loras``: half of the trace's adapters as slots
+(``--device-max-adapters``; report field ``pool_adapters``), each able to hold any
+adapter: the pool's bytes are the sum of that many largest adapters' files (an upper
+bound of their pages), rounded up to whole MiB (``--pool-mb``; report fields
+``pool_bytes_needed``, ``pool_mb``, ``pool_bytes``). So the slots always fit, and the
+count cap, not the bytes, decides what is evicted (the rounding's spare bytes could hold
+a small extra adapter; the cap does not let it in). For the committed 800-request trace:
+5 of 10 adapters, 2 x 919,616 + 2 x 460,848 + 231,464 B = 2.85 MiB -> 3 MiB.
+
+Cold means cold: no warm shortcut below the pool. The engine keeps no parsed host copy
+(``--engine-host-mb 0``) and the disk cache is resident-only (``--disk-budget-mb 0``: an
+adapter's files are dropped when it leaves the pool), so every adapter that becomes
+resident again goes the whole way: artifact store over loopback HTTP -> disk cache
+(SHA-256 checked while streaming) -> parsed -> pool, and reports tier ``remote``. The
+report counts, per run, the engine's loads by tier (``loads_by_tier``) and the artifact
+store's weight GETs (``store_fetches``) to show it.
 
 Sessions are replayed **closed-loop** (agents wait for an answer before the next step):
 a session's first step is sent at its ``t`` / ``--speed``; each later step when the
@@ -47,6 +62,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -95,6 +111,41 @@ def remote_catalog(catalog: Path, store_url: str, out: Path, names: set[str]) ->
     return data
 
 
+def pool_size(names: set[str], sizes: dict[str, int]) -> tuple[int, int, int]:
+    """``(slots, bytes needed, MiB)`` of a pool with vLLM ``--max-loras`` semantics: half of
+    the adapters (at least 1) as slots, room for the largest that many at once."""
+    slots = max(1, len(names) // 2)
+    needed = sum(sorted((sizes[n] for n in names), reverse=True)[:slots])
+    return slots, needed, max(1, math.ceil(needed / (1 << 20)))
+
+
+# The agent's settings that take every shortcut below the pool away (see the docstring).
+COLD_AGENT_ARGS = ("--engine-host-mb", "0", "--disk-budget-mb", "0")
+
+
+def store_fetches(log_path: Path, start: int = 0) -> tuple[int, int]:
+    """``(weight-file GETs answered 200 in the store's log after byte offset start, log size)``."""
+    try:
+        data = log_path.read_bytes()
+    except OSError:
+        return 0, start
+    text = data[start:].decode(errors="replace")
+    n = sum(1 for line in text.splitlines() if "adapter_model.safetensors" in line and '" 200 ' in line)
+    return n, len(data)
+
+
+async def engine_loads(engine_url: str) -> dict[str, int]:
+    """The engine's ``ace_engine_adapter_cold_loads_total`` by tier (its /metrics)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(engine_url + "/metrics")).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("ace_engine_adapter_cold_loads_total{"):
+            tier = line.split('tier="', 1)[1].split('"', 1)[0]
+            out[tier] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 def state_yaml(path: Path, catalog: Path, tenants: list[str], engine: str, agent: str, prefetch: bool) -> dict:
     mode = "prod" if prefetch else "off"
     keys = {t: f"sk-bench-{hashlib.sha256(t.encode()).hexdigest()[:16]}" for t in tenants}
@@ -123,7 +174,7 @@ def stack(work: Path, catalog: Path, tenants: list[str], pool_adapters: int, poo
         return state_yaml(path, catalog, tenants, engine, agent, prefetch)
 
     agent_args = ["--device-max-adapters", str(pool_adapters), "--pool-mb", str(pool_mb),
-                  "--reconcile-interval-s", "0.2"]
+                  "--reconcile-interval-s", "0.2", *COLD_AGENT_ARGS]
     with gateway_stack(work, catalog, write_state, token=TOKEN, agent_args=agent_args,
                        extproc_args=["--routing-policy", "extproc.policy.routing:route"]) as st:
         yield dict(st, keys=st["state"])
@@ -270,19 +321,17 @@ def run(args) -> int:
     try:
         catalog = bench_fixtures(requests, Path(args.fixtures), work)
         names = {r["adapter"] for r in requests}
-        pool = max(1, len(names) // 2)
-        # the builtin engine's own on-demand loads are bounded by its pool's bytes, not by
-        # the agent's count: size the pool to half of the adapters' bytes too (MiB, >= 1)
         sizes_all = {a["name"]: a["size_bytes"] for a in yaml.safe_load(catalog.read_text())["adapters"]}
-        pool_mb = max(1, math.ceil(sum(sizes_all[n] for n in names) / 2 / (1 << 20)))
+        pool, pool_needed, pool_mb = pool_size(names, sizes_all)
         tenants = sorted({r["tenant"] for r in requests})
         from tests.support.procs import free_port, python, running, wait_port
 
         store_port = free_port()
         root = catalog.parent
         cmd = [python(), "-m", "http.server", str(store_port), "--bind", "127.0.0.1", "--directory", str(root)]
-        with running(cmd, work / "store.log") as store:
-            wait_port(store_port, timeout=30, proc=store, log=work / "store.log")
+        store_log = work / "store.log"
+        with running(cmd, store_log) as store:
+            wait_port(store_port, timeout=30, proc=store, log=store_log)
             results = {}
             overhead = None
             warm_set = None
@@ -299,20 +348,25 @@ def run(args) -> int:
                 log(f"{name}: {len(requests)} requests, pool {pool} of {len(names)} adapters / {pool_mb} MiB, "
                     f"speed x{args.speed}")
                 t_run = time.monotonic()
+                _, log_at = store_fetches(store_log)
                 with stack(run_dir, rcat, tenants, pool, pool_mb, prefetch) as st:
                     async def go():
                         rows = await replay(requests, st, args.speed, closed_loop=not args.open_loop)
+                        loads = await engine_loads(st["engine"])  # before the overhead probe's requests
                         ov = None
                         if prefetch:
                             t = requests[0]
                             ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
-                        return rows, ov
+                        return rows, loads, ov
 
-                    rows, ov = asyncio.run(go())
+                    rows, loads, ov = asyncio.run(go())
+                    fetches, _ = store_fetches(store_log, log_at)
                     if ov is not None:
                         overhead = ov
                 # the stack has stopped: the gateway logged its final counters
-                extra = {"replay_s": round(time.monotonic() - t_run, 1)}
+                extra = {"replay_s": round(time.monotonic() - t_run, 1), "loads_by_tier": loads,
+                         "store_fetches": fetches}
+                log(f"{name}: engine loads by tier {loads}, store weight GETs {fetches}")
                 counters = speculation_counters(run_dir / "extproc.log")
                 if prefetch:
                     extra["speculation"] = counters
@@ -323,7 +377,8 @@ def run(args) -> int:
         base_rows, pre_rows = ok["baseline"], ok["prefetch"]
         cold = [r["wait_ms"] for r in base_rows if r["tier"] in ("remote", "disk")]
         # warm: a swap that did not go the whole way: host memory -> pool, measured on both
-        # runs; without any, the wait of requests whose adapter a prefetch made resident
+        # runs; without any (the cold settings keep no host copy), the wait of requests
+        # whose adapter a prefetch made resident
         warm = [r["wait_ms"] for r in base_rows + pre_rows if r["tier"] == "host"]
         warm_source = "host->pool swaps"
         if not warm:
@@ -331,15 +386,19 @@ def run(args) -> int:
             warm_source = "requests on prefetched adapters"
         sizes = [a["size_bytes"] for a in data["adapters"]]
         model_bytes = sum(p.stat().st_size for p in (catalog.parent / "model").glob("*.safetensors"))
-        pool_bytes = [pool_mb << 20]
         report = build_report(
             base_rows, pre_rows, cold_swap_samples_ms=cold, warm_swap_samples_ms=warm,
-            base_bytes=model_bytes, pool_bytes=sum(pool_bytes), adapter_bytes=sizes,
+            base_bytes=model_bytes, pool_bytes=pool_mb << 20, adapter_bytes=sizes,
             gateway_overhead_ms=overhead,
             extra={
                 "trace": str(args.trace), "speed": args.speed, "errors": errors,
                 "warm_swap_source": warm_source, "cold_swaps": len(cold), "warm_swaps": len(warm),
-                "pool_adapters": pool, "pool_mb": pool_mb, "adapters": len(names),
+                "pool_adapters": pool, "pool_mb": pool_mb, "pool_bytes": pool_mb << 20,
+                "pool_bytes_needed": pool_needed, "adapters": len(names),
+                "agent_cold_args": list(COLD_AGENT_ARGS),
+                "rows_by_tier": {k: dict(sorted(Counter(r["tier"] for r in rs).items())) for k, rs in ok.items()},
+                "loads_by_tier": {k: extra.get("loads_by_tier") for k, (_, extra) in results.items()},
+                "store_fetches": {k: extra.get("store_fetches") for k, (_, extra) in results.items()},
                 "model_shape": json.loads((catalog.parent / "model" / "config.json").read_text()),
                 "adapter_sizes": {a["name"]: a["size_bytes"] for a in data["adapters"]},
                 "speculation_driver": "gateway: extproc.speculation.GatewaySpeculation (counters from its log)",

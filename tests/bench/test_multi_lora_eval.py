@@ -75,3 +75,36 @@ def test_think_s_is_validated(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps([bad]))
     with pytest.raises(TraceError, match="think_s"):
         load_trace(tmp_path / "t.json")
+
+
+def test_pool_has_max_loras_semantics():
+    """Half of the adapters as slots, bytes for the largest that many at once (whole MiB)."""
+    from bench.multi_lora_eval import pool_size
+    sizes = {"a": 919616, "b": 919616, "c": 460848, "d": 460848, "e": 231464, "f": 231464,
+             "g": 116760, "h": 116760, "i": 59392, "j": 59392}
+    slots, needed, mb = pool_size(set(sizes), sizes)
+    assert (slots, needed, mb) == (5, 2 * 919616 + 2 * 460848 + 231464, 3)
+    assert pool_size({"i"}, sizes) == (1, 59392, 1)
+
+
+def test_bench_runs_the_agent_cold(tmp_path):
+    from bench.multi_lora_eval import COLD_AGENT_ARGS
+    from gpu_agent.settings import parse_args
+    assert dict(zip(COLD_AGENT_ARGS[::2], COLD_AGENT_ARGS[1::2])) == {"--engine-host-mb": "0", "--disk-budget-mb": "0"}
+    cat = tmp_path / "c.yaml"
+    cat.write_text("base_model: {name: m}\nadapters: []\n")
+    s = parse_args(["--catalog", str(cat), "--auth", "none", *COLD_AGENT_ARGS])
+    assert s.engine_host_mb == 0 and s.disk_budget_mb == 0
+
+
+def test_store_fetches_counts_weight_gets_after_an_offset(tmp_path):
+    from bench.multi_lora_eval import store_fetches
+    log = tmp_path / "store.log"
+    first = '127.0.0.1 - - [x] "GET /adapters/a/adapter_model.safetensors HTTP/1.1" 200 -\n'
+    log.write_text(first + '127.0.0.1 - - [x] "GET /adapters/a/adapter_config.json HTTP/1.1" 200 -\n')
+    n, at = store_fetches(log)
+    assert n == 1 and at == log.stat().st_size
+    with log.open("a") as f:
+        f.write(first + first.replace('" 200 ', '" 404 '))
+    assert store_fetches(log, at)[0] == 1
+    assert store_fetches(tmp_path / "missing.log") == (0, 0)
