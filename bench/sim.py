@@ -272,7 +272,8 @@ def simulate(w: Workload, budgets: list[int], args) -> dict:
             elif p in ("speculative", "scored"):
                 settings = SpeculationSettings(k=args.k, min_p=args.min_p, horizon_s=args.horizon_s,
                                                half_life_s=args.half_life_s, window=args.window,
-                                               adaptive_horizon=not args.fixed_horizon)
+                                               adaptive_horizon=not args.fixed_horizon,
+                                               session_demand=not args.no_session_demand)
                 r = run_speculative(cols, b, args.channels, settings,
                                     max_backlog_s=args.max_backlog_ms / 1000.0, speculate=p == "speculative")
             else:
@@ -348,13 +349,16 @@ def parse_args(argv):
     ap.add_argument("--bytes-per-rank", type=int, default=2 * 4 * 4096 * 32 * 2, help="adapter bytes per unit of rank")
     ap.add_argument("--gbps", type=float, default=1.6, help="load bandwidth, GB/s")
     ap.add_argument("--channels", type=int, default=1, help="parallel load links per host")
-    ap.add_argument("--window", type=int, default=16, help="eviction: LRU entries the score looks at (1 = LRU)")
+    ap.add_argument("--window", type=int, default=0, help="eviction: LRU entries the score looks at (1 = LRU, 0 = all)")
     ap.add_argument("--half-life-s", type=float, default=600.0, help="popularity: half-life of the decayed rates")
     ap.add_argument("--max-backlog-ms", type=float, default=250.0, help="speculation: skipped while the load link is this busy")
     ap.add_argument("--horizon-s", type=float, default=10.0,
                     help="speculation: horizon of the use probabilities (the start value: it then follows the "
                          "sessions' pace, twice the median step gap, as in the gateway)")
     ap.add_argument("--fixed-horizon", action="store_true", help="speculation: keep --horizon-s fixed")
+    ap.add_argument("--no-session-demand", action="store_true",
+                    help="speculation: score victims by the latest prediction left on each entry instead of "
+                         "what the sessions in progress expect next (the previous rule)")
     ap.add_argument("--k", type=int, default=2, help="speculation: next adapters considered per step")
     ap.add_argument("--min-p", type=float, default=0.35, help="speculation: least probability worth a load")
     args = ap.parse_args(argv)
@@ -397,7 +401,7 @@ def main(argv=None) -> int:
         "span_s": float(w.t[-1] - w.t[0]),
         "budgets": budgets,
         "model": {k: getattr(args, k) for k in ("lead_ms", "load_base_ms", "bytes_per_rank", "gbps",
-                                                "channels", "window", "half_life_s", "max_backlog_ms", "horizon_s", "fixed_horizon", "k", "min_p", "seed")},
+                                                "channels", "window", "half_life_s", "max_backlog_ms", "horizon_s", "fixed_horizon", "no_session_demand", "k", "min_p", "seed")},
         "metric": "hit_ratio = share of requests whose adapter was loaded when the engine started them",
         "results": results,
         "targets": targets(results, budgets),

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from extproc.decision import Decision
-from extproc.policy.prediction import PredictionLedger, StepPace, TransitionModel
+from extproc.policy.prediction import PredictionLedger, SessionDemand, StepPace, TransitionModel
 from extproc.policy.speculate import SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.prefetch import PrefetchSignal, PrefetchSink
@@ -110,12 +110,14 @@ class SpeculationPlanner:
         self.speculators: dict[str, Speculator] = {}
         self._slots = dict(slots or {})
         self.pace = StepPace(settings.horizon_s)
+        self.expected = SessionDemand(settings.horizon_s)
 
     def speculator(self, upstream: str) -> Speculator:
         spec = self.speculators.get(upstream)
         if spec is None:
             spec = Speculator(max(self.initial_slots, self._slots.get(upstream, 0)), self.settings,
-                              model=self.model, ledger=self.ledger, pace=self.pace)
+                              model=self.model, ledger=self.ledger, pace=self.pace,
+                              expected=self.expected)
             spec.set_horizon(self.pace.horizon_s)
             self.speculators[upstream] = spec
         return spec

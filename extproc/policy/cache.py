@@ -190,7 +190,8 @@ class AdapterCache:
 
         LRU with a look at the scores: recency still decides which entries are eligible,
         and a fresh prefetch or a hot adapter that happens to sit at the LRU end is spared
-        for a colder neighbour. Ties go to the least recently used. ``window=1`` is LRU.
+        for a colder neighbour. Ties go to the least recently used. ``window=1`` is LRU;
+        ``window=0`` looks at every entry (the scores alone decide).
         """
         best = None
         best_score = 0.0
@@ -202,7 +203,7 @@ class AdapterCache:
             if best is None or sc < best_score:
                 best, best_score = key, sc
             seen += 1
-            if seen >= window:
+            if seen == window:
                 break
         return best
 

@@ -27,6 +27,7 @@ from typing import Hashable
 
 __all__ = [
     "DecayedPopularity",
+    "SessionDemand",
     "StepPace",
     "PredictionLedger",
     "TransitionModel",
@@ -234,6 +235,78 @@ class TransitionModel:
 
     def last_adapter(self, tenant: Hashable, session: Hashable) -> Hashable | None:
         return self._last.get((tenant, session))
+
+
+class SessionDemand:
+    """What the sessions in progress are expected to ask for next.
+
+    After each step of a session, ``expect(tenant, session, predicted, now)`` replaces
+    that session's expectation with the model's next-step predictions ``[(adapter, p)]``.
+    ``need(adapter, now)`` is the probability that at least one session in progress asks
+    for ``adapter`` at its next step: ``1 - prod(1 - p_s * w_s)`` over the sessions
+    expecting it, where ``w_s = exp(-age_s / horizon_s)`` fades a session that has not come
+    back (it may have ended: sessions do not say so). An expectation older than
+    ``expire_horizons`` horizons is dropped. One session's wrong guess is forgotten at its
+    next step, unlike a score left on a cache entry.
+
+    This is what eviction needs to tell "another session is thinking over this adapter"
+    from "nobody is coming back for it": recency and popularity cannot. Bounded:
+    ``max_sessions`` sessions (least recently stepped dropped first).
+    """
+
+    def __init__(self, horizon_s: float = 10.0, *, expire_horizons: float = 4.0,
+                 max_sessions: int = 200_000) -> None:
+        self.horizon_s = horizon_s
+        self.expire_horizons = expire_horizons
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[tuple[Hashable, Hashable], tuple[tuple[Hashable, ...], float]] = OrderedDict()
+        self._by_adapter: dict[Hashable, dict[tuple[Hashable, Hashable], tuple[float, float]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def expect(self, tenant: Hashable, session: Hashable, predicted: list[tuple[Hashable, float]],
+               now: float) -> None:
+        """The session just took a step; its next step is ``predicted`` (may be empty)."""
+        key = (tenant, session)
+        self._forget(key)
+        if not predicted:
+            return
+        for adapter, p in predicted:
+            self._by_adapter.setdefault(adapter, {})[key] = (p, now)
+        self._sessions[key] = (tuple(a for a, _ in predicted), now)
+        if len(self._sessions) > self.max_sessions:
+            self._forget(next(iter(self._sessions)))
+
+    def _forget(self, key: tuple[Hashable, Hashable]) -> None:
+        old = self._sessions.pop(key, None)
+        if old is None:
+            return
+        for adapter in old[0]:
+            waiting = self._by_adapter.get(adapter)
+            if waiting is not None:
+                waiting.pop(key, None)
+                if not waiting:
+                    del self._by_adapter[adapter]
+
+    def need(self, adapter: Hashable, now: float) -> float:
+        waiting = self._by_adapter.get(adapter)
+        if not waiting:
+            return 0.0
+        inv_h = 1.0 / self.horizon_s
+        expire = self.expire_horizons * self.horizon_s
+        miss = 1.0
+        stale = None
+        for key, (p, t) in waiting.items():
+            age = now - t
+            if age > expire:
+                stale = [key] if stale is None else stale + [key]
+                continue
+            miss *= 1.0 - p * math.exp(-age * inv_h) if age > 0 else 1.0 - p
+        if stale:
+            for key in stale:
+                self._forget(key)
+        return 1.0 - miss
 
 
 @dataclass

@@ -29,6 +29,7 @@ from extproc.policy.cache import AdapterCache, Entry
 from extproc.policy.prediction import (
     DecayedPopularity,
     PredictionLedger,
+    SessionDemand,
     StepPace,
     TransitionModel,
     candidate_score,
@@ -47,8 +48,9 @@ class SpeculationSettings:
     min_p: float = 0.35  # least transition probability worth a load
     horizon_s: float = 10.0  # horizon of the use probabilities compared by should_speculate
     half_life_s: float = 600.0  # popularity half-life
-    window: int = 16  # eviction looks at this many least recently used entries (1 = LRU)
+    window: int = 0  # eviction looks at this many least recently used entries (1 = LRU, 0 = all)
     adaptive_horizon: bool = True  # horizon_s follows the sessions' pace (StepPace); False: fixed
+    session_demand: bool = True  # victims scored by what sessions in progress expect next (SessionDemand)
 
 
 @dataclass(frozen=True)
@@ -66,16 +68,18 @@ def _now_load(adapter: Hashable, now: float) -> float:
 class Speculator:
     def __init__(self, capacity: int, settings: SpeculationSettings = SpeculationSettings(), *,
                  model: TransitionModel | None = None, ledger: PredictionLedger | None = None,
-                 pace: StepPace | None = None) -> None:
-        """``model`` / ``ledger`` / ``pace``: shared between the Speculators of several hosts
-        (the gateway: a session's steps may be served by different hosts); own ones by
-        default. ``pace`` is used only with ``settings.adaptive_horizon``."""
+                 pace: StepPace | None = None, expected: SessionDemand | None = None) -> None:
+        """``model`` / ``ledger`` / ``pace`` / ``expected``: shared between the Speculators of
+        several hosts (the gateway: a session's steps may be served by different hosts);
+        own ones by default. ``pace`` is used only with ``settings.adaptive_horizon``,
+        ``expected`` only with ``settings.session_demand``."""
         self.settings = settings
         self.cache = AdapterCache(capacity)
         self.model = model if model is not None else TransitionModel()
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
         self.ledger = ledger if ledger is not None else PredictionLedger()
         self.pace = pace if pace is not None else StepPace(settings.horizon_s)
+        self.expected = expected if expected is not None else SessionDemand(settings.horizon_s)
         self.horizon_s = settings.horizon_s
         self._decay = 1.0 / settings.horizon_s
         self._now = 0.0
@@ -87,10 +91,14 @@ class Speculator:
             raise ValueError(f"horizon must be positive, got {horizon_s}")
         self.horizon_s = horizon_s
         self._decay = 1.0 / horizon_s
+        self.expected.horizon_s = horizon_s
 
     def score(self, key: Hashable, entry: Entry) -> float:
-        """Use probability within the horizon: decayed popularity or a pending prediction."""
+        """Use probability within the horizon: decayed popularity, or what the sessions in
+        progress expect (``session_demand``; else the latest prediction left on the entry)."""
         now = self._now
+        if self.settings.session_demand:
+            return victim_score(self.popularity.rate(key, now), self.horizon_s, self.expected.need(key, now))
         pending = entry.score * math.exp(-(now - entry.scored_at) * self._decay) if entry.score else 0.0
         return victim_score(self.popularity.rate(key, now), self.horizon_s, pending)
 
@@ -127,7 +135,10 @@ class Speculator:
         self.ledger.resolve(tenant, session, adapter)
         self.model.observe(tenant, session, adapter)
         st = self.settings
-        return [(b, p) for b, p in self.model.predict_next(tenant, adapter, st.k) if p >= st.min_p]
+        predicted = self.model.predict_next(tenant, adapter, st.k)
+        if st.session_demand:
+            self.expected.expect(tenant, session, predicted, now if now is not None else self._now)
+        return [(b, p) for b, p in predicted if p >= st.min_p]
 
     def speculate(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
                   load: LoadFn = _now_load, may_load: bool = True) -> list[Prefetch]:
@@ -167,6 +178,8 @@ class Speculator:
                 if victim is None:
                     return None
                 v = self.score(victim, cache.get(victim))
+            if self.settings.session_demand:
+                p = max(p, self.expected.need(adapter, now))
             c = candidate_score(p, self.popularity.rate(adapter, now), self.horizon_s)
             if not should_speculate(c, v, min_score=self.settings.min_p):
                 return None

@@ -69,3 +69,14 @@ def test_coldest_spares_a_hot_lru_entry():
     assert cache.coldest(lambda k, e: scores[k], window=2) == "b"  # c is outside the window
     assert cache.coldest(lambda k, e: scores[k], window=1) == "a"  # plain LRU
     assert cache.coldest(lambda k, e: 0.0, window=3) == "a"  # ties: least recent
+
+
+def test_coldest_window_zero_looks_at_every_entry():
+    c = AdapterCache(4)
+    for k in "abcd":
+        c.admit(k, 0.0)
+    scores = {"a": 0.9, "b": 0.8, "c": 0.7, "d": 0.1}
+    assert c.coldest(lambda k, e: scores[k], window=2) == "b"
+    assert c.coldest(lambda k, e: scores[k], window=0) == "d"
+    c.pin("d")
+    assert c.coldest(lambda k, e: scores[k], window=0) == "c"

@@ -105,3 +105,43 @@ def test_step_pace_sets_the_horizon_from_the_median_gap():
     for i in range(5):
         pace.observe("t", "s2", 1000.0 * i)          # very slow sessions: clamped
     assert pace.horizon_s == 60.0
+
+
+# ---------------------------------------------------------------- SessionDemand
+
+def test_session_demand_is_what_sessions_in_progress_expect():
+    from extproc.policy.prediction import SessionDemand
+
+    d = SessionDemand(horizon_s=10.0)
+    d.expect("acme", "s1", [("review", 0.8), ("sql", 0.2)], now=0.0)
+    assert d.need("review", 0.0) == pytest.approx(0.8)
+    assert d.need("sql", 0.0) == pytest.approx(0.2)
+    assert d.need("code", 0.0) == 0.0
+    d.expect("bank", "s2", [("review", 0.5)], now=0.0)
+    assert d.need("review", 0.0) == pytest.approx(1 - 0.2 * 0.5)
+    # the session took its step: its old expectation is gone, the new one replaces it
+    d.expect("acme", "s1", [("sql", 0.9)], now=1.0)
+    assert d.need("review", 1.0) == pytest.approx(0.5 * math.exp(-0.1))
+    assert d.need("sql", 1.0) == pytest.approx(0.9)
+    d.expect("acme", "s1", [], now=2.0)
+    assert d.need("sql", 2.0) == 0.0 and len(d) == 1
+
+
+def test_session_demand_fades_and_expires_sessions_that_do_not_come_back():
+    from extproc.policy.prediction import SessionDemand
+
+    d = SessionDemand(horizon_s=2.0, expire_horizons=4.0)
+    d.expect("acme", "s1", [("review", 1.0)], now=0.0)
+    assert d.need("review", 2.0) == pytest.approx(math.exp(-1.0))
+    assert d.need("review", 8.5) == 0.0  # older than 4 horizons: dropped
+    assert len(d) == 0
+
+
+def test_session_demand_is_bounded():
+    from extproc.policy.prediction import SessionDemand
+
+    d = SessionDemand(max_sessions=3)
+    for i in range(10):
+        d.expect("t", f"s{i}", [(f"a{i}", 1.0)], now=0.0)
+    assert len(d) == 3
+    assert d.need("a0", 0.0) == 0.0 and d.need("a9", 0.0) == 1.0

@@ -108,3 +108,30 @@ def test_a_shorter_horizon_tells_hot_from_lukewarm():
     assert spec.score("warm", entry) < long  # within half a second it is far less certain
     with pytest.raises(ValueError):
         spec.set_horizon(0)
+
+
+def test_eviction_spares_the_adapter_another_session_comes_back_for():
+    """LRU would evict "review" (least recent); a session in progress expects it next,
+    while nobody expects "junk" (more recent), so the score evicts "junk"."""
+    spec = Speculator(capacity=3, settings=SpeculationSettings(min_p=0.99, k=1))
+    _, now = run_sessions(spec, 6, chain=("code", "review"))
+    spec.on_request("acme", "live", "code", now)          # the live session expects "review" next
+    spec.on_request("other", "x", "junk", now + 0.1)
+    assert set(spec.cache) == {"code", "review", "junk"}
+    spec.demand("solo", now + 0.2)                         # a one-off request needs a slot
+    assert "review" in spec.cache and "junk" not in spec.cache
+
+
+def test_a_session_still_coming_back_keeps_its_adapter_hot_after_another_used_it():
+    """Session "live" expects x next; session "other" then uses x. The old rule cleared the
+    score left on x's entry (its prediction "came true"), so x looked as cold as its
+    popularity; SessionDemand still counts "live" coming back for it."""
+    def scenario(session_demand: bool) -> float:
+        spec = Speculator(capacity=4, settings=SpeculationSettings(min_p=0.5, k=1, session_demand=session_demand))
+        _, now = run_sessions(spec, 6, chain=("code", "x"))
+        spec.on_request("acme", "live", "code", now)
+        spec.on_request("acme", "other", "x", now + 0.1)
+        return spec.score("x", spec.cache.get("x"))
+
+    assert scenario(True) > 0.9
+    assert scenario(False) < 0.5
