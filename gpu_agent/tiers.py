@@ -94,6 +94,11 @@ class AdapterTiers:
         self._lock = threading.RLock()
         self.last: dict[str, LoadTimings] = {}
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held for a whole load below the pool (a caller may try it to avoid waiting)."""
+        return self._lock
+
     def where(self, name: str) -> str | None:
         """The fastest tier holding ``name`` (``pool``/``host``), None if neither."""
         if self.pool.contains(name):

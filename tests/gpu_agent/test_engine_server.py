@@ -286,3 +286,49 @@ def test_cold_load_waits_for_room_when_the_pool_is_full_of_running_adapters(fx):
         tier, ms = await asyncio.wait_for(waiting, 10)
         assert tier in ("host", "disk") and ms >= 100 and res.tier("legal-review") != "pool"
     run_with_server(fx, scenario, pool_bytes=3 << 19)
+
+
+def test_small_host_to_pool_swap_runs_on_the_loop_unless_a_load_holds_the_tiers(fx):
+    """CPU pool: a small adapter already parsed in host memory is copied into the pool on
+    the event loop (no worker-thread round trip); while another load holds the tiers it
+    takes the worker thread as before. Both count as loads from ``host``."""
+    import threading
+
+    from gpu_agent.engine import residency as engine_residency
+
+    async def scenario(c, engine):
+        res = engine.residency
+        await res.ensure_resident("code-sql")
+        res.evict("code-sql")
+        assert res.tier("code-sql") == "host"
+        threads = []
+        ensure = res.tiers.ensure
+
+        def spy(*a, **kw):
+            threads.append(threading.current_thread() is threading.main_thread())
+            return ensure(*a, **kw)
+
+        res.tiers.ensure = spy
+        assert (await res.ensure_resident("code-sql"))[0] == "host"
+        assert threads == [True] and res.loads["host"] == 1
+        res.evict("code-sql")
+        held = threading.Event()
+        done = threading.Event()
+
+        def hold_tiers():
+            with res.tiers.lock:
+                held.set()
+                done.wait(5)
+
+        t = threading.Thread(target=hold_tiers)
+        t.start()
+        held.wait(5)
+        waiter = asyncio.ensure_future(res.ensure_resident("code-sql"))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()            # it went to the worker thread, which waits
+        done.set()
+        assert (await waiter)[0] == "host"
+        t.join()
+        assert threads == [True, False] and res.loads["host"] == 2
+        assert engine_residency.INLINE_SWAP_BYTES >= 1 << 20
+    run_with_server(fx, scenario)
