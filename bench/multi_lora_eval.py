@@ -22,8 +22,12 @@ Cold means cold: no warm shortcut below the pool. The engine keeps no parsed hos
 adapter's files are dropped when it leaves the pool), so every adapter that becomes
 resident again goes the whole way: artifact store over loopback HTTP -> disk cache
 (SHA-256 checked while streaming) -> parsed -> pool, and reports tier ``remote``. The
-report counts, per run, the engine's loads by tier (``loads_by_tier``) and the artifact
-store's weight GETs (``store_fetches``) to show it.
+report counts, per run, the requests by tier (``rows_by_tier``), the engine's loads by
+the tier they came from (``loads_by_tier``) and the artifact store's weight GETs
+(``store_fetches``) to show it: no ``host`` loads, and a GET for every load. A load the
+agent prefetched counts as ``disk`` in the engine: the agent fetched the files a moment
+before (150-request check: baseline 57 loads, all ``remote``, 57 GETs; prefetch 56
+``remote`` + 34 ``disk``, 92 GETs).
 
 Sessions are replayed **closed-loop** (agents wait for an answer before the next step):
 a session's first step is sent at its ``t`` / ``--speed``; each later step when the
