@@ -273,7 +273,7 @@ def simulate(w: Workload, budgets: list[int], args) -> dict:
                 settings = SpeculationSettings(k=args.k, min_p=args.min_p, horizon_s=args.horizon_s,
                                                half_life_s=args.half_life_s, window=args.window,
                                                adaptive_horizon=not args.fixed_horizon,
-                                               session_demand=not args.no_session_demand)
+                                               session_demand=not args.no_session_demand, order=args.order)
                 r = run_speculative(cols, b, args.channels, settings,
                                     max_backlog_s=args.max_backlog_ms / 1000.0, speculate=p == "speculative")
             else:
@@ -359,6 +359,8 @@ def parse_args(argv):
     ap.add_argument("--no-session-demand", action="store_true",
                     help="speculation: score victims by the latest prediction left on each entry instead of "
                          "what the sessions in progress expect next (the previous rule)")
+    ap.add_argument("--order", type=int, default=2, choices=(1, 2),
+                    help="speculation: transition model context (1 = last step, 2 = last two, backing off to 1)")
     ap.add_argument("--k", type=int, default=2, help="speculation: next adapters considered per step")
     ap.add_argument("--min-p", type=float, default=0.35, help="speculation: least probability worth a load")
     args = ap.parse_args(argv)
@@ -401,7 +403,7 @@ def main(argv=None) -> int:
         "span_s": float(w.t[-1] - w.t[0]),
         "budgets": budgets,
         "model": {k: getattr(args, k) for k in ("lead_ms", "load_base_ms", "bytes_per_rank", "gbps",
-                                                "channels", "window", "half_life_s", "max_backlog_ms", "horizon_s", "fixed_horizon", "no_session_demand", "k", "min_p", "seed")},
+                                                "channels", "window", "half_life_s", "max_backlog_ms", "horizon_s", "fixed_horizon", "no_session_demand", "order", "k", "min_p", "seed")},
         "metric": "hit_ratio = share of requests whose adapter was loaded when the engine started them",
         "results": results,
         "targets": targets(results, budgets),

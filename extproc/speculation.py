@@ -105,7 +105,7 @@ class SpeculationPlanner:
         self.route = route
         self.initial_slots = initial_slots
         self.load_grace_s = load_grace_s  # a prefetch not yet in the pool is in flight this long
-        self.model = TransitionModel()
+        self.model = TransitionModel(order=settings.order)
         self.ledger = PredictionLedger()
         self.speculators: dict[str, Speculator] = {}
         self._slots = dict(slots or {})

@@ -163,13 +163,22 @@ class TransitionModel:
         max_successors: int = 16,
         halve_at: float = 512.0,
         min_support: float = 3.0,
+        order: int = 2,
     ) -> None:
+        """``order=2``: also count ``(before, adapter) -> next`` (the two latest steps of a
+        session), used when it has ``min_support`` observations; ``predict_next`` backs off
+        to the first-order row otherwise. A workflow that visits an adapter twice (notes ->
+        triage -> notes -> translate) is told apart by where it came from."""
+        if order not in (1, 2):
+            raise ValueError(f"order must be 1 or 2, got {order}")
+        self.order = order
         self.max_sessions = max_sessions
         self.max_tenants = max_tenants
         self.max_successors = max_successors
         self.halve_at = halve_at
         self.min_support = min_support
         self._last: OrderedDict[tuple[Hashable, Hashable], Hashable] = OrderedDict()
+        self._before: dict[tuple[Hashable, Hashable], Hashable] = {}  # the step before the last (order 2)
         self._tenants: OrderedDict[Hashable, dict[Hashable, _Row]] = OrderedDict()
         self._global: dict[Hashable, _Row] = {}
 
@@ -178,10 +187,14 @@ class TransitionModel:
         key = (tenant, session)
         last = self._last
         prev = last.get(key)
+        before = self._before.pop(key, None)
         last[key] = adapter
         last.move_to_end(key)
+        if prev is not None and self.order == 2:
+            self._before[key] = prev
         if len(last) > self.max_sessions:
-            last.popitem(last=False)
+            gone, _ = last.popitem(last=False)
+            self._before.pop(gone, None)
         if prev is not None:
             rows = self._tenants.get(tenant)
             if rows is None:
@@ -192,6 +205,9 @@ class TransitionModel:
                 self._tenants.move_to_end(tenant)
             self._count(rows, prev, adapter)
             self._count(self._global, prev, adapter)
+            if before is not None:
+                self._count(rows, (before, prev), adapter)
+                self._count(self._global, (before, prev), adapter)
         return prev
 
     def _count(self, rows: dict[Hashable, _Row], prev: Hashable, nxt: Hashable) -> None:
@@ -213,14 +229,24 @@ class TransitionModel:
                     counts[k] = v
             row.total = sum(counts.values())
 
-    def predict_next(self, tenant: Hashable, adapter: Hashable, k: int = 2) -> list[tuple[Hashable, float]]:
+    def predict_next(self, tenant: Hashable, adapter: Hashable, k: int = 2, *,
+                     before: Hashable | None = None) -> list[tuple[Hashable, float]]:
         """The ``k`` likeliest next adapters after ``adapter`` for ``tenant``, with probabilities.
 
-        Uses the tenant's own counts when it has ``min_support`` observations after this
-        adapter, else the all-tenant counts; empty when neither knows the adapter.
+        ``before``: the session's step before ``adapter`` (``previous``); with ``order=2``
+        the tenant's ``(before, adapter)`` row is used when it has ``min_support``
+        observations. Else the tenant's own counts when it has ``min_support``
+        observations after this adapter, else the all-tenant counts; empty when neither
+        knows the adapter.
         """
         rows = self._tenants.get(tenant)
-        row = rows.get(adapter) if rows is not None else None
+        row = None
+        if before is not None and self.order == 2 and rows is not None:
+            row = rows.get((before, adapter))
+            if row is not None and row.total < self.min_support:
+                row = None
+        if row is None:
+            row = rows.get(adapter) if rows is not None else None
         if row is None or row.total < self.min_support:
             row = self._global.get(adapter)
             if row is None or row.total <= 0.0:
@@ -235,6 +261,10 @@ class TransitionModel:
 
     def last_adapter(self, tenant: Hashable, session: Hashable) -> Hashable | None:
         return self._last.get((tenant, session))
+
+    def previous(self, tenant: Hashable, session: Hashable) -> Hashable | None:
+        """The session's step before its last one (order 2; None otherwise or at its first step)."""
+        return self._before.get((tenant, session))
 
 
 class SessionDemand:

@@ -51,6 +51,7 @@ class SpeculationSettings:
     window: int = 0  # eviction looks at this many least recently used entries (1 = LRU, 0 = all)
     adaptive_horizon: bool = True  # horizon_s follows the sessions' pace (StepPace); False: fixed
     session_demand: bool = True  # victims scored by what sessions in progress expect next (SessionDemand)
+    order: int = 2  # transition model context: 1 = the last step, 2 = the last two (backs off to 1)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Speculator:
         ``expected`` only with ``settings.session_demand``."""
         self.settings = settings
         self.cache = AdapterCache(capacity)
-        self.model = model if model is not None else TransitionModel()
+        self.model = model if model is not None else TransitionModel(order=settings.order)
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
         self.ledger = ledger if ledger is not None else PredictionLedger()
         self.pace = pace if pace is not None else StepPace(settings.horizon_s)
@@ -135,7 +136,7 @@ class Speculator:
         self.ledger.resolve(tenant, session, adapter)
         self.model.observe(tenant, session, adapter)
         st = self.settings
-        predicted = self.model.predict_next(tenant, adapter, st.k)
+        predicted = self.model.predict_next(tenant, adapter, st.k, before=self.model.previous(tenant, session))
         if st.session_demand:
             self.expected.expect(tenant, session, predicted, now if now is not None else self._now)
         return [(b, p) for b, p in predicted if p >= st.min_p]

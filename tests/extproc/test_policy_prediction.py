@@ -145,3 +145,32 @@ def test_session_demand_is_bounded():
         d.expect("t", f"s{i}", [(f"a{i}", 1.0)], now=0.0)
     assert len(d) == 3
     assert d.need("a0", 0.0) == 0.0 and d.need("a9", 0.0) == 1.0
+
+
+# ---------------------------------------------------------------- order 2
+
+def test_order_two_tells_a_revisit_apart_by_where_it_came_from():
+    # notes -> triage -> notes -> translate: after "notes" comes triage or translate,
+    # after (triage, notes) always translate
+    m = TransitionModel(order=2)
+    for s in range(6):
+        for a in ("notes", "triage", "notes", "translate"):
+            m.observe("medco", f"s{s}", a)
+    first = dict(m.predict_next("medco", "notes", 2))
+    assert first["triage"] == pytest.approx(0.5) and first["translate"] == pytest.approx(0.5)
+    assert m.predict_next("medco", "notes", 1, before="triage") == [("translate", 1.0)]
+    m.observe("medco", "live", "triage")
+    m.observe("medco", "live", "notes")
+    assert m.previous("medco", "live") == "triage"
+    # too little support for the pair: back off to the first-order row
+    assert dict(m.predict_next("medco", "notes", 2, before="unseen")) == first
+
+
+def test_order_one_keeps_no_pairs():
+    m = TransitionModel(order=1, min_support=1)
+    for a in ("a", "b", "a", "c"):
+        m.observe("t", "s", a)
+    assert m.previous("t", "s") is None
+    assert dict(m.predict_next("t", "a", 2, before="b")) == {"b": 0.5, "c": 0.5}
+    with pytest.raises(ValueError):
+        TransitionModel(order=3)
