@@ -218,7 +218,8 @@ async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -
     trace = dict(kv.split("=", 1) for kv in h.get("x-ace-trace-multi-lora", "").split(",") if "=" in kv)
     wait = h.get("x-ace-adapter-wait-ms")
     return {
-        "id": r.get("id"), "tenant": r["tenant"], "session": r["session"], "adapter": r["adapter"],
+        "id": r.get("id"), "tenant": r["tenant"], "session": r["session"], "step": r.get("step"),
+        "adapter": r["adapter"],
         "domain": r["domain"], "status": status, "tier": h.get("x-ace-adapter-tier", "unknown"),
         "wait_ms": float(wait) if wait is not None else None, "ttft_ms": ttft,
         "total_ms": (time.perf_counter() - t0) * 1000, "action": trace.get("action"),

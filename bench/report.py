@@ -19,6 +19,9 @@ Definitions:
   already resident); ``swap_speedup`` = cold / warm.
 - ``vram_savings_pct``: 1 - (base + pool bytes) / (adapters x (base + adapter bytes)),
   one shared base model with a pool versus one dedicated instance per adapter.
+- ``by_step``: the hit counts of a session's first step (``step`` 0: no session model
+  can predict it, only popularity and the warm set help) and of its later steps, per
+  run; rows without ``step`` are left out of it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "QUANTILES",
     "build_report",
     "by_domain",
+    "by_step",
     "format_report",
     "hit_counts",
     "percentiles",
@@ -98,6 +102,13 @@ def by_domain(rows: Sequence[Mapping], stall_eps_ms: float = 1.0) -> dict[str, d
     return out
 
 
+def by_step(rows: Sequence[Mapping], stall_eps_ms: float = 1.0) -> dict[str, dict]:
+    """Hit counts of first steps (``step`` 0) and later steps of sessions."""
+    first = [r for r in rows if r.get("step") == 0]
+    later = [r for r in rows if isinstance(r.get("step"), int) and r["step"] > 0]
+    return {"first": hit_counts(first, stall_eps_ms), "later": hit_counts(later, stall_eps_ms)}
+
+
 def build_report(
     baseline: Sequence[Mapping],
     prefetch: Sequence[Mapping],
@@ -140,6 +151,10 @@ def build_report(
             "baseline": by_domain(baseline, stall_eps_ms),
             "prefetch": by_domain(prefetch, stall_eps_ms),
         },
+        "by_step": {
+            "baseline": by_step(baseline, stall_eps_ms),
+            "prefetch": by_step(prefetch, stall_eps_ms),
+        },
         "bytes": {"base": base_bytes, "pool": pool_bytes, "adapters": list(adapter_bytes)},
     }
     if extra:
@@ -158,6 +173,12 @@ def format_report(r: Mapping) -> str:
         f"multi-LoRA eval: {r['total']} requests",
         f"  VRAM resident hits         {r['resident_hits']:>5} / {r['total']}  ({100 * r['resident_hits'] / total:.2f}%)",
         f"  effective prefetch hits    {r['effective_hits']:>5} / {r['total']}  ({100 * r['effective_hits'] / total:.2f}%)",
+    ]
+    base = r.get("baseline_hits")
+    if base:
+        lines.append(f"  effective hits, prefetch off {base['effective_hits']:>3} / {base['total']}  "
+                     f"({100 * base['effective_hit_ratio']:.2f}%)")
+    lines += [
         f"  cold swap latency (p50)    {_ms(r['cold_swap_ms'])}",
         f"  warm/prefetched latency    {_ms(r['warm_swap_ms'])}",
         "  swap speedup               " + ("unknown" if r["swap_speedup"] is None else f"{r['swap_speedup']:.1f}x"),
@@ -180,4 +201,10 @@ def format_report(r: Mapping) -> str:
             f"  {d:<14}{row['total']:>6}{row['resident_hits']:>10}{row['effective_hits']:>10}"
             f"{'-' if off is None else format(off, '.1f'):>15}{'-' if on is None else format(on, '.1f'):>8}"
         )
+    steps = r.get("by_step")
+    if steps:
+        lines += ["", f"  {'session step':<14}{'total':>6}{'effective off':>15}{'on':>8}"]
+        for kind, label in (("first", "first"), ("later", "later")):
+            b, p = steps["baseline"][kind], steps["prefetch"][kind]
+            lines.append(f"  {label:<14}{p['total']:>6}{b['effective_hits']:>15}{p['effective_hits']:>8}")
     return "\n".join(lines)

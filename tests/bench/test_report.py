@@ -84,3 +84,19 @@ def test_unknown_values_print_as_unknown():
                      base_bytes=1, pool_bytes=1, adapter_bytes=[1], gateway_overhead_ms=None)
     assert r["swap_speedup"] is None
     assert "unknown" in format_report(r)
+
+
+def test_by_step_splits_first_steps_from_later_ones():
+    from bench.report import by_step
+
+    rows = [dict(row("coding", "remote", 12, 20), step=0), dict(row("coding", "pool", 0, 5), step=0),
+            dict(row("coding", "pool", 0, 5), step=1), dict(row("coding", "remote", 9, 15), step=3),
+            dict(row("coding", "pool", 0, 5), step=2), row("coding", "pool", 0, 5)]  # no step: left out
+    s = by_step(rows)
+    assert (s["first"]["total"], s["first"]["effective_hits"]) == (2, 1)
+    assert (s["later"]["total"], s["later"]["effective_hits"]) == (3, 2)
+    r = build_report(rows, rows, cold_swap_samples_ms=[12], warm_swap_samples_ms=[1], base_bytes=1,
+                     pool_bytes=1, adapter_bytes=[1], gateway_overhead_ms=None)
+    assert r["by_step"]["prefetch"]["first"]["total"] == 2
+    text = format_report(r)
+    assert "session step" in text and "effective hits, prefetch off" in text
