@@ -90,9 +90,12 @@ def eval800(r: dict) -> list[str]:
     return [
         "### 800-request trace through the whole stack — `make bench` → `reports/multi_lora_eval.json`",
         "",
-        f"Envoy + ext_proc + agent + builtin engine, pool capped at {r['pool_adapters']} of {r['adapters']} "
-        f"adapters ({r['pool_mb']} MiB); {r['replay']}, {r['sessions']} sessions; cold = artifact store over "
-        "loopback HTTP → disk cache → host → pool, digest verified. Model: the fixtures' tiny Llama "
+        f"Envoy + ext_proc + agent + builtin engine, pool of {r['pool_adapters']} adapter slots for "
+        f"{r['adapters']} adapters ({r['pool_mb']} MiB: room for the {r['pool_adapters']} largest, vLLM's "
+        f"`--max-loras` semantics); {r['replay']}, {r['sessions']} sessions; cold means cold: every load "
+        "into the pool, first or after an eviction, goes artifact store over loopback HTTP → disk cache → "
+        "host → pool, digest verified (the agent keeps no host or disk copy of an adapter that left the "
+        "pool). Model: the fixtures' tiny Llama "
         f"(hidden {r['model_shape']['hidden_size']}, {r['model_shape']['num_hidden_layers']} layers), adapters "
         f"{min(r['bytes']['adapters']) / 1e3:.0f}–{max(r['bytes']['adapters']) / 1e3:.0f} KB.",
         "",
@@ -102,11 +105,16 @@ def eval800(r: dict) -> list[str]:
         f"({100 * b['effective_hit_ratio']:.1f}%) | {p['effective_hits']}/{p['total']} "
         f"({100 * p['effective_hit_ratio']:.1f}%) |",
         f"| resident (VRAM pool) hits | {b['resident_hits']} | {p['resident_hits']} |",
+        *(f"| effective hits, {label} | {r['by_step']['baseline'][k]['effective_hits']}/"
+          f"{r['by_step']['baseline'][k]['total']} | {r['by_step']['prefetch'][k]['effective_hits']}/"
+          f"{r['by_step']['prefetch'][k]['total']} |"
+          for k, label in (("first", "first steps of sessions"), ("later", "later steps"))
+          if "by_step" in r),
         *(f"| TTFT p{q} ms | {t['baseline'][f'p{q}']:.1f} | {t['prefetch'][f'p{q}']:.1f} |" for q in (50, 90, 95, 99)),
         *(f"| adapter stall p{q} ms | {s['baseline'][f'p{q}']:.2f} | {s['prefetch'][f'p{q}']:.2f} |"
           for q in (50, 90, 95, 99)),
         "",
-        f"- Cold swap {r['cold_swap_ms']:.1f} ms vs warm ({r['warm_swap_source']}) {r['warm_swap_ms']:.1f} ms: "
+        f"- Cold swap {r['cold_swap_ms']:.1f} ms vs warm ({r['warm_swap_source']}) {r['warm_swap_ms']:.2f} ms: "
         f"{r['swap_speedup']:.1f}×. VRAM savings vs one instance per adapter: {r['vram_savings_pct']:.1f}% "
         f"(real byte counts). Gateway overhead {r['gateway_overhead_ms']:.2f} ms.",
         f"- Targets: effective hits ≥ 99.25% — {_ok(p['effective_hit_ratio'] >= 0.9925)} "
@@ -118,7 +126,9 @@ def eval800(r: dict) -> list[str]:
         "there (the engine's `x-ace-adapter-wait-ms` ≤ 1 ms); a **resident hit** is one whose adapter "
         "was in the pool when the request arrived; the **adapter stall** is the engine's measured "
         "wait for the adapter; **TTFT** is the client's time to the first streamed chunk through "
-        "Envoy; **cold swap** is the agent's remote → pool load and **warm swap** a host → pool copy; "
+        "Envoy; **cold swap** is the engine's wait for a remote → pool load and **warm** the engine's wait "
+        "for a host → pool copy or, when none happened (cold means cold), for an adapter a prefetch had "
+        "made resident; "
         "**VRAM savings** compares base + pool bytes with one base model per adapter; **gateway "
         "overhead** is the added p50 of the same request through Envoy + ext_proc vs to the engine "
         "directly.",
