@@ -45,13 +45,17 @@ gateway reads ``user`` there).
   gateway's counters come from its log (``speculation counters``) when it stops.
 
 Warm set: the baseline run starts cold (no history). Its gateway counts the requests it
-serves per adapter and the pool size it saw (``gw.popularity.json``, written when it
-stops), and the prefetch run's gateway starts with that file, as a restarted gateway
-starts with yesterday's counts: at start-up it prefetches the most requested adapters,
-up to the pool size it learned (``--no-warm-set``: start the prefetch run cold too).
-The counts come from the same trace, so they are "yesterday = today": aggregate
-popularity only, no order, no timing. The report (``bench.report``) is printed and
-written with a TTFT plot.
+serves per adapter and the pool size it saw, and learns the sessions' transitions (its
+prefetch is off, but ``off`` requests still teach the transition model), all in
+``gw.popularity.json``, written when it stops; the prefetch run's gateway starts with
+that file, as a restarted gateway starts with yesterday's history: at start-up it
+prefetches the most requested adapters, up to the pool size it learned, and predicts
+the workflows the baseline learned from the first session on (``--no-warm-set``: start
+the prefetch run cold too, with neither). Both come from the same trace, so they are
+"yesterday = today": aggregate counts (per adapter, and of which adapter followed which
+in a session), no order of the sessions, no timing. The report (``bench.report``) is
+printed and written with a TTFT plot; its ``warm_set_from`` is the whole file, the
+transitions included.
 """
 
 from __future__ import annotations

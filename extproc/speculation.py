@@ -19,8 +19,9 @@ p99 for ``decide``) is not spent on it.
 - **Which requests**: only requests that apply an adapter (``multi_lora=prod``). With
   ``dynamic_lora_prefetch=prod`` the planner's prefetches are submitted to the sink;
   with ``shadow`` they are decided and counted (``shadow_prefetches``) but never sent;
-  ``off`` requests are only counted (popularity for the next start's warm set; the pool
-  size is still learned from residency), never planned.
+  ``off`` requests are counted (popularity for the next start's warm set; the pool size
+  is still learned from residency) and teach the transition model (kept for the next
+  start), never planned.
 - **Where**: one ``Speculator`` (pool model, popularity) per upstream; one transition
   model and prediction ledger for all of them (a session's steps may go to different
   hosts). A predicted adapter is offered to the host the routing policy would send it to.
@@ -35,6 +36,10 @@ p99 for ``decide``) is not spent on it.
 - **Warm set**: at start-up, ``extproc.policy.warmset.warm_set`` over the request counts
   this gateway persisted (``PopularityFile``, next to the SQLite file); each host's
   list is submitted once, when its agent's residency first arrives. No file, no warm set.
+- **Restart**: the same file carries the transition model's counts
+  (``TransitionModel.to_state``), so a restarted gateway predicts the workflows it
+  learned from the first step; sessions in progress are not kept (they do not survive
+  a restart). The file is bounded (``PopularityFile.max_bytes``).
 """
 from __future__ import annotations
 
@@ -57,7 +62,7 @@ from extproc.residency import ResidencySnapshot
 from extproc.skills import DYNAMIC_LORA_PREFETCH, OFF, PROD
 from extproc.store import Snapshot
 
-__all__ = ["SESSION_HEADER", "GatewaySpeculation", "PopularityFile", "RequestObserver",
+__all__ = ["SESSION_HEADER", "GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
            "SpeculationPlanner", "Step", "route_by_policy", "session_of", "warm_signals"]
 
 log = logging.getLogger(__name__)
@@ -194,27 +199,68 @@ def warm_signals(counts: Mapping[str, float], snapshot: Snapshot, slots: Mapping
                            reason="warm_set") for h in hosts for a in plan.get(h, [])]
 
 
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """What the previous run left: request counts per adapter, learned pool sizes per
+    upstream, and the transition model's state (``TransitionModel.to_state``) or None."""
+
+    counts: dict[str, float]
+    slots: dict[str, int]
+    transitions: dict | None = None
+
+
 class PopularityFile:
-    """Request counts per adapter and learned pool sizes, kept across restarts (JSON)."""
+    """Request counts, learned pool sizes and the transition model, kept across restarts (JSON).
 
-    def __init__(self, path: Path) -> None:
+    Bounded: ``save`` writes at most ``row_budget`` transition rows and never more than
+    ``max_bytes`` (it halves the row budget until the file fits); ``read`` ignores a file
+    larger than that. A file without ``transitions`` (written before they were kept)
+    still gives its counts and slots.
+    """
+
+    def __init__(self, path: Path, *, max_bytes: int = 16 << 20, row_budget: int = 20_000) -> None:
         self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.row_budget = row_budget
 
-    def load(self) -> tuple[dict[str, float], dict[str, int]]:
+    def read(self) -> Saved:
         try:
-            data = json.loads(self.path.read_text())
+            with self.path.open("rb") as f:
+                raw = f.read(self.max_bytes + 1)
+            if len(raw) > self.max_bytes:
+                raise ValueError(f"larger than {self.max_bytes} bytes")
+            data = json.loads(raw)
             counts = {str(k): float(v) for k, v in data.get("counts", {}).items()}
             slots = {str(k): int(v) for k, v in data.get("slots", {}).items()}
-            return counts, slots
+            transitions = data.get("transitions")
+            return Saved(counts, slots, transitions if isinstance(transitions, dict) else None)
         except FileNotFoundError:
-            return {}, {}
-        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            return Saved({}, {})
+        except (OSError, ValueError, AttributeError, TypeError, RecursionError) as exc:
             log.warning("ignoring unreadable popularity file %s: %s", self.path, exc)
-            return {}, {}
+            return Saved({}, {})
 
-    def save(self, counts: Mapping[str, float], slots: Mapping[str, int]) -> None:
+    def load(self) -> tuple[dict[str, float], dict[str, int]]:
+        """Counts and slots only (what start-up needs before the planner exists)."""
+        saved = self.read()
+        return saved.counts, saved.slots
+
+    def save(self, counts: Mapping[str, float], slots: Mapping[str, int],
+             model: TransitionModel | None = None) -> None:
+        budget = self.row_budget
+        while True:
+            data: dict[str, Any] = {"counts": dict(counts), "slots": dict(slots)}
+            if model is not None:
+                data["transitions"] = model.to_state(row_budget=budget)
+            text = json.dumps(data, sort_keys=True)  # ASCII: len(text) is the size in bytes
+            if len(text) <= self.max_bytes or model is None or budget == 0:
+                break
+            budget //= 2
+        if len(text) > self.max_bytes:
+            log.warning("not saving %s: %d bytes is over the %d byte bound", self.path, len(text), self.max_bytes)
+            return
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"counts": dict(counts), "slots": dict(slots)}, sort_keys=True))
+        tmp.write_text(text)
         os.replace(tmp, self.path)
 
 
@@ -227,10 +273,12 @@ class GatewaySpeculation:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.board, self.sink = store, board, sink
         self.popularity = popularity
-        counts, slots = popularity.load() if popularity is not None else ({}, {})
-        self.counts: dict[str, float] = counts
-        self.planner = planner or SpeculationPlanner(slots=slots)
-        self._warm_slots = slots
+        saved = popularity.read() if popularity is not None else Saved({}, {})
+        self.counts: dict[str, float] = saved.counts
+        self.planner = planner or SpeculationPlanner(slots=saved.slots)
+        self._warm_slots = saved.slots
+        if saved.transitions is not None:
+            self._restore(saved.transitions)
         self.max_pending, self.poll_s, self.save_every_s, self.clock = max_pending, poll_s, save_every_s, clock
         self._pending: deque[tuple] = deque()
         self.observed = self.dropped = self.sent = self.send_dropped = self.shadow_prefetches = 0
@@ -300,7 +348,9 @@ class GatewaySpeculation:
         residency = self._sync(now)
         self.counts[step.adapter] = self.counts.get(step.adapter, 0.0) + 1.0
         self.observed += 1
-        if step.mode == OFF:
+        if step.mode == OFF:  # learn the workflow for the next start; predict nothing
+            if step.session is not None:
+                self.planner.model.observe(step.tenant, step.session, step.adapter)
             return
         for signal in self.planner.step(step, self.store.snapshot, residency, now):
             if step.mode != PROD:
@@ -327,12 +377,21 @@ class GatewaySpeculation:
             if self.sink.submit(signal):
                 self.warm_sent += 1
 
+    def _restore(self, transitions: dict) -> None:
+        """What the last run learned about workflows; sessions start afresh."""
+        try:
+            rows = self.planner.model.load_state(transitions)
+        except ValueError as exc:
+            log.warning("ignoring the transition model in %s: %s", self.popularity.path, exc)
+        else:
+            log.info("restored %d transition rows from %s", rows, self.popularity.path)
+
     def _save(self) -> None:
         if self.popularity is None or not self.counts:
             return
         try:
-            self.popularity.save(self.counts, {**self._warm_slots, **self.planner.slots()})
-        except OSError as exc:
+            self.popularity.save(self.counts, {**self._warm_slots, **self.planner.slots()}, self.planner.model)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: close() after a join that timed out
             log.warning("cannot save popularity to %s: %s", self.popularity.path, exc)
 
     def counters(self) -> dict[str, int]:

@@ -164,11 +164,16 @@ class TransitionModel:
         halve_at: float = 512.0,
         min_support: float = 3.0,
         order: int = 2,
+        max_rows: int = 4096,
     ) -> None:
         """``order=2``: also count ``(before, adapter) -> next`` (the two latest steps of a
         session), used when it has ``min_support`` observations; ``predict_next`` backs off
         to the first-order row otherwise. A workflow that visits an adapter twice (notes ->
-        triage -> notes -> translate) is told apart by where it came from."""
+        triage -> notes -> translate) is told apart by where it came from.
+
+        ``max_rows``: rows per tenant (and in the all-tenant model) that ``load_state``
+        keeps, strongest first. ``observe`` needs no such cap: it only creates rows for
+        adapters the gateway serves, so the catalog bounds them."""
         if order not in (1, 2):
             raise ValueError(f"order must be 1 or 2, got {order}")
         self.order = order
@@ -177,6 +182,7 @@ class TransitionModel:
         self.max_successors = max_successors
         self.halve_at = halve_at
         self.min_support = min_support
+        self.max_rows = max_rows
         self._last: OrderedDict[tuple[Hashable, Hashable], Hashable] = OrderedDict()
         self._before: dict[tuple[Hashable, Hashable], Hashable] = {}  # the step before the last (order 2)
         self._tenants: OrderedDict[Hashable, dict[Hashable, _Row]] = OrderedDict()
@@ -265,6 +271,150 @@ class TransitionModel:
     def previous(self, tenant: Hashable, session: Hashable) -> Hashable | None:
         """The session's step before its last one (order 2; None otherwise or at its first step)."""
         return self._before.get((tenant, session))
+
+    # -- persistence: what was learned survives a restart; sessions in progress do not
+
+    STATE_VERSION = 1
+    MAX_NAME = 256  # characters of a tenant or adapter name read back from a state
+
+    def to_state(self, *, row_budget: int | None = None) -> dict:
+        """The learned counts as plain JSON data (no session state: ``_last``/``_before``).
+
+        ``{"version": 1, "order": 1|2, "global": ROWS, "tenants": [{"tenant": t, "rows": ROWS}]}``
+        with ``ROWS = [{"after": a | [before, a], "next": [[b, count], ...]}]``: a pair key is
+        a 2-element list, never a joined string (a name may contain any separator); lists
+        keep the order of tenants (least recently used first) and of successors (ties in
+        ``predict_next``), whatever the JSON writer does with object keys.
+
+        ``row_budget``: at most that many rows in all, the all-tenant rows first, then the
+        most recently used tenants, each row set strongest first when cut. Names must be
+        strings (the gateway's are); anything else raises ``TypeError``.
+        """
+        budget = row_budget if row_budget is not None else math.inf
+        glob = self._rows_state(self._global, budget)
+        budget -= len(glob)
+        tenants = []
+        for tenant in reversed(self._tenants):
+            if budget <= 0:
+                break
+            rows = self._rows_state(self._tenants[tenant], budget)
+            budget -= len(rows)
+            tenants.append({"tenant": self._state_name(tenant), "rows": rows})
+        tenants.reverse()
+        return {"version": self.STATE_VERSION, "order": self.order, "global": glob, "tenants": tenants}
+
+    @staticmethod
+    def _rows_state(rows: dict[Hashable, _Row], budget: float) -> list[dict]:
+        name = TransitionModel._state_name
+        keys: list[Hashable] = list(rows)
+        if len(keys) > budget:
+            keys = sorted(keys, key=lambda k: -rows[k].total)[:int(budget)]
+        return [{"after": [name(k[0]), name(k[1])] if isinstance(k, tuple) else name(k),
+                 "next": [[name(b), c] for b, c in rows[k].counts.items()]} for k in keys]
+
+    @classmethod
+    def from_state(cls, state: object, **kwargs) -> "TransitionModel":
+        """A model with ``kwargs`` (the state's ``order`` unless given) and ``state``'s counts."""
+        if isinstance(state, dict) and "order" not in kwargs and state.get("order") in (1, 2):
+            kwargs["order"] = state["order"]
+        model = cls(**kwargs)
+        model.load_state(state)
+        return model
+
+    def load_state(self, state: object) -> int:
+        """Replace the learned counts with ``state``'s (``to_state``'s format); returns the rows kept.
+
+        A state of the wrong shape (not an object, another version, ``global``/``tenants``
+        of the wrong type) raises ``ValueError`` and leaves the model as it was. Inside it,
+        whatever is not a valid row is skipped: names that are not strings of 1-``MAX_NAME``
+        characters, pair rows in an order-1 model, counts that are not positive numbers
+        (NaN, booleans, strings). The rest is clipped to this model's bounds: the
+        ``max_tenants`` most recent tenants, ``max_rows`` rows each, ``max_successors`` per
+        row (strongest first), each count to ``halve_at`` (infinity included) and a row
+        whose total passes ``halve_at`` scaled down to it, dropping what falls under 0.5
+        (the aging rule: one huge count cannot pin a row forever). A state written by
+        ``to_state`` loads back exactly. Session state is untouched.
+        """
+        if not isinstance(state, dict) or state.get("version") != self.STATE_VERSION:
+            raise ValueError("not a transition model state of version %d" % self.STATE_VERSION)
+        glob, tenants = state.get("global", []), state.get("tenants", [])
+        if not isinstance(glob, list) or not isinstance(tenants, list):
+            raise ValueError("transition state: 'global' and 'tenants' must be lists")
+        new_global = self._rows_from(glob)
+        new_tenants: OrderedDict[Hashable, dict[Hashable, _Row]] = OrderedDict()
+        for item in tenants[-self.max_tenants:] if self.max_tenants > 0 else ():
+            if not isinstance(item, dict) or not self._valid_name(item.get("tenant")):
+                continue
+            rows = self._rows_from(item.get("rows"))
+            if rows:
+                new_tenants.pop(item["tenant"], None)  # a repeated tenant: the later entry wins
+                new_tenants[item["tenant"]] = rows
+        self._global, self._tenants = new_global, new_tenants
+        return len(new_global) + sum(len(r) for r in new_tenants.values())
+
+    def _rows_from(self, raw: object) -> dict[Hashable, _Row]:
+        if not isinstance(raw, list):
+            return {}
+        rows: dict[Hashable, _Row] = {}
+        for item in raw:
+            if not isinstance(item, dict):
+                continue
+            after = item.get("after")
+            if isinstance(after, list):
+                if self.order != 2 or len(after) != 2 or not all(self._valid_name(a) for a in after):
+                    continue
+                key: Hashable = (after[0], after[1])
+            elif self._valid_name(after):
+                key = after
+            else:
+                continue
+            row = self._row_from(item.get("next"))
+            if row is not None:
+                rows[key] = row
+        if len(rows) > self.max_rows:
+            keep = set(sorted(rows, key=lambda k: -rows[k].total)[:max(self.max_rows, 0)])
+            rows = {k: r for k, r in rows.items() if k in keep}
+        return rows
+
+    def _row_from(self, raw: object) -> _Row | None:
+        if not isinstance(raw, list):
+            return None
+        counts: dict[Hashable, float] = {}
+        for pair in raw:
+            if not (isinstance(pair, list) and len(pair) == 2 and self._valid_name(pair[0])):
+                continue
+            c = pair[1]
+            if isinstance(c, bool) or not isinstance(c, (int, float)):
+                continue
+            try:
+                c = float(c)
+            except OverflowError:  # an int past float's range
+                c = math.inf
+            if c > 0.0 and not math.isnan(c):
+                counts[pair[0]] = min(c, self.halve_at)
+        if len(counts) > self.max_successors:
+            keep = set(sorted(counts, key=lambda b: -counts[b])[:max(self.max_successors, 0)])
+            counts = {b: c for b, c in counts.items() if b in keep}
+        total = sum(counts.values())
+        if total > self.halve_at:
+            scale = self.halve_at / total
+            counts = {b: c * scale for b, c in counts.items() if c * scale >= 0.5}
+            total = sum(counts.values())
+        if total <= 0.0:
+            return None
+        row = _Row()
+        row.counts, row.total = counts, total
+        return row
+
+    @staticmethod
+    def _state_name(x: Hashable) -> str:
+        if not isinstance(x, str):
+            raise TypeError(f"transition state names must be strings, got {type(x).__name__}")
+        return x
+
+    @classmethod
+    def _valid_name(cls, x: object) -> bool:
+        return isinstance(x, str) and 0 < len(x) <= cls.MAX_NAME
 
 
 class SessionDemand:

@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -174,3 +175,162 @@ def test_order_one_keeps_no_pairs():
     assert dict(m.predict_next("t", "a", 2, before="b")) == {"b": 0.5, "c": 0.5}
     with pytest.raises(ValueError):
         TransitionModel(order=3)
+
+
+# ---------------------------------------------------------------- persistence
+
+def _trained(order):
+    m = TransitionModel(order=order)
+    for s in range(6):
+        for a in ("notes", "triage", "notes", "translate"):
+            m.observe("medco", f"m{s}", a)
+        for a in ("code", "review", "sql", "review", "code"):
+            m.observe("acme", f"a{s}", a)
+    for a in ("code", "sql", "code", "review"):  # one tie-prone row
+        m.observe("globex", "g", a)
+    return m
+
+
+def _predictions(m):
+    names = ("notes", "triage", "translate", "code", "review", "sql", "unknown")
+    return {(t, a, b): m.predict_next(t, a, 3, before=b)
+            for t in ("medco", "acme", "globex", "new-tenant") for a in names for b in (None, *names)}
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_state_round_trips_through_json_with_the_same_predictions(order):
+    m = _trained(order)
+    state = json.loads(json.dumps(m.to_state(), sort_keys=True))
+    back = TransitionModel.from_state(state)
+    assert back.order == order
+    assert _predictions(back) == _predictions(m)
+    assert back.to_state() == m.to_state()
+    # sessions do not survive a restart: a new step is a session's first
+    assert back.last_adapter("medco", "m0") is None and back.previous("medco", "m0") is None
+    assert back.observe("medco", "m0", "notes") is None
+
+
+def test_pair_keys_stay_apart_whatever_the_names_contain():
+    m = TransitionModel(order=2, min_support=1)
+    for before, after, nxt in (("a|b", "c", "x"), ("a", "b|c", "y"), ("a,b", "c", "z"), ('["a"', '"b"]', "w")):
+        m.observe("t", before + after, before)
+        m.observe("t", before + after, after)
+        m.observe("t", before + after, nxt)
+    back = TransitionModel.from_state(json.loads(json.dumps(m.to_state())), min_support=1)
+    assert back.predict_next("t", "c", 1, before="a|b") == [("x", 1.0)]
+    assert back.predict_next("t", "b|c", 1, before="a") == [("y", 1.0)]
+    assert back.predict_next("t", "c", 1, before="a,b") == [("z", 1.0)]
+    assert back.predict_next("t", '"b"]', 1, before='["a"') == [("w", 1.0)]
+
+
+def test_an_order_one_model_skips_pair_rows_and_load_state_replaces_the_counts():
+    state = _trained(2).to_state()
+    m = TransitionModel(order=1)
+    m.observe("old", "s", "x")
+    m.observe("old", "s", "y")
+    n = m.load_state(state)
+    assert n == sum(1 for r in state["global"] if isinstance(r["after"], str)) + sum(
+        1 for t in state["tenants"] for r in t["rows"] if isinstance(r["after"], str))
+    assert "old" not in m._tenants and m.last_adapter("old", "s") == "y"  # sessions untouched
+    assert m.predict_next("acme", "code", 1) == _trained(1).predict_next("acme", "code", 1)
+
+
+@pytest.mark.parametrize("state", [
+    None, [], "x", 1, {}, {"version": 2, "global": [], "tenants": []},
+    {"version": 1, "global": {}, "tenants": []}, {"version": 1, "global": [], "tenants": {"acme": []}},
+])
+def test_a_state_of_the_wrong_shape_is_rejected_and_the_model_kept(state):
+    m = _trained(2)
+    before = m.to_state()
+    with pytest.raises(ValueError):
+        m.load_state(state)
+    assert m.to_state() == before
+
+
+def _row(after, *nxt):
+    return {"after": after, "next": [list(p) for p in nxt]}
+
+
+def test_hostile_entries_are_skipped_and_the_rest_clipped_to_the_bounds():
+    m = TransitionModel(order=2, max_tenants=2, max_rows=3, max_successors=2, halve_at=512.0)
+    state = {"version": 1, "order": 2, "global": [
+        _row("a", ("b", -3), ("c", float("nan")), ("d", True), ("e", "7"), ("f", None), ("g", 5)),
+        _row("h", ("i", 10 ** 400), ("j", 1e308), ("k", 1.0)),      # huge: clipped, then scaled
+        _row("inf", ("x", float("inf"))),
+        _row(["p", "q", "r"], ("s", 3)), _row(["p", 1], ("s", 3)), _row(7, ("s", 3)),
+        _row("x" * 257, ("s", 3)), _row("", ("s", 3)), _row("n", ("y" * 257, 3), ("", 3)),
+        {"after": "z"}, {"after": "z", "next": {"a": 3}}, "row", None, [1, 2],
+    ], "tenants": [
+        {"tenant": "t0", "rows": [_row("a", ("b", 3))]},             # the oldest: dropped
+        {"tenant": 5, "rows": [_row("a", ("b", 3))]}, {"rows": []}, "t", {"tenant": "t1", "rows": "x"},
+        {"tenant": "t1", "rows": [_row("a", ("b", 3))]},
+        {"tenant": "t2", "rows": [_row(c, ("b", n)) for n, c in enumerate("abcdef", 1)]
+         + [_row("m", *((s, 1) for s in "uvwxyz"))]},
+    ]}
+    m.load_state(state)
+    assert {k: dict(r.counts) for k, r in m._global.items()} == {
+        "a": {"g": 5.0}, "h": {"i": 256.0, "j": 256.0}, "inf": {"x": 512.0}}
+    assert list(m._tenants) == ["t1", "t2"]
+    assert set(m._tenants["t2"]) == {"d", "e", "f"}                # the three strongest rows
+    assert m.predict_next("t2", "f", 1) == [("b", 1.0)]
+    assert m.predict_next("zz", "h", 2) == [("i", 0.5), ("j", 0.5)]
+    # a clipped row still learns: the next step passes halve_at and ages it
+    for _ in range(2):
+        m.observe("t9", "s", "inf")
+        m.observe("t9", "s", "y")
+        m._last.clear()
+    assert m._global["inf"].total <= 512.0 and "y" in m._global["inf"].counts
+
+
+def test_too_many_successors_keep_the_strongest_and_unknown_names_are_just_names():
+    m = TransitionModel(order=1, max_successors=2)
+    m.load_state({"version": 1, "global": [_row("a", ("../../etc/passwd", 1), ("b", 9), ("c", 4))],
+                  "tenants": []})
+    assert m.predict_next("t", "a", 3) == [("b", 9 / 13), ("c", 4 / 13)]
+
+
+def test_random_garbage_loads_or_is_rejected_and_stays_bounded():
+    import random
+    rng = random.Random(7)
+    atoms = [None, True, 0, -1, 3, 2.5, 1e308, float("nan"), "a", "b", "", "x" * 300, [], {}]
+
+    def junk(depth):
+        r = rng.random()
+        if depth > 4 or r < 0.3:
+            return rng.choice(atoms)
+        if r < 0.5:
+            return [junk(depth + 1) for _ in range(rng.randint(0, 4))]
+        if r < 0.7:
+            return [rng.choice(["a", "b", "c", ["a", "b"]]), rng.choice([3, -1, "q", 1e9])]
+        if r < 0.85:
+            return {"after": rng.choice(["a", ["a", "b"], 1, None]), "next": junk(depth + 1)}
+        return {"tenant": rng.choice(["t", "u", 1]), "rows": junk(depth + 1)}
+
+    for _ in range(500):
+        state = {"version": 1, "global": junk(0), "tenants": junk(0)}
+        m = TransitionModel(max_tenants=3, max_rows=4, max_successors=2)
+        try:
+            m.load_state(state)
+        except ValueError:
+            continue
+        assert len(m._tenants) <= 3
+        for rows in (m._global, *m._tenants.values()):
+            assert len(rows) <= 4
+            for row in rows.values():
+                assert 0 < row.total <= m.halve_at and len(row.counts) <= 2
+                assert all(math.isfinite(c) and c > 0 for c in row.counts.values())
+        m.predict_next("t", "a", 2, before="b")
+
+
+def test_to_state_row_budget_keeps_the_global_rows_then_the_latest_tenants():
+    m = _trained(1)
+    n_global = len(m._global)
+    state = m.to_state(row_budget=n_global + 1)
+    assert len(state["global"]) == n_global
+    assert [t["tenant"] for t in state["tenants"]] == ["globex"] and len(state["tenants"][0]["rows"]) == 1
+    assert m.to_state(row_budget=0)["global"] == []
+    with pytest.raises(TypeError):
+        bad = TransitionModel(min_support=1)
+        bad.observe("t", "s", 1)
+        bad.observe("t", "s", 2)
+        bad.to_state()

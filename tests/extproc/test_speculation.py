@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
+
 from extproc.auth import Principal
 from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
 from extproc.processor import Gateway, RequestHead
 from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot
-from extproc.speculation import (GatewaySpeculation, PopularityFile, SpeculationPlanner, Step,
+from extproc.speculation import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, Step,
                                  route_by_policy, session_of, warm_signals)
 from tests.extproc.builders import KEYS
 
@@ -210,6 +212,8 @@ def test_off_requests_are_counted_never_planned_and_unapplied_ones_ignored(snaps
     assert sink.signals == [] and gs.counts == {"code-python": 5.0, "acme-legal": 4.0}
     c = gs.counters()
     assert c["predictions"] == 0 and c["shadow_prefetches"] == 0 and c["observed"] == 9
+    # the workflow is still learned, for the next start (the benchmark's baseline gateway)
+    assert gs.planner.model.predict_next("acme", "code-python", 1) == [("acme-legal", 1.0)]
 
 
 def test_the_hand_off_is_bounded(snapshot):
@@ -319,6 +323,85 @@ def test_warm_set_is_sent_once_when_the_agent_appears_and_counts_are_saved(tmp_p
     gs.close()
     counts, slots = f.load()
     assert counts == {"code-python": 7.0, "acme-legal": 4.0} and slots["local-vllm"] >= 1
+
+
+def test_popularity_file_keeps_the_transition_model(tmp_path):
+    from extproc.policy.prediction import TransitionModel
+    model = TransitionModel()
+    for s in range(3):
+        for a in ("code", "review", "sql"):
+            model.observe("acme", f"s{s}", a)
+    f = PopularityFile(tmp_path / "gw.popularity.json")
+    f.save({"code": 3.0}, {"u": 2}, model)
+    saved = f.read()
+    assert (saved.counts, saved.slots) == ({"code": 3.0}, {"u": 2}) and f.load() == ({"code": 3.0}, {"u": 2})
+    back = TransitionModel.from_state(saved.transitions)
+    assert back.predict_next("acme", "review", 1, before="code") == [("sql", 1.0)]
+
+
+def test_an_old_file_without_transitions_still_loads(tmp_path, snapshot):
+    f = PopularityFile(tmp_path / "gw.popularity.json")
+    f.path.write_text(json.dumps({"counts": {"code-python": 2.0}, "slots": {"local-vllm": 3}}))
+    assert f.read().transitions is None
+    gs = gateway_speculation(snapshot, Sink(), popularity=f)
+    assert gs.counts == {"code-python": 2.0} and gs.planner.model.to_state()["tenants"] == []
+    gs.close()
+    assert f.read().transitions["version"] == 1
+
+
+@pytest.mark.parametrize("transitions", [
+    [1, 2], "x", {"version": 9}, {"version": 1, "global": "rows", "tenants": []},
+])
+def test_a_bad_transition_model_is_ignored_and_the_counts_kept(tmp_path, snapshot, transitions):
+    f = PopularityFile(tmp_path / "gw.popularity.json")
+    f.path.write_text(json.dumps({"counts": {"code-python": 2.0}, "slots": {}, "transitions": transitions}))
+    gs = gateway_speculation(snapshot, Sink(), popularity=f)
+    assert gs.counts == {"code-python": 2.0} and gs.planner.model.to_state()["global"] == []
+
+
+def test_an_unparseable_or_oversized_file_is_ignored(tmp_path):
+    f = PopularityFile(tmp_path / "gw.popularity.json", max_bytes=10_000)
+    f.path.write_text('{"transitions": ' + "[" * 100_000 + "]" * 100_000 + "}")  # over the bound
+    assert f.read() == Saved({}, {})
+    f.path.write_text("[" * 5_000 + "]" * 5_000)  # under it, nested past the parser's recursion
+    assert f.read() == Saved({}, {})
+
+
+def test_the_file_stays_under_its_byte_bound(tmp_path):
+    from extproc.policy.prediction import TransitionModel
+    model = TransitionModel(order=1, min_support=1)
+    for t in range(200):
+        for a in range(20):
+            model.observe(f"tenant-{t}", "s", f"adapter-{a:02d}")
+    f = PopularityFile(tmp_path / "gw.popularity.json", max_bytes=20_000)
+    f.save({"adapter-00": 1.0}, {}, model)
+    assert f.path.stat().st_size <= 20_000
+    saved = f.read()
+    back = TransitionModel.from_state(saved.transitions, min_support=1)
+    assert back.predict_next("tenant-199", "adapter-03", 1) == [("adapter-04", 1.0)]  # the latest kept
+    assert back.predict_next("new", "adapter-03", 1) == [("adapter-04", 1.0)]         # and the global rows
+    big = PopularityFile(tmp_path / "gw.popularity.json", max_bytes=10)
+    big.save({"adapter-00": 1.0}, {}, model)                                           # cannot fit: not written
+    assert f.read() == saved
+
+
+@pytest.mark.parametrize("first_mode", [PROD, OFF])
+def test_a_restarted_gateway_predicts_the_learned_chain_at_a_new_sessions_first_step(tmp_path, snapshot,
+                                                                                    first_mode):
+    f = PopularityFile(tmp_path / "gw.popularity.json")
+    first = gateway_speculation(snapshot, Sink(), popularity=f)
+    feed(first, snapshot, first_mode)  # OFF: the benchmark's baseline gateway
+    first.close()
+    for restored, expected in ((True, ["acme-legal"]), (False, [])):
+        if not restored:
+            f.path.unlink()
+        sink = Sink()
+        gs = gateway_speculation(snapshot, sink, board=ResidencyBoard(pool("local-vllm", "code-python")),
+                                 popularity=f)
+        gs.observe(decision(snapshot, "code-python", PROD), "acme", "new")
+        gs.drain()
+        assert [(s.adapter, s.reason) for s in sink.signals] == [(a, "predicted") for a in expected]
+        assert gs.planner.model.last_adapter("acme", "s0") is None  # sessions were not kept
 
 
 def test_no_warm_set_where_prefetch_is_off_everywhere(tmp_path, snapshot):
