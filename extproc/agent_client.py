@@ -8,6 +8,14 @@ reference). An agent that is down or slow costs the request path nothing: its si
 dropped once its queue is full, its residency reads ``unknown``, and its stream is retried
 with exponential backoff until it comes back.
 
+Every event of the stream may carry the engine's load (running and waiting requests, as
+the agent measured it; LOAD events carry nothing else). The link keeps each upstream's
+latest load with the time it arrived and publishes it in ``ResidencySnapshot.loads``
+while it is fresh: a load not heard about for ``load_max_age_s`` (the agent repeats a
+known load at least every 2 s) is dropped by a small expiry thread, so the routing
+decision, which reads only the snapshot, treats it as unknown. Age is judged on this
+process's clock at arrival, not on the agent's ``measured_unix_ms`` (host clocks differ).
+
 Agent tiers map to the gateway's: device -> pool, host, disk, remote, absent -> none.
 Only the gRPC stubs are imported from gpu_agent (generated code, no torch).
 """
@@ -16,8 +24,10 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Mapping
 
 import grpc
@@ -27,7 +37,7 @@ from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapsho
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 
-__all__ = ["AgentLink", "AgentTLS", "to_residency"]
+__all__ = ["AgentLink", "AgentTLS", "event_load", "to_residency"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,13 @@ def to_residency(status: pb.AdapterStatus, base_model_bytes: int = 0) -> Adapter
         bytes=status.bytes or None,
         prefetched=status.tier == pb.TIER_DEVICE and status.loaded_by == "prefetch",
         base_model_bytes=base_model_bytes or None)
+
+
+def event_load(ev: pb.ResidencyEvent) -> int | None:
+    """Requests the engine holds (running + waiting) as the event says; None = unknown."""
+    if not ev.HasField("load"):
+        return None
+    return ev.load.running + ev.load.waiting
 
 
 class _Agent:
@@ -101,7 +118,10 @@ class _Agent:
                         log.info("agent %s connected (%s)", self.upstream, self.target)
                     self.connected = True
                     backoff = self.link.backoff_min_s
-                    self.link._publish(self.upstream, table if ev.engine_up else None)
+                    if ev.kind == pb.ResidencyEvent.LOAD:  # residency unchanged
+                        self.link._publish_load(self.upstream, event_load(ev))
+                    else:
+                        self.link._publish(self.upstream, table if ev.engine_up else None, event_load(ev))
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
@@ -129,25 +149,34 @@ class AgentLink:
 
     def __init__(self, agents: Mapping[str, str], board: ResidencyBoard | None = None, *,
                  token: str | None = None, tls: AgentTLS | None = None, queue_size: int = 256,
-                 send_timeout_s: float = 0.5, backoff_min_s: float = 0.1, backoff_max_s: float = 5.0):
+                 send_timeout_s: float = 0.5, backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
+                 load_max_age_s: float = 5.0):
         self.board = board or ResidencyBoard()
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.tls = tls
         self.queue_size = queue_size
         self.send_timeout_s = send_timeout_s
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
-        self._tables: dict[str, Mapping[str, AdapterResidency]] = {}
+        self.load_max_age_s = load_max_age_s
+        self._tables: dict[str, Mapping[str, AdapterResidency]] = {}  # frozen per upstream
+        self._loads: dict[str, tuple[int, float]] = {}  # upstream -> (requests, monotonic arrival)
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._expiry = threading.Thread(target=self._expire_loads, name="agent-load-expiry", daemon=True)
         self.agents = {upstream: _Agent(self, upstream, target) for upstream, target in agents.items()}
 
     def start(self) -> "AgentLink":
         for agent in self.agents.values():
             agent.start()
+        self._expiry.start()
         return self
 
     def close(self) -> None:
+        self._stop.set()
         for agent in self.agents.values():
             agent.close()
+        if self._expiry.is_alive():
+            self._expiry.join(timeout=2)
 
     def submit(self, signal: PrefetchSignal) -> bool:
         """PrefetchSink: queue for the upstream's agent; False when none or its queue is full."""
@@ -158,12 +187,49 @@ class AgentLink:
         agent = self.agents.get(upstream)
         return agent is not None and agent.connected
 
-    def _publish(self, upstream: str, table: Mapping[str, AdapterResidency] | None) -> None:
+    def _publish(self, upstream: str, table: Mapping[str, AdapterResidency] | None,
+                 load: int | None = None) -> None:
+        """The upstream's residency (None: unknown, the upstream leaves the view) and load."""
         with self._lock:
             if table is None:
+                self._loads.pop(upstream, None)
                 if upstream not in self._tables:
                     return
                 self._tables.pop(upstream)
             else:
-                self._tables[upstream] = dict(table)
-            self.board.publish(ResidencySnapshot.build(self._tables))
+                self._tables[upstream] = MappingProxyType(dict(table))
+                self._set_load(upstream, load)
+            self._swap()
+
+    def _publish_load(self, upstream: str, load: int | None) -> None:
+        """Only the upstream's load; the snapshot is rebuilt only when what it shows changes."""
+        with self._lock:
+            self._set_load(upstream, load)
+            if upstream in self._tables and self.board.current.loads.get(upstream) != load:
+                self._swap()
+
+    def _set_load(self, upstream: str, load: int | None) -> None:
+        if load is None:
+            self._loads.pop(upstream, None)
+        else:
+            self._loads[upstream] = (load, time.monotonic())
+
+    def _swap(self) -> None:
+        """Build and publish a new snapshot (under the lock): the tables as they are (each
+        already frozen), the loads that are fresh."""
+        now = time.monotonic()
+        loads = {u: n for u, (n, at) in self._loads.items()
+                 if u in self._tables and now - at <= self.load_max_age_s}
+        self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), MappingProxyType(loads)))
+
+    def _expire_loads(self) -> None:
+        """Drop loads not heard about for load_max_age_s (an agent gone silent without its
+        stream breaking), so the snapshot stops showing them."""
+        while not self._stop.wait(max(0.01, self.load_max_age_s / 5)):
+            with self._lock:
+                now = time.monotonic()
+                stale = [u for u, (_, at) in self._loads.items() if now - at > self.load_max_age_s]
+                for u in stale:
+                    del self._loads[u]
+                if stale:
+                    self._swap()

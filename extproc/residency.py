@@ -3,6 +3,9 @@
 Immutable: a background task builds a new ``ResidencySnapshot`` and swaps the reference
 (``ResidencyBoard.publish``); a request reads ``ResidencyBoard.current`` once. Unknown is
 a value (``UNKNOWN``), so the trace can say ``unknown`` instead of inventing a number.
+
+``loads``: each upstream's engine load (running + waiting requests) as its agent last
+measured it, only while fresh; an upstream missing there has an unknown load.
 """
 from __future__ import annotations
 
@@ -35,13 +38,16 @@ UNKNOWN = AdapterResidency(tier="unknown", cold_load_ms=None, bytes=None)
 class ResidencySnapshot:
     by_upstream: Mapping[str, Mapping[str, AdapterResidency]] = field(
         default_factory=lambda: MappingProxyType({}))
+    loads: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def of(self, upstream: str, adapter: str) -> AdapterResidency:
         return self.by_upstream.get(upstream, {}).get(adapter, UNKNOWN)
 
     @classmethod
-    def build(cls, table: Mapping[str, Mapping[str, AdapterResidency]]) -> "ResidencySnapshot":
-        return cls(MappingProxyType({u: MappingProxyType(dict(a)) for u, a in table.items()}))
+    def build(cls, table: Mapping[str, Mapping[str, AdapterResidency]],
+              loads: Mapping[str, int] | None = None) -> "ResidencySnapshot":
+        return cls(MappingProxyType({u: MappingProxyType(dict(a)) for u, a in table.items()}),
+                   MappingProxyType(dict(loads or {})))
 
 
 EMPTY = ResidencySnapshot()

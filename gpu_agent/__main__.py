@@ -51,7 +51,8 @@ async def run(settings) -> None:
         device_count=settings.device_max_adapters or None,
         device_bytes=(settings.device_budget_mb << 20) or None,
         host_bytes=settings.host_budget_mb << 20, queue_size=settings.queue_size,
-        workers=settings.workers, reconcile_interval_s=settings.reconcile_interval_s)
+        workers=settings.workers, reconcile_interval_s=settings.reconcile_interval_s,
+        load_interval_s=settings.load_interval_s)
     metrics = AgentMetrics()
     manager = ResidencyManager(catalog, store, connector, budgets, metrics)
     await manager.start()

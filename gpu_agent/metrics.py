@@ -52,6 +52,7 @@ class AgentMetrics:
         "ace_agent_load_seconds": ("histogram", "Measured time of one load stage (fetch, verify, read, device) or a whole cold load (cold)."),
         "ace_agent_prefetch_total": ("counter", "Prefetch requests by outcome."),
         "ace_agent_load_failures_total": ("counter", "Loads that failed, by reason."),
+        "ace_agent_load_read_failures_total": ("counter", "Engine load measurements that failed (the load was published as unknown)."),
         "ace_agent_engine_resets_total": ("counter", "Times the engine lost adapters the agent had loaded (restart) and residency was rebuilt."),
     }
 

@@ -13,7 +13,8 @@ Prefetches go into a bounded priority queue (duplicates coalesce with the queued
 running load) and are worked off by background tasks; `ensure_resident` is the same
 load awaited. A reconcile loop asks the engine what it holds: adapters that vanished
 (engine restart) drop to their lower tier, are announced, and are loaded again.
-Observers subscribe to a stream of `AdapterView` changes.
+Observers subscribe to a stream of `AdapterView` changes, interleaved with the engine's
+load (`LoadChange`, measured by `gpu_agent.load.LoadMonitor` every `load_interval_s`).
 """
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from gpu_agent.artifacts import WEIGHTS, AdapterSpec, ArtifactStore, Catalog
-from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
+from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineLoad, EngineUnavailable
 from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
 from gpu_agent.eviction import hinted_victims
+from gpu_agent.load import LoadChange, LoadMonitor
 from gpu_agent.metrics import AgentMetrics
 
 __all__ = ["Tier", "AdapterView", "PrefetchOutcome", "PrefetchResult", "ResidencyManager",
@@ -87,6 +89,7 @@ class ResidencyBudgets:
     queue_size: int = 64                # pending prefetches; beyond this they are rejected
     workers: int = 1                    # concurrent background loads
     reconcile_interval_s: float = 2.0
+    load_interval_s: float = 0.5        # engine load measurements; 0: none (always unknown)
 
 
 @dataclass
@@ -101,14 +104,15 @@ class _State:
 
 
 class Subscription:
-    """An observer's queue of changes; closed (and ends) when it falls too far behind."""
+    """An observer's queue of changes (`AdapterView`, `LoadChange`; None when the manager
+    closes); closed (and ends) when it falls too far behind."""
 
     def __init__(self, manager: "ResidencyManager", maxsize: int):
         self._manager = manager
-        self.queue: asyncio.Queue[AdapterView | None] = asyncio.Queue(maxsize)
+        self.queue: asyncio.Queue[AdapterView | LoadChange | None] = asyncio.Queue(maxsize)
         self.overflowed = False
 
-    def push(self, view: AdapterView) -> None:
+    def push(self, view: AdapterView | LoadChange) -> None:
         if self.overflowed:
             return
         try:
@@ -122,7 +126,7 @@ class Subscription:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> AdapterView:
+    async def __anext__(self) -> AdapterView | LoadChange | None:
         if self.overflowed and self.queue.empty():
             raise StopAsyncIteration
         return await self.queue.get()
@@ -151,6 +155,8 @@ class ResidencyManager:
         self.engine_up = True
         self.version = 0
         self.base_model_bytes = _weights_bytes(catalog.base_model_path)
+        self.load_monitor = LoadMonitor(connector, budgets.load_interval_s, self._publish_load,
+                                        on_failure=lambda: self.metrics.inc("ace_agent_load_read_failures_total"))
         self.metrics.add_gauges(self._gauges)
         # every disk-cache eviction (the engine's own fetches included) spares what we protect
         store.protect_providers.append(self._protected_digests)
@@ -163,6 +169,8 @@ class ResidencyManager:
             self._tasks.append(asyncio.create_task(self._worker()))
         if self.budgets.reconcile_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._reconcile_loop()))
+        if self.budgets.load_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self.load_monitor.run()))
 
     async def close(self) -> None:
         for task in self._tasks + list(self._inflight.values()):
@@ -200,6 +208,16 @@ class ResidencyManager:
         sub = Subscription(self, maxsize)
         self._subs.add(sub)
         return sub
+
+    @property
+    def engine_load(self) -> EngineLoad | None:
+        """The engine's load as last measured (None = unknown)."""
+        return self.load_monitor.current
+
+    def _publish_load(self, load: EngineLoad | None) -> None:
+        change = LoadChange(load)
+        for sub in list(self._subs):
+            sub.push(change)
 
     def _publish(self, name: str) -> None:
         self.version += 1
@@ -576,6 +594,12 @@ class ResidencyManager:
             "ace_agent_prefetch_queue_depth": ("Prefetches waiting for a worker.", len(self._queued)),
             "ace_agent_engine_up": ("1 when the engine answered the last reconcile.", 1.0 if self.engine_up else 0.0),
         }
+        load = self.engine_load
+        if load is not None:
+            out["ace_agent_engine_requests_running"] = ("The engine's running requests, as last measured.",
+                                                        float(load.running))
+            out["ace_agent_engine_requests_waiting"] = ("The engine's waiting requests, as last measured.",
+                                                        float(load.waiting))
         for key, value in self.connector.pool_stats().items():
             out[f"ace_agent_pool_{key}"] = ("The engine's adapter pool (builtin paged pool).", float(value))
         return out

@@ -17,10 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from gpu_agent.connectors.base import EngineLoad
 from gpu_agent.errors import AgentError
+from gpu_agent.load import LoadChange
 from gpu_agent.residency import AdapterView, PrefetchOutcome, ResidencyManager, Tier
 
-__all__ = ["AgentService", "TokenAuth", "start_server", "view_to_pb", "SERVICE_NAME"]
+__all__ = ["AgentService", "TokenAuth", "start_server", "view_to_pb", "load_to_pb", "SERVICE_NAME"]
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "ace.agent.v1.Agent"
@@ -42,6 +44,12 @@ def view_to_pb(view: AdapterView) -> pb.AdapterStatus:
     return msg
 
 
+def load_to_pb(load: EngineLoad | None) -> pb.EngineLoad | None:
+    if load is None:
+        return None
+    return pb.EngineLoad(running=load.running, waiting=load.waiting, measured_unix_ms=load.measured_unix_ms)
+
+
 class AgentService(pb_grpc.AgentServicer):
     def __init__(self, manager: ResidencyManager):
         self.manager = manager
@@ -54,25 +62,32 @@ class AgentService(pb_grpc.AgentServicer):
     async def Status(self, request, context):
         return view_to_pb(self.manager.view(request.adapter))
 
+    def _event(self, kind, seq: int, view: AdapterView | None = None, *,
+                load: EngineLoad | None = None) -> pb.ResidencyEvent:
+        """Every event carries the host's facts: engine up, base model bytes, engine load."""
+        return pb.ResidencyEvent(kind=kind, seq=seq, status=view_to_pb(view) if view is not None else None,
+                                 engine_up=self.manager.engine_up,
+                                 base_model_bytes=self.manager.base_model_bytes,
+                                 load=load_to_pb(load if kind == pb.ResidencyEvent.LOAD
+                                                 else self.manager.engine_load))
+
     async def WatchResidency(self, request, context):
         sub = self.manager.subscribe()
         try:
             seq = 0
             for view in self.manager.snapshot():
                 seq += 1
-                yield pb.ResidencyEvent(kind=pb.ResidencyEvent.INITIAL, status=view_to_pb(view), seq=seq,
-                                        engine_up=self.manager.engine_up,
-                                        base_model_bytes=self.manager.base_model_bytes)
+                yield self._event(pb.ResidencyEvent.INITIAL, seq, view)
             seq += 1
-            yield pb.ResidencyEvent(kind=pb.ResidencyEvent.SYNC, seq=seq, engine_up=self.manager.engine_up,
-                                        base_model_bytes=self.manager.base_model_bytes)
-            async for view in sub:
-                if view is None:  # the manager is shutting down
+            yield self._event(pb.ResidencyEvent.SYNC, seq)
+            async for item in sub:
+                if item is None:  # the manager is shutting down
                     return
                 seq += 1
-                yield pb.ResidencyEvent(kind=pb.ResidencyEvent.CHANGE, status=view_to_pb(view), seq=seq,
-                                        engine_up=self.manager.engine_up,
-                                        base_model_bytes=self.manager.base_model_bytes)
+                if isinstance(item, LoadChange):
+                    yield self._event(pb.ResidencyEvent.LOAD, seq, load=item.load)
+                else:
+                    yield self._event(pb.ResidencyEvent.CHANGE, seq, item)
         finally:
             sub.close()
 

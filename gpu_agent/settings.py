@@ -14,6 +14,10 @@ from typing import Sequence
 __all__ = ["AgentSettings", "SettingsError", "parse_args"]
 
 ENGINES = ("builtin", "vllm", "sglang")
+# gpu_agent.load.LOAD_HEARTBEAT_S, not imported: settings stay free of the agent's modules.
+# The gateway forgets a host's load it has not heard about for 5 s; measuring less often
+# than the agent's 2 s heartbeat would leave the gateway with stale or no loads.
+MAX_LOAD_INTERVAL_S = 2.0
 
 
 class SettingsError(ValueError):
@@ -52,6 +56,10 @@ class AgentSettings:
     queue_size: int = _f(64, "pending prefetches beyond which new ones are rejected")
     workers: int = _f(1, "concurrent background loads")
     reconcile_interval_s: float = _f(2.0, "how often the engine's adapter list is compared with ours")
+    load_interval_s: float = _f(0.5, "how often the engine's load (running + waiting requests: vLLM/SGLang "
+                                     "from GET /metrics, builtin from its batcher) is measured and, when it "
+                                     "changed or every 2 s, sent on WatchResidency for the gateway's routing "
+                                     f"(seconds, at most {MAX_LOAD_INTERVAL_S:g}); 0 = off: the load stays unknown")
     auth: str = _f("token", "gRPC auth: token (shared token in metadata), mtls, or none")
     token_env: str = _f("ACE_AGENT_TOKEN", "env var holding the shared token (auth=token)")
     token_file: Path | None = _f(None, "file holding the shared token (auth=token; wins over env)")
@@ -88,6 +96,9 @@ class AgentSettings:
             raise SettingsError("--pool-mb must be >= 1")
         if self.device_max_adapters < 0:
             raise SettingsError("--device-max-adapters must be >= 0 (0 = the engine's)")
+        if not 0 <= self.load_interval_s <= MAX_LOAD_INTERVAL_S:
+            raise SettingsError(f"--load-interval-s must be between 0 (off) and {MAX_LOAD_INTERVAL_S:g} "
+                                "(the gateway forgets a load it has not heard about for 5 s)")
         if self.queue_size < 1 or self.workers < 1:
             raise SettingsError("--queue-size and --workers must be >= 1")
         return self

@@ -1,7 +1,9 @@
 """Adapter-affinity routing: which engine host serves a request for an adapter.
 
 A pure function over the agents' residency view (``extproc.residency.ResidencySnapshot``:
-upstream -> adapter -> residency with a ``tier``) and the gateway's own in-flight counts.
+upstream -> adapter -> residency with a ``tier``) and each host's load: the requests its
+engine runs and queues, as its agent measured them (``ResidencySnapshot.loads``; a host
+whose load is unknown counts as 0).
 Hosts absent from the snapshot do not exist for routing: the residency watcher drops a
 host whose agent stream is gone, and the next decision no longer sees it.
 
@@ -20,7 +22,10 @@ Score tiers, best first (the first non-empty tier wins):
    adapter spreads.
 4. ``none``: no hosts at all.
 
-Overloaded: ``load + 1 > ceil(load_factor * (total_load + 1) / hosts)``.
+Overloaded: ``load + 1 > max(min_bound, ceil(load_factor * (total_load + 1) / hosts))``.
+``route`` uses ``min_bound = LOAD_FLOOR``: a host carrying fewer requests than that is
+never overloaded, since a batching engine takes a few more sequences almost for free and
+leaving the resident host costs a cold load elsewhere.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Hashable, Mapping, Sequence
 
-__all__ = ["RoutingDecision", "choose_endpoint", "load_bound", "ring_walk", "route"]
+__all__ = ["LOAD_FLOOR", "RoutingDecision", "choose_endpoint", "load_bound", "ring_walk", "route"]
 
 RESIDENT_TIERS = frozenset({"device", "pool", "gpu", "vram"})
 STAGED_TIERS = frozenset({"host", "cpu"})
 VNODES = 64
+LOAD_FLOOR = 8
 
 
 @dataclass(frozen=True)
@@ -74,10 +80,11 @@ def ring_walk(hosts: tuple[str, ...], key: str) -> list[str]:
     return seen
 
 
-def load_bound(loads: Mapping[str, int], hosts: tuple[str, ...], load_factor: float) -> int:
+def load_bound(loads: Mapping[str, int], hosts: tuple[str, ...], load_factor: float,
+               min_bound: int = 1) -> int:
     """The most requests one host may carry, counting the one being placed."""
     total = sum(loads.get(h, 0) for h in hosts)
-    return max(1, math.ceil(load_factor * (total + 1) / len(hosts)))
+    return max(1, min_bound, math.ceil(load_factor * (total + 1) / len(hosts)))
 
 
 def _tier_name(residency: Any) -> str:
@@ -107,19 +114,21 @@ def choose_endpoint(
     loads: Mapping[str, int] | None = None,
     load_factor: float = 1.25,
     replicas: int = 1,
+    min_bound: int = 1,
 ) -> RoutingDecision:
     """Pick the engine host for ``adapter`` (content ``digest``), by the tiers above.
 
     ``snapshot``: upstream -> adapter -> residency (a mapping, or an object exposing one
-    as ``upstreams``); ``loads``: in-flight requests per upstream (missing = 0);
-    ``replicas``: how many ring hosts a hot adapter may occupy.
+    as ``upstreams``); ``loads``: requests per upstream (missing = 0);
+    ``replicas``: how many ring hosts a hot adapter may occupy; ``min_bound``: the load
+    bound never goes below it.
     """
     view = _upstreams(snapshot)
     hosts = tuple(sorted(view))
     if not hosts:
         return RoutingDecision(None, "none")
     loads = loads or {}
-    bound = load_bound(loads, hosts, load_factor)
+    bound = load_bound(loads, hosts, load_factor, min_bound)
 
     def ok(h: str) -> bool:
         return loads.get(h, 0) + 1 <= bound
@@ -157,8 +166,11 @@ def route(upstreams: Sequence[Any], adapter: Any, residency: Any) -> Any:
     model; those the agents' view knows are ranked by ``choose_endpoint``; when the view
     knows none of them (no agent connected yet, or all down) it fails open to consistent
     hashing over every candidate, so traffic never stops for want of residency data.
-    The gateway passes no in-flight counts through this seam, so the load bound is inert
-    here (every host at 0); ``choose_endpoint`` takes them when a caller has them.
+    Loads are the snapshot's (``residency.loads``: running + waiting requests per
+    upstream, published by its agent, only while fresh); a host without one counts as 0,
+    so with no loads at all the bound is inert, as before agents published them. The
+    requests this gateway sent since a host's last measurement are not added (a burst
+    shorter than the agent's --load-interval-s lands on the same host).
     """
     if adapter is None:
         return upstreams[0]
@@ -170,5 +182,8 @@ def route(upstreams: Sequence[Any], adapter: Any, residency: Any) -> Any:
     else:
         known = {u.name: u for u in candidates}
         snapshot = {name: {} for name in known}
-    decision = choose_endpoint(snapshot, adapter.name, adapter.sha256 or adapter.name)
+    measured = getattr(residency, "loads", None) or {}
+    loads = {name: measured[name] for name in snapshot if name in measured}
+    decision = choose_endpoint(snapshot, adapter.name, adapter.sha256 or adapter.name,
+                               loads=loads, min_bound=LOAD_FLOOR)
     return known[decision.endpoint]

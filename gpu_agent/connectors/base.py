@@ -1,7 +1,7 @@
 """The seam between the residency manager and a serving engine.
 
-A connector translates "make adapter X resident / drop it / what do you hold" into one
-engine's API. It keeps no residency policy of its own: budgets, LRU and pinning live in
+A connector translates "make adapter X resident / drop it / what do you hold" (and "how
+busy are you": `engine_load`) into one engine's API. It keeps no residency policy of its own: budgets, LRU and pinning live in
 `gpu_agent.residency`, which calls these methods one at a time per adapter.
 
     ConnectorError          the engine refused or failed a load/unload
@@ -10,12 +10,13 @@ engine's API. It keeps no residency policy of its own: budgets, LRU and pinning 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_agent.artifacts import AdapterSpec
 from gpu_agent.errors import AgentError
 
-__all__ = ["ConnectorError", "EngineUnavailable", "EngineConnector", "listed_adapters"]
+__all__ = ["ConnectorError", "EngineUnavailable", "EngineConnector", "EngineLoad", "listed_adapters"]
 
 
 class ConnectorError(AgentError):
@@ -24,6 +25,22 @@ class ConnectorError(AgentError):
 
 class EngineUnavailable(ConnectorError):
     """The engine did not answer (connection refused, timeout, 5xx on a probe)."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Requests the engine holds now: in its running batch, and queued for a place there.
+
+    ``measured_unix_ms`` (stamped by the agent's load monitor) takes no part in equality:
+    two measurements with the same counts are the same load."""
+
+    running: int
+    waiting: int
+    measured_unix_ms: int = field(default=0, compare=False)
+
+    @property
+    def requests(self) -> int:
+        return self.running + self.waiting
 
 
 class EngineConnector(abc.ABC):
@@ -69,6 +86,13 @@ class EngineConnector(abc.ABC):
         its own: builtin). False where the agent's device budgets are the engine's only
         limits (vLLM, SGLang): the agent then knows from its budgets alone."""
         return False
+
+    async def engine_load(self) -> EngineLoad | None:
+        """Running and waiting requests now; None when the engine does not report them.
+        Raises ConnectorError (EngineUnavailable) when it could not be read: the caller,
+        a background loop, then publishes the load as unknown. Named apart from `load`,
+        which loads an adapter."""
+        return None
 
     def in_host(self, name: str) -> bool:
         """The engine keeps its own host-memory copy of `name` (builtin)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_agent.artifacts import AdapterSpec, ArtifactStore
-from gpu_agent.connectors.base import ConnectorError, EngineConnector
+from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineLoad
 from gpu_agent.errors import AdapterBusy
 
 __all__ = ["BuiltinConnector", "StoreSource"]
@@ -154,6 +154,14 @@ class BuiltinConnector(EngineConnector):
         res, batcher = self.engine.residency, self.engine.batcher
         return ({n for n in res.names() if res.held(n)}
                 | set(batcher.running_adapters()) | set(batcher.waiting_adapters()))
+
+    async def engine_load(self) -> EngineLoad | None:
+        """The batcher's own counts, read in memory. Requests still waiting for their
+        adapter's cold load have not reached the batcher and are not counted."""
+        if self.engine is None:
+            return None
+        batcher = self.engine.batcher
+        return EngineLoad(running=batcher.num_running, waiting=batcher.num_waiting)
 
     def in_host(self, name: str) -> bool:
         res = self.engine.residency

@@ -7,6 +7,8 @@
 - The loaded set is read from the last `loaded_adapters` the engine sent and, when the
   engine lists adapters in `GET /v1/models` (entries with a `parent`), from there; an
   engine that restarted answers `/v1/models` without them, which the agent notices.
+- The engine's load is `sglang:num_running_reqs` + `sglang:num_queue_reqs` from
+  `GET /metrics` (SGLang started with `--enable-metrics`; without it: unknown).
 
 SGLang needs a GPU, so this connector is tested against a local server that answers the
 documented shapes (tests/gpu_agent/test_connectors_sglang.py), not against SGLang itself.
@@ -18,7 +20,9 @@ from pathlib import Path
 import httpx
 
 from gpu_agent.artifacts import AdapterSpec
-from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable, listed_adapters
+from gpu_agent.connectors.base import (ConnectorError, EngineConnector, EngineLoad, EngineUnavailable,
+                                       listed_adapters)
+from gpu_agent.connectors.prometheus import SGLANG_LOAD, scrape_load
 
 __all__ = ["SGLangConnector"]
 
@@ -27,9 +31,11 @@ class SGLangConnector(EngineConnector):
     kind = "sglang"
 
     def __init__(self, url: str, max_loaded_loras: int | None = None, timeout_s: float = 60.0,
-                 api_key: str | None = None, client: httpx.AsyncClient | None = None):
+                 api_key: str | None = None, client: httpx.AsyncClient | None = None,
+                 metrics_timeout_s: float = 1.0):
         self._url = url.rstrip("/")
         self.capacity = max_loaded_loras
+        self.metrics_timeout_s = metrics_timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = client or httpx.AsyncClient(base_url=self._url, timeout=timeout_s, headers=headers)
         self._known: set[str] = set()
@@ -74,3 +80,6 @@ class SGLangConnector(EngineConnector):
         listed = await listed_adapters(self._client, "SGLang", self._url)
         self._known = listed
         return set(listed)
+
+    async def engine_load(self) -> EngineLoad | None:
+        return await scrape_load(self._client, "SGLang", SGLANG_LOAD, self.metrics_timeout_s)

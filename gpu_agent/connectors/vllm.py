@@ -7,6 +7,8 @@
 - `GET /metrics`: `vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters}`
   (the current series is the one with the largest value, a timestamp) and, in newer vLLM,
   `vllm:lora_adapter_loaded{adapter_name, ...}`; running and waiting adapters are busy.
+  The engine's load is `vllm:num_requests_running` + `vllm:num_requests_waiting`
+  (summed over their series: one per engine with data parallelism).
 
 `capacity` mirrors the engine's `--max-cpu-loras`: vLLM keeps that many adapters in its
 own CPU LRU and silently re-reads evicted ones from `lora_path` on the next request, so
@@ -21,7 +23,9 @@ from pathlib import Path
 import httpx
 
 from gpu_agent.artifacts import AdapterSpec
-from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable, listed_adapters
+from gpu_agent.connectors.base import (ConnectorError, EngineConnector, EngineLoad, EngineUnavailable,
+                                       listed_adapters)
+from gpu_agent.connectors.prometheus import VLLM_LOAD, scrape_load
 
 __all__ = ["VLLMConnector", "parse_lora_metrics"]
 
@@ -55,9 +59,11 @@ class VLLMConnector(EngineConnector):
     kind = "vllm"
 
     def __init__(self, url: str, max_cpu_loras: int | None = 4, timeout_s: float = 30.0,
-                 api_key: str | None = None, client: httpx.AsyncClient | None = None):
+                 api_key: str | None = None, client: httpx.AsyncClient | None = None,
+                 metrics_timeout_s: float = 1.0):
         self._url = url.rstrip("/")
         self.capacity = max_cpu_loras
+        self.metrics_timeout_s = metrics_timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = client or httpx.AsyncClient(base_url=self._url, timeout=timeout_s, headers=headers)
 
@@ -105,6 +111,9 @@ class VLLMConnector(EngineConnector):
         if resp.status_code != 200:
             return set()
         return parse_lora_metrics(resp.text)[0]
+
+    async def engine_load(self) -> EngineLoad | None:
+        return await scrape_load(self._client, "vLLM", VLLM_LOAD, self.metrics_timeout_s)
 
 
 def _error_message(resp: httpx.Response) -> str:

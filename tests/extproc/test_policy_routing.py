@@ -132,3 +132,81 @@ def test_route_plugs_into_the_gateway_seam():
     # no residency at all: fail open to hashing over the base model's upstreams
     assert route(ups + [other], ad, ResidencySnapshot()).name in ("e0", "e1", "e2")
     assert route(ups, None, ResidencySnapshot()).name == "e0"
+
+
+# ---- loads: the engines' own, published by the agents (ResidencySnapshot.loads) ----------
+
+def test_an_overloaded_resident_host_loses_to_one_that_is_not():
+    s = snap(h1={"a": "device"}, h2={"a": "device"}, h3={})
+    # h1 is over the bound (ceil(1.25 * 41 / 3) = 18), h2 under it although busy
+    d = choose_endpoint(s, "a", "da", loads={"h1": 30, "h2": 10, "h3": 0})
+    assert (d.endpoint, d.reason) == ("h2", "resident")
+    # the only resident host overloaded: a staged host that is not wins
+    s = snap(h1={"a": "device"}, h2={"a": "host"}, h3={})
+    d = choose_endpoint(s, "a", "da", loads={"h1": 30, "h2": 10, "h3": 0})
+    assert (d.endpoint, d.reason) == ("h2", "staged")
+
+
+def test_hashed_tier_skips_an_overloaded_host():
+    s = snap(**HOSTS3)
+    walk = ring_walk(("h1", "h2", "h3"), "dcold")
+    assert choose_endpoint(s, "cold", "dcold").endpoint == walk[0]
+    d = choose_endpoint(s, "cold", "dcold", loads={walk[0]: 20, walk[1]: 1, walk[2]: 1})
+    assert (d.endpoint, d.reason) == (walk[1], "hashed")
+
+
+def test_min_bound_keeps_a_lightly_loaded_resident_host():
+    s = snap(h1={"a": "device"}, h2={}, h3={})
+    loads = {"h1": 3, "h2": 0, "h3": 0}
+    # pure bounded loads spill at tiny totals (bound ceil(1.25 * 4 / 3) = 2) ...
+    assert choose_endpoint(s, "a", "da", loads=loads).reason == "hashed"
+    # ... the floor keeps the adapter where it is resident until the host carries LOAD_FLOOR
+    from extproc.policy.routing import LOAD_FLOOR
+    assert choose_endpoint(s, "a", "da", loads=loads, min_bound=LOAD_FLOOR).endpoint == "h1"
+    heavy = {"h1": 40, "h2": 0, "h3": 0}
+    assert choose_endpoint(s, "a", "da", loads=heavy, min_bound=LOAD_FLOOR).reason == "hashed"
+
+
+def _route_fixture():
+    from extproc.catalog import Adapter, Upstream
+    from extproc.residency import AdapterResidency
+
+    ups = [Upstream(f"e{i}", f"127.0.0.1:{9000 + i}", "builtin", "tiny") for i in range(3)]
+    ad = Adapter("code-sql", "tiny", 32, ("q_proj",), 100, "public", "adapters/code-sql", "ab" * 32)
+    return ups, ad, lambda tier: AdapterResidency(tier=tier, cold_load_ms=None)
+
+
+def test_route_reads_the_snapshots_loads():
+    from extproc.policy.routing import route
+    from extproc.residency import ResidencySnapshot
+
+    ups, ad, res = _route_fixture()
+    table = {"e0": {"code-sql": res("pool")}, "e1": {"code-sql": res("pool")}, "e2": {}}
+    # both resident: the less loaded one, from the agents' measurements
+    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e0": 9, "e1": 2, "e2": 0})).name == "e1"
+    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e0": 2, "e1": 9, "e2": 0})).name == "e0"
+    # both resident hosts overloaded: the adapter spreads to the third host
+    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e0": 40, "e1": 40, "e2": 0})).name == "e2"
+    # light load never moves it off its resident hosts
+    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e0": 5, "e1": 5, "e2": 0})).name in ("e0", "e1")
+
+
+def test_route_with_unknown_loads_decides_as_before():
+    from extproc.policy.routing import route
+    from extproc.residency import ResidencySnapshot
+
+    ups, ad, res = _route_fixture()
+    table = {"e0": {}, "e1": {}, "e2": {"code-sql": res("pool")}}
+    assert route(ups, ad, ResidencySnapshot.build(table)).name == "e2"
+    # a load for one host only: the others count as 0 and e2 is under the bound
+    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e2": 6})).name == "e2"
+    cold = {"e0": {}, "e1": {}, "e2": {}}
+    for i in range(20):
+        other = _with_digest(ad, f"d{i}")
+        assert (route(ups, other, ResidencySnapshot.build(cold)).name
+                == choose_endpoint({u: {} for u in cold}, other.name, other.sha256).endpoint)
+
+
+def _with_digest(ad, digest):
+    from dataclasses import replace
+    return replace(ad, name=f"x-{digest}", sha256=digest)

@@ -1,5 +1,6 @@
 """Builders for agent tests: a catalog of small fake adapters, a fake engine connector,
-and a loopback HTTP server that plays the remote tier."""
+a loopback HTTP server that plays the remote tier, and one that serves an engine's
+Prometheus /metrics (real-looking vLLM and SGLang texts)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ import yaml
 from aiohttp import web
 
 from gpu_agent.artifacts import AdapterSpec, ArtifactStore, Catalog, DiskCache
-from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
+from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineLoad, EngineUnavailable
 from gpu_agent.residency import ResidencyBudgets, ResidencyManager
 
 
@@ -53,6 +54,8 @@ class FakeConnector(EngineConnector):
         self.busy_set: set[str] = set()
         self.down = False
         self.fail_loads = False
+        self.engine_load_value: EngineLoad | None = None  # what engine_load() answers
+        self.engine_load_error: Exception | None = None   # ... or raises
 
     async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
         self.calls.append(("load", spec.name))
@@ -77,6 +80,11 @@ class FakeConnector(EngineConnector):
 
     async def busy(self) -> set[str]:
         return set(self.busy_set)
+
+    async def engine_load(self) -> EngineLoad | None:
+        if self.engine_load_error is not None:
+            raise self.engine_load_error
+        return self.engine_load_value
 
     def restart(self) -> None:
         self.held.clear()
@@ -126,3 +134,61 @@ async def wait_for(predicate, timeout: float = 15.0, interval: float = 0.01):
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError("condition not met")
         await asyncio.sleep(interval)
+
+
+# Shaped like vLLM 0.x's /metrics with two data-parallel engines (prometheus_client output).
+VLLM_TEXT = '''\
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 12345.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="/models/llama"} 3.0
+vllm:num_requests_running{engine="1",model_name="/models/llama"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="/models/llama"} 7.0
+vllm:num_requests_waiting{engine="1",model_name="/models/llama"} 0.0
+# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="/models/llama",reason="capacity"} 7.0
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.7e+09
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="/models/llama"} 0.42
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="/models/llama"} 10.0
+'''
+
+SGLANG_TEXT = '''\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="meta-llama/Llama-3.1-8B-Instruct",pp_rank="0",tp_rank="0"} 4.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="meta-llama/Llama-3.1-8B-Instruct",pp_rank="0",tp_rank="0"} 11.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{engine_type="unified",model_name="meta-llama/Llama-3.1-8B-Instruct",pp_rank="0",tp_rank="0"} 0.1
+'''
+
+
+@contextlib.asynccontextmanager
+async def metrics_server(state: dict):
+    """GET /metrics answers state["text"] with state["status"] (and counts the scrapes)."""
+    async def metrics(request):
+        state["scrapes"] = state.get("scrapes", 0) + 1
+        if state.get("delay_s"):
+            await asyncio.sleep(state["delay_s"])
+        return web.Response(text=state["text"], status=state.get("status", 200),
+                            content_type="text/plain", charset="utf-8")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()

@@ -167,3 +167,41 @@ def test_cold_settings_every_reload_goes_the_whole_way(fixtures, tmp_path):
             finally:
                 await mgr.close()
     run(main())
+
+
+def test_the_engine_load_is_the_batchers_running_and_waiting_sequences(fixtures, tmp_path):
+    """Read in memory off the request path: four requests through a batch of two are two
+    running and two waiting; the agent's load monitor publishes it, and 0/0 once done."""
+    from gpu_agent.connectors.base import EngineLoad
+    from gpu_agent.engine.core import EngineSettings
+
+    async def main():
+        catalog = Catalog.from_yaml(fixtures / "catalog.yaml")
+        store = ArtifactStore(catalog, DiskCache(tmp_path / "cache", 1 << 30))
+        conn = BuiltinConnector(store, EngineSettings(catalog=fixtures / "catalog.yaml", max_batch_sequences=2,
+                                                      batch_window_ms=0.0))
+        mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(reconcile_interval_s=0, load_interval_s=0.005))
+        await mgr.start()
+        try:
+            assert await conn.engine_load() == EngineLoad(0, 0)
+
+            async def generate():
+                async for _ in conn.engine.generate(None, [5, 6, 7], max_tokens=48, ignore_eos=True):
+                    pass
+
+            sub = mgr.subscribe()
+            tasks = [asyncio.create_task(generate()) for _ in range(4)]
+            seen = set()
+            while not all(t.done() for t in tasks):
+                seen.add(await conn.engine_load())
+                await asyncio.sleep(0.002)
+            await asyncio.gather(*tasks)
+            assert EngineLoad(2, 2) in seen or EngineLoad(2, 1) in seen, seen
+            assert all(load.running <= 2 and load.requests <= 4 for load in seen)
+            await wait_for(lambda: mgr.engine_load == EngineLoad(0, 0), timeout=5)
+            announced = [sub.queue.get_nowait().load for _ in range(sub.queue.qsize())]
+            assert any(load is not None and load.running == 2 for load in announced), announced
+            sub.close()
+        finally:
+            await mgr.close()
+    run(main())

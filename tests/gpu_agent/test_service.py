@@ -126,6 +126,40 @@ def test_watch_residency_streams_snapshot_then_changes(tmp_path):
     run(main())
 
 
+def test_watch_residency_carries_the_engine_load(tmp_path):
+    """LOAD events when the load changes (no status), and every other event carries the
+    load as last measured; unknown = the field unset."""
+    from gpu_agent.connectors.base import EngineLoad
+
+    async def main():
+        async with Agent(tmp_path, load_interval_s=0.01) as agent:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{agent.port}") as ch:
+                stub = pb_grpc.AgentStub(ch)
+                call = stub.WatchResidency(pb.WatchRequest(), metadata=AUTH)
+                events = aiter(call)
+
+                async def next_of(kind):
+                    while True:
+                        ev = await anext(events)
+                        if ev.kind == kind:
+                            return ev
+
+                sync = await next_of(pb.ResidencyEvent.SYNC)
+                assert not sync.HasField("load")                   # the fake engine says nothing yet
+                agent.engine.engine_load_value = EngineLoad(running=3, waiting=1)
+                ev = await next_of(pb.ResidencyEvent.LOAD)
+                assert (ev.load.running, ev.load.waiting) == (3, 1) and ev.load.measured_unix_ms > 0
+                assert not ev.HasField("status") and ev.engine_up
+                await stub.Prefetch(pb.PrefetchRequest(adapter="a1"), metadata=AUTH)
+                ev = await next_of(pb.ResidencyEvent.CHANGE)
+                assert ev.status.adapter == "a1" and (ev.load.running, ev.load.waiting) == (3, 1)
+                agent.engine.engine_load_value = None
+                ev = await next_of(pb.ResidencyEvent.LOAD)
+                assert not ev.HasField("load")
+                call.cancel()
+    run(main())
+
+
 def test_token_auth_required_but_health_open(tmp_path):
     async def main():
         async with Agent(tmp_path) as agent:

@@ -38,3 +38,13 @@ def test_negative_budgets_are_refused(catalog, flag):
 def test_pool_needs_a_mib(catalog):
     with pytest.raises(SettingsError, match="--pool-mb"):
         parse_args(["--catalog", str(catalog), "--auth", "none", "--pool-mb", "0"])
+
+
+def test_load_interval_defaults_accepts_off_and_refuses_out_of_range(catalog):
+    base = ["--catalog", str(catalog), "--auth", "none"]
+    assert parse_args(base).load_interval_s == 0.5
+    assert parse_args(base + ["--load-interval-s", "0"]).load_interval_s == 0
+    assert "0 = off" in help_of("load_interval_s")
+    for bad in ("-0.1", "2.5", "nan"):
+        with pytest.raises(SettingsError, match="--load-interval-s"):
+            parse_args(base + ["--load-interval-s", bad])

@@ -2,7 +2,8 @@
 
 The agent runs on its own event loop in a thread, like a separate process would; the
 link is the threaded client the ext_proc uses. Covers: prefetch -> residency seen by the
-gateway, agent down or slow never blocks `submit`, reconnect when the agent comes back.
+gateway, agent down or slow never blocks `submit`, reconnect when the agent comes back,
+the engine's load travelling into the gateway's snapshot (and leaving it when stale).
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ NAMES = ["a1", "a2", "a3"]
 class AgentThread:
     """A real agent (manager + gRPC server) on its own loop, started/stopped on a fixed port."""
 
-    def __init__(self, tmp_path, port: int, load_delay_s: float = 0.0, capacity: int | None = None):
+    def __init__(self, tmp_path, port: int, load_delay_s: float = 0.0, capacity: int | None = None,
+                 load_interval_s: float = 0.5):
         self.tmp_path, self.port, self.load_delay_s = tmp_path, port, load_delay_s
-        self.capacity = capacity
+        self.capacity, self.load_interval_s = capacity, load_interval_s
         self.catalog = make_catalog(tmp_path, NAMES)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -43,7 +45,8 @@ class AgentThread:
     def start(self) -> None:
         async def up():
             self.engine = FakeConnector(capacity=self.capacity, load_delay_s=self.load_delay_s)
-            self.manager = make_manager(self.catalog, self.tmp_path / "cache", self.engine)
+            self.manager = make_manager(self.catalog, self.tmp_path / "cache", self.engine,
+                                        load_interval_s=self.load_interval_s)
             await self.manager.start()
             self.server, _, self.health = await start_server(self.manager, "127.0.0.1", self.port, token=TOKEN)
         self._run(up())
@@ -234,3 +237,57 @@ def test_shadow_trace_says_what_prod_would_have_done():
     res = AdapterResidency("pool", 12.0, 4096, prefetched=True, base_model_bytes=1 << 20)
     ml, _ = trace_entries(_decision(res, mode="shadow"), None)
     assert (ml["action"], ml["would"], ml["swap_ms_saved"]) == ("shadow", "adapter_prefetched_applied", "12")
+
+
+def test_the_engines_load_travels_into_the_gateways_snapshot_while_fresh(tmp_path):
+    from extproc.catalog import Adapter, Upstream
+    from extproc.policy.routing import route
+    from extproc.residency import ResidencySnapshot
+    from gpu_agent.connectors.base import EngineLoad
+
+    agent = AgentThread(tmp_path, free_port(), load_interval_s=0.02)
+    agent.start()
+    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN, load_max_age_s=0.5).start()
+    try:
+        wait_until(lambda: link.board.current.of("u1", "a1").tier == "disk")
+        assert link.board.current.loads == {}                      # the engine says nothing yet: unknown
+        agent.engine.engine_load_value = EngineLoad(running=3, waiting=4)
+        wait_until(lambda: link.board.current.loads.get("u1") == 7)
+        agent.engine.engine_load_value = EngineLoad(running=1, waiting=0)
+        wait_until(lambda: link.board.current.loads.get("u1") == 1)
+        # the routing decision reads it from the snapshot: u1 holds a2 but is overloaded
+        # next to an idle host whose agent measured 0
+        assert link.submit(signal("a2"))
+        wait_until(lambda: link.board.current.of("u1", "a2").tier == "pool")
+        agent.engine.engine_load_value = EngineLoad(running=40, waiting=10)
+        wait_until(lambda: link.board.current.loads.get("u1") == 50)
+        ups = [Upstream("u1", "127.0.0.1:1", "builtin", "ace-tiny-llama"),
+               Upstream("u2", "127.0.0.1:2", "builtin", "ace-tiny-llama")]
+        ad = Adapter("a2", "ace-tiny-llama", 8, ("q_proj",), 4096, "public", "adapters/a2", "")
+        seen = link.board.current  # plus a second host, idle by its own agent's measurement
+        both = ResidencySnapshot.build({**seen.by_upstream, "u2": {}}, {**seen.loads, "u2": 0})
+        assert route(ups, ad, both).name == "u2"
+        unknown = ResidencySnapshot.build(both.by_upstream)   # no loads: residency wins, as before
+        assert route(ups, ad, unknown).name == "u1"
+        # the engine's load becomes unknown: it leaves the snapshot, residency stays
+        agent.engine.engine_load_value = None
+        wait_until(lambda: "u1" not in link.board.current.loads)
+        assert link.board.current.of("u1", "a2").tier == "pool"
+        # an agent that goes silent (no heartbeat): the load expires after load_max_age_s
+        agent.manager.load_monitor.heartbeat_s = 60.0
+        agent.engine.engine_load_value = EngineLoad(running=2, waiting=0)
+        wait_until(lambda: link.board.current.loads.get("u1") == 2)
+        t0 = time.monotonic()
+        wait_until(lambda: "u1" not in link.board.current.loads, timeout=5)
+        assert time.monotonic() - t0 >= 0.3
+        assert link.board.current.of("u1", "a2").tier == "pool"
+        # the agent goes away: host and load leave the view together
+        agent.manager.load_monitor.heartbeat_s = 2.0
+        agent.engine.engine_load_value = EngineLoad(running=5, waiting=0)
+        wait_until(lambda: link.board.current.loads.get("u1") == 5)
+        agent.stop()
+        wait_until(lambda: "u1" not in link.board.current.by_upstream)
+        assert link.board.current.loads == {}
+    finally:
+        link.close()
+        agent.close()

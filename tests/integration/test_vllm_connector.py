@@ -142,6 +142,41 @@ def test_unknown_or_tampered_requests_never_reach_vllm(vllm, agent):
     assert set(vllm.adapters()) == before
 
 
+def test_the_agent_publishes_the_real_vllms_load(vllm, agent):
+    """vLLM's own gauges (vllm:num_requests_running/_waiting) are the names the agent
+    scrapes: idle reads 0/0 (known, not unknown), requests in flight show up as running."""
+    import threading
+
+    def first_load():
+        async def call():
+            async with grpc.aio.insecure_channel(agent.target) as ch:
+                stream = pb_grpc.AgentStub(ch).WatchResidency(pb.WatchRequest(), metadata=AUTH, timeout=30)
+                async for ev in stream:
+                    if ev.HasField("load"):
+                        stream.cancel()
+                        return ev.load
+        return asyncio.run(call())
+
+    load = first_load()
+    assert load.measured_unix_ms > 0 and load.running + load.waiting >= 0
+    wait_until(lambda: "ace_agent_engine_requests_running 0" in agent.metrics(), timeout=10)
+
+    def long_request():
+        httpx.post(vllm.url + "/v1/completions", timeout=120, json={
+            "model": BASE_MODEL, "prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True})
+
+    threads = [threading.Thread(target=long_request) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: agent.metric("ace_agent_engine_requests_running")
+                   + agent.metric("ace_agent_engine_requests_waiting") >= 1, timeout=30, interval=0.05)
+    finally:
+        for t in threads:
+            t.join(timeout=120)
+    wait_until(lambda: "ace_agent_engine_requests_running 0" in agent.metrics(), timeout=10)
+
+
 def test_engine_restart_is_noticed_and_residency_rebuilt(vllm, agent):
     """Last in the module: restarts vLLM (another ~16 s+)."""
     unload_all(vllm, agent)

@@ -84,29 +84,43 @@ class WatchRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class EngineLoad(_message.Message):
+    __slots__ = ("running", "waiting", "measured_unix_ms")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    measured_unix_ms: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., measured_unix_ms: _Optional[int] = ...) -> None: ...
+
 class ResidencyEvent(_message.Message):
-    __slots__ = ("kind", "status", "seq", "engine_up", "base_model_bytes")
+    __slots__ = ("kind", "status", "seq", "engine_up", "base_model_bytes", "load")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[ResidencyEvent.Kind]
         INITIAL: _ClassVar[ResidencyEvent.Kind]
         SYNC: _ClassVar[ResidencyEvent.Kind]
         CHANGE: _ClassVar[ResidencyEvent.Kind]
+        LOAD: _ClassVar[ResidencyEvent.Kind]
     KIND_UNSPECIFIED: ResidencyEvent.Kind
     INITIAL: ResidencyEvent.Kind
     SYNC: ResidencyEvent.Kind
     CHANGE: ResidencyEvent.Kind
+    LOAD: ResidencyEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ENGINE_UP_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     kind: ResidencyEvent.Kind
     status: AdapterStatus
     seq: int
     engine_up: bool
     base_model_bytes: int
-    def __init__(self, kind: _Optional[_Union[ResidencyEvent.Kind, str]] = ..., status: _Optional[_Union[AdapterStatus, _Mapping]] = ..., seq: _Optional[int] = ..., engine_up: _Optional[bool] = ..., base_model_bytes: _Optional[int] = ...) -> None: ...
+    load: EngineLoad
+    def __init__(self, kind: _Optional[_Union[ResidencyEvent.Kind, str]] = ..., status: _Optional[_Union[AdapterStatus, _Mapping]] = ..., seq: _Optional[int] = ..., engine_up: _Optional[bool] = ..., base_model_bytes: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("adapter", "down_to")

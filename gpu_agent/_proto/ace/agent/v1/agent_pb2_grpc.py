@@ -84,7 +84,9 @@ class AgentServicer:
 
     def WatchResidency(self, request, context):
         """First every catalog adapter's status (initial = true), then one SYNC event, then
-        one event per change, for as long as the client stays connected.
+        one event per change, for as long as the client stays connected. Every event also
+        carries the engine's load (running and waiting requests) as last measured; LOAD
+        events announce a new load between residency changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
