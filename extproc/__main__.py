@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if settings.server == "aio":
             asyncio.run(serve_aio(gateway, settings.listen))
         elif settings.server == "h2":
-            asyncio.run(serve_h2(gateway, settings.listen))
+            asyncio.run(serve_h2(gateway, settings.listen, max_streams=settings.h2_max_streams))
         else:
             serve(gateway, settings.listen, settings.workers)
     finally:

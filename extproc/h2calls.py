@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from grpc_health.v1 import health_pb2
 
-from extproc.h2frames import HEADERS, END_HEADERS, RESPONSE_HEADERS, TRAILERS_OK, frame, status_block
+from extproc.h2frames import (HEADERS, END_HEADERS, RESPONSE_HEADERS, TRAILERS_OK, RecvWindow, frame,
+                              status_block)
 from extproc.processor import CONTINUE
 from extproc.wire import NO_PHASE, head_from_attributes, pb, request_head, serialize_response
 
@@ -22,7 +23,7 @@ class Call:
     """One gRPC stream. Subclasses answer messages; ``finish`` is the trailers' status."""
 
     __slots__ = ("conn", "sid", "buf", "window", "pending", "headers_sent", "closed_remote",
-                 "done", "received")
+                 "done", "inflow")
 
     def __init__(self, conn, sid: int) -> None:
         self.conn, self.sid = conn, sid
@@ -30,7 +31,7 @@ class Call:
         self.window = conn.peer_initial_window
         self.pending: list[tuple[int, int, bytes]] = []   # (frame kind, flags, payload) held by flow control
         self.headers_sent = self.closed_remote = self.done = False
-        self.received = 0          # DATA bytes since our last WINDOW_UPDATE for this stream
+        self.inflow = RecvWindow(conn.stream_window)   # what the client may still send us
 
     def on_message(self, data: bytes) -> None:
         raise NotImplementedError
@@ -49,7 +50,9 @@ class Call:
         if self.done:
             return
         self.done = True
-        self.buf.clear()
+        if self.buf:   # a partial message: its bytes go back to the connection's window
+            self.conn.give_back(self, len(self.buf))
+            self.buf.clear()
         block = TRAILERS_OK if code == OK and not message else status_block(code, message)
         if not self.headers_sent:   # trailers-only response
             block = RESPONSE_HEADERS + block

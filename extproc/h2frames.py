@@ -1,4 +1,5 @@
-"""HTTP/2 frame and HPACK bits the h2 server writes (RFC 9113, RFC 7541), and its one error.
+"""HTTP/2 frame and HPACK bits the h2 server writes (RFC 9113, RFC 7541), its receive windows,
+and its one error.
 
 We only ever encode without the dynamic table (static-table indices and literals "without
 indexing"), so there is no encoder state to keep in step with the peer.
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-__all__ = ["ProtocolError", "frame", "hpack_int", "hpack_literal", "status_block",
+__all__ = ["ProtocolError", "RecvWindow", "frame", "hpack_int", "hpack_literal", "status_block",
            "PREFACE", "RESPONSE_HEADERS", "TRAILERS_OK", "MAX_FRAME"]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -26,6 +27,36 @@ class ProtocolError(Exception):
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
         self.code = code
+
+
+class RecvWindow:
+    """What a peer may still send us on a connection or a stream (RFC 9113 6.9.1).
+
+    ``take(n)`` on every DATA frame (padding included): False means the peer sent more than we
+    allowed. ``give_back(n)`` once ``n`` of those bytes have left our buffers (and with 0 after
+    every frame); it returns the WINDOW_UPDATE increment now due, 0 for none. An update is due
+    once less than half the window is left: a peer whose bytes we consume at once gets one per
+    half window, one whose bytes we hold (a partial message) gets back all the rest, and what we
+    hold (``size - left - unacked``) never exceeds ``size``.
+    """
+
+    __slots__ = ("size", "left", "unacked")
+
+    def __init__(self, size: int) -> None:
+        self.size = self.left = size
+        self.unacked = 0            # given back but not yet announced
+
+    def take(self, n: int) -> bool:
+        self.left -= n
+        return self.left >= 0
+
+    def give_back(self, n: int) -> int:
+        self.unacked += n
+        if self.left >= self.size >> 1 or not self.unacked:
+            return 0
+        inc, self.unacked = self.unacked, 0
+        self.left += inc
+        return inc
 
 
 def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:

@@ -6,7 +6,9 @@ ext_proc stream; the loop below does one recv and one send per message on a sing
 asyncio protocol, and calls the same Exchange. It speaks just the HTTP/2 + gRPC that
 Envoy's and grpc's clients use: h2c with prior knowledge, no compression, no server push.
 A peer that breaks the protocol gets GOAWAY and loses its connection, nothing else.
-Numbers and limits: docs/gateway.md ("Speed").
+What one connection may cost us is bounded: streams (SETTINGS_MAX_CONCURRENT_STREAMS),
+buffered request bytes (the receive windows, enforced), header blocks, and our output (we
+stop reading a peer that does not read). Numbers and limits: docs/gateway.md ("Speed").
 """
 from __future__ import annotations
 
@@ -19,23 +21,31 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from hpack import Decoder, HPACKError
 
+from extproc.errors import ConfigError
 from extproc.h2calls import (INTERNAL, RESOURCE_EXHAUSTED, UNIMPLEMENTED, Call, HealthCheckCall,
                              NullProcessCall, ProcessCall, UnknownCall)
 from extproc.h2frames import (ACK, COMPRESSION_ERROR, CONT, DATA, END_HEADERS, END_STREAM,
                               FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS,
                               INTERNAL_ERROR, MAX_FRAME, MAX_WINDOW, PADDED, PING, PREFACE,
                               PRIO_FLAG, PROTOCOL_ERROR, PUSH, REFUSED_STREAM, RST, SETTINGS,
-                              STREAM_CLOSED, WINDOW, ProtocolError, frame, hpack_int)
+                              STREAM_CLOSED, WINDOW, ProtocolError, RecvWindow, frame, hpack_int)
 from extproc.processor import Gateway
 from extproc.wire import SERVICE
 
-__all__ = ["H2Server", "serve_h2", "MAX_MESSAGE"]
+__all__ = ["H2Server", "serve_h2", "MAX_MESSAGE", "MAX_STREAMS", "STREAM_WINDOW", "CONNECTION_WINDOW"]
 
 log = logging.getLogger(__name__)
 
-RECV_WINDOW = 1 << 30          # what we let a peer send before a WINDOW_UPDATE
+# Defaults of the H2Server limits. Envoy counts its ext_proc streams against the cluster's
+# max_requests circuit breaker (1024 unless raised) and opens another connection when ours is full.
+MAX_STREAMS = 4096             # SETTINGS_MAX_CONCURRENT_STREAMS: open streams per connection
+CONNECTION_WINDOW = 1 << 30    # request bytes a connection may have sent that we have not consumed
+STREAM_WINDOW = 256 << 20      # the same per stream (SETTINGS_INITIAL_WINDOW_SIZE)
 MAX_MESSAGE = 64 << 20         # one gRPC message (Envoy's buffer is max_body_bytes + 64 KiB)
 MAX_HEADER_BLOCK = 256 << 10   # HEADERS + CONTINUATION bytes of one block
+WRITE_HIGH = 1 << 20           # our output waiting for a peer beyond which we stop reading it
+FLUSH_AT = 64 << 10            # write out mid-read once this much is queued (to see WRITE_HIGH)
+CACHED_BLOCK = 4096            # header blocks longer than this are not kept in the :path cache
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _PROCESS_PATH = f"/{SERVICE}/Process"
 
@@ -46,9 +56,16 @@ def _unpad(payload: bytes) -> bytes:
     return payload[1:len(payload) - payload[0]]
 
 
+def _setting(key: int, value: int) -> bytes:
+    return key.to_bytes(2, "big") + value.to_bytes(4, "big")
+
+
 class H2Connection(asyncio.Protocol):
     def __init__(self, server: "H2Server") -> None:
         self.server, self.gateway = server, server.gateway
+        self.stream_window = server.stream_window
+        self.max_message = min(MAX_MESSAGE, server.stream_window - 5)   # a bigger one could never arrive
+        self.inflow = RecvWindow(server.connection_window)
         self.decoder = Decoder()
         self.path_cache: dict[bytes, str] = {}
         self.inbuf = bytearray()
@@ -58,13 +75,14 @@ class H2Connection(asyncio.Protocol):
         self.preface = False
         self.peer_initial_window = 65535
         self.peer_max_frame = 16384
-        self.conn_window = 65535
-        self.received = 0              # DATA bytes since our last connection WINDOW_UPDATE
+        self.conn_window = 65535       # what we may send (the peer's window)
         self.last_sid = 0
         self.header_block: tuple[int, int, bytearray] | None = None   # (sid, flags, block) awaiting CONTINUATION
         self.transport: asyncio.Transport | None = None
         self.going_away = False
         self.broken = False
+        self.paused = False            # the peer does not read our output: we do not read its input
+        self.refused = 0               # streams refused over the limit
         self.table_size = 4096         # our HPACK encoder's table limit (empty: we never index)
         self.table_update_due = False
 
@@ -79,22 +97,42 @@ class H2Connection(asyncio.Protocol):
     # -- asyncio
     def connection_made(self, transport) -> None:
         self.transport = transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH)
         self.server.connections.add(self)
-        settings = ((0x4).to_bytes(2, "big") + RECV_WINDOW.to_bytes(4, "big")      # INITIAL_WINDOW_SIZE
-                    + (0x2).to_bytes(2, "big") + (0).to_bytes(4, "big"))           # ENABLE_PUSH = 0
-        transport.write(frame(SETTINGS, 0, 0, settings)
-                        + frame(WINDOW, 0, 0, (RECV_WINDOW - 65535).to_bytes(4, "big")))
+        srv = self.server
+        out = frame(SETTINGS, 0, 0, _setting(0x3, srv.max_streams)      # MAX_CONCURRENT_STREAMS
+                    + _setting(0x4, srv.stream_window)                  # INITIAL_WINDOW_SIZE
+                    + _setting(0x2, 0))                                 # ENABLE_PUSH
+        if srv.connection_window > 65535:   # the connection's window starts at 65535 whatever SETTINGS say
+            out += frame(WINDOW, 0, 0, (srv.connection_window - 65535).to_bytes(4, "big"))
+        transport.write(out)
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
         self.calls.clear()
         self.server.idle_check()
 
+    def pause_writing(self) -> None:
+        """Over WRITE_HIGH of our output waits for a peer that does not read it: read no more
+        from it (its PINGs, requests and their answers would pile up here) until it drains."""
+        self.paused = True
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.broken or self.transport.is_closing():
+            return
+        self.transport.resume_reading()
+        self._process()                # the frames left in inbuf when we paused
+
     def data_received(self, data: bytes) -> None:
         if self.broken:
             return
+        self.inbuf += data
+        self._process()
+
+    def _process(self) -> None:
         buf = self.inbuf
-        buf += data
         try:
             if not self.preface:
                 if len(buf) < 24:
@@ -106,7 +144,7 @@ class H2Connection(asyncio.Protocol):
                 del buf[:24]
                 self.preface = True
             pos, n = 0, len(buf)
-            while n - pos >= 9:
+            while n - pos >= 9 and not self.paused:
                 length = int.from_bytes(buf[pos:pos + 3], "big")
                 if length > MAX_FRAME:   # refuse at once rather than buffer up to 16 MiB
                     raise ProtocolError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
@@ -117,6 +155,8 @@ class H2Connection(asyncio.Protocol):
                 sid = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
                 self._frame(kind, flags, sid, bytes(buf[pos + 9:end]))
                 pos = end
+                if len(self.out) >= FLUSH_AT:
+                    self.flush()       # may pause us (pause_writing)
             del buf[:pos]
         except ProtocolError as exc:
             self._abort(exc.code, str(exc))
@@ -155,24 +195,28 @@ class H2Connection(asyncio.Protocol):
         if kind == DATA:
             if sid == 0:
                 raise ProtocolError(PROTOCOL_ERROR, "DATA on stream 0")
-            self.received += len(payload)
-            if self.received > RECV_WINDOW // 2:
-                self.out += frame(WINDOW, 0, 0, self.received.to_bytes(4, "big"))
-                self.received = 0
+            size = len(payload)   # padding included (RFC 9113 6.9.1)
+            if not self.inflow.take(size):
+                raise ProtocolError(FLOW_CONTROL_ERROR, f"DATA beyond the connection window "
+                                                        f"of {self.inflow.size} bytes")
             call = self.calls.get(sid)
-            if call is None:    # a stream we reset or forgot: its bytes only count for the window
+            if call is None:    # a stream we reset or forgot: its bytes only count for the connection
+                self.give_back(None, size)
                 return
-            call.received += len(payload)
-            if call.received > RECV_WINDOW // 2 and not flags & END_STREAM:
-                self.out += frame(WINDOW, 0, sid, call.received.to_bytes(4, "big"))
-                call.received = 0
+            if not call.inflow.take(size):
+                self._reset(call, FLOW_CONTROL_ERROR,
+                            f"DATA beyond the stream window of {self.stream_window} bytes")
+                self.give_back(None, size)
+                return
             if flags & PADDED:
                 payload = _unpad(payload)
             if payload and not call.done:
                 call.buf += payload
                 self._messages(call)
+                size -= len(payload)   # the padding is consumed now, the rest as messages complete
             if flags & END_STREAM:
                 self._half_close(call)
+            self.give_back(call, size)
         elif kind == HEADERS:
             if flags & PADDED:
                 payload = _unpad(payload)
@@ -219,7 +263,10 @@ class H2Connection(asyncio.Protocol):
         elif kind == RST:
             if len(payload) != 4 or sid == 0:
                 raise ProtocolError(PROTOCOL_ERROR, "bad RST_STREAM")
-            self.calls.pop(sid, None)
+            call = self.calls.pop(sid, None)
+            if call is not None and call.buf:   # a partial message: its bytes go back to the connection
+                self.give_back(None, len(call.buf))
+                call.buf.clear()
         elif kind == GOAWAY:
             self.going_away = True
         elif kind == PUSH:
@@ -270,8 +317,13 @@ class H2Connection(asyncio.Protocol):
                 return
             raise ProtocolError(STREAM_CLOSED, f"HEADERS on closed stream {sid}")
         self.last_sid = sid
-        if self.going_away:
-            self.out += frame(RST, 0, sid, REFUSED_STREAM.to_bytes(4, "big"))
+        if self.going_away or len(self.calls) >= self.server.max_streams:
+            if not self.going_away:
+                self.refused += 1
+                if self.refused == 1:   # once per connection: a peer that ignores SETTINGS may do it a lot
+                    log.warning("h2: %s opened more than %d streams; refusing the extra ones",
+                                self.transport.get_extra_info("peername"), self.server.max_streams)
+            self.out += frame(RST, 0, sid, REFUSED_STREAM.to_bytes(4, "big"))   # the client may retry it
             self.reset_sids.append(sid)
             return
         if path == _PROCESS_PATH:
@@ -305,7 +357,8 @@ class H2Connection(asyncio.Protocol):
         headers = self.decoder.decode(block)
         path = next((v for k, v in headers if k == ":path"), "")
         if (entries[0] if entries else None) is first and before == (len(entries), table.maxsize):
-            if len(self.path_cache) < 64:     # the table did not change: the same bytes mean the same headers
+            if len(self.path_cache) < 64 and len(block) <= CACHED_BLOCK:   # the table did not change:
+                # the same bytes mean the same headers
                 self.path_cache[block] = path
         else:
             self.path_cache.clear()           # the table changed: cached blocks may decode differently
@@ -315,8 +368,8 @@ class H2Connection(asyncio.Protocol):
         buf = call.buf
         while len(buf) >= 5 and not call.done:
             size = int.from_bytes(buf[1:5], "big")
-            if size > MAX_MESSAGE:
-                call.finish(RESOURCE_EXHAUSTED, f"message of {size} bytes over the {MAX_MESSAGE} limit")
+            if size > self.max_message:
+                call.finish(RESOURCE_EXHAUSTED, f"message of {size} bytes over the {self.max_message} limit")
                 return
             if len(buf) < 5 + size:
                 return
@@ -325,6 +378,7 @@ class H2Connection(asyncio.Protocol):
                 return
             data = bytes(buf[5:5 + size])
             del buf[:5 + size]
+            self.give_back(call, 5 + size)
             try:
                 call.on_message(data)
             except DecodeError:   # the peer's bytes, not our bug: no traceback
@@ -333,6 +387,31 @@ class H2Connection(asyncio.Protocol):
             except Exception as exc:
                 log.exception("h2: call failed")
                 call.finish(INTERNAL, f"internal error: {type(exc).__name__}")
+
+    def give_back(self, call: Call | None, size: int) -> None:
+        """``size`` received DATA bytes have left our buffers (0: see whether an update is due):
+        WINDOW_UPDATE the connection and, while it may still send, the stream."""
+        inc = self.inflow.give_back(size)
+        if inc:
+            self.out += frame(WINDOW, 0, 0, inc.to_bytes(4, "big"))
+        if call is not None and not (call.done or call.closed_remote):
+            inc = call.inflow.give_back(size)
+            if inc:
+                self.out += frame(WINDOW, 0, call.sid, inc.to_bytes(4, "big"))
+
+    def _reset(self, call: Call, code: int, reason: str) -> None:
+        """A stream error (RFC 9113 5.4.2): RST_STREAM(``code``) and the call is dropped; the
+        connection and its other streams go on."""
+        log.warning("h2: resetting stream %d from %s: %s", call.sid,
+                    self.transport.get_extra_info("peername"), reason)
+        call.done = True
+        call.pending.clear()
+        del self.calls[call.sid]
+        self.out += frame(RST, 0, call.sid, code.to_bytes(4, "big"))
+        self.reset_sids.append(call.sid)
+        if call.buf:
+            self.give_back(None, len(call.buf))
+            call.buf.clear()
 
     def _half_close(self, call: Call) -> None:
         call.closed_remote = True
@@ -388,9 +467,22 @@ class H2Connection(asyncio.Protocol):
 
 
 class H2Server:
-    """ext_proc + health over the loop above; one asyncio event loop, no extra threads."""
+    """ext_proc + health over the loop above; one asyncio event loop, no extra threads.
 
-    def __init__(self, gateway: Gateway | None, null: bool = False) -> None:
+    Per connection: at most ``max_streams`` open streams (more are refused with
+    REFUSED_STREAM), at most ``stream_window`` / ``connection_window`` bytes of requests held
+    (a peer that sends more gets FLOW_CONTROL_ERROR)."""
+
+    def __init__(self, gateway: Gateway | None, null: bool = False, *, max_streams: int = MAX_STREAMS,
+                 stream_window: int = STREAM_WINDOW, connection_window: int = CONNECTION_WINDOW) -> None:
+        if not 1 <= max_streams <= MAX_WINDOW:
+            raise ConfigError(f"max_streams must be in 1..2^31-1, got {max_streams}")
+        # below 65535 a peer that has not yet seen our SETTINGS could overrun the stream window
+        if not 65535 <= stream_window <= connection_window <= MAX_WINDOW:
+            raise ConfigError("windows must satisfy 65535 <= stream_window <= connection_window "
+                              f"<= 2^31-1, got {stream_window} and {connection_window}")
+        self.max_streams = max_streams
+        self.stream_window, self.connection_window = stream_window, connection_window
         self.gateway = gateway
         self.process_call = NullProcessCall if null else ProcessCall
         self.health = {name: health_pb2.HealthCheckResponse.SERVING for name in ("", SERVICE)}
@@ -426,9 +518,10 @@ class H2Server:
             conn.transport.abort()   # close() would wait for a peer that does not read
 
 
-async def serve_h2(gateway: Gateway | None, listen: str, grace_s: float = 5.0, null: bool = False) -> None:
+async def serve_h2(gateway: Gateway | None, listen: str, grace_s: float = 5.0, null: bool = False,
+                   max_streams: int = MAX_STREAMS) -> None:
     """``null=True``: the benchmark's do-nothing ext_proc on the same loop."""
-    h2 = H2Server(gateway, null=null)
+    h2 = H2Server(gateway, null=null, max_streams=max_streams)
     server = await h2.start(listen)
     log.info("ext_proc (h2) listening on %s", listen)
     stop = asyncio.Event()

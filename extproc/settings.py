@@ -27,6 +27,9 @@ _HELP = {
     "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
     "server": "gRPC server flavour: h2 (default: gRPC on a bare asyncio HTTP/2 loop, fewest "
               "syscalls, see docs/gateway.md), aio (grpc.aio) or threads (grpc thread pool)",
+    "h2_max_streams": "--server h2: open streams allowed per connection (advertised as "
+                      "SETTINGS_MAX_CONCURRENT_STREAMS; more are refused with REFUSED_STREAM). "
+                      "Envoy opens one stream per request in flight and another connection when one is full",
 }
 
 
@@ -41,6 +44,7 @@ class Settings:
     prefetch_queue: int = 1024
     log_level: str = "INFO"
     server: str = "h2"
+    h2_max_streams: int = 4096      # extproc.h2server.MAX_STREAMS (not imported: it pulls in grpc)
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
@@ -54,6 +58,8 @@ class Settings:
             raise ConfigError(f"--server must be aio, threads or h2, got {self.server!r}")
         if self.workers < 1 or self.prefetch_queue < 1:
             raise ConfigError("--workers and --prefetch-queue must be positive")
+        if not 1 <= self.h2_max_streams <= (1 << 31) - 1:
+            raise ConfigError(f"--h2-max-streams must be in 1..2^31-1, got {self.h2_max_streams}")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "Settings":
@@ -79,7 +85,7 @@ class Settings:
                        db=Path(ns["db"]), listen=str(ns["listen"]), workers=int(ns["workers"]),
                        routing_policy=ns["routing_policy"] or None,
                        prefetch_queue=int(ns["prefetch_queue"]), log_level=str(ns["log_level"]),
-                       server=str(ns["server"]))
+                       server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 

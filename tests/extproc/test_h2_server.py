@@ -23,9 +23,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.h2frames import (CONT, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PREFACE,
-                              SETTINGS, frame)
-from extproc.h2server import H2Server
+from extproc.errors import ConfigError
+from extproc.h2calls import NullProcessCall
+from extproc.h2frames import (CONT, DATA, END_HEADERS, END_STREAM, FLOW_CONTROL_ERROR, GOAWAY, HEADERS,
+                              PREFACE, REFUSED_STREAM, RST, SETTINGS, WINDOW, RecvWindow, frame)
+from extproc.h2server import (CONNECTION_WINDOW, FLUSH_AT, MAX_STREAMS, STREAM_WINDOW, WRITE_HIGH,
+                              H2Server)
 from extproc.processor import Gateway
 from extproc.store import Store
 from extproc.wire import NO_PHASE, SERVICE
@@ -43,8 +46,8 @@ TIMEOUT = 20
 class ServerThread:
     """An ``H2Server`` on its own event loop in a daemon thread; ``stop`` drains and joins."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.h2 = H2Server(gateway)
+    def __init__(self, gateway: Gateway | None, **limits) -> None:
+        self.h2 = H2Server(gateway, **limits)
         self.loop = asyncio.new_event_loop()
         self.loop_errors: list[dict] = []
         self.loop.set_exception_handler(lambda loop, ctx: self.loop_errors.append(ctx))
@@ -70,6 +73,15 @@ class ServerThread:
     def open_streams(self) -> int:
         return self.inspect(lambda: sum(len(c.calls) for c in self.h2.connections))
 
+    def assert_windows_account(self) -> None:
+        """What each connection's window says we hold is what its calls hold: no bytes leak
+        out of the connection window (that would stall it for good one day)."""
+        def check():
+            for conn in self.h2.connections:
+                held = conn.inflow.size - conn.inflow.left - conn.inflow.unacked
+                assert held == sum(len(c.buf) for c in conn.calls.values()), (held, conn.calls)
+        self.inspect(check)
+
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.h2.shutdown(self.server, 1.0), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -92,6 +104,19 @@ def h2(state):
     yield srv
     srv.stop()
     store.close()
+    assert not srv.loop_errors, srv.loop_errors
+
+
+# small limits, so that tests can reach them: 8 streams, 64 KiB per stream, 192 KiB per connection
+TIGHT = {"max_streams": 8, "stream_window": 65535, "connection_window": 3 << 16}
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """The do-nothing ext_proc (every message answered, whatever its bytes) under TIGHT limits."""
+    srv = ServerThread(None, null=True, **TIGHT)
+    yield srv
+    srv.stop()
     assert not srv.loop_errors, srv.loop_errors
 
 
@@ -339,9 +364,13 @@ def test_client_cancels_a_stream_midway(h2):
 class RawPeer:
     """A TCP client writing whatever bytes a test gives it and reading frames back."""
 
-    def __init__(self, address: str, preface: bool = True) -> None:
+    def __init__(self, address: str, preface: bool = True, rcvbuf: int | None = None) -> None:
         host, _, port = address.rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:   # before connecting: it sets the window TCP offers
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(5)
+        self.sock.connect((host, int(port)))
         self.encoder = hpack.Encoder()
         self.data = bytearray()
         if preface:
@@ -436,6 +465,12 @@ BROKEN = {
     "PING of 3 bytes": (PREFACE + frame(6, 0, 0, b"abc"), 6),
     "WINDOW_UPDATE overflow": (PREFACE + frame(8, 0, 0, b"\x7f\xff\xff\xff"), 3),
     "PUSH_PROMISE": (PREFACE + frame(5, END_HEADERS, 1, b"\x00\x00\x00\x02\x82"), 1),
+    # one header block of 17 x 16 KiB: over the 256 KiB we buffer for one, at its last frame
+    "endless CONTINUATION": (PREFACE + frame(HEADERS, 0, 1, b"\x82" * 16384)
+                             + frame(CONT, 0, 1, b"\x82" * 16384) * 16, 1),
+    # a 4 KB header indexed 1,000 times: 5 KB on the wire, 4 MB decoded (we stop at 64 KiB)
+    "HPACK bomb": (PREFACE + frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\x40\x06x-bomb\x7f\xa1\x1e"
+                                   + b"v" * 4000 + b"\xbe" * 1000), 9),
 }
 
 
@@ -528,6 +563,221 @@ def test_oversize_message_is_refused_without_buffering(h2, no_errors_logged):
     assert not peer.read_until(_stream_ended(1))
     trailers = [p for k, f, s, p in peer.frames() if k == HEADERS and s == 1]
     assert dict(hpack.Decoder().decode(trailers[-1]))["grpc-status"] == "8"   # RESOURCE_EXHAUSTED
+    peer.close()
+    assert_still_serving(h2)
+
+
+# ---------------------------------------------------------------- limits: streams, windows, output
+
+def _settings_of(peer: RawPeer) -> tuple[dict[int, int], int]:
+    """The server's first SETTINGS and the connection WINDOW_UPDATE sent with it."""
+    peer.read_until(lambda frames: any(k == SETTINGS and not f for k, f, _, _ in frames)
+                    and any(k == WINDOW and not s for k, _, s, _ in frames))
+    payload = next(p for k, f, _, p in peer.frames() if k == SETTINGS and not f)
+    settings = {int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
+                for i in range(0, len(payload), 6)}
+    updates = [int.from_bytes(p, "big") for k, _, s, p in peer.frames() if k == WINDOW and s == 0]
+    return settings, sum(updates)
+
+
+def _partial(sid: int, sent: int, claimed: int = 65530) -> bytes:
+    """DATA frames with the first ``sent`` bytes of a ``claimed``-byte gRPC message."""
+    data = (b"\x00" + claimed.to_bytes(4, "big") + b"x" * claimed)[:sent]
+    return b"".join(frame(DATA, 0, sid, data[i:i + 16384]) for i in range(0, len(data), 16384))
+
+
+def _resets(peer: RawPeer) -> dict[int, int]:
+    return {s: int.from_bytes(p, "big") for k, _, s, p in peer.frames() if k == RST}
+
+
+@pytest.mark.parametrize("limits", [{}, TIGHT], ids=["defaults", "tight"])
+def test_settings_advertise_the_limits(limits):
+    srv = ServerThread(None, null=True, **limits)
+    try:
+        peer = RawPeer(srv.address)
+        settings, window = _settings_of(peer)
+        peer.close()
+    finally:
+        srv.stop()
+    assert settings[0x3] == limits.get("max_streams", MAX_STREAMS)        # MAX_CONCURRENT_STREAMS
+    assert settings[0x4] == limits.get("stream_window", STREAM_WINDOW)    # INITIAL_WINDOW_SIZE
+    assert settings[0x2] == 0                                              # ENABLE_PUSH
+    assert 65535 + window == limits.get("connection_window", CONNECTION_WINDOW)
+
+
+@pytest.mark.parametrize("limits", [{"max_streams": 0}, {"stream_window": 1024},
+                                    {"stream_window": 1 << 20, "connection_window": 1 << 19},
+                                    {"connection_window": 1 << 31}])
+def test_limits_out_of_range_are_config_errors(limits):
+    with pytest.raises(ConfigError):
+        H2Server(None, **limits)
+
+
+def test_streams_over_the_limit_are_refused_the_others_answered(tight, no_errors_logged):
+    peer = RawPeer(tight.address)
+    sids = [1 + 2 * i for i in range(TIGHT["max_streams"])]
+    msg = b"\x00\x00\x00\x00\x03abc"
+    for sid in sids:   # open, one message each, not half-closed: all 8 stay open
+        peer.send(frame(HEADERS, END_HEADERS, sid, peer.request_block(PROCESS)) + frame(DATA, 0, sid, msg))
+    assert not peer.read_until(lambda frames: {s for k, _, s, _ in frames if k == DATA} == set(sids))
+    assert tight.open_streams() == len(sids)
+    over = sids[-1] + 2
+    peer.send(frame(HEADERS, END_HEADERS, over, peer.request_block(PROCESS))
+              + frame(DATA, END_STREAM, over, msg))
+    assert not peer.read_until(lambda frames: over in _resets(peer))
+    assert _resets(peer) == {over: REFUSED_STREAM}
+    for sid in sids:   # the 8 go on: another message each, then the end of the client's side
+        peer.send(frame(DATA, 0, sid, msg) + frame(DATA, END_STREAM, sid, b""))
+    for sid in sids:
+        assert not peer.read_until(_stream_ended(sid))
+        trailers = [p for k, f, s, p in peer.frames() if k == HEADERS and s == sid and f & END_STREAM]
+        assert dict(hpack.Decoder().decode(trailers[0]))["grpc-status"] == "0"
+        assert len([k for k, _, s, _ in peer.frames() if k == DATA and s == sid]) == 2
+    _health_request(peer, over + 2)   # with the 8 closed there is room again
+    assert not peer.read_until(_stream_ended(over + 2))
+    assert not [k for k, _, _, _ in peer.frames() if k == GOAWAY]
+    assert _resets(peer) == {over: REFUSED_STREAM}
+    peer.close()
+    assert tight.open_streams() == 0
+
+
+def test_grpcio_keeps_to_our_limits(tight):
+    """40 calls at once on one connection limited to 8 streams, each sending 90 KB in 3
+    messages through a 64 KiB stream / 192 KiB connection window: grpcio queues the streams
+    our SETTINGS do not allow, and the windows come back as messages are consumed (no stall)."""
+    async def run() -> list[list[bytes]]:
+        async with grpc.aio.insecure_channel(tight.address,
+                                             options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+            method = ch.stream_stream(PROCESS)
+            assert [r async for r in method(iter([b"warm"]), timeout=TIMEOUT)] == [NullProcessCall.EMPTY]
+
+            async def one(i: int) -> list[bytes]:
+                return [r async for r in method(iter([bytes([i]) * 30000] * 3), timeout=TIMEOUT)]
+            return await asyncio.gather(*(one(i) for i in range(40)))
+
+    results = asyncio.run(run())
+    assert len(results) == 40 and all(len(r) == 3 for r in results)
+    tight.assert_windows_account()
+
+
+def test_data_beyond_a_stream_window_resets_that_stream_only(tight, no_errors_logged):
+    peer = RawPeer(tight.address)
+    peer.send(frame(HEADERS, END_HEADERS, 1, peer.request_block(PROCESS))
+              + _partial(1, 65435)                 # a message not yet whole: the stream window is 100 short
+              + frame(DATA, 0, 1, b"y" * 200))     # 100 more than it allows
+    assert not peer.read_until(lambda frames: 1 in _resets(peer))
+    assert _resets(peer) == {1: FLOW_CONTROL_ERROR}
+    _health_request(peer, 3)                       # the connection goes on
+    assert not peer.read_until(_stream_ended(3))
+    assert not [k for k, _, _, _ in peer.frames() if k == GOAWAY]
+    tight.assert_windows_account()
+    peer.close()
+
+
+def test_data_beyond_the_connection_window_is_a_connection_error(tight, no_errors_logged):
+    peer = RawPeer(tight.address)
+    for sid in (1, 3, 5):   # 3 x 65,000 partial bytes, each within its stream's window: 195,000 held
+        peer.send(frame(HEADERS, END_HEADERS, sid, peer.request_block(PROCESS)) + _partial(sid, 65000))
+    peer.send(frame(HEADERS, END_HEADERS, 7, peer.request_block(PROCESS))
+              + _partial(7, 2000))   # 197,000 > 196,608
+    peer.expect_closed(FLOW_CONTROL_ERROR)
+    peer.close()
+    assert_still_serving_null(tight)
+
+
+def test_partial_messages_of_reset_streams_give_their_window_back(tight, no_errors_logged):
+    """Envoy resets an ext_proc stream whose client went away, maybe mid-message: those bytes
+    must go back to the connection window, or after a few such resets it would stall. The
+    same for a client that ends its side mid-message."""
+    peer = RawPeer(tight.address)
+    for sid in range(1, 40, 2):   # 20 x 60,000 bytes, six times the connection window
+        end = (frame(RST, 0, sid, (8).to_bytes(4, "big")) if sid % 4 == 1     # CANCEL
+               else frame(DATA, END_STREAM, sid, b""))
+        peer.send(frame(HEADERS, END_HEADERS, sid, peer.request_block(PROCESS)) + _partial(sid, 60000) + end)
+    _health_request(peer, 41)
+    assert not peer.read_until(_stream_ended(41))
+    assert not [k for k, _, _, _ in peer.frames() if k in (GOAWAY, RST)]
+    assert all(_stream_ended(sid)(peer.frames()) for sid in range(3, 40, 4))
+    assert sum(int.from_bytes(p, "big") for k, _, s, p in peer.frames() if k == WINDOW and s == 0) \
+        >= 20 * 60000 - TIGHT["connection_window"]
+    tight.assert_windows_account()
+    peer.close()
+
+
+def test_a_stream_that_used_its_window_on_a_partial_message_gets_it_back(tight, no_errors_logged):
+    """A whole message (consumed, but under half the window: no update yet), then the start of
+    a big one that uses the rest: the peer may send no more until we give back the first's
+    bytes, so they must come back then, not only after another message completes."""
+    peer = RawPeer(tight.address)
+    first = b"\x00" + (29995).to_bytes(4, "big") + b"a" * 29995             # 30,000 bytes
+    peer.send(frame(HEADERS, END_HEADERS, 1, peer.request_block(PROCESS))
+              + frame(DATA, 0, 1, first[:16384]) + frame(DATA, 0, 1, first[16384:])
+              + _partial(1, 65535 - 30000))                                 # the window used up
+    assert not peer.read_until(lambda frames: any(k == WINDOW and s == 1 for k, _, s, _ in frames))
+    given = sum(int.from_bytes(p, "big") for k, _, s, p in peer.frames() if k == WINDOW and s == 1)
+    assert given == 30000
+    rest = (b"\x00" + (65530).to_bytes(4, "big") + b"x" * 65530)[65535 - 30000:]
+    peer.send(b"".join(frame(DATA, 0, 1, rest[i:i + 16384]) for i in range(0, len(rest), 16384))
+              + frame(DATA, END_STREAM, 1, b""))
+    assert not peer.read_until(_stream_ended(1))
+    assert len([k for k, _, s, _ in peer.frames() if k == DATA and s == 1]) == 2
+    assert not [k for k, _, _, _ in peer.frames() if k in (GOAWAY, RST)]
+    peer.close()
+
+
+def assert_still_serving_null(srv: ServerThread) -> None:
+    assert health_check(srv.address) == health_pb2.HealthCheckResponse.SERVING
+    with channel(srv.address) as ch:
+        assert list(ch.stream_stream(PROCESS)(iter([b"x"]), timeout=TIMEOUT)) == [NullProcessCall.EMPTY]
+
+
+def test_recv_window_gives_back_once_half_is_used():
+    w = RecvWindow(100)
+    assert w.take(40) and w.give_back(40) == 0        # 60 left: no update yet
+    assert w.take(20) and w.give_back(0) == 40        # 40 left: the 40 consumed go back, 20 held
+    assert w.left == 80 and w.give_back(20) == 0      # 80 left: no update yet
+    assert w.take(70) and w.give_back(0) == 20        # 70 held (a partial message): the rest back
+    assert w.left == 30 and w.give_back(70) == 70 and w.left == 100
+    assert w.take(100) and not w.take(1)              # one byte more than allowed
+
+
+def test_a_peer_that_does_not_read_is_not_read_either(h2, no_errors_logged):
+    """10,000 requests for an unknown method (16 bytes each once its name is indexed, a
+    1 KB UNIMPLEMENTED answer each) from a peer that reads nothing: once WRITE_HIGH of
+    answers wait, the server stops reading it instead of queueing 10 MB for it."""
+    n = 10000
+    peer = RawPeer(h2.address, preface=False, rcvbuf=4096)
+    peer.sock.settimeout(TIMEOUT)
+    path = "/no.such.Service/" + "m" * 1000
+    blob = bytearray(PREFACE + frame(SETTINGS, 0, 0))
+    for i in range(n):
+        blob += frame(HEADERS, END_HEADERS | END_STREAM, 1 + 2 * i, peer.request_block(path))
+    sender = threading.Thread(target=peer.sock.sendall, args=(bytes(blob),), daemon=True)
+    sender.start()
+    paused = _wait_for(lambda: h2.inspect(lambda: [(c.transport.get_write_buffer_size(), len(c.inbuf),
+                                                    c.last_sid) for c in h2.h2.connections if c.paused]))
+    assert len(paused) == 1, "the server never stopped reading"
+    queued, inbuf, last_sid = paused[0]
+    assert queued <= WRITE_HIGH + FLUSH_AT + 2048
+    assert inbuf <= 1 << 20
+    assert last_sid < 2 * n - 1, "it read every request anyway"
+    ended, pos, buf = 0, 0, bytearray()   # now read: every request gets its answer
+    deadline = time.monotonic() + TIMEOUT
+    while ended < n and time.monotonic() < deadline:
+        chunk = peer.sock.recv(1 << 20)
+        assert chunk, f"closed after {ended} answers"
+        buf += chunk
+        while len(buf) - pos >= 9:
+            end = pos + 9 + int.from_bytes(buf[pos:pos + 3], "big")
+            if end > len(buf):
+                break
+            ended += buf[pos + 3] == HEADERS and bool(buf[pos + 4] & END_STREAM)
+            pos = end
+        del buf[:pos]
+        pos = 0
+    assert ended == n
+    sender.join(TIMEOUT)
+    assert not sender.is_alive()
     peer.close()
     assert_still_serving(h2)
 
