@@ -99,6 +99,19 @@ def make_manager(catalog_path: Path, cache_dir: Path, connector: EngineConnector
 
 
 @contextlib.asynccontextmanager
+async def serve(app: web.Application):
+    """Run an aiohttp app on a loopback ephemeral port; yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def static_server(root: Path, corrupt: set[str] = frozenset()):
     """Serve `root` over loopback HTTP; files of adapters in `corrupt` get one byte flipped.
     Yields (base_url, hits) where hits counts GETs per path."""
@@ -117,15 +130,8 @@ async def static_server(root: Path, corrupt: set[str] = frozenset()):
 
     app = web.Application()
     app.router.add_get("/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", hits
-    finally:
-        await runner.cleanup()
+    async with serve(app) as url:
+        yield url, hits
 
 
 async def wait_for(predicate, timeout: float = 15.0, interval: float = 0.01):
@@ -184,11 +190,5 @@ async def metrics_server(state: dict):
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    finally:
-        await runner.cleanup()
+    async with serve(app) as url:
+        yield url

@@ -8,7 +8,6 @@ tested against the real vLLM in tests/integration/test_vllm_connector.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -18,23 +17,12 @@ from gpu_agent.artifacts import AdapterSpec
 from gpu_agent.connectors.base import ConnectorError, EngineUnavailable
 from gpu_agent.connectors.sglang import SGLangConnector
 from gpu_agent.connectors.vllm import VLLMConnector, parse_lora_metrics
+from tests.gpu_agent.agent_support import serve
 from tests.support.procs import free_port
 
 
 def spec(name: str) -> AdapterSpec:
     return AdapterSpec(name=name, base_model="base", rank=8, sha256="0" * 64, size_bytes=1, uri=f"adapters/{name}")
-
-
-@contextlib.asynccontextmanager
-async def serve(app: web.Application):
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    finally:
-        await runner.cleanup()
 
 
 def sglang_app(max_pinned: int = 1) -> tuple[web.Application, dict]:
