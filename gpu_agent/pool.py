@@ -24,7 +24,6 @@ preallocated per-batch index tensors that are only copied into.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
