@@ -7,14 +7,21 @@ import subprocess
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 import yaml
 
 from extproc.envoy_config import render
 from extproc.store import load_state_file
+from tests.support.istio import ACE_VHOST, OTHER_VHOST, apply_envoyfilter, hcm_of, ingress_gateway
+from tools.istio_envoyfilter import DEFAULTS, ROUTER, dropin, render_envoyfilter
+from tools.localstack import validate
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 ENVOY = REPO / ".venv" / "bin" / "envoy"
+EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+BUFFER_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
+HEADER_MUTATION_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutationPerRoute"
 
 
 def test_compose_has_the_three_services_on_fixed_addresses():
@@ -70,3 +77,118 @@ def test_compose_gateway_state_is_valid_against_the_fixture_catalog(tmp_path):
     data = load_state_file(path)
     assert set(data["tenants"]) == {"acme", "medco"}
     assert data["upstreams"][0].address == f"{agent_ip}:8000"
+
+
+# ---------- the Istio EnvoyFilter (envoy/istio-envoyfilter.yaml) ----------
+# No Istio control plane runs here: the patches are applied to a stand-in for an ingress
+# gateway's Envoy config the way istiod applies them (tests/support/istio.py), and the
+# result goes through `envoy --mode validate`; tests/integration/test_istio_envoyfilter.py
+# runs it on the real Envoy in front of the gateway.
+
+ISTIO_FILE = REPO / "envoy" / "istio-envoyfilter.yaml"
+
+
+def _istio(text: str | None = None) -> dict:
+    return yaml.safe_load(text if text is not None else ISTIO_FILE.read_text())
+
+
+def _istio_gateway(ef: dict) -> dict:
+    return apply_envoyfilter(ef, ingress_gateway(port=DEFAULTS["listener_port"], admin_port=18091))
+
+
+def _dropin_hcm(**kw) -> tuple[dict, dict]:
+    config = dropin(extproc=DEFAULTS["extproc"], default_upstream=DEFAULTS["default_upstream"], **kw)
+    listener = config["static_resources"]["listeners"][0]
+    return config, listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def test_istio_envoyfilter_is_rendered_from_the_dropin_config():
+    assert ISTIO_FILE.read_text() == render_envoyfilter(), \
+        "re-render: python -m tools.istio_envoyfilter --out envoy/istio-envoyfilter.yaml"
+
+
+def test_istio_envoyfilter_parses_and_is_scoped_to_the_gateway():
+    ef = _istio()
+    assert ef["apiVersion"] == "networking.istio.io/v1alpha3" and ef["kind"] == "EnvoyFilter"
+    assert ef["spec"]["workloadSelector"]["labels"] == {"istio": "ingressgateway"}
+    ops = {}
+    for p in ef["spec"]["configPatches"]:
+        assert p["match"]["context"] == "GATEWAY"
+        ops.setdefault(p["applyTo"], set()).add(p["patch"]["operation"])
+        if p["applyTo"] in ("LISTENER", "NETWORK_FILTER", "HTTP_FILTER"):
+            assert p["match"]["listener"]["portNumber"] == DEFAULTS["listener_port"]
+        if p["applyTo"] in ("VIRTUAL_HOST", "HTTP_ROUTE"):
+            assert p["match"]["routeConfiguration"] == {"vhost": {"name": DEFAULTS["vhost"]}}
+    assert ops == {"LISTENER": {"MERGE"}, "NETWORK_FILTER": {"MERGE"}, "HTTP_FILTER": {"INSERT_BEFORE"},
+                   "VIRTUAL_HOST": {"MERGE"}, "HTTP_ROUTE": {"INSERT_FIRST"}, "CLUSTER": {"ADD"}}
+    for p in ef["spec"]["configPatches"]:
+        if p["applyTo"] == "HTTP_FILTER":
+            assert p["match"]["listener"]["filterChain"]["filter"]["subFilter"] == {"name": ROUTER}
+            assert p["patch"]["value"]["disabled"] is True
+
+
+@pytest.mark.parametrize("kw", [{}, {"failure_mode_allow": False}])
+def test_istio_gateway_with_the_envoyfilter_validates(tmp_path, kw):
+    """The committed file (and a fail-closed rendering) applied to the stand-in gateway:
+    every patch value, the merged local_reply_config and the one-message filter chain
+    are valid Envoy 1.40 config."""
+    ef = _istio() if not kw else _istio(render_envoyfilter(**kw))
+    path = tmp_path / "istio-gateway.yaml"
+    path.write_text(yaml.safe_dump(_istio_gateway(ef), sort_keys=False))
+    out = validate(path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_istio_gateway_runs_the_dropin_filters_settings_routes_and_clusters():
+    """What the mesh gateway ends up with equals the drop-in config, so the two cannot drift."""
+    config, dhcm = _dropin_hcm()
+    gateway = _istio_gateway(_istio())
+    hcm = hcm_of(gateway)
+    # filter chain: the drop-in's filters, in its order, right before the router, with the
+    # same settings; off by default (other hosts on the gateway), on for ace's routes
+    names = [f["name"] for f in hcm["http_filters"]]
+    dnames = [f["name"] for f in dhcm["http_filters"]]
+    assert names[-len(dnames):] == dnames and dnames[-1] == ROUTER
+    ours = {f["name"]: f for f in hcm["http_filters"][-len(dnames):-1]}
+    for f in dhcm["http_filters"][:-1]:
+        assert ours[f["name"]] == {"name": f["name"], "disabled": True, "typed_config": f["typed_config"]}
+    ext = ours["envoy.filters.http.ext_proc"]["typed_config"]           # the one-message path
+    assert ext["processing_mode"]["request_header_mode"] == "SKIP"
+    assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert "request.headers['authorization']" in ext["request_attributes"]
+    assert ext["metadata_options"] == {"receiving_namespaces": {"untyped": ["ace"]}}
+    # Envoy's own replies, the listener's buffer limit, the clusters
+    assert hcm["local_reply_config"] == dhcm["local_reply_config"]
+    assert gateway["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == \
+        config["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"]
+    clusters = {c["name"]: c for c in gateway["static_resources"]["clusters"]}
+    for c in config["static_resources"]["clusters"]:
+        assert clusters[c["name"]] == c
+    # the ace host: the drop-in's virtual-host headers and routes (not its catch-all),
+    # first, then the host's own VirtualService route
+    vhosts = {v["name"]: v for v in hcm["route_config"]["virtual_hosts"]}
+    (dvhost,) = dhcm["route_config"]["virtual_hosts"]
+    for key in ("request_headers_to_remove", "request_headers_to_add", "response_headers_to_add"):
+        assert vhosts[ACE_VHOST][key] == dvhost[key], key
+    *droutes, catch_all = dvhost["routes"]
+    routes = vhosts[ACE_VHOST]["routes"]
+    assert [r["name"] for r in routes] == [f"ace-{i}" for i in range(len(droutes))] + ["app"]
+    limit = ours["envoy.filters.http.buffer"]["typed_config"]["max_request_bytes"]
+    neutral = {
+        "envoy.filters.http.ext_proc": {"@type": EXT_PROC_PER_ROUTE, "overrides": {}},
+        "envoy.filters.http.buffer": {"@type": BUFFER_PER_ROUTE, "buffer": {"max_request_bytes": limit}},
+        "envoy.filters.http.header_mutation": {"@type": HEADER_MUTATION_PER_ROUTE}}
+    for route, droute in zip(routes, droutes):
+        route = {k: v for k, v in route.items() if k != "name"}
+        per_filter = dict(route.pop("typed_per_filter_config"))
+        dper_filter = dict(droute.get("typed_per_filter_config", {}))
+        assert set(per_filter) == set(ours)                    # every ace filter is switched on
+        for name, value in per_filter.items():
+            assert value == dper_filter.get(name, neutral[name]), (droute["match"], name)
+        assert route == {k: v for k, v in droute.items() if k != "typed_per_filter_config"}
+    assert catch_all["typed_per_filter_config"]["envoy.filters.http.ext_proc"] == {
+        "@type": EXT_PROC_PER_ROUTE, "disabled": True}
+    # other hosts: untouched
+    stand_in = {v["name"]: v for v in hcm_of(ingress_gateway(port=DEFAULTS["listener_port"], admin_port=18091))[
+        "route_config"]["virtual_hosts"]}
+    assert vhosts[OTHER_VHOST] == stand_in[OTHER_VHOST]
