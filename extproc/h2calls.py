@@ -44,7 +44,7 @@ class Call:
         if not self.headers_sent:
             self.headers_sent = True
             self.conn.out += frame(HEADERS, END_HEADERS, self.sid, self.conn.outgoing_block(RESPONSE_HEADERS))
-        self.conn.send_data(self, b"\x00" + len(payload).to_bytes(4, "big") + payload)
+        self.conn.send_message(self, payload)
 
     def finish(self, code: int, message: str = "") -> None:
         if self.done:

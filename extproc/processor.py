@@ -18,6 +18,7 @@ from extproc.native import chat_body_from_execute, wrap_output
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.residency import ResidencyBoard
 from extproc.rewrite import rewrite_request
+from extproc.rewrite.codec import decode
 from extproc.routing import RoutePolicy, choose_upstream
 from extproc.skills import SKILLS, parse_override_header, resolve, validate_skills
 from extproc.speculation import SESSION_HEADER, RequestObserver, session_of
@@ -97,7 +98,7 @@ class PassThrough:
 
 def _parse_object(body: bytes) -> dict[str, Any]:
     try:
-        parsed = json.loads(body)
+        parsed = decode(body)
     except (ValueError, RecursionError) as exc:   # RecursionError: nesting deeper than json's stack
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(parsed, dict):
@@ -168,13 +169,14 @@ class Inference(_Authenticated):
             self.gw.speculation.observe(d, self.principal.tenant.id, session_of(self.session_header, chat))
         self.decision, self.queued = d, queued
         rw = rewrite_request(chat, d, force=self.forces_body)
-        metadata = [("destination", d.upstream.address), ("tenant", self.principal.tenant.id),
-                    *trace_metadata(d, queued)]
-        metadata += [("hint_" + field, text) for field, text in rw.header_hints]
+        metadata = (("destination", d.upstream.address), ("tenant", self.principal.tenant.id),
+                    *trace_metadata(d, queued))
+        if rw.header_hints:
+            metadata += tuple(("hint_" + field, text) for field, text in rw.header_hints)
         headers = self.extra_headers
         if rw.body is not None:  # Envoy checks it when the headers were sent to us
             headers += (("content-length", str(len(rw.body))),)
-        return Continue(headers, rw.body, tuple(metadata))
+        return Continue(headers, rw.body, metadata)
 
 
 class Execute(Inference):

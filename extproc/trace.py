@@ -68,9 +68,30 @@ def _header_value(entry: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in entry.items() if k != "skill")
 
 
-def trace_metadata(d: Decision, prefetch_queued: bool | None) -> list[tuple[str, str]]:
+_METADATA: dict[tuple, tuple] = {}
+_METADATA_SIZE = 512
+
+
+def trace_metadata(d: Decision, prefetch_queued: bool | None) -> tuple[tuple[str, str], ...]:
     """Metadata keys Envoy turns into the response headers ``x-ace-trace-multi-lora``,
-    ``x-ace-trace-dynamic-lora-prefetch`` and ``x-ace-served-by``."""
+    ``x-ace-trace-dynamic-lora-prefetch`` and ``x-ace-served-by``.
+
+    Memoised on what the values are made of: requests to the same adapter and upstream
+    in the same state share them, and building them was ~5% of a request's ext_proc time.
+    The residency is matched by identity (the snapshot's object, held by the cache so its
+    id cannot be reused), so no two residencies that compare equal but print differently
+    (``-0.0`` and ``0.0`` ms) can share an entry."""
+    res = d.residency
+    key = (id(res), d.upstream.name, d.adapter.name if d.adapter is not None else None,
+           d.skills[MULTI_LORA], d.skills[DYNAMIC_LORA_PREFETCH], d.multi_lora_action,
+           d.multi_lora_would, d.prefetch_action, prefetch_queued)
+    hit = _METADATA.get(key)
+    if hit is not None and hit[0] is res:
+        return hit[1]
     ml, pf = trace_entries(d, prefetch_queued)
-    return [("trace_multi_lora", _header_value(ml)),
-            ("trace_dynamic_lora_prefetch", _header_value(pf)), ("served_by", d.upstream.name)]
+    out = (("trace_multi_lora", _header_value(ml)),
+           ("trace_dynamic_lora_prefetch", _header_value(pf)), ("served_by", d.upstream.name))
+    if len(_METADATA) >= _METADATA_SIZE:
+        _METADATA.clear()
+    _METADATA[key] = (res, out)
+    return out

@@ -46,7 +46,9 @@ def rewrite_request(body: Mapping[str, Any], d: Decision, force: bool = False) -
         changes["model"] = model
     headers: tuple[tuple[str, str], ...] = ()
     if upstream.hints == "body":
-        changes.update((k, v) for k, v in hints.items() if body.get(k, _MISSING) != v)
+        for k, v in hints.items():
+            if body.get(k, _MISSING) != v:
+                changes[k] = v
     elif upstream.hints == "headers":
         headers = tuple((k, _header_text(v)) for k, v in hints.items())
     if not changes and not force:

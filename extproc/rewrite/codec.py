@@ -1,10 +1,22 @@
-"""Compact JSON for the bodies the gateway re-sends.
+"""JSON for the request bodies: parsed as ``json.loads`` parses them, re-sent compact.
 
 orjson encodes a 2 KB chat body in ~0.3 µs against ~8.7 µs for ``json`` (docs/gateway.md,
 "Speed"), but it is not a drop-in: it writes NaN and ±Infinity (which ``json.loads``
 accepts from a client) as ``null`` and refuses integers beyond 64 bits and lone
 surrogates. So its output is used only when it parses back to a value equal to the one
-given (~1.5 µs more); otherwise ``json`` encodes, as it always did.
+given; otherwise ``json`` encodes, as it always did. The refusals raise; the one silent
+change is a non-finite float written as ``null``, so output without ``null`` in it is
+taken at once, and only output with a ``null`` somewhere is parsed back and compared
+(~1.4 µs of a 2 KB body's ~1.7).
+
+``decode`` is ``json.loads`` for a request body, with orjson (1.2 µs for 2 KB against
+3.7, 8 against 20 on a cold cache) where orjson gives the same value: orjson refuses
+NaN, ±Infinity, 1e400, lone surrogates, a BOM and UTF-16/32, and those go to ``json``;
+it silently turns integers beyond 64 bits into floats and nests deeper than ``json``
+can, so a body with a run of 19 digits or more than 255 ``[``/``{`` goes to ``json``
+too (a one-pass ``translate`` finds both). Errors always come from ``json.loads``, so
+their messages do not change. tests/extproc/test_rewrite.py compares the two on a
+corpus and on random mutations.
 """
 from __future__ import annotations
 
@@ -13,7 +25,24 @@ from typing import Any
 
 import orjson
 
-__all__ = ["encode"]
+__all__ = ["decode", "encode"]
+
+# one byte per input byte: digits -> "0", "[" and "{" -> "[", anything else -> " "
+_SHAPE = bytes(0x30 if 0x30 <= i <= 0x39 else 0x5B if i in (0x5B, 0x7B) else 0x20 for i in range(256))
+_BIG_INT = b"0" * 19          # may not fit 64 bits
+_DEEP = 255                   # nesting both parse alike (json's limit is the stack's, orjson's 1024)
+
+
+def decode(body: bytes) -> Any:
+    """``json.loads(body)``: the same value, or the same exception."""
+    shape = body.translate(_SHAPE)
+    if _BIG_INT not in shape and shape.count(b"[") <= _DEEP:
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(body)
+
 
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _JSON_ASCII = json.JSONEncoder(separators=(",", ":")).encode
@@ -25,7 +54,7 @@ def encode(obj: Any) -> bytes:
     except TypeError:   # orjson.JSONEncodeError: a big integer, a lone surrogate, deep nesting
         pass
     else:
-        if orjson.loads(out) == obj:
+        if b"null" not in out or orjson.loads(out) == obj:
             return out
     text = _JSON(obj)
     try:

@@ -64,3 +64,28 @@ def test_route_policy_seam_gets_adapter_only_in_prod(snapshot):
     assert d.upstream.name == "other"
     _decide(snap, ResidencySnapshot(), {"multi_lora": "shadow"}, route=policy)
     assert seen == ["code-python", None]
+
+
+@pytest.mark.parametrize("queued", [None, True, False])
+def test_trace_metadata_is_the_entries_memoised(snapshot, queued):
+    """The header values are the trace entries joined, on the first call and from the memo;
+    residencies that compare equal but print differently (-0.0 / 0.0 ms) keep apart."""
+    from extproc.trace import trace_entries
+    residencies = [ResidencySnapshot(), _res("pool", 35.0), _res("pool", -0.0), _res("pool", 0.0),
+                   _res("host"), _res("disk", 12.5)]
+    skill_sets = [{"multi_lora": "prod", "dynamic_lora_prefetch": "prod"},
+                  {"multi_lora": "shadow", "dynamic_lora_prefetch": "shadow"},
+                  {"multi_lora": "off", "dynamic_lora_prefetch": "off"}]
+    for _ in range(2):
+        for res in residencies:
+            for skills in skill_sets:
+                d = _decide(snapshot, res, skills)
+                ml, pf = trace_entries(d, queued)
+                expected = tuple((key, ",".join(f"{k}={v}" for k, v in entry.items() if k != "skill"))
+                                 for key, entry in (("trace_multi_lora", ml), ("trace_dynamic_lora_prefetch", pf)))
+                assert trace_metadata(d, queued) == (*expected, ("served_by", "local-vllm"))
+    def multi_lora(ms):
+        d = _decide(snapshot, _res("pool", ms), skill_sets[0])
+        return dict(trace_metadata(d, None))["trace_multi_lora"]
+    assert "swap_ms_saved=-0," in multi_lora(-0.0)
+    assert "swap_ms_saved=0," in multi_lora(0.0)

@@ -448,6 +448,30 @@ def test_raw_peer_valid_exchange_with_continuation(h2):
     peer.close()
 
 
+def test_stream_reset_with_its_end_gets_no_trailers(h2, no_errors_logged):
+    """Envoy ends each ext_proc stream with DATA(END_STREAM) and RST_STREAM(CANCEL) in one
+    write: the trailers our half-close queued are dropped, not sent on a reset stream. A
+    plain END_STREAM still gets them, and the connection goes on either way."""
+    peer = RawPeer(h2.address)
+    msg = body_request(chat(), authorization=ALICE).SerializeToString()
+    request = b"\x00" + len(msg).to_bytes(4, "big") + msg
+    for sid in (1, 3):
+        peer.send(frame(HEADERS, END_HEADERS, sid, peer.request_block(f"/{SERVICE}/Process"))
+                  + frame(DATA, 0, sid, request))
+        assert not peer.read_until(lambda frames: any(k == DATA and s == sid for k, _, s, _ in frames))
+        answer = b"".join(p for k, _, s, p in peer.frames() if k == DATA and s == sid)
+        assert pb.ProcessingResponse.FromString(answer[5:]).HasField("request_body")
+    peer.send(frame(DATA, END_STREAM, 1) + frame(RST, 0, 1, (8).to_bytes(4, "big")))
+    peer.send(frame(DATA, END_STREAM, 3))
+    assert not peer.read_until(_stream_ended(3))
+    _health_request(peer, 5)
+    assert not peer.read_until(_stream_ended(5))
+    assert not _stream_ended(1)(peer.frames()), peer.frames()
+    assert h2.open_streams() == 0
+    h2.assert_windows_account()
+    peer.close()
+
+
 BROKEN = {
     # name: (bytes after connecting, GOAWAY code expected or None for a plain close)
     "HTTP/1.1 request": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 1),

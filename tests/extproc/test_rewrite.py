@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 
 import pytest
@@ -10,6 +11,7 @@ from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
 from extproc.residency import AdapterResidency, ResidencySnapshot
 from extproc.rewrite import rewrite_request
+from extproc.rewrite.codec import decode, encode
 
 BODY = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
         "lora_name": "code-python"}
@@ -66,3 +68,82 @@ def test_body_untouched_when_nothing_changes(snapshot):
 @pytest.mark.parametrize("skills", [{"multi_lora": "shadow"}, {"multi_lora": "off"}])
 def test_shadow_and_off_never_rewrite(snapshot, skills):
     assert rewrite_request(BODY, _decision(snapshot, "sglang", "body", skills)).body is None
+
+
+# ---------------------------------------------------------------- JSON in and out (codec)
+
+def _same(a, b) -> bool:
+    """Equal, with the same types, key order and float spelling (-0.0 is not 0.0)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return repr(a) == repr(b) if isinstance(a, float) else a == b
+
+
+def _outcome(fn, raw):
+    try:
+        return "ok", fn(raw)
+    except Exception as exc:   # noqa: BLE001 - the exception is what is compared
+        return type(exc), str(exc)
+
+
+JSON_CORPUS = [
+    b'{"a":1,"b":2,"a":3}', b'{"a":1e-400}', b'{"a":1e400}', b'{"a":-1e400}', b'{"a":NaN}',
+    b'{"a":Infinity}', b'{"a":-Infinity}', b'{"a":"\x00"}', b'{"a":"\x1f"}', b'{"a":"\\a"}',
+    b'{"a":"\\/"}', b'\x0c{"a":1}', b'[1,]', b'{"a":1,}', b'/*c*/{}', b'{"a":01}', b'{"a":.5}',
+    b'{"a":1.}', b'{"a":+1}', b'{"a":-0}', b'{"a":-0.0}', b'{"a":0e0}', b'{"a":1E+2}',
+    b'{"a":"\\ud83d\\ude00"}', b'{"a":"\\ude00"}', b'{"a":"\\ud800"}', b'{"a":"\xed\xa0\x80"}',
+    b'{"a":"\xff"}', b'{"a":"\xc0\xaf"}', b'\xef\xbb\xbf{"a":1}', '{"a":1}'.encode("utf-16"),
+    '{"a":1}'.encode("utf-32-le"), b'"x"', b"1", b"[]", b"{}", b"", b" ", b'{"a":1}{}',
+    b'{"a" :1 , "b"\t:\n2\r}', b'{"\\u0000":1}', b'{"a":123456789012345678}',
+    b'{"a":9223372036854775807}', b'{"a":-9223372036854775808}', b'{"a":18446744073709551615}',
+    b'{"a":18446744073709551616}', b'{"a":123456789012345678901234567890}',
+    b'{"a":0.1000000000000000055511151231257827}', b'{"a":' + b"9" * 400 + b'.0}',
+    b'{"a":2.4703282292062328e-324}', b'{"a":1.7976931348623159e308}', b"[" * 255 + b"]" * 255,
+    b"[" * 256 + b"]" * 256, b"[" * 2000 + b"]" * 2000, b'{"a":' + b"[" * 30000 + b"]" * 30000 + b"}",
+    b'{"a":"' + "é€😀".encode() * 10 + b'"}', b'{"a":tru}', b'{"a":nul}', b'{"a":"\\u00"}',
+]
+
+
+@pytest.mark.parametrize("raw", JSON_CORPUS)
+def test_decode_is_json_loads(raw):
+    """Same value (types, key order, float spelling) or the same exception and message."""
+    mine, theirs = _outcome(decode, raw), _outcome(json.loads, raw)
+    assert mine[0] == theirs[0]
+    assert _same(mine[1], theirs[1]) if mine[0] == "ok" else mine[1] == theirs[1]
+
+
+def test_decode_is_json_loads_on_mutated_bodies():
+    rng = random.Random(7)
+    bases = [json.dumps({"model": "code-python", "messages": [{"role": "user", "content": "Write a parser. " * 20}],
+                         "temperature": 0.7, "seed": 42, "stop": None, "stream": False}).encode(),
+             b'{"n":1,"t":0.7,"s":[1,2.5e-3,-0,true,null],"u":"\\u00e9\\n","o":{"a":{"b":[]}}}']
+    alphabet = b'{}[]",:0123456789.eE+-\\u tnfalsr\x00\x1f\x7f\xff\xc3\xa9 '
+    numbers = ["1e22", "5e-324", "-0.0", str(2 ** 64), str(-2 ** 63 - 1), "0.30000000000000004", "1e308", "1e309"]
+    for _ in range(3000):
+        raw = bytearray(rng.choice(bases))
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(raw) + 1)
+            op = rng.random()
+            if op < 0.4 and raw:
+                del raw[at % len(raw)]
+            elif op < 0.8:
+                raw[at:at] = bytes([rng.choice(alphabet)])
+            else:
+                raw[at:at] = rng.choice(numbers).encode()
+        mine, theirs = _outcome(decode, bytes(raw)), _outcome(json.loads, bytes(raw))
+        assert mine[0] == theirs[0], raw
+        assert _same(mine[1], theirs[1]) if mine[0] == "ok" else mine[1] == theirs[1], raw
+
+
+@pytest.mark.parametrize("obj, spelled", [
+    ({"a": None, "b": 1.5}, b'{"a":null,"b":1.5}'),                 # orjson's, after the round trip
+    ({"a": None, "b": float("nan")}, b'{"a":null,"b":NaN}'),        # a null from NaN: json's
+    ({"b": float("inf")}, b'{"b":Infinity}'),
+    ({"a": [1, 2.0, "x\u00e9"], "c": True}, b'{"a":[1,2.0,"x\xc3\xa9"],"c":true}'),
+])
+def test_encode_never_writes_a_non_finite_float_as_null(obj, spelled):
+    assert encode(obj) == spelled

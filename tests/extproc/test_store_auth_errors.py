@@ -103,3 +103,11 @@ def test_fixtures_catalog_loads_unchanged(tmp_path):
                                                          first["size_bytes"])
     assert raw["base_model"]["name"] in s.snapshot.base_models
     s.close()
+
+
+def test_key_hash_is_sha256_hex():
+    import hashlib
+
+    from extproc.auth import hash_key
+    for key in ("sk-alice-0001", "", "ключ-é-🔑", "x" * 1000):
+        assert hash_key(key) == hashlib.sha256(key.encode()).hexdigest()
