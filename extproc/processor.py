@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from extproc.auth import Principal, authenticate
-from extproc.decision import Decision, InferenceRequest, decide
+from extproc.decision import InferenceRequest, decide
 from extproc.errors import (BadRequest, GatewayError, InvalidField, MethodNotAllowed,
                             PayloadTooLarge)
 from extproc.native import chat_body_from_execute, wrap_output

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.processor import CONTINUE, Gateway
 from extproc.h2server import H2Server, serve_h2
-from extproc.wire import NO_PHASE, SERVICE, head_from_attributes, pb, request_head, to_response
+from extproc.wire import NO_PHASE, SERVICE, head_from_attributes, request_head, to_response
 
 __all__ = ["ExternalProcessor", "H2Server", "build_server", "serve", "serve_aio", "serve_h2"]
 
