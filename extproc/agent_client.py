@@ -11,10 +11,13 @@ with exponential backoff until it comes back.
 Every event of the stream may carry the engine's load (running and waiting requests, as
 the agent measured it; LOAD events carry nothing else). The link keeps each upstream's
 latest load with the time it arrived and publishes it in ``ResidencySnapshot.loads``
-while it is fresh: a load not heard about for ``load_max_age_s`` (the agent repeats a
-known load at least every 2 s) is dropped by a small expiry thread, so the routing
-decision, which reads only the snapshot, treats it as unknown. Age is judged on this
-process's clock at arrival, not on the agent's ``measured_unix_ms`` (host clocks differ).
+while it is fresh: a load not heard about for ``load_max_age_s`` (the agent announces
+every measurement, every ``--load-interval-s`` <= 2 s) is dropped by a small expiry
+thread, so the routing decision, which reads only the snapshot, treats it as unknown.
+Age is judged on this process's clock at arrival, not on the agent's ``measured_unix_ms``
+(host clocks differ). With each load the link keeps ``board.sent``'s value at the
+arrival, so the snapshot's ``sent_since`` (requests routed there since) starts again from
+0 at each measurement.
 
 Agent tiers map to the gateway's: device -> pool, host, disk, remote, absent -> none.
 Only the gRPC stubs are imported from gpu_agent (generated code, no torch).
@@ -33,7 +36,7 @@ from typing import Mapping
 import grpc
 
 from extproc.prefetch import PrefetchQueue, PrefetchSignal
-from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot
+from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot, SentSince
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 
@@ -159,7 +162,8 @@ class AgentLink:
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self.load_max_age_s = load_max_age_s
         self._tables: dict[str, Mapping[str, AdapterResidency]] = {}  # frozen per upstream
-        self._loads: dict[str, tuple[int, float]] = {}  # upstream -> (requests, monotonic arrival)
+        # upstream -> (requests, monotonic arrival, board.sent's value at the arrival)
+        self._loads: dict[str, tuple[int, float, int]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loads, name="agent-load-expiry", daemon=True)
@@ -202,25 +206,32 @@ class AgentLink:
             self._swap()
 
     def _publish_load(self, upstream: str, load: int | None) -> None:
-        """Only the upstream's load; the snapshot is rebuilt only when what it shows changes."""
+        """Only the upstream's load; the snapshot is rebuilt only when what it shows changes:
+        another load, or requests sent there since the last one (which this one resets).
+        The counter is read in ``_set_load`` first: if the current snapshot still shows 0
+        sent after that, the new base equals the old one."""
         with self._lock:
             self._set_load(upstream, load)
-            if upstream in self._tables and self.board.current.loads.get(upstream) != load:
+            current = self.board.current
+            if upstream in self._tables and (current.loads.get(upstream) != load
+                                             or current.sent_since.get(upstream, 0)):
                 self._swap()
 
     def _set_load(self, upstream: str, load: int | None) -> None:
         if load is None:
             self._loads.pop(upstream, None)
         else:
-            self._loads[upstream] = (load, time.monotonic())
+            self._loads[upstream] = (load, time.monotonic(), self.board.sent.value(upstream))
 
     def _swap(self) -> None:
         """Build and publish a new snapshot (under the lock): the tables as they are (each
-        already frozen), the loads that are fresh."""
+        already frozen), the loads that are fresh, and the requests sent since each."""
         now = time.monotonic()
-        loads = {u: n for u, (n, at) in self._loads.items()
-                 if u in self._tables and now - at <= self.load_max_age_s}
-        self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), MappingProxyType(loads)))
+        fresh = [(u, n, base) for u, (n, at, base) in self._loads.items()
+                 if u in self._tables and now - at <= self.load_max_age_s]
+        loads = MappingProxyType({u: n for u, n, _ in fresh})
+        sent = SentSince(self.board.sent, MappingProxyType({u: base for u, _, base in fresh}))
+        self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), loads, sent))
 
     def _expire_loads(self) -> None:
         """Drop loads not heard about for load_max_age_s (an agent gone silent without its
@@ -228,7 +239,7 @@ class AgentLink:
         while not self._stop.wait(max(0.01, self.load_max_age_s / 5)):
             with self._lock:
                 now = time.monotonic()
-                stale = [u for u, (_, at) in self._loads.items() if now - at > self.load_max_age_s]
+                stale = [u for u, (_, at, _) in self._loads.items() if now - at > self.load_max_age_s]
                 for u in stale:
                     del self._loads[u]
                 if stale:

@@ -173,6 +173,8 @@ class Inference(_Authenticated):
                     *trace_metadata(d, queued))
         if rw.header_hints:
             metadata += tuple(("hint_" + field, text) for field, text in rw.header_hints)
+        # the request goes upstream: counted until that host's next load measurement
+        self.gw.residency.sent.record(d.upstream.name)
         headers = self.extra_headers
         if rw.body is not None:  # Envoy checks it when the headers were sent to us
             headers += (("content-length", str(len(rw.body))),)

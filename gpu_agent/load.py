@@ -2,10 +2,12 @@
 
 A background loop asks the connector every ``interval_s`` (vLLM/SGLang: a ``/metrics``
 scrape; builtin: the batcher's counts in memory), keeps the latest measurement as
-``current`` and announces it (``on_change``) when it differs from the last one announced,
-or when ``heartbeat_s`` passed since, so that a receiver can tell a silent agent from an
-idle engine. A failed measurement is never fatal: the load becomes unknown (None), is
-announced as such, and the failure is logged at most once per ``LOG_EVERY_S`` (the rest
+``current`` and announces it (``on_change``): by default every known measurement, so that
+the gateway can tell a silent agent from an idle engine and knows when each measurement
+arrived (it adds the requests it routed to the host since the last one); with
+``heartbeat_s`` > 0, only a changed load or one ``heartbeat_s`` after the last
+announcement. A failed measurement is never fatal: the load becomes unknown (None), is
+announced once as such, and the failure is logged at most once per ``LOG_EVERY_S`` (the rest
 at debug level).
 """
 from __future__ import annotations
@@ -22,9 +24,11 @@ __all__ = ["LoadChange", "LoadMonitor", "LOAD_HEARTBEAT_S"]
 
 log = logging.getLogger(__name__)
 
-#: Longest gap between two announcements of a known load. The gateway forgets a load it
-#: has not heard about for longer than this plus slack (extproc.agent_client).
-LOAD_HEARTBEAT_S = 2.0
+#: Longest gap between two announcements of an unchanged known load; 0 = announce every
+#: measurement. The gateway counts the requests it sent to a host since the host's last
+#: announced measurement (extproc.residency.SentSince): an unchanged measurement it never
+#: hears would let that count run on. It forgets a load not heard about for 5 s.
+LOAD_HEARTBEAT_S = 0.0
 LOG_EVERY_S = 60.0
 
 

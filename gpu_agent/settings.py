@@ -14,9 +14,10 @@ from typing import Sequence
 __all__ = ["AgentSettings", "SettingsError", "parse_args"]
 
 ENGINES = ("builtin", "vllm", "sglang")
-# gpu_agent.load.LOAD_HEARTBEAT_S, not imported: settings stay free of the agent's modules.
-# The gateway forgets a host's load it has not heard about for 5 s; measuring less often
-# than the agent's 2 s heartbeat would leave the gateway with stale or no loads.
+# The agent announces every measurement (gpu_agent.load.LOAD_HEARTBEAT_S = 0); the gateway
+# forgets a host's load it has not heard about for 5 s and counts the requests it sent
+# since the last measurement, so measuring less often than every 2 s would leave it with
+# stale loads and long-running counts.
 MAX_LOAD_INTERVAL_S = 2.0
 
 
@@ -57,8 +58,8 @@ class AgentSettings:
     workers: int = _f(1, "concurrent background loads")
     reconcile_interval_s: float = _f(2.0, "how often the engine's adapter list is compared with ours")
     load_interval_s: float = _f(0.5, "how often the engine's load (running + waiting requests: vLLM/SGLang "
-                                     "from GET /metrics, builtin from its batcher) is measured and, when it "
-                                     "changed or every 2 s, sent on WatchResidency for the gateway's routing "
+                                     "from GET /metrics, builtin from its batcher) is measured and sent on "
+                                     "WatchResidency (every measurement) for the gateway's routing "
                                      f"(seconds, at most {MAX_LOAD_INTERVAL_S:g}); 0 = off: the load stays unknown")
     auth: str = _f("token", "gRPC auth: token (shared token in metadata), mtls, or none")
     token_env: str = _f("ACE_AGENT_TOKEN", "env var holding the shared token (auth=token)")

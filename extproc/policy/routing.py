@@ -2,8 +2,9 @@
 
 A pure function over the agents' residency view (``extproc.residency.ResidencySnapshot``:
 upstream -> adapter -> residency with a ``tier``) and each host's load: the requests its
-engine runs and queues, as its agent measured them (``ResidencySnapshot.loads``; a host
-whose load is unknown counts as 0).
+engine runs and queues, as its agent last measured them (``ResidencySnapshot.loads``),
+plus the requests this gateway routed there since that measurement arrived
+(``ResidencySnapshot.sent_since``); a host whose load is unknown counts as 0.
 Hosts absent from the snapshot do not exist for routing: the residency watcher drops a
 host whose agent stream is gone, and the next decision no longer sees it.
 
@@ -166,11 +167,13 @@ def route(upstreams: Sequence[Any], adapter: Any, residency: Any) -> Any:
     model; those the agents' view knows are ranked by ``choose_endpoint``; when the view
     knows none of them (no agent connected yet, or all down) it fails open to consistent
     hashing over every candidate, so traffic never stops for want of residency data.
-    Loads are the snapshot's (``residency.loads``: running + waiting requests per
-    upstream, published by its agent, only while fresh); a host without one counts as 0,
-    so with no loads at all the bound is inert, as before agents published them. The
-    requests this gateway sent since a host's last measurement are not added (a burst
-    shorter than the agent's --load-interval-s lands on the same host).
+    A host's load is its agent's last measurement (``residency.loads``: running + waiting
+    requests, only while fresh) plus the requests this gateway routed there since that
+    measurement arrived (``residency.sent_since``), so a burst shorter than the agent's
+    --load-interval-s spreads once the floor is reached instead of landing on one host. A
+    host without a measurement counts as 0 and its sends are not added either: without a
+    measurement to reset it the count would only grow, so with no loads at all the bound
+    is inert, as before agents published them.
     """
     if adapter is None:
         return upstreams[0]
@@ -183,7 +186,8 @@ def route(upstreams: Sequence[Any], adapter: Any, residency: Any) -> Any:
         known = {u.name: u for u in candidates}
         snapshot = {name: {} for name in known}
     measured = getattr(residency, "loads", None) or {}
-    loads = {name: measured[name] for name in snapshot if name in measured}
+    sent = getattr(residency, "sent_since", None) or {}
+    loads = {name: measured[name] + sent.get(name, 0) for name in snapshot if name in measured}
     decision = choose_endpoint(snapshot, adapter.name, adapter.sha256 or adapter.name,
                                loads=loads, min_bound=LOAD_FLOOR)
     return known[decision.endpoint]

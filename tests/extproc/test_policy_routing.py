@@ -210,3 +210,80 @@ def test_route_with_unknown_loads_decides_as_before():
 def _with_digest(ad, digest):
     from dataclasses import replace
     return replace(ad, name=f"x-{digest}", sha256=digest)
+
+
+# ---- the gateway's own sends since a host's last measurement (ResidencySnapshot.sent_since)
+
+def test_a_burst_spreads_once_the_sends_since_the_measurement_reach_the_floor():
+    from extproc.policy.routing import LOAD_FLOOR, route
+    from extproc.residency import ResidencySnapshot
+
+    ups, ad, res = _route_fixture()
+    table = {"e0": {"code-sql": res("pool")}, "e1": {}}
+    measured = {"e0": 0, "e1": 0}  # both idle when their agents last measured
+    at = lambda sent: route(ups[:2], ad, ResidencySnapshot.build(table, measured, sent)).name
+    # the resident host keeps the burst until it carries LOAD_FLOOR requests ...
+    assert [at({"e0": n, "e1": 0}) for n in range(LOAD_FLOOR)] == ["e0"] * LOAD_FLOOR
+    # ... then the next one goes to the other host, not to the same host again
+    assert at({"e0": LOAD_FLOOR, "e1": 0}) == "e1"
+    # resident on both: the sends alone break the tie, the burst alternates
+    both = {"e0": {"code-sql": res("pool")}, "e1": {"code-sql": res("pool")}}
+    assert route(ups[:2], ad, ResidencySnapshot.build(both, measured, {"e0": 1, "e1": 0})).name == "e1"
+    assert route(ups[:2], ad, ResidencySnapshot.build(both, measured, {"e0": 1, "e1": 1})).name == "e0"
+    # the sends add to the measurement
+    assert at({"e0": 3, "e1": 0}) == "e0"
+    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e0": 5, "e1": 0},
+                                                        {"e0": 3, "e1": 0})).name == "e1"
+
+
+def test_sends_to_a_host_without_a_measured_load_are_not_counted():
+    from extproc.policy.routing import route
+    from extproc.residency import ResidencySnapshot
+
+    ups, ad, res = _route_fixture()
+    table = {"e0": {"code-sql": res("pool")}, "e1": {}}
+    # no agent measurement for e0: its load is unknown (0) whatever the gateway sent there
+    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e1": 0}, {"e0": 50})).name == "e0"
+    assert route(ups[:2], ad, ResidencySnapshot.build(table, {}, {"e0": 50, "e1": 0})).name == "e0"
+
+
+def test_a_new_measurement_resets_the_sends_since():
+    from extproc.policy.routing import LOAD_FLOOR, route
+    from extproc.residency import ResidencySnapshot, SentCounter, SentSince
+
+    ups, ad, res = _route_fixture()
+    table = {"e0": {"code-sql": res("pool")}, "e1": {}}
+    sent = SentCounter()
+    measured_at = lambda: SentSince(sent, {u: sent.value(u) for u in ("e0", "e1")})
+    snap = ResidencySnapshot.build(table, {"e0": 0, "e1": 0})
+    snap = ResidencySnapshot(snap.by_upstream, snap.loads, measured_at())
+    for _ in range(LOAD_FLOOR):
+        assert route(ups[:2], ad, snap).name == "e0"
+        sent.record("e0")
+    assert dict(snap.sent_since) == {"e0": LOAD_FLOOR, "e1": 0}   # a live view
+    assert route(ups[:2], ad, snap).name == "e1"
+    # e0's agent measures again (its load, say, still 0): counting starts over
+    fresh = ResidencySnapshot(snap.by_upstream, snap.loads, measured_at())
+    assert dict(fresh.sent_since) == {"e0": 0, "e1": 0}
+    assert route(ups[:2], ad, fresh).name == "e0"
+
+
+def test_sent_counter_loses_no_count_across_threads():
+    import sys
+    import threading
+
+    from extproc.residency import SentCounter
+
+    sent, n, threads = SentCounter(), 20_000, 8
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows
+    try:
+        workers = [threading.Thread(target=lambda: [sent.record("h") for _ in range(n)])
+                   for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert sent.value("h") == n * threads and sent.value("other") == 0

@@ -184,3 +184,44 @@ def test_response_bytes_are_the_ones_upb_writes():
                 assert wire == to_response(phase, outcome).SerializeToString()
     for phase in ("request_trailers", "response_trailers"):
         assert serialize_response(phase, CONTINUE) == to_response(phase, CONTINUE).SerializeToString()
+
+
+def test_a_burst_within_one_load_measurement_spreads_across_hosts(tmp_path):
+    """Two hosts whose agents both last measured 0: the gateway adds what it routed since,
+    so the burst leaves the resident host at the floor; the next measurement resets."""
+    from extproc.agent_client import AgentLink
+    from extproc.policy.routing import LOAD_FLOOR, route
+    from extproc.residency import AdapterResidency
+    from extproc.store import Store
+    from tests.extproc.builders import upstream, write_state
+
+    state = write_state(tmp_path / "two", [upstream("u0", "127.0.0.1:8000"), upstream("u1", "127.0.0.1:8001")])
+    store = Store(state, tmp_path / "gw.sqlite3")
+    link = AgentLink({})  # no agents to dial: fed below as its streams would feed it
+    try:
+        link._publish("u0", {"code-python": AdapterResidency("pool", 12.0)}, 0)
+        link._publish("u1", {}, 0)
+        gw = Gateway(store, residency=link.board, route=route)
+
+        def send():
+            ex = gw.exchange()
+            assert ex.on_request_headers(_head("/v1/chat/completions")) is CONTINUE
+            out = ex.on_request_body(json.dumps({"model": "code-python", "messages": []}).encode())
+            return dict(out.metadata)["destination"]
+
+        burst = [send() for _ in range(LOAD_FLOOR + 4)]
+        assert burst[:LOAD_FLOOR] == ["127.0.0.1:8000"] * LOAD_FLOOR
+        assert set(burst[LOAD_FLOOR:]) == {"127.0.0.1:8001"}
+        assert dict(link.board.current.sent_since) == {"u0": LOAD_FLOOR, "u1": 4}
+        # u0's agent measures again, the same 0 (the burst finished): a new snapshot, reset
+        link._publish_load("u0", 0)
+        assert dict(link.board.current.sent_since) == {"u0": 0, "u1": 4}
+        assert send() == "127.0.0.1:8000"
+        # an unchanged measurement with nothing sent since changes nothing
+        link._publish_load("u1", 0)
+        current = link.board.current
+        link._publish_load("u1", 0)
+        assert link.board.current is current
+    finally:
+        link.close()
+        store.close()

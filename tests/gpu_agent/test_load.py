@@ -56,6 +56,24 @@ def test_announces_changes_and_repeats_a_known_load_every_heartbeat():
     asyncio.run(main())
 
 
+def test_by_default_every_known_measurement_is_announced():
+    """The gateway counts its sends since the host's last measurement: it must hear each
+    one, an unchanged one too (gpu_agent.load.LOAD_HEARTBEAT_S = 0)."""
+    async def main():
+        conn = FakeConnector()
+        seen: list[EngineLoad | None] = []
+        mon = LoadMonitor(conn, 0.01, seen.append, clock=lambda: 1.5, monotonic=Clock())
+        conn.engine_load_value = EngineLoad(2, 1)
+        for _ in range(3):
+            await mon.sample()
+        assert seen == [EngineLoad(2, 1)] * 3
+        conn.engine_load_value = None
+        for _ in range(3):
+            await mon.sample()
+        assert seen[3:] == [None]                                  # unknown is said once
+    asyncio.run(main())
+
+
 def test_a_failed_measurement_is_unknown_counted_and_logged_rarely(caplog):
     async def main():
         conn = FakeConnector()

@@ -282,7 +282,7 @@ def test_the_engines_load_travels_into_the_gateways_snapshot_while_fresh(tmp_pat
         assert time.monotonic() - t0 >= 0.3
         assert link.board.current.of("u1", "a2").tier == "pool"
         # the agent goes away: host and load leave the view together
-        agent.manager.load_monitor.heartbeat_s = 2.0
+        agent.manager.load_monitor.heartbeat_s = 0.0  # the default: every measurement
         agent.engine.engine_load_value = EngineLoad(running=5, waiting=0)
         wait_until(lambda: link.board.current.loads.get("u1") == 5)
         agent.stop()
