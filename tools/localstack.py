@@ -123,17 +123,26 @@ def run_envoy(tmp: Path, *, extproc: str, default_upstream: str, name: str = "en
 
 
 @contextlib.contextmanager
-def gateway_front(work: Path, state: Path, default_upstream: str, *, env: dict[str, str] | None = None,
-                  extproc_args: Sequence[str] = (), message_timeout: str = "5s") -> Iterator[int]:
-    """The gateway in front of an engine: ``python -m extproc`` with ``state`` (log
-    ``work/extproc.log``, db ``work/gw.sqlite3``) and Envoy; yields Envoy's port."""
-    xp_port = free_port()
+def extproc_process(work: Path, state: Path, *, env: dict[str, str] | None = None,
+                    extproc_args: Sequence[str] = ()) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m extproc`` with ``state`` on an ephemeral loopback port (log
+    ``work/extproc.log``, db ``work/gw.sqlite3``); yields its ``host:port`` and process
+    once it listens, stops it on exit."""
+    port = free_port()
     log = work / "extproc.log"
     cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(work / "gw.sqlite3"),
-           "--listen", f"127.0.0.1:{xp_port}", *extproc_args]
+           "--listen", f"127.0.0.1:{port}", *extproc_args]
     with running(cmd, log, env=env) as proc:
-        wait_port(xp_port, timeout=60, proc=proc, log=log)
-        with run_envoy(work, extproc=f"127.0.0.1:{xp_port}", default_upstream=default_upstream,
+        wait_port(port, timeout=60, proc=proc, log=log)
+        yield f"127.0.0.1:{port}", proc
+
+
+@contextlib.contextmanager
+def gateway_front(work: Path, state: Path, default_upstream: str, *, env: dict[str, str] | None = None,
+                  extproc_args: Sequence[str] = (), message_timeout: str = "5s") -> Iterator[int]:
+    """The gateway in front of an engine: ``extproc_process`` and Envoy; yields Envoy's port."""
+    with extproc_process(work, state, env=env, extproc_args=extproc_args) as (address, _):
+        with run_envoy(work, extproc=address, default_upstream=default_upstream,
                        message_timeout=message_timeout) as port:
             yield port
 

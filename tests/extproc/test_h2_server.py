@@ -33,7 +33,7 @@ from extproc.processor import Gateway
 from extproc.store import Store
 from extproc.wire import NO_PHASE, SERVICE
 from tests.extproc.builders import KEYS, upstream, write_state
-from tests.support.procs import free_port, python, running, wait_port
+from tests.support.procs import extproc_process, free_port, python, running, wait_port
 
 PROCESS = f"/{SERVICE}/Process"
 ALICE = f"Bearer {KEYS['alice']}"
@@ -810,13 +810,8 @@ def test_a_peer_that_does_not_read_is_not_read_either(h2, no_errors_logged):
 
 def test_sigterm_drains_an_open_stream_and_exits_0(state, tmp_path):
     _, path = state
-    port = free_port()
-    log = tmp_path / "h2.log"
-    cmd = [python(), "-m", "extproc", "--config", str(path), "--db", str(tmp_path / "gw.sqlite3"),
-           "--listen", f"127.0.0.1:{port}"]
-    with running(cmd, log) as proc:
-        wait_port(port, timeout=30, proc=proc, log=log)
-        address = f"127.0.0.1:{port}"
+    log = tmp_path / "extproc.log"
+    with extproc_process(tmp_path, path) as (address, proc):
         release = threading.Event()
 
         def messages():
@@ -838,19 +833,15 @@ def test_sigterm_drains_an_open_stream_and_exits_0(state, tmp_path):
 
 def test_sigterm_drain_is_bounded(state, tmp_path):
     _, path = state
-    port = free_port()
-    log = tmp_path / "h2.log"
-    cmd = [python(), "-m", "extproc", "--config", str(path), "--db", str(tmp_path / "gw.sqlite3"),
-           "--listen", f"127.0.0.1:{port}"]
-    with running(cmd, log) as proc:
-        wait_port(port, timeout=30, proc=proc, log=log)
+    log = tmp_path / "extproc.log"
+    with extproc_process(tmp_path, path) as (address, proc):
         release = threading.Event()
 
         def messages():
             yield headers_request("/v1/chat/completions", authorization=ALICE)
             release.wait(TIMEOUT)
 
-        with channel(f"127.0.0.1:{port}") as ch:
+        with channel(address) as ch:
             call = pb_grpc.ExternalProcessorStub(ch).Process(messages(), timeout=TIMEOUT)
             assert next(call).HasField("request_headers")
             start = time.monotonic()

@@ -17,7 +17,8 @@ import pytest
 
 from tests.extproc.builders import KEYS, write_state, upstream
 from tests.support.envoy import run_envoy
-from tests.support.procs import free_port, python, running, wait_port
+from tests.support.procs import extproc_process, free_port, python
+from tools.localstack import gateway_front
 from tests.support.upstream import RecordingUpstream
 
 ALICE = {"authorization": f"Bearer {KEYS['alice']}"}
@@ -45,20 +46,13 @@ class Stack:
 @contextlib.contextmanager
 def gateway_stack(tmp: Path, up: RecordingUpstream, flavour: str = "vllm", hints: str = "body"):
     state = write_state(tmp, [upstream("local-" + flavour, up.address, flavour, hints)])
-    xp_port = free_port()
-    log = tmp / "extproc.log"
-    cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
-           "--listen", f"127.0.0.1:{xp_port}"]
-    with running(cmd, log) as proc:
-        wait_port(xp_port, timeout=30, proc=proc, log=log)
-        # a generous message timeout: a busy CI box must not turn into a silent fail-open
-        with run_envoy(tmp, extproc=f"127.0.0.1:{xp_port}", default_upstream=up.address,
-                       message_timeout="5s") as port:
-            s = Stack(f"http://127.0.0.1:{port}", up)
-            try:
-                yield s
-            finally:
-                s.http.close()
+    # a generous message timeout: a busy CI box must not turn into a silent fail-open
+    with gateway_front(tmp, state, up.address, message_timeout="5s") as port:
+        s = Stack(f"http://127.0.0.1:{port}", up)
+        try:
+            yield s
+        finally:
+            s.http.close()
 
 
 @pytest.fixture(scope="module")
@@ -331,12 +325,8 @@ def test_extproc_health_and_graceful_sigterm(tmp_path):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     state = write_state(tmp_path, [upstream()])
-    port = free_port()
-    cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp_path / "db"),
-           "--listen", f"127.0.0.1:{port}"]
-    with running(cmd, tmp_path / "x.log") as proc:
-        wait_port(port, proc=proc, log=tmp_path / "x.log")
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    with extproc_process(tmp_path, state) as (address, proc):
+        with grpc.insecure_channel(address) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)

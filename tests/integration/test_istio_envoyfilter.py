@@ -24,7 +24,7 @@ from extproc.envoy_config import render
 from tests.extproc.builders import KEYS, upstream, write_state
 from tests.support.envoy import envoy_binary
 from tests.support.istio import ACE_VHOST, OTHER_VHOST, gateway_with_envoyfilter
-from tests.support.procs import free_port, python, running, wait_http, wait_port
+from tests.support.procs import extproc_process, free_port, running, wait_http
 from tests.support.upstream import RecordingUpstream
 
 ALICE = {"authorization": f"Bearer {KEYS['alice']}"}
@@ -76,13 +76,8 @@ def backends(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("istio")
     with RecordingUpstream() as engine, RecordingUpstream() as app:
         state = write_state(tmp, [upstream("local-vllm", engine.address)])
-        xp_port = free_port()
-        log = tmp / "extproc.log"
-        cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
-               "--listen", f"127.0.0.1:{xp_port}"]
-        with running(cmd, log) as proc:
-            wait_port(xp_port, timeout=30, proc=proc, log=log)
-            yield tmp, f"127.0.0.1:{xp_port}", engine, app
+        with extproc_process(tmp, state) as (address, _):
+            yield tmp, address, engine, app
 
 
 @pytest.fixture(scope="module", params=["dropin", "istio"])
