@@ -12,7 +12,7 @@ FIXTURES := .fixtures
 TRACE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv fixtures test test-unit test-vllm demo bench bench-gateway bench-agent sim protos clean
+.PHONY: venv fixtures test test-unit test-vllm demo bench bench-gateway bench-agent sim protos gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -55,6 +55,11 @@ bench-agent: $(STAMP) $(FIXTURES)/.done
 
 bench: $(STAMP) $(FIXTURES)/.done
 	$(BIN)/python -m bench.multi_lora_eval --out reports/multi_lora_eval.json $(if $(TRACE),--trace $(TRACE),)
+
+# On a machine with a CUDA GPU (not CI): the CUDA-only tests + bench-agent on the device,
+# with the python3 that holds torch+CUDA there (tools/gpu_check.sh; reports/agent_cuda.json).
+gpu-check:
+	bash tools/gpu_check.sh
 
 sim: $(STAMP)
 	$(BIN)/python -m bench.sim --out reports/sim.json $(if $(TRACE),--trace $(TRACE),)

@@ -3,8 +3,11 @@ per-adapter loop vs the base matmul, allocator churn, memory accounting.
 
     python -m bench.agent --out reports/agent.json
 
+    python -m bench.agent --device cuda --out reports/agent_cuda.json   # make gpu-check
+
 Every floor is measured on the same machine in the same run: ``floor_ms`` = adapter
-bytes / memcpy bandwidth (torch copy of a 256 MiB buffer, all threads);
+bytes / memcpy bandwidth (torch copy of a 256 MiB buffer, all threads; with
+``--device cuda``: pinned host memory -> device, the copy a load cannot avoid);
 ``batched_floor_ms`` = adapter bytes touched / read bandwidth (``sum`` over a 1 GiB
 buffer, all threads). Bandwidths are the best seen (a low floor, so ratios are upper
 bounds); timings are medians over repetitions interleaved round-robin, so a noisy
@@ -37,6 +40,8 @@ from gpu_agent.tiers import AdapterTiers
 
 RANKS = (8, 16, 32, 64, 128)
 H = 4096
+#: Where the pools and the op run (``--device``): "cpu", or "cuda" for ``make gpu-check``.
+DEVICE = torch.device("cpu")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -70,9 +75,17 @@ def _write_peft(root: Path, ad: LoraAdapter) -> Path:
     return path
 
 
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def _time(fn: Callable[[], Any]) -> float:
+    """Wall ms of ``fn``; on CUDA the queued kernels are waited for on both sides."""
+    _sync()
     t0 = time.perf_counter()
     fn()
+    _sync()
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -100,9 +113,12 @@ def _round_robin(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2,
 def bench_load(layers: int, reps: int) -> dict[str, Any]:
     spec = _spec(layers)
     dtype = torch.bfloat16
-    src = torch.ones(128 << 20, dtype=torch.bfloat16)           # 256 MiB: far beyond caches
-    dst = torch.empty_like(src)
-    pool = AdapterPool(spec, sum(RANKS) * H * 2 * len(ATTN) * layers * 2 + (1 << 24), dtype=dtype)
+    # 256 MiB: far beyond caches. The floor is the copy a load cannot avoid: host memory
+    # to host memory on the CPU, (pinned) host memory to the device on CUDA.
+    src = torch.ones(128 << 20, dtype=torch.bfloat16, pin_memory=DEVICE.type == "cuda")
+    dst = torch.empty_like(src, device=DEVICE)
+    pool = AdapterPool(spec, sum(RANKS) * H * 2 * len(ATTN) * layers * 2 + (1 << 24), dtype=dtype,
+                       device=DEVICE)
     tiers = AdapterTiers(pool, host_budget_bytes=1 << 30)
     out: dict[str, Any] = {"cold_load_ms": {}, "floor_ms": {}, "cold_load_verified_ms": {}, "cold_load_first_ms": {},
                            "cold_load_parts_ms": {}, "adapter_bytes": {}}
@@ -119,8 +135,10 @@ def bench_load(layers: int, reps: int) -> dict[str, Any]:
                     pool.evict(name)
                 tiers.host.drop(name)           # unmapping the old copy is not part of a load
                 gc.collect()
+                _sync()
                 t0 = time.perf_counter()
                 _, t = tiers.ensure(name, paths[r], digests[r] if verify else None)
+                _sync()
                 took[(r, verify)].append((time.perf_counter() - t0) * 1e3)
                 parts.setdefault(r, []).append(t)
             return run
@@ -180,28 +198,29 @@ def bench_load(layers: int, reps: int) -> dict[str, Any]:
 def bench_op(reps: int, rows: int = 64, n_adapters: int = 32) -> dict[str, Any]:
     spec = BaseModelSpec("bench-base", 1, H, {"q_proj": (H, H)})
     ranks = [RANKS[i % len(RANKS)] for i in range(n_adapters)]
-    pool = AdapterPool(spec, sum(ranks) * 2 * H * 4 + (1 << 20), dtype=torch.float32)
+    pool = AdapterPool(spec, sum(ranks) * 2 * H * 4 + (1 << 20), dtype=torch.float32, device=DEVICE)
     adapters = [_adapter(f"a{i}", r, spec, seed=i) for i, r in enumerate(ranks)]
     for ad in adapters:
         pool.load(ad)
     row_names = [f"a{i % n_adapters}" for i in range(rows)]
     random.Random(0).shuffle(row_names)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, H, generator=g)
-    w0 = torch.randn(H, H, generator=g) * 0.01
-    y = torch.zeros(rows, H)
-    big = torch.ones(256 << 20)                                  # 1 GiB fp32
+    x = torch.randn(rows, H, generator=g).to(DEVICE)
+    w0 = (torch.randn(H, H, generator=g) * 0.01).to(DEVICE)
+    y = torch.zeros(rows, H, device=DEVICE)
+    big = torch.ones(256 << 20, device=DEVICE)                   # 1 GiB fp32
     nbytes = sum(r * H * 2 * 4 for r in ranks)
-    rows_of = {ad.name: torch.tensor([i for i, n in enumerate(row_names) if n == ad.name]) for ad in adapters}
-    host = {ad.name: ad.weights[(0, "q_proj")] for ad in adapters}
+    rows_of = {ad.name: torch.tensor([i for i, n in enumerate(row_names) if n == ad.name], device=DEVICE)
+               for ad in adapters}
+    host = {ad.name: tuple(t.to(DEVICE) for t in ad.weights[(0, "q_proj")]) for ad in adapters}
     max_r = max(ranks)
-    a_pad = torch.zeros(n_adapters, max_r, H)
-    b_pad = torch.zeros(n_adapters, H, max_r)
+    a_pad = torch.zeros(n_adapters, max_r, H, device=DEVICE)
+    b_pad = torch.zeros(n_adapters, H, max_r, device=DEVICE)
     for i, ad in enumerate(adapters):
         a, b = host[ad.name]
         a_pad[i, : ad.rank] = a * ad.scale
         b_pad[i, :, : ad.rank] = b
-    slot_of = torch.tensor([int(n[1:]) for n in row_names])
+    slot_of = torch.tensor([int(n[1:]) for n in row_names], device=DEVICE)
 
     def loop() -> None:          # per adapter: its rows, its own (separately allocated) weights
         for ad in adapters:
@@ -295,7 +314,7 @@ def bench_churn(cycles: int, seed: int = 0) -> dict[str, Any]:
     base = {r: _adapter(f"t{r}", r, spec, seed=r) for r in RANKS}
     avg_bytes = statistics.mean(a.nbytes for a in base.values())
     budget = int(12 * avg_bytes)
-    pool = AdapterPool(spec, budget, dtype=torch.float32)
+    pool = AdapterPool(spec, budget, dtype=torch.float32, device=DEVICE)
     ptr, numel = pool.pages.data_ptr(), pool.pages.numel()
     rng = random.Random(seed)
     seq = [rng.choice(RANKS) for _ in range(cycles)]
@@ -418,10 +437,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=9, help="timed repetitions per measurement")
     ap.add_argument("--churn-cycles", type=int, default=10_000, help="load/evict cycles in the churn test")
     ap.add_argument("--fixtures", default=".fixtures", help="fixtures dir for memory accounting")
+    ap.add_argument("--device", default="cpu",
+                    help="where the pools and the op run: cpu (default), cuda, or auto (cuda if available)")
     args = ap.parse_args(argv)
+    global DEVICE
+    name = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        print(f"--device {name}: torch {torch.__version__} sees no CUDA device", file=sys.stderr)
+        return 2
+    DEVICE = torch.device(name)
     t0 = time.perf_counter()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    rep: dict[str, Any] = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    rep: dict[str, Any] = {"device": str(DEVICE),
+                           "device_name": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else platform.processor(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                            "machine": platform.machine(), "python": sys.version.split()[0]}
     rep.update(bench_load(args.layers, args.reps))
     rep.update(bench_op(args.reps))

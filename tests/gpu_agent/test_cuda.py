@@ -1,0 +1,95 @@
+"""The pool and the batched op on a CUDA device (``make gpu-check``; skipped without one).
+
+The same contracts as the CPU tests, where a GPU changes how they are met: pages live in
+one device tensor, loads copy host -> device on the pool's copy stream, the op reads the
+device pages, and churn never reallocates the device memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from gpu_agent.errors import PoolExhausted
+from gpu_agent.lora_ops import apply_lora
+from gpu_agent.pool import AdapterPool
+
+from .lora_testing import SPEC, make_adapter
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+RANKS = (8, 16, 32, 64, 128)
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+CUDA = torch.device("cuda")
+
+
+def _pool(dtype=torch.float32, budget_mb: int = 8) -> AdapterPool:
+    return AdapterPool(SPEC, budget_mb << 20, dtype=dtype, device=CUDA)
+
+
+def test_pages_live_on_the_device_and_loads_are_exact():
+    pool = _pool()
+    assert pool.pages.device.type == "cuda"
+    ads = [make_adapter(f"r{r}", r, modules=MODULES, seed=r) for r in RANKS]
+    for ad in ads:
+        pool.load(ad)
+    torch.cuda.synchronize()
+    for ad in ads:
+        entry = pool.entry(ad.name)
+        for (layer, module), (a, b) in ad.weights.items():
+            got_a, got_bt = pool.matrices(entry, layer, module)
+            assert got_a.device.type == "cuda"
+            torch.testing.assert_close(got_a.cpu(), a, rtol=0, atol=0)
+            torch.testing.assert_close(got_bt.t().cpu(), b, rtol=0, atol=0)
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-3), (torch.bfloat16, 6e-2)])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_mixed_rank_batch_on_device_matches_the_dense_reference(dtype, atol, grouped):
+    pool = _pool(dtype)
+    adapters = {f"r{r}": make_adapter(f"r{r}", r, modules=MODULES, dtype=dtype, seed=r,
+                                      use_rslora=(r == 32), alpha=16) for r in RANKS}
+    for ad in adapters.values():
+        pool.load(ad)
+    names = [*adapters, None]
+    rows = ([n for n in names for _ in range(3)] if grouped
+            else [names[(7 * i) % len(names)] for i in range(24)])
+    g = torch.Generator().manual_seed(1)
+    for module in MODULES:
+        fan_in, fan_out = SPEC.modules[module]
+        x = torch.randn(len(rows), fan_in, generator=g).to(dtype)
+        w0 = (torch.randn(fan_out, fan_in, generator=g) / fan_in ** 0.5).to(dtype)
+        for layer in range(SPEC.num_layers):
+            y = (x @ w0.t()).to(CUDA)
+            with pool.batch(rows) as batch:
+                apply_lora(y, x.to(CUDA), pool, batch, layer, module)
+            ref = []
+            for i, name in enumerate(rows):
+                w = w0.double()
+                if name is not None:
+                    ad = adapters[name]
+                    a, b = ad.weights[(layer, module)]
+                    w = w + ad.scale * b.double() @ a.double()
+                ref.append(x[i].double() @ w.t())
+            torch.testing.assert_close(y.double().cpu(), torch.stack(ref), atol=atol, rtol=atol)
+
+
+def test_churn_never_reallocates_device_memory():
+    pool = _pool(budget_mb=2)
+    ptr, numel = pool.pages.data_ptr(), pool.pages.numel()
+    base = {r: make_adapter(f"t{r}", r, modules=MODULES, seed=r) for r in RANKS}
+    rng = random.Random(0)
+    failures = 0
+    for i in range(500):
+        try:
+            pool.load(dataclasses.replace(base[rng.choice(RANKS)], name=f"c{i}"))
+        except PoolExhausted:
+            failures += 1
+    torch.cuda.synchronize()
+    assert failures == 0
+    assert pool.pages.data_ptr() == ptr and pool.pages.numel() == numel
+    pool.check_invariants()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# make gpu-check: what only a CUDA machine can check, in one short run.
+#   1. the CUDA-only tests (tests/gpu_agent/test_cuda.py: pool pages on the device,
+#      host -> device loads exact, the batched mixed-rank op vs the dense reference,
+#      churn without reallocation);
+#   2. make bench-agent on the device -> reports/agent_cuda.json (or $OUT/ when set).
+# Runs with whatever python3 has torch + CUDA (the device machine's image), from the
+# repository root; no install, no network. Exit status: the tests', then the bench's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+DEST=${OUT:-reports}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+"$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+"$PY" -m pytest -q -p no:cacheprovider -m cuda tests/gpu_agent/test_cuda.py
+"$PY" -m bench.agent --device cuda --out "$DEST/agent_cuda.json" --fixtures "${FIXTURES:-.fixtures}"
