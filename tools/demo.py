@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from gpu_agent.catalog_schema import read_catalog_file
 from tools.localstack import REPO, gateway_stack
 
 TOKEN = "demo-agent-token"
@@ -197,8 +198,7 @@ def show_memory(st: dict, fixtures: Path) -> None:
 
     say("\n== 4. memory: one base model + the paged pool vs one instance per adapter ==")
     text = httpx.get(st["engine"] + "/metrics", timeout=10).text
-    catalog = yaml.safe_load((fixtures / "catalog.yaml").read_text())
-    sizes = {a["name"]: a["size_bytes"] for a in catalog["adapters"]}
+    sizes = {a.name: a.size_bytes for a in read_catalog_file(fixtures / "catalog.yaml").adapters}
     acct = account(int(metric(text, "ace_engine_model_bytes")), int(metric(text, "ace_engine_pool_pool_bytes")),
                    sizes)
     say(f"  base model {acct.base_model_bytes:,} B + pool {acct.pool_bytes:,} B = {acct.shared_bytes:,} B; "
