@@ -98,10 +98,8 @@ def _value(tp: Any, raw: Any, where: str) -> Any:
         return types.MappingProxyType(out)
     if dataclasses.is_dataclass(tp):
         return parse(tp, raw, where)
-    if tp is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
-        return float(raw)
-    if tp in _SCALARS and isinstance(raw, tp) and not isinstance(raw, bool):
-        return raw
+    if tp in _SCALARS and _shape_fits(tp, raw):
+        return float(raw) if tp is float else raw
     raise SchemaError(where, f"expected {_describe(tp)}, got {_show(raw)}")
 
 
