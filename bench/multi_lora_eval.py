@@ -78,6 +78,7 @@ import yaml
 
 from bench.report import build_report, format_report, percentiles
 from bench.trace import TraceError, load_trace
+from gpu_agent.catalog_schema import read_catalog_file
 
 BASE_MODEL = "ace-tiny-llama"
 TOKEN = "bench-agent-token"
@@ -100,7 +101,7 @@ def bench_fixtures(requests: list[dict], fixtures: Path, work: Path) -> Path:
         wanted.setdefault(r["adapter"], (r["rank"], r["domain"]))
     catalog = fixtures / "catalog.yaml"
     if catalog.exists():
-        have = {a["name"]: a["rank"] for a in yaml.safe_load(catalog.read_text())["adapters"]}
+        have = {a.name: a.rank for a in read_catalog_file(catalog).adapters}
         if all(have.get(name) == rank for name, (rank, _) in wanted.items()):
             return catalog
     log(f"making fixture adapters for {len(wanted)} adapters under {work / 'fixtures'}")
@@ -110,6 +111,7 @@ def bench_fixtures(requests: list[dict], fixtures: Path, work: Path) -> Path:
 
 def remote_catalog(catalog: Path, store_url: str, out: Path, names: set[str]) -> dict:
     """The catalog with every adapter's uri on the artifact store; base model path absolute."""
+    read_catalog_file(catalog)      # checked; rewritten as plain YAML below
     data = yaml.safe_load(catalog.read_text())
     base = data["base_model"]
     base["path"] = str((catalog.parent / base["path"]).resolve())
@@ -330,7 +332,7 @@ def run(args) -> int:
     try:
         catalog = bench_fixtures(requests, Path(args.fixtures), work)
         names = {r["adapter"] for r in requests}
-        sizes_all = {a["name"]: a["size_bytes"] for a in yaml.safe_load(catalog.read_text())["adapters"]}
+        sizes_all = {a.name: a.size_bytes for a in read_catalog_file(catalog).adapters}
         pool, pool_needed, pool_mb = pool_size(names, sizes_all)
         tenants = sorted({r["tenant"] for r in requests})
         from tests.support.procs import free_port, python, running, wait_port

@@ -1,11 +1,13 @@
 # The gateway's ext_proc service. No torch: the gateway never needs it (it imports only
-# the agent's generated gRPC stubs, gpu_agent/_proto).
+# the agent's published contracts: its generated gRPC stubs, gpu_agent/_proto, and the
+# catalog's schema, gpu_agent/catalog_schema.py).
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
 COPY gpu_agent/__init__.py ./gpu_agent/__init__.py
 COPY gpu_agent/_proto ./gpu_agent/_proto
+COPY gpu_agent/catalog_schema.py ./gpu_agent/catalog_schema.py
 RUN pip install --no-cache-dir . && mkdir -p /var/lib/ace && chown 65534:65534 /var/lib/ace
 USER 65534:65534
 EXPOSE 50051

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             from extproc.speculation import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
                                              route_by_policy)
             link = AgentLink(agents, token=os.environ.get("ACE_AGENT_TOKEN") or None,
-                             queue_size=settings.prefetch_queue).start()
+                             tls=settings.agent_tls(), queue_size=settings.prefetch_queue).start()
             popularity = PopularityFile(popularity_path(settings.db))
             _, slots = popularity.load()
             planner = SpeculationPlanner(route=route_by_policy(route), slots=slots)

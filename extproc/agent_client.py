@@ -19,6 +19,11 @@ Age is judged on this process's clock at arrival, not on the agent's ``measured_
 arrival, so the snapshot's ``sent_since`` (requests routed there since) starts again from
 0 at each measurement.
 
+Every agent is reached in plaintext with the shared token (``$ACE_AGENT_TOKEN``), or over
+TLS when ``AgentTLS`` is given (``--agent-tls-ca/-cert/-key``: mTLS, what an agent started
+with ``--auth mtls`` requires). ``stream_errors``/``last_error`` per agent say why a link
+is not connected.
+
 Agent tiers map to the gateway's: device -> pool, host, disk, remote, absent -> none.
 Only the gRPC stubs are imported from gpu_agent (generated code, no torch).
 """
@@ -28,8 +33,6 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
@@ -37,6 +40,7 @@ import grpc
 
 from extproc.prefetch import PrefetchQueue, PrefetchSignal
 from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot, SentSince
+from extproc.settings import AgentTLS
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 
@@ -46,15 +50,6 @@ log = logging.getLogger(__name__)
 
 _TIERS = {pb.TIER_DEVICE: "pool", pb.TIER_HOST: "host", pb.TIER_DISK: "disk",
           pb.TIER_REMOTE: "remote", pb.TIER_ABSENT: "none"}
-
-
-@dataclass(frozen=True)
-class AgentTLS:
-    """mTLS towards the agents: the CA that signed their certificates, and ours."""
-
-    ca: Path
-    cert: Path
-    key: Path
 
 
 def to_residency(status: pb.AdapterStatus, base_model_bytes: int = 0) -> AdapterResidency:
@@ -79,15 +74,21 @@ class _Agent:
     def __init__(self, link: "AgentLink", upstream: str, target: str):
         self.link, self.upstream, self.target = link, upstream, target
         if link.tls is not None:
-            creds = grpc.ssl_channel_credentials(link.tls.ca.read_bytes(), link.tls.key.read_bytes(),
-                                                 link.tls.cert.read_bytes())
-            self.channel = grpc.secure_channel(target, creds)
+            tls = link.tls
+            creds = grpc.ssl_channel_credentials(*(p.read_bytes() if p else None
+                                                   for p in (tls.ca, tls.key, tls.cert)))
+            options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+            self.channel = grpc.secure_channel(target, creds, options=options)
         else:
             self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.AgentStub(self.channel)
         self.queue = PrefetchQueue(self._send, maxsize=link.queue_size)
         self.sent = self.failed = 0
         self.connected = False
+        # WatchResidency attempts that ended in an error, and the last one's status code
+        # (UNAVAILABLE: down, or refused our TLS; UNAUTHENTICATED: wrong token)
+        self.stream_errors = 0
+        self.last_error: grpc.StatusCode | None = None
         self._call = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"agent-watch-{upstream}", daemon=True)
@@ -128,6 +129,8 @@ class _Agent:
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
+                self.stream_errors += 1
+                self.last_error = exc.code()
                 if self.connected:
                     log.warning("agent %s stream lost: %s", self.upstream, exc.code())
             self.connected = False

@@ -1,15 +1,19 @@
 """What the gateway knows about adapters, tenants and keys: plain immutable values.
 
-The adapter entry follows the catalog format of docs/contracts.md. ``sha256`` is the
-digest of the adapter weights: it is the cache key, so a changed adapter is a new key.
+The adapter entry follows the catalog format of docs/contracts.md (parsed and checked by
+``gpu_agent.catalog_schema``). ``sha256`` is the digest of the adapter weights: it is the
+cache key, so a changed adapter is a new key.
 """
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from extproc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gpu_agent.catalog_schema import CatalogAdapter
 
 __all__ = ["Adapter", "Tenant", "DevKey", "Upstream", "PUBLIC", "FLAVOURS", "HINT_MODES"]
 
@@ -28,24 +32,18 @@ class Adapter:
     owner: str          # a tenant id or PUBLIC
     uri: str
     sha256: str
-    alpha: int | None = None
+    alpha: float | None = None
     domain: str | None = None
 
     def visible_to(self, tenant_id: str) -> bool:
         return self.owner == PUBLIC or self.owner == tenant_id
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "Adapter":
-        try:
-            return cls(
-                name=str(raw["name"]), base_model=str(raw["base_model"]), rank=int(raw["rank"]),
-                target_modules=tuple(str(m) for m in raw.get("target_modules", ())),
-                size_bytes=int(raw.get("size_bytes", 0)), owner=str(raw.get("owner", PUBLIC)),
-                uri=str(raw.get("uri", "")), sha256=str(raw.get("sha256", "")),
-                alpha=int(raw["alpha"]) if raw.get("alpha") is not None else None,
-                domain=raw.get("domain"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"bad adapter entry {raw!r}: {exc}") from exc
+    def from_entry(cls, entry: "CatalogAdapter", base_model: str) -> "Adapter":
+        """A checked catalog entry; ``base_model``: its own, else its file's."""
+        return cls(name=entry.name, base_model=base_model, rank=entry.rank,
+                   target_modules=entry.target_modules, size_bytes=entry.size_bytes, owner=entry.owner,
+                   uri=entry.uri, sha256=entry.sha256 or "", alpha=entry.alpha, domain=entry.domain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +73,9 @@ class Upstream:
 
     def __post_init__(self) -> None:
         if self.flavour not in FLAVOURS:
-            raise ConfigError(f"upstream {self.name}: flavour must be one of {FLAVOURS}")
+            raise ConfigError(f"upstream {self.name}: flavour must be one of {FLAVOURS}", field="flavour")
         if self.hints not in HINT_MODES:
-            raise ConfigError(f"upstream {self.name}: hints must be one of {HINT_MODES}")
+            raise ConfigError(f"upstream {self.name}: hints must be one of {HINT_MODES}", field="hints")
         host, _, port = self.address.rpartition(":")
         try:
             ipaddress.ip_address(host.strip("[]"))
@@ -85,4 +83,5 @@ class Upstream:
             host = ""
         if not host or not port.isdigit():
             # Envoy's ORIGINAL_DST cluster takes the destination header as is: no DNS.
-            raise ConfigError(f"upstream {self.name}: address must be IP:port, got {self.address!r}")
+            raise ConfigError(f"upstream {self.name}: address must be IP:port, got {self.address!r}",
+                              field="address")

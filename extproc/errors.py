@@ -23,7 +23,13 @@ __all__ = [
 
 
 class ConfigError(Exception):
-    """The gateway's own configuration is invalid (start-up only, never per request)."""
+    """The gateway's own configuration is invalid (start-up only, never per request).
+
+    ``field``: the path of the value to blame in its file (``tenants[1].id``), when one is."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class GatewayError(Exception):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from extproc.errors import ConfigError
 
-__all__ = ["Settings"]
+__all__ = ["AgentTLS", "Settings"]
 
 _HELP = {
     "config": "state YAML (GitOps): adapters/include, tenants, keys, upstreams, skills, limits",
@@ -30,7 +30,26 @@ _HELP = {
     "h2_max_streams": "--server h2: open streams allowed per connection (advertised as "
                       "SETTINGS_MAX_CONCURRENT_STREAMS; more are refused with REFUSED_STREAM). "
                       "Envoy opens one stream per request in flight and another connection when one is full",
+    "agent_tls_ca": "TLS towards the GPU agents: CA that signed their server certificates, PEM "
+                    "(agents started with --auth mtls; without it the system roots are used)",
+    "agent_tls_cert": "TLS towards the GPU agents: this gateway's client certificate, PEM "
+                      "(with --agent-tls-key; an agent with --auth mtls requires it)",
+    "agent_tls_key": "TLS towards the GPU agents: the client certificate's private key, PEM",
+    "agent_tls_server_name": "TLS towards the GPU agents: the name their certificates are checked "
+                             "against, when not the host of the upstream's agent: address",
 }
+
+
+@dataclass(frozen=True)
+class AgentTLS:
+    """TLS (mTLS with a client certificate) towards the agents: the CA that signed their
+    certificates (None: the system roots), our certificate and key, and the name to check
+    their certificates against when it is not the address's host."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +64,10 @@ class Settings:
     log_level: str = "INFO"
     server: str = "h2"
     h2_max_streams: int = 4096      # extproc.h2server.MAX_STREAMS (not imported: it pulls in grpc)
+    agent_tls_ca: Path | None = None
+    agent_tls_cert: Path | None = None
+    agent_tls_key: Path | None = None
+    agent_tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
@@ -60,6 +83,21 @@ class Settings:
             raise ConfigError("--workers and --prefetch-queue must be positive")
         if not 1 <= self.h2_max_streams <= (1 << 31) - 1:
             raise ConfigError(f"--h2-max-streams must be in 1..2^31-1, got {self.h2_max_streams}")
+        for name in ("agent_tls_ca", "agent_tls_cert", "agent_tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file")
+        if (self.agent_tls_cert is None) != (self.agent_tls_key is None):
+            raise ConfigError("--agent-tls-cert and --agent-tls-key go together")
+        if self.agent_tls_server_name and self.agent_tls() is None:
+            raise ConfigError("--agent-tls-server-name needs --agent-tls-ca or --agent-tls-cert")
+
+    def agent_tls(self) -> AgentTLS | None:
+        """TLS towards the agents, or None (plaintext) when no agent TLS file is set."""
+        if self.agent_tls_ca is None and self.agent_tls_cert is None:
+            return None
+        return AgentTLS(self.agent_tls_ca, self.agent_tls_cert, self.agent_tls_key,
+                        self.agent_tls_server_name or None)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "Settings":
@@ -85,7 +123,10 @@ class Settings:
                        db=Path(ns["db"]), listen=str(ns["listen"]), workers=int(ns["workers"]),
                        routing_policy=ns["routing_policy"] or None,
                        prefetch_queue=int(ns["prefetch_queue"]), log_level=str(ns["log_level"]),
-                       server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]))
+                       server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]),
+                       **{name: Path(ns[name]) if ns[name] else None
+                          for name in ("agent_tls_ca", "agent_tls_cert", "agent_tls_key")},
+                       agent_tls_server_name=ns["agent_tls_server_name"] or None)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 

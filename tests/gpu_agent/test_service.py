@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 
 import grpc
 import pytest
@@ -14,6 +12,7 @@ from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from gpu_agent.service import SERVICE_NAME, start_server
 
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, wait_for
+from tests.support.certs import make_certs, needs_openssl
 
 NAMES = ["a1", "a2", "a3"]
 TOKEN = "s3cret-token"
@@ -197,25 +196,9 @@ def test_health_follows_engine(tmp_path):
     run(main())
 
 
-def _make_certs(d):
-    def ossl(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
-    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
-         "-days", "1", "-subj", "/CN=ace-test-ca")
-    for who in ("server", "client"):
-        ossl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key", "-out", f"{who}.csr",
-             "-subj", f"/CN={who}")
-        ext = d / f"{who}.ext"
-        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        ossl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", f"{who}.pem", "-days", "1", "-extfile", str(ext))
-
-
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI needed to make test certificates")
+@needs_openssl
 def test_mtls_requires_a_client_certificate(tmp_path):
-    certs = tmp_path / "certs"
-    certs.mkdir()
-    _make_certs(certs)
+    certs = make_certs(tmp_path / "certs")
 
     async def main():
         tls = (certs / "server.pem", certs / "server.key", certs / "ca.pem")

@@ -14,13 +14,17 @@ import time
 import grpc
 import pytest
 
-from extproc.agent_client import AgentLink
+from extproc.agent_client import AgentLink, AgentTLS
 from extproc.prefetch import PrefetchSignal
+from extproc.settings import Settings
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from gpu_agent.service import start_server
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager
-from tests.support.procs import free_port
+from tests.extproc.builders import write_state
+from tests.support import wait
+from tests.support.certs import make_certs, needs_openssl
+from tests.support.procs import extproc_process, free_port
 
 TOKEN = "link-token"
 NAMES = ["a1", "a2", "a3"]
@@ -30,8 +34,9 @@ class AgentThread:
     """A real agent (manager + gRPC server) on its own loop, started/stopped on a fixed port."""
 
     def __init__(self, tmp_path, port: int, load_delay_s: float = 0.0, capacity: int | None = None,
-                 load_interval_s: float = 0.5):
+                 load_interval_s: float = 0.5, token: str | None = TOKEN, tls=None):
         self.tmp_path, self.port, self.load_delay_s = tmp_path, port, load_delay_s
+        self.token, self.tls = token, tls
         self.capacity, self.load_interval_s = capacity, load_interval_s
         self.catalog = make_catalog(tmp_path, NAMES)
         self.loop = asyncio.new_event_loop()
@@ -48,7 +53,8 @@ class AgentThread:
             self.manager = make_manager(self.catalog, self.tmp_path / "cache", self.engine,
                                         load_interval_s=self.load_interval_s)
             await self.manager.start()
-            self.server, _, self.health = await start_server(self.manager, "127.0.0.1", self.port, token=TOKEN)
+            self.server, _, self.health = await start_server(self.manager, "127.0.0.1", self.port,
+                                                             token=self.token, tls=self.tls)
         self._run(up())
 
     def stop(self) -> None:
@@ -197,6 +203,57 @@ def test_wrong_token_is_refused_and_residency_stays_unknown(agent):
         assert link.board.current.of("u1", "a1").tier == "unknown"
     finally:
         link.close()
+
+
+@pytest.fixture
+def mtls_agent(tmp_path):
+    """An agent that requires a client certificate signed by the test's CA."""
+    certs = make_certs(tmp_path / "certs")
+    a = AgentThread(tmp_path, free_port(), token=None,
+                    tls=(certs / "server.pem", certs / "server.key", certs / "ca.pem"))
+    a.start()
+    yield a, certs
+    a.close()
+
+
+def _agent_state(tmp_path, agent_port: int):
+    return write_state(tmp_path / "gw", [{"name": "u1", "address": "127.0.0.1:8000", "flavour": "builtin",
+                                          "base_model": "ace-tiny-llama", "agent": f"127.0.0.1:{agent_port}"}])
+
+
+def _tls_flags(certs):
+    return ["--agent-tls-ca", str(certs / "ca.pem"), "--agent-tls-cert", str(certs / "client.pem"),
+            "--agent-tls-key", str(certs / "client.key")]
+
+
+@needs_openssl
+def test_link_over_mtls_gets_residency_and_one_without_a_client_certificate_is_refused(tmp_path, mtls_agent):
+    agent, certs = mtls_agent
+    settings = Settings.from_args(["--config", str(_agent_state(tmp_path, agent.port)), *_tls_flags(certs)])
+    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, tls=settings.agent_tls()).start()
+    anonymous = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, tls=AgentTLS(ca=certs / "ca.pem"),
+                          backoff_max_s=0.2).start()
+    plaintext = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, backoff_max_s=0.2).start()
+    try:
+        wait.wait_until(lambda: link.board.current.of("u1", "a1").tier == "disk", what="residency over mTLS")
+        assert link.submit(signal("a1"))                    # prefetch over the same channel
+        wait.wait_until(lambda: link.board.current.of("u1", "a1").tier == "pool", what="prefetched over mTLS")
+        for refused in (anonymous, plaintext):
+            wait.wait_until(lambda r=refused: r.agents["u1"].stream_errors >= 2, what="handshakes refused")
+            assert refused.agents["u1"].last_error == grpc.StatusCode.UNAVAILABLE
+            assert not refused.connected("u1") and refused.board.current.of("u1", "a1").tier == "unknown"
+    finally:
+        for each in (link, anonymous, plaintext):
+            each.close()
+
+
+@needs_openssl
+def test_python_m_extproc_reaches_an_mtls_agent_with_the_agent_tls_flags(tmp_path, mtls_agent):
+    agent, certs = mtls_agent
+    state = _agent_state(tmp_path, agent.port)
+    with extproc_process(tmp_path / "gw", state, extproc_args=_tls_flags(certs)):
+        wait.wait_until(lambda: "agent u1 connected" in (tmp_path / "gw" / "extproc.log").read_text(),
+                        interval=0.05, what="the gateway's link connected to the mTLS agent")
 
 
 # ---- what the gateway's trace makes of agent residency (pure) ----

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 
+from tests.support.procs import REPO, python
 from tests.support.vllm import fixtures_dir
+from tests.support.wait import scaled, wait_until
 
 pytest.importorskip("torch")
 
@@ -20,6 +26,67 @@ def test_demo_shows_prefetched_and_cold_side_by_side(tmp_path_factory, capsys):
     assert "adapter_prefetched_applied" in out and "adapter_cold_loaded" in out
     assert "401" in out and "404" in out and "400" in out
     assert "dedicated instances" in out
+    assert "curl it yourself" not in out  # the stack is gone by now: no hint to try it
+
+
+def _started_at(pid: int) -> str | None:
+    """The process's start time in clock ticks (tells a pid from its reuse); None once it
+    is gone or a zombie (exited, only waiting to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state, *rest = stat.rsplit(")", 1)[1].split()
+    return None if state in ("Z", "X") else rest[18]
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live process below ``pid``, with its start time."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                if (started := _started_at(kid)) is not None and kid not in found:
+                    found[kid] = started
+                    todo.append(kid)
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_demo_keep_stops_its_whole_stack_on_a_stop_signal(signum, tmp_path_factory, tmp_path):
+    """What a process manager or a closed terminal sends stops Envoy, the ext_proc and the
+    agent as Ctrl-C does: none of them is left running, reparented to init."""
+    out = tmp_path / "demo.out"
+    cmd = [python(), "-m", "tools.demo", "--fixtures", str(fixtures_dir(tmp_path_factory)),
+           "--work", str(tmp_path / "work"), "--keep"]
+    with open(out, "wb") as sink:
+        demo = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    children: dict[int, str] = {}
+    try:
+        wait_until(lambda: "stack is up" in out.read_text() or demo.poll() is not None, timeout=300,
+                   interval=0.2, what="the demo holds its stack up")
+        assert demo.poll() is None, out.read_text()[-4000:]
+        assert "curl it yourself" in out.read_text()
+        children = _descendants(demo.pid)
+        assert len(children) >= 3, children     # the agent, the ext_proc and Envoy
+        demo.send_signal(signum)
+        assert demo.wait(timeout=scaled(60)) == 0, out.read_text()[-4000:]
+        wait_until(lambda: all(_started_at(pid) != started for pid, started in children.items()),
+                   what="every process the demo started is gone")
+        assert f"{signal.Signals(signum).name}: stack stopped" in out.read_text()
+    finally:  # whatever the outcome, leave nothing running
+        if demo.poll() is None:
+            demo.kill()
+        demo.wait()
+        for pid, started in children.items():
+            if _started_at(pid) == started:
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_bench_replays_a_small_trace_and_writes_the_report(tmp_path_factory, tmp_path):
