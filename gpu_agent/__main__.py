@@ -89,6 +89,7 @@ async def run(settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gpu_agent.artifacts import Catalog, CatalogError
     from gpu_agent.settings import SettingsError, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         settings = parse_args(argv[1:])
-    except SettingsError as exc:
+        Catalog.from_yaml(settings.catalog)      # a bad catalog is a config error: exit 2, one line
+    except (SettingsError, CatalogError) as exc:
         print(f"gpu_agent: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -97,3 +97,18 @@ def test_a_wrong_type_for_each_field_is_named(tmp_path, field, value, says):
         with pytest.raises(error) as caught:
             read(path)
         assert str(caught.value).startswith(f"{path}: {field}: {says}")
+
+
+def test_python_m_gpu_agent_exits_2_with_one_line_on_a_bad_catalog(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.procs import REPO
+
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump(mutated(CATALOG, "adapters[0].rank", delete=True), sort_keys=False))
+    run = subprocess.run([sys.executable, "-m", "gpu_agent", "serve", "--catalog", str(path), "--engine", "builtin", "--auth", "none"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert len(run.stderr.splitlines()) == 1, run.stderr
+    assert "adapters[0].rank: required field missing" in run.stderr
