@@ -233,7 +233,8 @@ def test_same_responses_as_grpc_aio(h2, aio, name):
 
 def _same_but_execution_ids(responses) -> list[bytes]:
     """/v1/execute answers carry a fresh random ``exec-<hex>`` id each time."""
-    return [re.sub(rb"exec-[0-9a-f]{24}", b"exec-" + b"0" * 24, r.SerializeToString()) for r in responses]
+    return [re.sub(rb"exec-[0-9a-f]{24}", b"exec-" + b"0" * 24, r.SerializeToString(deterministic=True))
+            for r in responses]
 
 
 def test_a_message_without_a_phase_is_invalid_argument(h2, aio, no_errors_logged):
