@@ -12,14 +12,13 @@ from string import Template
 
 import yaml
 
+from extproc.rewrite.hints import HINT_FIELDS
+
 __all__ = ["TEMPLATE", "render"]
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.template.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
 BUFFER = "envoy.filters.http.buffer"
-# Wire hints an upstream with ``hints: headers`` receives (extproc.rewrite.hints).
-HINT_FIELDS = ("lora_name", "lora_adapter", "lora_prefetch", "enable_lora_prefetch",
-               "prefetch_adapter_id", "vram_allocated_mb", "prefetch_status")
 
 
 def _hint_headers() -> str:

@@ -3,17 +3,21 @@
 Request ``{"input": {"messages": [...]}, "target": {"model": ...}, "skill_overrides": {...},
 "extra_body": {...}}`` becomes ``{"model", "messages", **extra_body}`` (the keys of
 ``extra_body`` go to the top level, as the OpenAI SDK does; ``extra_body`` itself is
-kept so ``extra_body.lora_name`` still selects the adapter). The response is
-``{"output": <upstream JSON>, "trace": [...]}``.
+kept so ``extra_body.lora_name`` still selects the adapter; the gateway's hint fields are
+removed from both places by the rewrite, extproc.rewrite). The response is
+``{"id": "exec-<hex>", "output": <upstream JSON, its id the execution id>, "trace": [...],
+"upstream_id": <the upstream's id>}``; ``skill_overrides`` take ``"prod"`` or
+``{"mode": "prod"}`` per skill (extproc.skills).
 """
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any, Mapping
 
 from extproc.errors import InvalidField
 
-__all__ = ["chat_body_from_execute", "wrap_output"]
+__all__ = ["chat_body_from_execute", "new_execution_id", "wrap_output"]
 
 
 def chat_body_from_execute(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -43,9 +47,23 @@ def chat_body_from_execute(body: Mapping[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def wrap_output(upstream_body: bytes, trace: list[dict[str, str]]) -> bytes:
+def new_execution_id() -> str:
+    return "exec-" + secrets.token_hex(12)
+
+
+def wrap_output(upstream_body: bytes, trace: list[dict[str, Any]], execution_id: str) -> bytes:
+    """``{"id": execution_id, "output": ..., "trace": ..., "upstream_id": ...}``.
+
+    When the upstream answered a JSON object, ``output.id`` is the execution id too (the
+    seeds read it there) and the upstream's own id moves to the top-level ``upstream_id``
+    (null when it sent none)."""
     try:
         output: Any = json.loads(upstream_body) if upstream_body else None
     except ValueError:
         output = upstream_body.decode("utf-8", "replace")
-    return json.dumps({"output": output, "trace": trace}, ensure_ascii=False).encode()
+    upstream_id = None
+    if isinstance(output, dict):
+        upstream_id = output.get("id")
+        output = {**output, "id": execution_id}
+    return json.dumps({"id": execution_id, "output": output, "trace": trace,
+                       "upstream_id": upstream_id}, ensure_ascii=False).encode()

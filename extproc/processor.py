@@ -14,7 +14,7 @@ from extproc.auth import Principal, authenticate
 from extproc.decision import InferenceRequest, decide
 from extproc.errors import (BadRequest, GatewayError, InvalidField, MethodNotAllowed,
                             PayloadTooLarge)
-from extproc.native import chat_body_from_execute, wrap_output
+from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.residency import ResidencyBoard
 from extproc.rewrite import rewrite_request
@@ -23,7 +23,7 @@ from extproc.routing import RoutePolicy, choose_upstream
 from extproc.skills import SKILLS, parse_override_header, resolve, validate_skills
 from extproc.speculation import SESSION_HEADER, RequestObserver, session_of
 from extproc.store import Store
-from extproc.trace import trace_entries, trace_metadata
+from extproc.trace import execute_trace, trace_metadata
 
 __all__ = ["Continue", "Reply", "RequestHead", "Gateway", "Exchange", "CONTINUE",
            "TENANT_HEADER"]
@@ -191,7 +191,7 @@ class Execute(Inference):
         return chat_body_from_execute(parsed)
 
     def on_response_body(self, body: bytes) -> Outcome:
-        wrapped = wrap_output(body, trace_entries(self.decision, self.queued))
+        wrapped = wrap_output(body, execute_trace(self.decision, self.queued), new_execution_id())
         return Continue((("content-length", str(len(wrapped))),), wrapped)
 
 

@@ -1,5 +1,6 @@
 """Skills and their modes, and the order in which a request's mode is resolved.
 
+A mode is ``"prod"`` or ``{"mode": "prod"}`` wherever skills are given.
 Resolution, first that sets a skill wins: header ``x-ace-skill-override``, body
 ``skill_overrides``, the developer key's settings, the tenant's, the global default.
 ``shadow`` decides and traces but does not change the request.
@@ -23,20 +24,39 @@ MODES = (OFF, SHADOW, PROD)
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 
 
+def _mode(raw: Any, param: str, skill: str) -> str:
+    """One skill's mode, given as ``"prod"`` or as ``{"mode": "prod"}`` (the seeds' form)."""
+    where = f"{param}.{skill}"
+    if isinstance(raw, dict):
+        for key in raw:
+            if key != "mode":
+                raise InvalidField(f"{where} takes only \"mode\", got {key!r}",
+                                   param=f"{where}.{key}", code="invalid_skill_mode")
+        if "mode" not in raw:
+            raise InvalidField(f"{where}.mode is required (off|shadow|prod)",
+                               param=f"{where}.mode", code="invalid_skill_mode")
+        raw, where = raw["mode"], f"{where}.mode"
+    if not isinstance(raw, str) or raw not in MODES:
+        raise InvalidField(f"{where} must be one of off|shadow|prod, got {raw!r}",
+                           param=where, code="invalid_skill_mode")
+    return raw
+
+
 def validate_skills(raw: Any, param: str) -> Mapping[str, str]:
-    """Check a ``{skill: mode}`` mapping from a client or a file; 422 on anything else."""
+    """Check ``{skill: mode}`` or ``{skill: {"mode": mode}}`` from a client or a file (422 on
+    anything else, naming the field path) and return ``{skill: mode}``. The one parser of
+    skill settings: body ``skill_overrides``, ``/v1/execute``, the dev-key API, the state file."""
     if raw is None:
         return _EMPTY
     if not isinstance(raw, dict):
         raise InvalidField(f"{param} must be an object of skill: mode", param=param)
+    out = {}
     for skill, mode in raw.items():
         if skill not in SKILLS:
             raise InvalidField(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}",
                                param=f"{param}.{skill}", code="unknown_skill")
-        if mode not in MODES:
-            raise InvalidField(f"skill {skill} mode must be one of off|shadow|prod, got {mode!r}",
-                               param=f"{param}.{skill}", code="invalid_skill_mode")
-    return MappingProxyType(dict(raw))
+        out[skill] = _mode(mode, param, skill)
+    return MappingProxyType(out)
 
 
 def parse_override_header(value: str | None) -> Mapping[str, str]:

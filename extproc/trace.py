@@ -2,63 +2,108 @@
 
 Response header values are ``k=v`` lists (``x-ace-trace-multi-lora: mode=prod,action=...``),
 handed to Envoy as dynamic metadata (``trace_metadata``) which the virtual host turns
-into headers; ``/v1/execute`` returns the same facts as a list of objects. Numbers come from the
-residency snapshot; without agent data they read ``unknown``.
+into headers; ``/v1/execute`` returns the same facts as a list of objects with JSON numbers
+and booleans (``execute_trace``). Numbers come from the residency snapshot; without agent
+data a header reads ``unknown``, and the JSON writes 0 / false and names the field in
+``unknown``.
 """
 from __future__ import annotations
+
+from typing import Any
 
 from extproc.decision import Decision
 from extproc.skills import DYNAMIC_LORA_PREFETCH, MULTI_LORA
 
-__all__ = ["trace_entries", "trace_metadata"]
+__all__ = ["trace_entries", "execute_trace", "trace_metadata"]
+
+_MIB = 1 << 20
+
+
+def _swap_ms_saved(d: Decision) -> float | None:
+    """None: unknown (host tier, whose saving is not measured yet, or residency unknown)."""
+    action = d.multi_lora_would or d.multi_lora_action
+    if action == "adapter_resident_applied" or (action == "adapter_prefetched_applied"
+                                                and d.residency.tier == "pool"):
+        return d.residency.cold_load_ms  # the agent's measured cold load of this adapter
+    if action in ("adapter_cold_loaded", "passthrough"):
+        return 0.0
+    return None
+
+
+def _is_prefetch_hit(d: Decision) -> bool | None:
+    """True: the adapter was in the pool because a prefetch put it there before the request,
+    and the request's prefetch skill is prod (``decide`` claims no prefetch otherwise)."""
+    if d.adapter is None or d.multi_lora_action == "passthrough":
+        return False
+    if not d.residency.known:
+        return None
+    action = d.multi_lora_would or d.multi_lora_action
+    return action == "adapter_prefetched_applied" and d.residency.tier == "pool"
+
+
+def _vram_mb_saved(d: Decision) -> float | None:
+    """Serving the adapter on the shared base instead of a dedicated instance saves the base
+    model's weights (as the upstream's agent measured them)."""
+    if d.adapter is None or d.multi_lora_action == "passthrough":
+        return 0.0
+    base = d.residency.base_model_bytes
+    return base / _MIB if base else None
 
 
 def _num(value: float | None) -> str:
     return "unknown" if value is None else f"{value:g}"
 
 
-def _swap_ms_saved(d: Decision) -> str:
-    action = d.multi_lora_would or d.multi_lora_action
-    if action == "adapter_resident_applied" or (action == "adapter_prefetched_applied"
-                                                and d.residency.tier == "pool"):
-        return _num(d.residency.cold_load_ms)  # the agent's measured cold load of this adapter
-    if action == "adapter_cold_loaded":
-        return "0"
-    if action == "passthrough":
-        return "0"
-    return "unknown"   # host tier (saving not measured yet) or residency unknown
-
-
-def _is_prefetch_hit(d: Decision) -> str:
-    """true: the adapter was in the pool because a prefetch put it there before the request,
-    and the request's prefetch skill is prod (``decide`` claims no prefetch otherwise)."""
-    if d.adapter is None or d.multi_lora_action == "passthrough":
-        return "false"
-    if not d.residency.known:
-        return "unknown"
-    action = d.multi_lora_would or d.multi_lora_action
-    return "true" if action == "adapter_prefetched_applied" and d.residency.tier == "pool" else "false"
-
-
-def _vram_mb_saved(d: Decision) -> str:
-    """Serving the adapter on the shared base instead of a dedicated instance saves the base
-    model's weights (as the upstream's agent measured them)."""
-    if d.adapter is None or d.multi_lora_action == "passthrough":
-        return "0"
-    base = d.residency.base_model_bytes
-    return "unknown" if not base else f"{base / (1 << 20):.3g}"
+def _flag(value: bool | None) -> str:
+    return "unknown" if value is None else ("true" if value else "false")
 
 
 def trace_entries(d: Decision, prefetch_queued: bool | None) -> list[dict[str, str]]:
+    """The header form: every value a string, ``unknown`` where not known."""
     adapter = d.adapter.name if d.adapter is not None else "none"
+    vram = _vram_mb_saved(d)
     ml = {"skill": MULTI_LORA, "mode": d.skills[MULTI_LORA], "action": d.multi_lora_action}
     if d.multi_lora_would:
         ml["would"] = d.multi_lora_would
-    ml.update(adapter=adapter, residency=d.residency.tier, swap_ms_saved=_swap_ms_saved(d),
-              is_prefetch_hit=_is_prefetch_hit(d), vram_mb_saved=_vram_mb_saved(d),
+    ml.update(adapter=adapter, residency=d.residency.tier, swap_ms_saved=_num(_swap_ms_saved(d)),
+              is_prefetch_hit=_flag(_is_prefetch_hit(d)),
+              vram_mb_saved="unknown" if vram is None else f"{vram:.3g}",
               upstream=d.upstream.name)
     pf = {"skill": DYNAMIC_LORA_PREFETCH, "mode": d.skills[DYNAMIC_LORA_PREFETCH],
           "action": d.prefetch_action, "adapter": adapter, "residency": d.residency.tier}
+    if prefetch_queued is not None:
+        pf["queued"] = "true" if prefetch_queued else "dropped"
+    return [ml, pf]
+
+
+def _savings(hit: bool | None, swap_ms: float | None, vram_mb: float | None) -> dict[str, Any]:
+    """JSON numbers and a boolean; an unknown one is written 0 / false and named in ``unknown``."""
+    return {"is_prefetch_hit": bool(hit),
+            "swap_ms_saved": 0 if swap_ms is None else round(swap_ms, 3),
+            "vram_mb_saved": 0 if vram_mb is None else round(vram_mb, 3),
+            "unknown": [name for name, v in (("is_prefetch_hit", hit), ("swap_ms_saved", swap_ms),
+                                             ("vram_mb_saved", vram_mb)) if v is None]}
+
+
+def execute_trace(d: Decision, prefetch_queued: bool | None) -> list[dict[str, Any]]:
+    """The ``/v1/execute`` form: the same facts as the headers, typed (docs/gateway.md).
+
+    The two entries are two views of one request, not parts to add up: ``multi_lora``
+    saves the swap when the adapter was already in the pool (whoever put it there) and the
+    base weights a dedicated instance would repeat; ``dynamic_lora_prefetch`` saves the
+    swap only on a prefetch hit, and no memory."""
+    adapter = d.adapter.name if d.adapter is not None else None
+    hit = _is_prefetch_hit(d)
+    ml: dict[str, Any] = {"skill": MULTI_LORA, "mode": d.skills[MULTI_LORA],
+                          "action": d.multi_lora_action}
+    if d.multi_lora_would:
+        ml["would"] = d.multi_lora_would
+    ml.update(adapter_name=adapter, residency=d.residency.tier,
+              **_savings(hit, _swap_ms_saved(d), _vram_mb_saved(d)), upstream=d.upstream.name)
+    pf_swap = None if hit is None else (_swap_ms_saved(d) if hit else 0.0)
+    pf: dict[str, Any] = {"skill": DYNAMIC_LORA_PREFETCH, "mode": d.skills[DYNAMIC_LORA_PREFETCH],
+                          "action": d.prefetch_action, "adapter_name": adapter,
+                          "residency": d.residency.tier, **_savings(hit, pf_swap, 0.0)}
     if prefetch_queued is not None:
         pf["queued"] = "true" if prefetch_queued else "dropped"
     return [ml, pf]

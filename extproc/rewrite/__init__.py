@@ -1,4 +1,5 @@
-"""Rewrite a request for the chosen upstream's flavour; touch the body only if it changes.
+"""Rewrite a request for the chosen upstream's flavour; touch the body only if it changes
+(the adapter is applied, or the client sent fields that are the gateway's).
 
 One module per flavour (``vllm``, ``sglang``, ``builtin``), each with ``model_for``.
 """
@@ -11,7 +12,7 @@ from extproc.catalog import Adapter, Upstream
 from extproc.decision import Decision
 from extproc.rewrite import builtin, sglang, vllm
 from extproc.rewrite.codec import encode
-from extproc.rewrite.hints import wire_hints
+from extproc.rewrite.hints import client_copies, wire_hints
 
 __all__ = ["Rewrite", "rewrite_request", "MODEL_FOR", "encode"]
 
@@ -34,24 +35,36 @@ def _header_text(value: Any) -> str:
 def rewrite_request(body: Mapping[str, Any], d: Decision, force: bool = False) -> Rewrite:
     """New body (or None) and header hints for ``d.upstream``; ``force`` re-encodes anyway.
 
-    Header hints travel as ``x-ace-hint-<field>`` (Envoy adds them from the decision's
-    metadata, see envoy/envoy.template.yaml)."""
-    if not d.applies_adapter:
-        return Rewrite(encode(body) if force else None)
-    upstream = d.upstream
-    model = MODEL_FOR[upstream.flavour](d.adapter, upstream)
-    hints = wire_hints(d) if upstream.hints != "off" else {}
+    A client's copies of the gateway's hint fields are removed in every mode, from the top
+    level and from a nested ``extra_body`` (``hints.client_copies``): a body without any is
+    forwarded as it came unless the adapter is applied. Header hints travel as
+    ``x-ace-hint-<field>`` (Envoy adds them from the decision's metadata, see
+    envoy/envoy.template.yaml)."""
+    drop = client_copies(body, d)
     changes: dict[str, Any] = {}
-    if body.get("model") != model:
-        changes["model"] = model
+    nested = body.get("extra_body")
+    if isinstance(nested, dict):
+        nested_drop = client_copies(nested, d)
+        if nested_drop:
+            changes["extra_body"] = {k: v for k, v in nested.items() if k not in nested_drop}
     headers: tuple[tuple[str, str], ...] = ()
-    if upstream.hints == "body":
-        for k, v in hints.items():
-            if body.get(k, _MISSING) != v:
-                changes[k] = v
-    elif upstream.hints == "headers":
-        headers = tuple((k, _header_text(v)) for k, v in hints.items())
-    if not changes and not force:
-        return Rewrite(None, headers)
-    return Rewrite(encode({**body, **changes}), headers)
-
+    if d.applies_adapter:
+        upstream = d.upstream
+        model = MODEL_FOR[upstream.flavour](d.adapter, upstream)
+        if body.get("model") != model:
+            changes["model"] = model
+        if upstream.hints == "body":
+            hints = wire_hints(d)
+            if drop:
+                drop = drop.difference(hints)     # the gateway's value replaces the client's
+            for k, v in hints.items():
+                old = body.get(k, _MISSING)
+                if type(old) is not type(v) or old != v:   # 1 == True, but not to an engine
+                    changes[k] = v
+        elif upstream.hints == "headers":
+            headers = tuple((k, _header_text(v)) for k, v in wire_hints(d).items())
+    if not changes and not drop:
+        return Rewrite(encode(body) if force else None, headers)
+    out = {k: v for k, v in body.items() if k not in drop} if drop else dict(body)
+    out.update(changes)
+    return Rewrite(encode(out), headers)

@@ -17,12 +17,12 @@ BODY = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"
         "lora_name": "code-python"}
 
 
-def _decision(snapshot, flavour, hints, skills=None, residency=None):
+def _decision(snapshot, flavour, hints, skills=None, residency=None, body=BODY):
     up = Upstream("u", "127.0.0.1:1", flavour, "ace-tiny-llama", hints)
     snap = replace(snapshot, upstreams=(up,))
     key = snap.keys[next(iter(snap.keys))]
     p = Principal(key=replace(key, skills={}), tenant=snap.tenants["acme"])
-    return decide(snap, residency or ResidencySnapshot(), InferenceRequest(p, BODY, skills or {}))
+    return decide(snap, residency or ResidencySnapshot(), InferenceRequest(p, body, skills or {}))
 
 
 # flavour -> the model the upstream must see
@@ -68,6 +68,78 @@ def test_body_untouched_when_nothing_changes(snapshot):
 @pytest.mark.parametrize("skills", [{"multi_lora": "shadow"}, {"multi_lora": "off"}])
 def test_shadow_and_off_never_rewrite(snapshot, skills):
     assert rewrite_request(BODY, _decision(snapshot, "sglang", "body", skills)).body is None
+
+
+# ---------------------------------------------------------------- client copies of hint fields
+
+# the seeds' hint fields, as a client sends them
+SEED_HINTS = {"lora_name": "code-python", "enable_lora_prefetch": True,
+              "prefetch_adapter_id": "code-python", "vram_allocated_mb": 420, "prefetch_status": "hit"}
+SEED_EXECUTE = {"input": {"messages": [{"role": "user", "content": "Write a python function"}]},
+                "target": {"model": "ace-tiny-llama"},
+                "skill_overrides": {"multi_lora": {"mode": "prod"},
+                                    "dynamic_lora_prefetch": {"mode": "shadow"}},
+                "extra_body": SEED_HINTS}
+PROD = {"multi_lora": "prod", "dynamic_lora_prefetch": "shadow"}
+
+
+def test_hint_fields_cover_wire_hints(snapshot):
+    from extproc.rewrite.hints import HINT_FIELDS, wire_hints
+    res = ResidencySnapshot.build({"u": {"code-python": AdapterResidency("pool", 40.0, 2 << 20)}})
+    d = _decision(snapshot, "vllm", "body", {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"},
+                  residency=res)
+    assert set(wire_hints(d)) <= set(HINT_FIELDS)
+
+
+def test_execute_seed_body_engine_sees_only_gateway_hints(snapshot):
+    from extproc.native import chat_body_from_execute
+    chat = chat_body_from_execute(SEED_EXECUTE)
+    d = _decision(snapshot, "vllm", "body", body=chat)
+    sent = json.loads(rewrite_request(chat, d, force=True).body)
+    assert sent["model"] == "code-python"
+    assert sent["lora_name"] == sent["lora_adapter"] == "code-python"
+    assert sent["lora_prefetch"] is sent["enable_lora_prefetch"] is False  # prefetch in shadow
+    assert sent["prefetch_status"] == "unknown"                             # no agent data
+    assert "prefetch_adapter_id" not in sent and "vram_allocated_mb" not in sent
+    assert sent["extra_body"] == {"lora_name": "code-python"}   # the selector, = the gateway's choice
+    assert sent["skill_overrides"] == SEED_EXECUTE["skill_overrides"]
+
+
+def test_sdk_top_level_client_hints_replaced(snapshot):
+    body = {**BODY, **SEED_HINTS, "lora_adapter": "evil", "lora_prefetch": 1}
+    res = ResidencySnapshot.build({"u": {"code-python": AdapterResidency("pool", 40.0, 2 << 20)}})
+    d = _decision(snapshot, "vllm", "body", PROD, residency=res, body=body)
+    sent = json.loads(rewrite_request(body, d).body)
+    assert {k: sent.get(k) for k in SEED_HINTS} | {"lora_adapter": sent["lora_adapter"],
+                                                     "lora_prefetch": sent["lora_prefetch"]} == {
+        "lora_name": "code-python", "lora_adapter": "code-python", "lora_prefetch": False,
+        "enable_lora_prefetch": False, "prefetch_adapter_id": None, "vram_allocated_mb": 2.0,
+        "prefetch_status": "pool"}
+
+
+@pytest.mark.parametrize("hints", ["headers", "off"])
+def test_client_hints_stripped_when_hints_not_in_body(snapshot, hints):
+    body = {**BODY, **SEED_HINTS, "extra_body": dict(SEED_HINTS, max_tokens=8)}
+    d = _decision(snapshot, "sglang", hints, PROD, body=body)
+    sent = json.loads(rewrite_request(body, d).body)
+    assert sent == {**BODY, "model": "ace-tiny-llama:code-python",
+                    "extra_body": {"lora_name": "code-python", "max_tokens": 8}}
+
+
+@pytest.mark.parametrize("skills", [{"multi_lora": "shadow"}, {"multi_lora": "off"}])
+def test_shadow_and_off_still_strip_client_hints(snapshot, skills):
+    body = {**BODY, **SEED_HINTS, "extra_body": dict(SEED_HINTS)}
+    d = _decision(snapshot, "vllm", "body", skills, body=body)
+    sent = json.loads(rewrite_request(body, d).body)
+    assert sent == {**BODY, "extra_body": {"lora_name": "code-python"}}   # model untouched
+
+
+def test_lora_name_other_than_the_selected_adapter_is_removed(snapshot):
+    # extra_body.lora_name wins the selection; the top-level one names another adapter
+    body = {**BODY, "lora_name": "acme-legal", "extra_body": {"lora_name": "code-python"}}
+    d = _decision(snapshot, "vllm", "body", {"multi_lora": "shadow"}, body=body)
+    sent = json.loads(rewrite_request(body, d).body)
+    assert "lora_name" not in sent and sent["extra_body"] == {"lora_name": "code-python"}
 
 
 # ---------------------------------------------------------------- JSON in and out (codec)

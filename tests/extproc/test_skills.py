@@ -39,3 +39,24 @@ ORDER = [
 @pytest.mark.parametrize("header,body,key,tenant,default,expected", ORDER)
 def test_resolution_order(header, body, key, tenant, default, expected):
     assert resolve(header, body, key, tenant, default)["multi_lora"] == expected
+
+
+def test_object_form_equals_string_form():
+    raw = {"multi_lora": {"mode": "prod"}, "dynamic_lora_prefetch": "shadow"}
+    assert dict(validate_skills(raw, "skill_overrides")) == {
+        "multi_lora": "prod", "dynamic_lora_prefetch": "shadow"}
+
+
+@pytest.mark.parametrize("raw,param", [
+    ({"multi_lora": {"mode": "on"}}, "skill_overrides.multi_lora.mode"),
+    ({"multi_lora": {"mode": ["prod"]}}, "skill_overrides.multi_lora.mode"),
+    ({"multi_lora": {}}, "skill_overrides.multi_lora.mode"),
+    ({"multi_lora": {"mode": "prod", "level": 2}}, "skill_overrides.multi_lora.level"),
+    ({"multi_lora": "on"}, "skill_overrides.multi_lora"),
+    ({"turbo": {"mode": "prod"}}, "skill_overrides.turbo"),
+])
+def test_object_form_errors_name_the_field(raw, param):
+    with pytest.raises(InvalidField) as exc:
+        validate_skills(raw, "skill_overrides")
+    assert exc.value.param == param
+    assert exc.value.status == 422

@@ -164,6 +164,82 @@ def test_curl_execute_native(stack):
     assert r.headers["x-ace-served-by"] == "local-vllm"
 
 
+# the seeds' request shapes, verbatim
+SEED_HINTS = {"lora_name": "code-python", "enable_lora_prefetch": True,
+              "prefetch_adapter_id": "code-python", "vram_allocated_mb": 420, "prefetch_status": "hit"}
+SEED_EXECUTE = {"input": {"messages": [{"role": "user", "content": "Write a python function"}]},
+                "target": {"model": "ace-tiny-llama"},
+                "skill_overrides": {"multi_lora": {"mode": "prod"},
+                                    "dynamic_lora_prefetch": {"mode": "shadow"}},
+                "extra_body": SEED_HINTS}
+# what the engine must receive instead: the gateway's values (no agent data in this stack)
+GATEWAY_HINTS = {"lora_name": "code-python", "lora_adapter": "code-python", "lora_prefetch": False,
+                 "enable_lora_prefetch": False, "prefetch_status": "unknown"}
+
+
+def _hints(sent: dict) -> dict:
+    return {k: sent[k] for k in ("lora_name", "lora_adapter", "lora_prefetch", "enable_lora_prefetch",
+                                 "prefetch_adapter_id", "vram_allocated_mb", "prefetch_status")
+            if k in sent}
+
+
+def test_seed_execute_object_skills_and_response_shape(stack):
+    r = stack.post("/v1/execute", SEED_EXECUTE, ALICE)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"].startswith("exec-") and out["output"]["id"] == out["id"]
+    assert out["upstream_id"] == "cmpl-rec"
+    assert out["output"]["object"] == "chat.completion" and out["output"]["model"] == "code-python"
+    ml, pf = out["trace"]
+    assert (ml["skill"], ml["mode"], ml["action"]) == ("multi_lora", "prod", "adapter_applied")
+    assert (pf["skill"], pf["mode"], pf["action"]) == ("dynamic_lora_prefetch", "shadow", "shadow")
+    for entry in (ml, pf):
+        assert entry["adapter_name"] == "code-python"
+        assert entry["is_prefetch_hit"] is False
+        assert type(entry["swap_ms_saved"]) in (int, float) and type(entry["vram_mb_saved"]) in (int, float)
+        assert "is_prefetch_hit" in entry["unknown"]   # no agent data: 0 / false, and said so
+    # the engine got the gateway's hints, not the client's, at the top level and in extra_body
+    sent = stack.last().json()
+    assert sent["model"] == "code-python"
+    assert _hints(sent) == GATEWAY_HINTS
+    assert sent["extra_body"] == {"lora_name": "code-python"}
+    assert sent["messages"] == SEED_EXECUTE["input"]["messages"]
+
+
+def test_seed_sdk_extra_body_hints_are_the_gateways(stack):
+    raw = stack.sdk().chat.completions.with_raw_response.create(
+        model="ace-tiny-llama", messages=[{"role": "user", "content": "Write a python function"}],
+        extra_body=SEED_HINTS)
+    assert raw.parse().model == "code-python"
+    sent = stack.last().json()
+    assert _hints(sent) == GATEWAY_HINTS
+    assert raw.headers["x-ace-trace-multi-lora"].startswith("mode=prod,action=adapter_applied")
+
+
+def test_seed_hints_stripped_in_shadow(stack):
+    body = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
+            "skill_overrides": {"multi_lora": {"mode": "shadow"}}, "extra_body": SEED_HINTS, **SEED_HINTS}
+    r = stack.post("/v1/chat/completions", body, ALICE)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ace-trace-multi-lora"].startswith("mode=shadow")
+    sent = stack.last().json()
+    assert sent == {"model": "ace-tiny-llama", "messages": body["messages"],
+                    "skill_overrides": body["skill_overrides"],
+                    "extra_body": {"lora_name": "code-python"}, "lora_name": "code-python"}
+
+
+def test_dev_key_skills_object_form(stack):
+    r = stack.post("/api/v1/dev_key/skills", {"skills": {"dynamic_lora_prefetch": {"mode": "shadow"}}}, CAROL)
+    assert r.status_code == 200, r.text
+    assert r.json()["skills"] == {"multi_lora": "shadow", "dynamic_lora_prefetch": "shadow"}
+    err = _err(stack.post("/api/v1/dev_key/skills", {"skills": {"multi_lora": {"mode": "on"}}}, CAROL),
+               422, "invalid_skill_mode")
+    assert err["param"] == "skills.multi_lora.mode"
+    err = _err(stack.post("/v1/execute", dict(SEED_EXECUTE, skill_overrides={"multi_lora": {}}), ALICE),
+               422, "invalid_skill_mode")
+    assert err["param"] == "skill_overrides.multi_lora.mode"
+
+
 def test_skill_override_header_beats_body_and_key(stack):
     body = dict(CHAT, lora_name="code-python", skill_overrides={"multi_lora": "prod"})
     r = stack.post("/v1/chat/completions", body,
