@@ -41,7 +41,9 @@ def _skills(raw: Mapping[str, str], source: Path, where: str) -> Mapping[str, st
     try:
         return validate_skills(dict(raw), where)
     except GatewayError as exc:
-        raise config_error(source, exc.param or where, exc.message) from None
+        path = exc.param or where
+        message = exc.message.removeprefix(f"{path} ")     # the path is said once, in front
+        raise config_error(source, path, message) from None
 
 
 def load_state_file(path: Path, catalog: Path | None = None) -> dict[str, Any]:

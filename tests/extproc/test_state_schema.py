@@ -118,7 +118,7 @@ def test_a_wrong_type_for_each_catalog_field_is_named_by_the_gateway(tmp_path, s
     ("keys[1].tenant", "initech", "unknown tenant initech"),
     ("keys[0].sha256", "plaintext", "must be the hex SHA-256"),
     ("tenants[0].default_adapter", "nope", "nope not in catalog"),
-    ("tenants[0].skills.multi_lora", "max", "skill multi_lora mode must be one of"),
+    ("tenants[0].skills.multi_lora", "max", "must be one of off|shadow|prod, got 'max'"),
     ("skills.colour", "prod", "unknown skill 'colour'"),
     ("upstreams[0].address", "localhost:8000", "upstream local: address must be IP:port"),
     ("upstreams", [], "at least one upstream is required"),
