@@ -2,8 +2,8 @@
 
     python -m bench.gateway_overhead --out reports/gateway_overhead.json
 
-Sides: ``envoy`` (the rendered ace config without the ext_proc filter and the buffer
-filter) and ``gateway`` (the same config with them, talking to ``python -m extproc``).
+Sides: ``envoy`` (the rendered ace config without the ext_proc filter, the buffer
+filter and the body-limit Lua filters) and ``gateway`` (the same config with them, talking to ``python -m extproc``).
 Both route to the same upstream: ``--upstream recording`` (default; the test suite's
 aiohttp OpenAI-shaped server, tests/support/upstream.py) or ``--upstream fast`` (a raw
 asyncio responder with a fixed answer: shows Envoy's own ceiling, so the ratio is far

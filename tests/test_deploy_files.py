@@ -22,6 +22,7 @@ ENVOY = REPO / ".venv" / "bin" / "envoy"
 EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 BUFFER_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
 HEADER_MUTATION_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutationPerRoute"
+LUA_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.LuaPerRoute"
 
 
 def test_compose_has_the_three_services_on_fixed_addresses():
@@ -177,7 +178,9 @@ def test_istio_gateway_runs_the_dropin_filters_settings_routes_and_clusters():
     neutral = {
         "envoy.filters.http.ext_proc": {"@type": EXT_PROC_PER_ROUTE, "overrides": {}},
         "envoy.filters.http.buffer": {"@type": BUFFER_PER_ROUTE, "buffer": {"max_request_bytes": limit}},
-        "envoy.filters.http.header_mutation": {"@type": HEADER_MUTATION_PER_ROUTE}}
+        "envoy.filters.http.header_mutation": {"@type": HEADER_MUTATION_PER_ROUTE},
+        "ace.body_drain": {"@type": LUA_PER_ROUTE, "filter_context": {}},
+        "ace.body_limit": {"@type": LUA_PER_ROUTE, "filter_context": {}}}
     for route, droute in zip(routes, droutes):
         route = {k: v for k, v in route.items() if k != "name"}
         per_filter = dict(route.pop("typed_per_filter_config"))

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy_config import render
+from extproc.envoy_config import BODY_LIMIT_FILTERS, render
 
 __all__ = ["DEFAULTS", "ENABLE", "ROUTER", "ace_routes", "dropin", "envoyfilter", "render_envoyfilter"]
 
@@ -36,7 +36,8 @@ ROUTER = "envoy.filters.http.router"
 EXT_PROC = "envoy.filters.http.ext_proc"
 BUFFER = "envoy.filters.http.buffer"
 HEADER_MUTATION = "envoy.filters.http.header_mutation"
-ENABLE = (HEADER_MUTATION, EXT_PROC, BUFFER)     # the drop-in's HTTP filters before the router
+BODY_DRAIN, BODY_LIMIT = BODY_LIMIT_FILTERS      # Lua: an oversize body is read, then 413
+ENABLE = (HEADER_MUTATION, BODY_DRAIN, BODY_LIMIT, EXT_PROC, BUFFER)   # the drop-in's filters before the router
 
 # Defaults of the committed file. The listener port is the gateway pod's port (the Service
 # targetPort: 8080 for `port: 80` on the default istio-ingressgateway); the virtual host
@@ -63,6 +64,9 @@ def _neutral(name: str, filters: dict[str, dict]) -> dict:
         limit = filters[BUFFER]["typed_config"]["max_request_bytes"]
         return {"@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
                 "buffer": {"max_request_bytes": limit}}
+    if name in (BODY_DRAIN, BODY_LIMIT):   # the filter's own script, an empty context
+        return {"@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.LuaPerRoute",
+                "filter_context": {}}
     if name == HEADER_MUTATION:
         return {"@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3."
                          "HeaderMutationPerRoute"}

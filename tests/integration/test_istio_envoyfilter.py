@@ -12,6 +12,7 @@ Envoy's ext_proc counters (admin /stats) count the messages.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +27,7 @@ from tests.support.envoy import envoy_binary
 from tests.support.istio import ACE_VHOST, OTHER_VHOST, gateway_with_envoyfilter
 from tests.support.procs import extproc_process, free_port, running, wait_http
 from tests.support.upstream import RecordingUpstream
+from tests.support.wait import scaled
 
 ALICE = {"authorization": f"Bearer {KEYS['alice']}"}
 CHAT = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
@@ -55,7 +57,7 @@ def envoy_with(tmp: Path, name: str, config: dict, admin: int) -> Iterator[None]
 class Gateway:
     def __init__(self, kind: str, port: int, admin: int, engine: RecordingUpstream,
                  app: RecordingUpstream) -> None:
-        self.kind = kind
+        self.kind, self.port = kind, port
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"host": ACE_HOST})
         self.admin = f"http://127.0.0.1:{admin}"
         self.engine, self.app = engine, app
@@ -131,11 +133,23 @@ def test_errors_are_openai_json(gw):
     assert n == 1
     _err(gw.http.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer nope"}),
          401, "invalid_api_key")
-    # beyond Envoy's buffer (1 MiB + 64 KiB): Envoy answers itself, via local_reply_config
+    # beyond Envoy's buffer (1 MiB + 64 KiB): Envoy answers itself, via local_reply_config,
+    # once it has read the whole body (64 MiB here, sent as urllib/requests send it)
     big = dict(CHAT, padding="x" * (1_200_000))
     r, n = gw.messages(lambda c: c.post("/v1/chat/completions", json=big, headers=ALICE))
     _err(r, 413, "payload_too_large")
     assert n == 0
+    before = gw.ext_proc()
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=scaled(60))
+    try:
+        conn.request("POST", "/v1/chat/completions", body=b"x" * (64 << 20),
+                     headers={**ALICE, "host": ACE_HOST, "content-type": "application/json"})
+        r = conn.getresponse()
+        assert (r.status, r.getheader("content-type")) == (413, "application/json")
+        assert json.loads(r.read())["error"]["code"] == "payload_too_large"
+    finally:
+        conn.close()
+    assert gw.ext_proc() == before
 
 
 def test_dev_key_api_is_answered_by_ext_proc(gw):
