@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 from string import Template
+from typing import Sequence
 
 import yaml
 
@@ -52,15 +53,32 @@ def decimal_at_most(limit: int) -> str:
     return "(?:" + "|".join(alternatives) + ")"
 
 
-def render(*, listen_port: int = 8080, admin_port: int = 9901, extproc: str = "127.0.0.1:50051",
+def _extproc_endpoints(extproc: str | Sequence[str]) -> str:
+    replicas = [extproc] if isinstance(extproc, str) else list(extproc)
+    if not replicas:
+        raise ValueError("at least one ext_proc address (host:port) is needed")
+    lines = []
+    for address in replicas:
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isdigit()):
+            raise ValueError(f"ext_proc address must be host:port, got {address!r}")
+        lines.append("        - endpoint: {address: {socket_address: "
+                     f"{{address: {host}, port_value: {port}}}}}}}")
+    return "\n".join(lines)
+
+
+def render(*, listen_port: int = 8080, admin_port: int = 9901,
+           extproc: str | Sequence[str] = "127.0.0.1:50051",
            default_upstream: str = "127.0.0.1:8000", listen_address: str = "0.0.0.0",
-           failure_mode_allow: bool = True, message_timeout: str = "1s",
+           failure_mode_allow: bool = False, message_timeout: str = "1s",
            max_body_bytes: int = 1 << 20, with_extproc: bool = True) -> str:
-    host, _, port = extproc.rpartition(":")
+    """The Envoy config. ``extproc``: one ext_proc ``host:port`` or several (replicas).
+    ``failure_mode_allow=True`` is fail-open: with no ext_proc answer, an OpenAI request
+    goes on unauthenticated to ``default_upstream`` (docs/gateway.md, "Failure mode")."""
     buffer_limit = max_body_bytes + (64 << 10)
     text = Template(TEMPLATE.read_text()).substitute(
         listen_port=listen_port, admin_port=admin_port, listen_address=listen_address,
-        extproc_host=host, extproc_port=port, default_upstream=default_upstream,
+        extproc_endpoints=_extproc_endpoints(extproc), default_upstream=default_upstream,
         failure_mode_allow="true" if failure_mode_allow else "false",
         message_timeout=message_timeout, buffer_limit=buffer_limit,
         length_within_buffer=decimal_at_most(buffer_limit),
@@ -82,13 +100,16 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--listen-port", type=int, default=8080)
     p.add_argument("--admin-port", type=int, default=9901)
-    p.add_argument("--extproc", default="127.0.0.1:50051", help="ext_proc host:port")
+    p.add_argument("--extproc", default=["127.0.0.1:50051"], nargs="+", metavar="HOST:PORT",
+                   help="the ext_proc replicas (one or more host:port)")
     p.add_argument("--upstream", default="127.0.0.1:8000", help="default upstream host:port")
-    p.add_argument("--fail-closed", action="store_true", help="failure_mode_allow: false")
+    p.add_argument("--fail-open", action="store_true",
+                   help="failure_mode_allow: true. RISK: while no ext_proc answers, OpenAI "
+                        "requests reach the default upstream UNAUTHENTICATED (default: 503)")
     p.add_argument("--no-extproc", action="store_true", help="baseline without ext_proc")
     a = p.parse_args()
     a.out.write_text(render(listen_port=a.listen_port, admin_port=a.admin_port, extproc=a.extproc,
-                            default_upstream=a.upstream, failure_mode_allow=not a.fail_closed,
+                            default_upstream=a.upstream, failure_mode_allow=a.fail_open,
                             with_extproc=not a.no_extproc))
 
 

@@ -128,9 +128,9 @@ def test_istio_envoyfilter_parses_and_is_scoped_to_the_gateway():
             assert p["patch"]["value"]["disabled"] is True
 
 
-@pytest.mark.parametrize("kw", [{}, {"failure_mode_allow": False}])
+@pytest.mark.parametrize("kw", [{}, {"failure_mode_allow": True}])
 def test_istio_gateway_with_the_envoyfilter_validates(tmp_path, kw):
-    """The committed file (and a fail-closed rendering) applied to the stand-in gateway:
+    """The committed file (and a fail-open rendering) applied to the stand-in gateway:
     every patch value, the merged local_reply_config and the one-message filter chain
     are valid Envoy 1.40 config."""
     ef = _istio() if not kw else _istio(render_envoyfilter(**kw))

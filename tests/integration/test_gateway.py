@@ -17,8 +17,7 @@ import openai
 import pytest
 
 from tests.extproc.builders import KEYS, write_state, upstream
-from tests.support.envoy import run_envoy
-from tests.support.procs import extproc_process, free_port, python
+from tests.support.procs import extproc_process, python
 from tools.localstack import gateway_front
 from tests.support.upstream import RecordingUpstream
 from tests.support.wait import scaled
@@ -48,7 +47,7 @@ class Stack:
 @contextlib.contextmanager
 def gateway_stack(tmp: Path, up: RecordingUpstream, flavour: str = "vllm", hints: str = "body"):
     state = write_state(tmp, [upstream("local-" + flavour, up.address, flavour, hints)])
-    # a generous message timeout: a busy CI box must not turn into a silent fail-open
+    # a generous message timeout: a busy CI box must not turn into a 503 (fail-closed)
     with gateway_front(tmp, state, up.address, message_timeout="5s") as port:
         s = Stack(f"http://127.0.0.1:{port}", up)
         try:
@@ -387,19 +386,3 @@ def test_bad_config_exits_with_a_message(tmp_path):
     out = subprocess.run([python(), "-m", "extproc", "--config", str(bad), "--db", str(tmp_path / "db")],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "at least one upstream" in out.stderr
-
-
-# ---------- fail-open ----------
-
-def test_fail_open_when_extproc_is_dead(tmp_path):
-    with RecordingUpstream() as up:
-        dead = f"127.0.0.1:{free_port()}"
-        with run_envoy(tmp_path, extproc=dead, default_upstream=up.address, name="failopen") as port:
-            body = dict(CHAT, lora_name="code-python")
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10)
-            assert r.status_code == 200
-            assert up.requests[-1].json() == body
-            assert "x-ace-served-by" not in r.headers
-            # the native API cannot be served untranslated: it fails closed
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/execute", json={}, timeout=10)
-            assert _err(r, 503, "service_unavailable")["type"] == "service_unavailable"

@@ -35,8 +35,9 @@ ACE_HOST = ACE_VHOST.split(":")[0]
 OTHER_HOST = OTHER_VHOST.split(":")[0]
 
 
-def config_for(kind: str, *, port: int, admin: int, extproc: str, engine: str, app: str) -> dict:
-    kw = {"extproc": extproc, "default_upstream": engine, "message_timeout": "5s"}
+def config_for(kind: str, *, port: int, admin: int, extproc: str, engine: str, app: str,
+               **render_kw) -> dict:
+    kw = {"extproc": extproc, "default_upstream": engine, "message_timeout": "5s", **render_kw}
     if kind == "istio":
         return gateway_with_envoyfilter(port=port, admin_port=admin, app=app, **kw)
     return yaml.safe_load(render(listen_port=port, admin_port=admin, listen_address="127.0.0.1", **kw))
@@ -181,12 +182,30 @@ def test_mesh_other_hosts_are_untouched(gw):
 
 
 @pytest.mark.parametrize("kind", ["dropin", "istio"])
-def test_dead_ext_proc_fails_open_on_openai_routes_and_closed_as_json_elsewhere(backends, kind):
+def test_dead_ext_proc_fails_closed_as_json(backends, kind):
+    """The default: no ext_proc answer, no request through (no key, a wrong key, a valid key)."""
     tmp, _, engine, app = backends
     port, admin = free_port(), free_port()
     config = config_for(kind, port=port, admin=admin, extproc=f"127.0.0.1:{free_port()}",
                         engine=engine.address, app=app.address)
+    before = len(engine.requests)
     with envoy_with(tmp, f"{kind}-dead", config, admin):
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"host": ACE_HOST}) as c:
+            for headers in ({}, {"authorization": "Bearer nope"}, ALICE):
+                _err(c.post("/v1/chat/completions", json=CHAT, headers=headers), 503, "service_unavailable")
+            _err(c.post("/v1/execute", json={}, headers=ALICE), 503, "service_unavailable")
+    assert len(engine.requests) == before
+
+
+@pytest.mark.parametrize("kind", ["dropin", "istio"])
+def test_dead_ext_proc_fails_open_only_when_rendered_so(backends, kind):
+    """``failure_mode_allow=True``: OpenAI requests go unauthenticated to the default
+    upstream (the documented risk); the native API still fails closed."""
+    tmp, _, engine, app = backends
+    port, admin = free_port(), free_port()
+    config = config_for(kind, port=port, admin=admin, extproc=f"127.0.0.1:{free_port()}",
+                        engine=engine.address, app=app.address, failure_mode_allow=True)
+    with envoy_with(tmp, f"{kind}-dead-open", config, admin):
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"host": ACE_HOST}) as c:
             body = dict(CHAT, lora_name="code-python")
             r = c.post("/v1/chat/completions", json=body)
