@@ -2,8 +2,8 @@
 
     python -m bench.gateway_overhead --out reports/gateway_overhead.json
 
-Sides: ``envoy`` (the rendered ace config without the ext_proc filter and the buffer
-filter) and ``gateway`` (the same config with them, talking to ``python -m extproc``).
+Sides: ``envoy`` (the rendered ace config without the ext_proc filter, the buffer
+filter and the body-limit Lua filters) and ``gateway`` (the same config with them, talking to ``python -m extproc``).
 Both route to the same upstream: ``--upstream recording`` (default; the test suite's
 aiohttp OpenAI-shaped server, tests/support/upstream.py) or ``--upstream fast`` (a raw
 asyncio responder with a fixed answer: shows Envoy's own ceiling, so the ratio is far
@@ -110,8 +110,12 @@ def serve_null_extproc(port: int, server: str = "aio") -> None:
                 await context.write(empty[msg.WhichOneof("request")])
 
     async def main():
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         server = grpc.aio.server()
         pb_grpc.add_ExternalProcessorServicer_to_server(Null(), server)
+        checks = health.aio.HealthServicer()   # Envoy health-checks the ext_proc cluster
+        await checks.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()

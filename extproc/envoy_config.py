@@ -1,24 +1,26 @@
 """Render envoy/envoy.template.yaml for a local stack, a test or the benchmark.
 
 ``python -m extproc.envoy_config --out envoy.yaml [--listen-port 8080 ...]``
-``with_extproc=False`` renders the same Envoy without the ext_proc filter (benchmark
-baseline).
+``with_extproc=False`` renders the same Envoy without the ext_proc filter and the filters
+that serve it (buffer, body limit): the benchmark baseline.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 from string import Template
+from typing import Sequence
 
 import yaml
 
 from extproc.rewrite.hints import HINT_FIELDS
 
-__all__ = ["TEMPLATE", "render"]
+__all__ = ["TEMPLATE", "decimal_at_most", "render"]
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.template.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
 BUFFER = "envoy.filters.http.buffer"
+BODY_LIMIT_FILTERS = ("ace.body_drain", "ace.body_limit")   # Lua: an oversize body is read, then 413
 
 
 def _hint_headers() -> str:
@@ -34,22 +36,58 @@ def _hint_names() -> str:
     return ", ".join("x-ace-hint-" + f.replace("_", "-") for f in HINT_FIELDS)
 
 
-def render(*, listen_port: int = 8080, admin_port: int = 9901, extproc: str = "127.0.0.1:50051",
+def decimal_at_most(limit: int) -> str:
+    """An RE2 pattern matching exactly the decimal numbers 1..``limit`` (no leading zeros):
+    the content-lengths whose body fits Envoy's buffer."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    digits = str(limit)
+    alternatives = [f"[1-9][0-9]{{0,{len(digits) - 2}}}"] if len(digits) > 1 else []
+    for i, d in enumerate(int(c) for c in digits):   # same prefix, then a smaller digit here
+        low, rest = (1 if i == 0 else 0), len(digits) - i - 1
+        if d > low:
+            alternatives.append(digits[:i] + (f"[{low}-{d - 1}]" if d - 1 > low else str(low))
+                                + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(digits)
+    return "(?:" + "|".join(alternatives) + ")"
+
+
+def _extproc_endpoints(extproc: str | Sequence[str]) -> str:
+    replicas = [extproc] if isinstance(extproc, str) else list(extproc)
+    if not replicas:
+        raise ValueError("at least one ext_proc address (host:port) is needed")
+    lines = []
+    for address in replicas:
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isdigit()):
+            raise ValueError(f"ext_proc address must be host:port, got {address!r}")
+        lines.append("        - endpoint: {address: {socket_address: "
+                     f"{{address: {host}, port_value: {port}}}}}}}")
+    return "\n".join(lines)
+
+
+def render(*, listen_port: int = 8080, admin_port: int = 9901,
+           extproc: str | Sequence[str] = "127.0.0.1:50051",
            default_upstream: str = "127.0.0.1:8000", listen_address: str = "0.0.0.0",
-           failure_mode_allow: bool = True, message_timeout: str = "1s",
+           failure_mode_allow: bool = False, message_timeout: str = "1s",
            max_body_bytes: int = 1 << 20, with_extproc: bool = True) -> str:
-    host, _, port = extproc.rpartition(":")
+    """The Envoy config. ``extproc``: one ext_proc ``host:port`` or several (replicas).
+    ``failure_mode_allow=True`` is fail-open: with no ext_proc answer, an OpenAI request
+    goes on unauthenticated to ``default_upstream`` (docs/gateway.md, "Failure mode")."""
+    buffer_limit = max_body_bytes + (64 << 10)
     text = Template(TEMPLATE.read_text()).substitute(
         listen_port=listen_port, admin_port=admin_port, listen_address=listen_address,
-        extproc_host=host, extproc_port=port, default_upstream=default_upstream,
+        extproc_endpoints=_extproc_endpoints(extproc), default_upstream=default_upstream,
         failure_mode_allow="true" if failure_mode_allow else "false",
-        message_timeout=message_timeout, buffer_limit=max_body_bytes + (64 << 10),
+        message_timeout=message_timeout, buffer_limit=buffer_limit,
+        length_within_buffer=decimal_at_most(buffer_limit),
         hint_headers=_hint_headers(), hint_names=_hint_names())
     if with_extproc:
         return text
     config = yaml.safe_load(text)
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in (EXT_PROC, BUFFER)]
+    hcm["http_filters"] = [f for f in hcm["http_filters"]
+                           if f["name"] not in (EXT_PROC, BUFFER, *BODY_LIMIT_FILTERS)]
     for vhost in hcm["route_config"]["virtual_hosts"]:
         for route in vhost["routes"]:
             route.pop("typed_per_filter_config", None)
@@ -61,13 +99,16 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--listen-port", type=int, default=8080)
     p.add_argument("--admin-port", type=int, default=9901)
-    p.add_argument("--extproc", default="127.0.0.1:50051", help="ext_proc host:port")
+    p.add_argument("--extproc", default=["127.0.0.1:50051"], nargs="+", metavar="HOST:PORT",
+                   help="the ext_proc replicas (one or more host:port)")
     p.add_argument("--upstream", default="127.0.0.1:8000", help="default upstream host:port")
-    p.add_argument("--fail-closed", action="store_true", help="failure_mode_allow: false")
+    p.add_argument("--fail-open", action="store_true",
+                   help="failure_mode_allow: true. RISK: while no ext_proc answers, OpenAI "
+                        "requests reach the default upstream UNAUTHENTICATED (default: 503)")
     p.add_argument("--no-extproc", action="store_true", help="baseline without ext_proc")
     a = p.parse_args()
     a.out.write_text(render(listen_port=a.listen_port, admin_port=a.admin_port, extproc=a.extproc,
-                            default_upstream=a.upstream, failure_mode_allow=not a.fail_closed,
+                            default_upstream=a.upstream, failure_mode_allow=a.fail_open,
                             with_extproc=not a.no_extproc))
 
 

@@ -85,6 +85,8 @@ class ProcessCall(Call):
         else:
             outcome = CONTINUE
         self.send_message(serialize_response(phase, outcome))
+        if exchange.done_after(phase):
+            self.finish(OK)   # trailers in the same write: Envoy needs us no more for this request
 
 
 class NullProcessCall(Call):

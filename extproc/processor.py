@@ -77,12 +77,16 @@ class Gateway:
 
 
 class Handler(Protocol):
+    response_body_phase: bool     # Envoy sends this route's response body too (ExtProcPerRoute)
+
     def on_request_headers(self, head: RequestHead) -> Outcome: ...
     def on_request_body(self, body: bytes) -> Outcome: ...
     def on_response_body(self, body: bytes) -> Outcome: ...
 
 
 class PassThrough:
+    response_body_phase = False
+
     def __init__(self, gw: Gateway) -> None:
         pass
 
@@ -110,6 +114,7 @@ class _Authenticated:
     """Common header phase: POST only, a valid key, a body within the limit."""
 
     methods = ("POST",)
+    response_body_phase = False
     principal: Principal
 
     def __init__(self, gw: Gateway) -> None:
@@ -186,6 +191,7 @@ class Execute(Inference):
 
     forces_body = True
     extra_headers = ((":path", "/v1/chat/completions"),)
+    response_body_phase = True
 
     def to_chat(self, parsed: dict[str, Any]) -> dict[str, Any]:
         return chat_body_from_execute(parsed)
@@ -273,3 +279,12 @@ class Exchange:
         if self.handler is None:
             return CONTINUE
         return self._guard(self.handler.on_response_body, body)
+
+    def done_after(self, phase: str) -> bool:
+        """Whether the answer to ``phase`` (an ext_proc phase name: ``request_body``,
+        ``response_body``, ...) is this exchange's last. The servers then end the gRPC stream
+        with it, so Envoy is done with this ext_proc for the request: a replica that dies
+        while the request is upstream cannot fail it (fail-closed, that would be a 503)."""
+        if phase == "response_body":
+            return True
+        return phase == "request_body" and (self.handler is None or not self.handler.response_body_phase)

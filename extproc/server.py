@@ -46,6 +46,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             else:
                 outcome = CONTINUE
             yield to_response(phase, outcome)
+            if exchange.done_after(phase):
+                return   # ends the stream: Envoy needs us no more for this request
 
 
 class AioExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -75,6 +77,8 @@ class AioExternalProcessor(pb_grpc.ExternalProcessorServicer):
             else:
                 outcome = CONTINUE
             await write(to_response(phase, outcome))
+            if exchange.done_after(phase):
+                return   # ends the stream: Envoy needs us no more for this request
 
 
 async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0) -> None:

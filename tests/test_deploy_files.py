@@ -22,6 +22,7 @@ ENVOY = REPO / ".venv" / "bin" / "envoy"
 EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 BUFFER_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
 HEADER_MUTATION_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutationPerRoute"
+LUA_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.LuaPerRoute"
 
 
 def test_compose_has_the_three_services_on_fixed_addresses():
@@ -127,9 +128,9 @@ def test_istio_envoyfilter_parses_and_is_scoped_to_the_gateway():
             assert p["patch"]["value"]["disabled"] is True
 
 
-@pytest.mark.parametrize("kw", [{}, {"failure_mode_allow": False}])
+@pytest.mark.parametrize("kw", [{}, {"failure_mode_allow": True}])
 def test_istio_gateway_with_the_envoyfilter_validates(tmp_path, kw):
-    """The committed file (and a fail-closed rendering) applied to the stand-in gateway:
+    """The committed file (and a fail-open rendering) applied to the stand-in gateway:
     every patch value, the merged local_reply_config and the one-message filter chain
     are valid Envoy 1.40 config."""
     ef = _istio() if not kw else _istio(render_envoyfilter(**kw))
@@ -177,7 +178,9 @@ def test_istio_gateway_runs_the_dropin_filters_settings_routes_and_clusters():
     neutral = {
         "envoy.filters.http.ext_proc": {"@type": EXT_PROC_PER_ROUTE, "overrides": {}},
         "envoy.filters.http.buffer": {"@type": BUFFER_PER_ROUTE, "buffer": {"max_request_bytes": limit}},
-        "envoy.filters.http.header_mutation": {"@type": HEADER_MUTATION_PER_ROUTE}}
+        "envoy.filters.http.header_mutation": {"@type": HEADER_MUTATION_PER_ROUTE},
+        "ace.body_drain": {"@type": LUA_PER_ROUTE, "filter_context": {}},
+        "ace.body_limit": {"@type": LUA_PER_ROUTE, "filter_context": {}}}
     for route, droute in zip(routes, droutes):
         route = {k: v for k, v in route.items() if k != "name"}
         per_filter = dict(route.pop("typed_per_filter_config"))

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy_config import render
+from extproc.envoy_config import BODY_LIMIT_FILTERS, render
 
 __all__ = ["DEFAULTS", "ENABLE", "ROUTER", "ace_routes", "dropin", "envoyfilter", "render_envoyfilter"]
 
@@ -36,12 +36,13 @@ ROUTER = "envoy.filters.http.router"
 EXT_PROC = "envoy.filters.http.ext_proc"
 BUFFER = "envoy.filters.http.buffer"
 HEADER_MUTATION = "envoy.filters.http.header_mutation"
-ENABLE = (HEADER_MUTATION, EXT_PROC, BUFFER)     # the drop-in's HTTP filters before the router
+BODY_DRAIN, BODY_LIMIT = BODY_LIMIT_FILTERS      # Lua: an oversize body is read, then 413
+ENABLE = (HEADER_MUTATION, BODY_DRAIN, BODY_LIMIT, EXT_PROC, BUFFER)   # the drop-in's filters before the router
 
 # Defaults of the committed file. The listener port is the gateway pod's port (the Service
 # targetPort: 8080 for `port: 80` on the default istio-ingressgateway); the virtual host
 # is Istio's name for the ace host on the Gateway server ("<host>:<server port>"); the
-# default upstream (first upstream of the state file, where fail-open requests go) is an
+# default upstream (first upstream of the state file; where requests go if rendered fail-open) is an
 # RFC 5737 documentation address: replace it with your engine Service's ClusterIP:port.
 DEFAULTS: dict[str, Any] = {
     "listener_port": 8080,
@@ -63,6 +64,9 @@ def _neutral(name: str, filters: dict[str, dict]) -> dict:
         limit = filters[BUFFER]["typed_config"]["max_request_bytes"]
         return {"@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
                 "buffer": {"max_request_bytes": limit}}
+    if name in (BODY_DRAIN, BODY_LIMIT):   # the filter's own script, an empty context
+        return {"@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.LuaPerRoute",
+                "filter_context": {}}
     if name == HEADER_MUTATION:
         return {"@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3."
                          "HeaderMutationPerRoute"}
@@ -165,10 +169,13 @@ HEADER = """\
 #   --vhost          Istio's virtual host for the ace host, "<host>:<Gateway server port>".
 #                    A VirtualService must bind that host to the Gateway (its routes come
 #                    after ace's; other hosts are untouched: the filters stay disabled).
-#   --extproc        the ext_proc Service (plain h2c gRPC from the gateway).
-#   --upstream       the default upstream (fail-open target, first in the state file): an
-#                    IP:port, e.g. the engine Service's ClusterIP. 192.0.2.80 is a
-#                    documentation address that routes nowhere.
+#   --extproc        the ext_proc Service (plain h2c gRPC from the gateway); best a headless
+#                    Service, so that every replica is an endpoint (health-checked, a stream
+#                    a dying replica breaks is retried on another).
+#   --upstream       the default upstream (first in the state file; where requests go
+#                    unauthenticated if rendered --fail-open): an IP:port, e.g. the engine
+#                    Service's ClusterIP. 192.0.2.80 is a documentation address.
+# Fail-closed (the default): with no ext_proc answer, the OpenAI routes answer 503.
 # The ace_upstream and ace_extproc clusters connect in plaintext (no mesh mTLS).
 """
 
@@ -192,11 +199,13 @@ def main() -> None:
     p.add_argument("--extproc", default=DEFAULTS["extproc"], help="ext_proc host:port")
     p.add_argument("--upstream", default=DEFAULTS["default_upstream"], help="default upstream IP:port")
     p.add_argument("--namespace", default=DEFAULTS["namespace"])
-    p.add_argument("--fail-closed", action="store_true", help="failure_mode_allow: false")
+    p.add_argument("--fail-open", action="store_true",
+                   help="failure_mode_allow: true. RISK: while no ext_proc answers, OpenAI "
+                        "requests reach the default upstream UNAUTHENTICATED (default: 503)")
     a = p.parse_args()
     kw: dict[str, Any] = {}
-    if a.fail_closed:
-        kw["failure_mode_allow"] = False
+    if a.fail_open:
+        kw["failure_mode_allow"] = True
     a.out.write_text(render_envoyfilter(listener_port=a.listener_port, vhost=a.vhost, extproc=a.extproc,
                                         default_upstream=a.upstream, namespace=a.namespace, **kw))
 

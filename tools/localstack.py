@@ -106,10 +106,12 @@ def validate(config: Path) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-def run_envoy(tmp: Path, *, extproc: str, default_upstream: str, name: str = "envoy",
-              **render_kw) -> Iterator[int]:
-    """Start Envoy on an ephemeral loopback port; yields the listener port."""
-    port, admin = free_port(), free_port()
+def run_envoy(tmp: Path, *, extproc: str | Sequence[str], default_upstream: str, name: str = "envoy",
+              admin_port: int | None = None, **render_kw) -> Iterator[int]:
+    """Start Envoy on an ephemeral loopback port; yields the listener port. ``extproc``:
+    one ext_proc ``host:port`` or several replicas; ``render_kw`` go to
+    extproc.envoy_config.render (e.g. ``failure_mode_allow=True`` for fail-open)."""
+    port, admin = free_port(), admin_port or free_port()
     config = tmp / f"{name}.yaml"
     config.write_text(render(listen_port=port, admin_port=admin, extproc=extproc,
                              default_upstream=default_upstream, listen_address="127.0.0.1",
@@ -139,11 +141,13 @@ def extproc_process(work: Path, state: Path, *, env: dict[str, str] | None = Non
 
 @contextlib.contextmanager
 def gateway_front(work: Path, state: Path, default_upstream: str, *, env: dict[str, str] | None = None,
-                  extproc_args: Sequence[str] = (), message_timeout: str = "5s") -> Iterator[int]:
-    """The gateway in front of an engine: ``extproc_process`` and Envoy; yields Envoy's port."""
+                  extproc_args: Sequence[str] = (), message_timeout: str = "5s",
+                  failure_mode_allow: bool = False) -> Iterator[int]:
+    """The gateway in front of an engine: ``extproc_process`` and Envoy; yields Envoy's port.
+    Fail-closed unless ``failure_mode_allow`` (fail-open: docs/gateway.md, "Failure mode")."""
     with extproc_process(work, state, env=env, extproc_args=extproc_args) as (address, _):
         with run_envoy(work, extproc=address, default_upstream=default_upstream,
-                       message_timeout=message_timeout) as port:
+                       message_timeout=message_timeout, failure_mode_allow=failure_mode_allow) as port:
             yield port
 
 

@@ -458,16 +458,18 @@ def test_raw_peer_valid_exchange_with_continuation(h2):
 def test_stream_reset_with_its_end_gets_no_trailers(h2, no_errors_logged):
     """Envoy ends each ext_proc stream with DATA(END_STREAM) and RST_STREAM(CANCEL) in one
     write: the trailers our half-close queued are dropped, not sent on a reset stream. A
-    plain END_STREAM still gets them, and the connection goes on either way."""
+    plain END_STREAM still gets them, and the connection goes on either way. (A headers
+    message: after it the exchange is not done, so the stream waits for Envoy's end.)"""
     peer = RawPeer(h2.address)
-    msg = body_request(chat(), authorization=ALICE).SerializeToString()
+    msg = headers_request("/v1/chat/completions", authorization=ALICE, content_length="60").SerializeToString()
     request = b"\x00" + len(msg).to_bytes(4, "big") + msg
     for sid in (1, 3):
         peer.send(frame(HEADERS, END_HEADERS, sid, peer.request_block(f"/{SERVICE}/Process"))
                   + frame(DATA, 0, sid, request))
         assert not peer.read_until(lambda frames: any(k == DATA and s == sid for k, _, s, _ in frames))
         answer = b"".join(p for k, _, s, p in peer.frames() if k == DATA and s == sid)
-        assert pb.ProcessingResponse.FromString(answer[5:]).HasField("request_body")
+        assert pb.ProcessingResponse.FromString(answer[5:]).HasField("request_headers")
+        assert not _stream_ended(sid)(peer.frames())
     peer.send(frame(DATA, END_STREAM, 1) + frame(RST, 0, 1, (8).to_bytes(4, "big")))
     peer.send(frame(DATA, END_STREAM, 3))
     assert not peer.read_until(_stream_ended(3))
@@ -476,6 +478,42 @@ def test_stream_reset_with_its_end_gets_no_trailers(h2, no_errors_logged):
     assert not _stream_ended(1)(peer.frames()), peer.frames()
     assert h2.open_streams() == 0
     h2.assert_windows_account()
+    peer.close()
+
+
+def test_the_last_answer_ends_the_stream(h2, no_errors_logged):
+    """Once an exchange has nothing more to process, its answer comes with the trailers
+    (grpc-status 0) in the same write, before Envoy half-closes: Envoy is then done with
+    this ext_proc for the request, and a replica that dies while the request is upstream
+    cannot fail it. The one-message body, the headers-first body and /v1/execute's response
+    body are last; a headers message and /v1/execute's request body are not."""
+    peer = RawPeer(h2.address)
+    execute = json.dumps({"input": {"messages": [{"role": "user", "content": "x"}]},
+                          "target": {"model": "code-python"}}).encode()
+    cases = [(1, [body_request(chat(), authorization=ALICE)], True),
+             (3, [headers_request("/v1/chat/completions", authorization=ALICE, content_length="60")], False),
+             (3, [plain_body(chat())], True),
+             (5, [headers_request("/v1/execute", authorization=ALICE)], False),
+             (5, [plain_body(execute)], False),
+             (5, [pb.ProcessingRequest(response_body={"body": b'{"choices": []}'})], True)]
+    opened = set()
+    for sid, (msg,), last in cases:
+        data = msg.SerializeToString()
+        head = b"" if sid in opened else frame(HEADERS, END_HEADERS, sid, peer.request_block(f"/{SERVICE}/Process"))
+        opened.add(sid)
+        answers = sum(1 for k, _, s, _ in peer.frames() if k == DATA and s == sid)
+        peer.send(head + frame(DATA, 0, sid, b"\x00" + len(data).to_bytes(4, "big") + data))
+        assert not peer.read_until(lambda frames: sum(1 for k, _, s, _ in frames if k == DATA and s == sid) > answers)
+        if last:
+            assert not peer.read_until(_stream_ended(sid)), (sid, msg)
+            (trailers,) = [p for k, f, s, p in peer.frames() if k == HEADERS and f & END_STREAM and s == sid]
+            assert hpack.Decoder().decode(trailers) == [("grpc-status", "0")]
+        else:
+            assert not _stream_ended(sid)(peer.frames()), (sid, msg)
+    peer.send(frame(DATA, END_STREAM, 1) + frame(DATA, END_STREAM, 3) + frame(DATA, END_STREAM, 5))
+    _health_request(peer, 7)
+    assert not peer.read_until(_stream_ended(7))
+    assert h2.open_streams() == 0
     peer.close()
 
 

@@ -94,6 +94,34 @@ def test_grpc_servicer_loop(store):
     assert ace["destination"].string_value == "127.0.0.1:8000"
 
 
+@pytest.mark.parametrize("path, last", [("/v1/chat/completions", "request_body"),
+                                        ("/v1/completions", "request_body"),
+                                        ("/v1/execute", "response_body"),
+                                        ("/metrics", "request_body")])
+def test_exchange_is_done_after_its_last_phase(store, path, last):
+    """The servers end the gRPC stream with the last answer (Envoy then needs this ext_proc no
+    more for the request); /v1/execute alone has a response body to process."""
+    ex = Gateway(store).exchange()
+    ex.on_request_headers(_head(path))
+    assert not ex.done_after("request_headers")
+    assert ex.done_after("request_body") == (last == "request_body")
+    assert ex.done_after("response_body")
+
+
+def test_grpc_servicer_ends_the_stream_after_the_last_answer(store):
+    """The generator returns after the body's answer, whatever Envoy would send next."""
+    def messages():
+        m = pb.ProcessingRequest()
+        for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"),
+                     ("authorization", f"Bearer {KEYS['alice']}")):
+            m.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+        yield m
+        yield pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model":"code-python"}', end_of_stream=True))
+        raise AssertionError("read past the last message")
+    out = list(ExternalProcessor(Gateway(store)).Process(messages(), None))
+    assert [o.WhichOneof("response") for o in out] == ["request_headers", "request_body"]
+
+
 def test_one_message_body_with_attributes(store):
     """Headers skipped: the body message carries the request line and headers as attributes."""
     m = pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model":"code-python"}', end_of_stream=True))

@@ -30,7 +30,8 @@ def test_dropin_example_is_the_rendered_template():
     assert (ENVOY_DIR / "envoy.yaml").read_text().split("\n", 2)[2] == render().split("\n", 2)[2]
 
 
-@pytest.mark.parametrize("kw", [{}, {"failure_mode_allow": False}, {"with_extproc": False}])
+@pytest.mark.parametrize("kw", [{}, {"failure_mode_allow": True}, {"with_extproc": False},
+                                {"extproc": ["127.0.0.1:50051", "ace-extproc-1:50051", "10.0.0.7:9000"]}])
 def test_rendered_template_validates(tmp_path, kw):
     path = tmp_path / "envoy.yaml"
     path.write_text(render(listen_port=18080, admin_port=18081, **kw))
@@ -50,3 +51,13 @@ def test_one_message_route_sends_every_header_the_gateway_reads():
     text = (ENVOY_DIR / "envoy.template.yaml").read_text()
     for header in ("authorization", TENANT_HEADER, SKILL_OVERRIDE_HEADER, SESSION_HEADER):
         assert f"request.headers['{header}']" in text, header
+
+
+@pytest.mark.parametrize("name", ["envoy.yaml", "compose.envoy.yaml", "istio-envoyfilter.yaml"])
+def test_shipped_configs_fail_closed(name):
+    """Authentication is never bypassed by default: every ext_proc filter we ship has
+    failure_mode_allow false, its ext_proc cluster is health-checked and its stream retried."""
+    text = (ENVOY_DIR / name).read_text()
+    assert "failure_mode_allow: true" not in text
+    assert text.count("failure_mode_allow: false") >= 3      # the filter, /v1/execute, dev-key
+    assert "grpc_health_check" in text and "retry_policy" in text and "outlier_detection" in text

@@ -12,6 +12,7 @@ Envoy's ext_proc counters (admin /stats) count the messages.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +27,7 @@ from tests.support.envoy import envoy_binary
 from tests.support.istio import ACE_VHOST, OTHER_VHOST, gateway_with_envoyfilter
 from tests.support.procs import extproc_process, free_port, running, wait_http
 from tests.support.upstream import RecordingUpstream
+from tests.support.wait import scaled
 
 ALICE = {"authorization": f"Bearer {KEYS['alice']}"}
 CHAT = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
@@ -33,8 +35,9 @@ ACE_HOST = ACE_VHOST.split(":")[0]
 OTHER_HOST = OTHER_VHOST.split(":")[0]
 
 
-def config_for(kind: str, *, port: int, admin: int, extproc: str, engine: str, app: str) -> dict:
-    kw = {"extproc": extproc, "default_upstream": engine, "message_timeout": "5s"}
+def config_for(kind: str, *, port: int, admin: int, extproc: str, engine: str, app: str,
+               **render_kw) -> dict:
+    kw = {"extproc": extproc, "default_upstream": engine, "message_timeout": "5s", **render_kw}
     if kind == "istio":
         return gateway_with_envoyfilter(port=port, admin_port=admin, app=app, **kw)
     return yaml.safe_load(render(listen_port=port, admin_port=admin, listen_address="127.0.0.1", **kw))
@@ -55,7 +58,7 @@ def envoy_with(tmp: Path, name: str, config: dict, admin: int) -> Iterator[None]
 class Gateway:
     def __init__(self, kind: str, port: int, admin: int, engine: RecordingUpstream,
                  app: RecordingUpstream) -> None:
-        self.kind = kind
+        self.kind, self.port = kind, port
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"host": ACE_HOST})
         self.admin = f"http://127.0.0.1:{admin}"
         self.engine, self.app = engine, app
@@ -131,11 +134,23 @@ def test_errors_are_openai_json(gw):
     assert n == 1
     _err(gw.http.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer nope"}),
          401, "invalid_api_key")
-    # beyond Envoy's buffer (1 MiB + 64 KiB): Envoy answers itself, via local_reply_config
+    # beyond Envoy's buffer (1 MiB + 64 KiB): Envoy answers itself, via local_reply_config,
+    # once it has read the whole body (64 MiB here, sent as urllib/requests send it)
     big = dict(CHAT, padding="x" * (1_200_000))
     r, n = gw.messages(lambda c: c.post("/v1/chat/completions", json=big, headers=ALICE))
     _err(r, 413, "payload_too_large")
     assert n == 0
+    before = gw.ext_proc()
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=scaled(60))
+    try:
+        conn.request("POST", "/v1/chat/completions", body=b"x" * (64 << 20),
+                     headers={**ALICE, "host": ACE_HOST, "content-type": "application/json"})
+        r = conn.getresponse()
+        assert (r.status, r.getheader("content-type")) == (413, "application/json")
+        assert json.loads(r.read())["error"]["code"] == "payload_too_large"
+    finally:
+        conn.close()
+    assert gw.ext_proc() == before
 
 
 def test_dev_key_api_is_answered_by_ext_proc(gw):
@@ -167,12 +182,30 @@ def test_mesh_other_hosts_are_untouched(gw):
 
 
 @pytest.mark.parametrize("kind", ["dropin", "istio"])
-def test_dead_ext_proc_fails_open_on_openai_routes_and_closed_as_json_elsewhere(backends, kind):
+def test_dead_ext_proc_fails_closed_as_json(backends, kind):
+    """The default: no ext_proc answer, no request through (no key, a wrong key, a valid key)."""
     tmp, _, engine, app = backends
     port, admin = free_port(), free_port()
     config = config_for(kind, port=port, admin=admin, extproc=f"127.0.0.1:{free_port()}",
                         engine=engine.address, app=app.address)
+    before = len(engine.requests)
     with envoy_with(tmp, f"{kind}-dead", config, admin):
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"host": ACE_HOST}) as c:
+            for headers in ({}, {"authorization": "Bearer nope"}, ALICE):
+                _err(c.post("/v1/chat/completions", json=CHAT, headers=headers), 503, "service_unavailable")
+            _err(c.post("/v1/execute", json={}, headers=ALICE), 503, "service_unavailable")
+    assert len(engine.requests) == before
+
+
+@pytest.mark.parametrize("kind", ["dropin", "istio"])
+def test_dead_ext_proc_fails_open_only_when_rendered_so(backends, kind):
+    """``failure_mode_allow=True``: OpenAI requests go unauthenticated to the default
+    upstream (the documented risk); the native API still fails closed."""
+    tmp, _, engine, app = backends
+    port, admin = free_port(), free_port()
+    config = config_for(kind, port=port, admin=admin, extproc=f"127.0.0.1:{free_port()}",
+                        engine=engine.address, app=app.address, failure_mode_allow=True)
+    with envoy_with(tmp, f"{kind}-dead-open", config, admin):
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"host": ACE_HOST}) as c:
             body = dict(CHAT, lora_name="code-python")
             r = c.post("/v1/chat/completions", json=body)
