@@ -382,7 +382,9 @@ class ResidencyManager:
                 blob = await asyncio.to_thread((path / WEIGHTS).read_bytes)
                 self._admit_host(name, blob)
                 self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="read")
-            if by != "request" and await self._no_demand(name):
+            # a prefetch waits for requests' loads (the agent's, then the engine's own)
+            # before it takes the device lock, so it never holds the lock while it waits
+            if by != "request" and (await self._no_demand(name)) | (await self.connector.prefetch_turn()):
                 self.metrics.inc("ace_agent_prefetch_preemptions_total", stage="agent")
             demand = by == "request" or name in self._demand  # a request joined it
             async with self._device_lock:

@@ -86,6 +86,11 @@ class EngineConnector(abc.ABC):
         about to use them (never evicted)."""
         return set()
 
+    async def prefetch_turn(self) -> bool:
+        """Wait until the engine has no request's load in flight (builtin: it orders its
+        own loads); True when it had to wait. Others answer False at once."""
+        return False
+
     def load_order_stats(self) -> dict[str, dict[str, int]]:
         """An engine that orders its own loads (builtin): ``{"preemptions": {stage: n},
         "cancelled": {reason: n}}`` of its prefetch loads so far; {} otherwise."""

@@ -160,6 +160,11 @@ class BuiltinConnector(EngineConnector):
         return ({n for n in res.names() if res.held(n)} | res.claimed_names() | res.loading()
                 | set(batcher.running_adapters()) | set(batcher.waiting_adapters()))
 
+    async def prefetch_turn(self) -> bool:
+        if self.engine is None:
+            return False
+        return await self.engine.residency.order.idle()
+
     def load_order_stats(self) -> dict[str, dict[str, int]]:
         if self.engine is None:
             return {}

@@ -42,6 +42,7 @@ class LoadOrder:
         self.prefetch_slots = prefetch_slots
         self.demand_in_flight = 0   # read from load threads: an int, written on the loop only
         self.prefetches_running = 0
+        self.idle_waiters = 0       # callers of idle() waiting now
         self._changed = asyncio.Event()  # replaced on every change: one wake-up per change
         self.preemptions: dict[str, int] = {}
         self.cancelled: dict[str, int] = {}
@@ -104,6 +105,20 @@ class LoadOrder:
         while ticket.prefetch and self.demand_in_flight > 0:
             changed = self._changed
             await changed.wait()
+
+    async def idle(self) -> bool:
+        """Wait until no request's load is in flight; True when it had to wait (the
+        agent asks before it takes its device lock for a prefetch)."""
+        waited = False
+        while self.demand_in_flight > 0:
+            waited = True
+            changed = self._changed
+            self.idle_waiters += 1
+            try:
+                await changed.wait()
+            finally:
+                self.idle_waiters -= 1
+        return waited
 
     def cancel(self, reason: str) -> None:
         self.cancelled[reason] = self.cancelled.get(reason, 0) + 1

@@ -93,8 +93,8 @@ def test_a_prefetch_hint_never_evicts_the_adapter_a_request_is_loading_regressio
     fix the agent evicted X (not yet "busy"), the request loaded X again with nothing
     protecting X's files, a fetch of another adapter dropped them from the resident-only
     disk cache, and the request got ``404 not_found_error``. Now X is the request's from
-    the moment the engine accepts it: the hint is skipped (and counted), X is loaded
-    once, and the request is served."""
+    the moment the engine accepts it (claimed), and the prefetch waits for the request's
+    load before it decides anything: X is loaded once and the request is served."""
     X, A, Y, Z = "code-sql", "med-triage", "fin-reports", "tr-de-en"
 
     async def main():
@@ -110,11 +110,14 @@ def test_a_prefetch_hint_never_evicts_the_adapter_a_request_is_loading_regressio
                     await mgr.reconcile()  # the agent sees X in the pool (its reconcile loop)
                     mgr.prefetch(Y, reason="predicted", evict=[X])
 
-                    def hint_decided():
+                    def hint_decided_or_waiting():
                         m = mgr.metrics
+                        order = getattr(conn.engine.residency, "order", None)  # (None before the fix)
                         return (m.counter("ace_agent_evictions_total", tier="device", reason="hint")
-                                + m.counter("ace_agent_prefetch_victims_skipped_total", reason="in_use"))
-                    await async_wait_until(hint_decided, what="the prefetch's hint evicted or skipped")
+                                + m.counter("ace_agent_prefetch_victims_skipped_total", reason="in_use")
+                                + (order.idle_waiters if order is not None else 0))
+                    await async_wait_until(hint_decided_or_waiting,
+                                           what="the prefetch's hint decided, or the prefetch waiting its turn")
                     hook.go[0].set()
                     await async_wait_until(lambda: hook.reached[1].is_set() or req.done(),
                                            what="the request served, or X loaded again")
@@ -127,9 +130,8 @@ def test_a_prefetch_hint_never_evicts_the_adapter_a_request_is_loading_regressio
                     r = await req
                 assert r.status_code == 200, r.text
                 assert hook.calls == 1                       # X was loaded once, never again
-                assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 0
-                assert mgr.metrics.counter("ace_agent_prefetch_victims_skipped_total", reason="in_use") == 1
-                assert 'ace_agent_prefetch_victims_skipped_total{reason="in_use"} 1' in mgr.metrics.render()
+                await async_wait_until(lambda: mgr.view(Y).tier.value == "device", what="Y loaded after")
+                assert mgr.metrics.counter("ace_agent_prefetch_preemptions_total", stage="agent") == 1
             finally:
                 for ev in hook.go:
                     ev.set()
@@ -248,6 +250,7 @@ def test_eviction_never_takes_an_adapter_a_request_was_accepted_for(fixtures):
     """Claimed (accepted, not yet finished) = never evicted: not by the pool's LRU, not by
     ``evict`` (the agent's hint); a prefetch that could only make room that way is given up
     at once (cancelled, ``no_room``) instead of waiting."""
+    from gpu_agent.connectors.builtin import BuiltinConnector
     from gpu_agent.errors import AdapterBusy, PoolExhausted
 
     async def main():
@@ -259,6 +262,7 @@ def test_eviction_never_takes_an_adapter_a_request_was_accepted_for(fixtures):
             res._claims[SMALL] = 1                          # ... a second request accepted, not yet held
             with pytest.raises(AdapterBusy):
                 res.evict(SMALL)
+            assert SMALL in await BuiltinConnector(None, engine=engine).busy()  # the agent skips it
             with pytest.raises(PoolExhausted):
                 await asyncio.wait_for(res.prefetch(OTHER), scaled(30))
             assert res.tier(SMALL) == "pool" and res.order.cancelled == {"no_room": 1}
