@@ -384,9 +384,13 @@ class ResidencyManager:
                 self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="read")
             # a prefetch waits for requests' loads (the agent's, then the engine's own)
             # before it takes the device lock, so it never holds the lock while it waits
-            if by != "request" and (await self._no_demand(name)) | (await self.connector.prefetch_turn()):
-                self.metrics.inc("ace_agent_prefetch_preemptions_total", stage="agent")
-            demand = by == "request" or name in self._demand  # a request joined it
+            # (a pin is an operator's explicit load: it goes as a request's does)
+            if by not in ("request", "pin"):
+                waited = await self._no_demand(name)
+                waited = await self.connector.prefetch_turn() or waited
+                if waited:
+                    self.metrics.inc("ace_agent_prefetch_preemptions_total", stage="agent")
+            demand = by in ("request", "pin") or name in self._demand  # or a request joined it
             async with self._device_lock:
                 if name not in self._device:
                     await self._make_device_room(spec, hints)
