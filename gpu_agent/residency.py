@@ -12,11 +12,13 @@ chose): when its load needs device room, those go before the LRU (``hinted_victi
 Prefetches go into a bounded priority queue (duplicates coalesce with the queued or
 running load) and are worked off by background tasks; `ensure_resident` is the same
 load awaited, as a request's (on demand): it goes before every queued prefetch (the
-workers take no new prefetch while one is in flight, and a prefetch waits for it before
-its device stage), and the engine is told it is a request's load (the builtin engine
-then pauses its own prefetch loads for it). A hinted victim that a request is about to
-use (the engine reports it busy) is skipped and counted, never evicted. A reconcile loop asks the engine what it holds: adapters that vanished
-(engine restart) drop to their lower tier, are announced, and are loaded again.
+workers take no new prefetch while one is in flight, and a prefetch waits for it, and
+for the engine's own request loads, before its device stage), and the engine is told
+it is a request's load (the builtin engine then pauses its own prefetch loads for it).
+A hinted victim that a request is about to use (the engine reports it busy) is skipped
+and counted, never evicted. A reconcile loop asks the engine what it holds: adapters
+that vanished (engine restart) drop to their lower tier, are announced, and are loaded
+again.
 Observers subscribe to a stream of `AdapterView` changes, interleaved with the engine's
 load (`LoadChange`, measured by `gpu_agent.load.LoadMonitor` every `load_interval_s`).
 """
