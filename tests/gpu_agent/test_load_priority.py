@@ -201,7 +201,9 @@ def _preempted_by_a_request(fixtures, stage: str, hold_at: int):
             assert res.order.demand_in_flight == 0
             res.release(SMALL)
             engine.pool.check_invariants()
-            return res.loads
+            from gpu_agent.engine.metrics import render_metrics
+            from gpu_agent.engine.server import HttpStats
+            return res.loads, render_metrics(engine, HttpStats())
         finally:
             hook.go.set()
             await engine.close()
@@ -214,8 +216,9 @@ def test_a_prefetch_yields_mid_copy_to_a_request_that_arrives(fixtures):
     from gpu_agent.pool import COPY_CHUNK_BYTES
 
     assert 919616 > 2 * COPY_CHUNK_BYTES
-    loads = _preempted_by_a_request(fixtures, "copy", hold_at=2)  # 1st: before it evicts anything
+    loads, text = _preempted_by_a_request(fixtures, "copy", hold_at=2)  # 1st: before it evicts anything
     assert loads["disk"] == 3
+    assert 'ace_engine_prefetch_preemptions_total{stage="copy"} 1' in text  # the engine's /metrics
 
 
 def test_a_request_goes_before_a_prefetch_about_to_read(fixtures):
