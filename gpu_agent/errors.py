@@ -11,7 +11,9 @@ statuses at exactly one boundary::
     ├── AdapterNotFound         no such adapter directory / unsafe name
     ├── PoolExhausted           a load cannot be satisfied even after eviction
     ├── AdapterNotResident      a batch names an adapter that is not in the pool
-    └── AdapterBusy             evicting an adapter that is pinned or in use
+    ├── AdapterBusy             evicting an adapter that is pinned or in use
+    └── LoadYielded             a prefetch's load stopped at a checkpoint for a request's
+                                load (internal: the engine resumes it afterwards)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "PoolExhausted",
     "AdapterNotResident",
     "AdapterBusy",
+    "LoadYielded",
 ]
 
 
@@ -63,3 +66,14 @@ class AdapterNotResident(AgentError):
 
 class AdapterBusy(AgentError):
     """The adapter is pinned or in use by a running batch and cannot be evicted."""
+
+
+class LoadYielded(AgentError):
+    """A prefetch's load stopped at a checkpoint (before its read, before its pool copy,
+    between chunks of the copy) because a request's load is waiting; nothing of it stays
+    in the pool. ``stage`` says where (``read`` or ``copy``)."""
+
+    def __init__(self, name: str, stage: str):
+        super().__init__(f"load of {name!r} yielded at {stage} to a request's load")
+        self.name = name
+        self.stage = stage

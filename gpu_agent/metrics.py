@@ -54,12 +54,16 @@ class AgentMetrics:
         "ace_agent_load_failures_total": ("counter", "Loads that failed, by reason."),
         "ace_agent_load_read_failures_total": ("counter", "Engine load measurements that failed (the load was published as unknown)."),
         "ace_agent_engine_resets_total": ("counter", "Times the engine lost adapters the agent had loaded (restart) and residency was rebuilt."),
+        "ace_agent_prefetch_preemptions_total": ("counter", "Prefetch loads that paused for a request's load, by the stage where they stopped (agent: before the device stage; fetch, read, copy: in the builtin engine, copy = a partial pool copy discarded)."),
+        "ace_agent_prefetch_cancelled_total": ("counter", "Prefetch loads given up (builtin engine), by reason (no_room: room only by evicting what requests hold or are about to use)."),
+        "ace_agent_prefetch_victims_skipped_total": ("counter", "Hinted victims (Prefetch.evict) not evicted because a request was about to use them (reason=in_use)."),
     }
 
     def __init__(self) -> None:
         self._counters: dict[tuple[str, tuple], float] = {}
         self._hists: dict[tuple[str, tuple], Histogram] = {}
         self._gauges: list[Callable[[], dict[str, tuple[str, float]]]] = []
+        self._collectors: list[Callable[[], None]] = []
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         key = (name, tuple(sorted(labels.items())))
@@ -72,7 +76,21 @@ class AgentMetrics:
             hist = self._hists[key] = Histogram()
         hist.observe(value)
 
+    def set_counter(self, name: str, value: float, **labels: str) -> None:
+        """A counter kept elsewhere (an engine's own), copied in by a collector."""
+        self._counters[(name, tuple(sorted(labels.items())))] = float(value)
+
+    def add_collector(self, collect: Callable[[], None]) -> None:
+        """`collect()` runs before every render (and every `counter` read) to copy in
+        counters kept elsewhere (`set_counter`)."""
+        self._collectors.append(collect)
+
+    def collect(self) -> None:
+        for collect in self._collectors:
+            collect()
+
     def counter(self, name: str, **labels: str) -> float:
+        self.collect()
         return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
 
     def add_gauges(self, source: Callable[[], dict[str, tuple[str, float]]]) -> None:
@@ -80,6 +98,7 @@ class AgentMetrics:
         self._gauges.append(source)
 
     def render(self) -> str:
+        self.collect()
         out: list[str] = []
         seen: set[str] = set()
 

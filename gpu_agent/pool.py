@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import AdapterBusy, AdapterInvalid, AdapterNotResident, PoolExhausted
+from .errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
 from .eviction import EvictionPolicy, LRUPolicy
 from .peft import BaseModelSpec, LoraAdapter
 
@@ -120,6 +120,9 @@ class AdapterPool:
     agent's device count budget): every load, whoever asks for it, evicts by the same
     policy to stay within it, or fails with PoolExhausted.
 
+    ``claimed(name)`` (set by the owner) names adapters that requests are about to use:
+    eviction skips them as it skips pinned and in-use ones.
+
     ``release_listeners`` are called with the name of every adapter that leaves the pool
     (LRU/count eviction or :meth:`evict`), with the pool lock held and on the thread
     that released it: they must only hand the name off (no blocking, no pool calls).
@@ -160,6 +163,9 @@ class AdapterPool:
         self.scattered_loads = 0
         self.gathered_matrices = 0
         self.release_listeners: list[Callable[[str], None]] = []
+        # Adapters a request accepted by the engine is about to use (set by the engine's
+        # residency; read from any thread): never evicted, as pinned and in-use ones.
+        self.claimed: Callable[[str], bool] = lambda name: False
 
     # ---- layout ---------------------------------------------------------------------
     def _plan(self, adapter: LoraAdapter) -> tuple[dict[tuple[int, str], list[int]], int, bool]:
@@ -264,7 +270,7 @@ class AdapterPool:
             return
         for name in self.policy.candidates():
             entry = self._entries.get(name)
-            if entry is None or entry.pinned or entry.in_use:
+            if entry is None or entry.pinned or entry.in_use or self.claimed(name):
                 continue
             self._release(entry)
             self.evictions += 1
@@ -280,7 +286,7 @@ class AdapterPool:
             return
         for name in list(self.policy.candidates()):
             entry = self._entries.get(name)
-            if entry is None or entry.pinned or entry.in_use:
+            if entry is None or entry.pinned or entry.in_use or self.claimed(name):
                 continue
             self._release(entry)
             self.evictions += 1
@@ -316,11 +322,15 @@ class AdapterPool:
             if shape != ((r, fan_in) if half == "A" else (fan_out, r)):
                 raise AdapterInvalid(f"{adapter.name}: layer {layer} {module}: lora_{half} shape {shape}")
 
-    def load(self, adapter: LoraAdapter, pin: bool = False) -> PoolEntry:
-        """Make ``adapter`` resident (evicting unpinned, unused adapters as needed).
+    def load(self, adapter: LoraAdapter, pin: bool = False,
+             should_yield: Callable[[str], bool] | None = None) -> PoolEntry:
+        """Make ``adapter`` resident (evicting unpinned, unused, unclaimed adapters as needed).
 
         Idempotent for a resident name. Raises PoolExhausted when the pages cannot be
         found, AdapterInvalid when the adapter does not fit the served model.
+        ``should_yield("copy")`` (a prefetch): asked before anything is evicted and between
+        chunks of the copy (``COPY_CHUNK_BYTES``); True frees the pages taken so far and
+        raises ``LoadYielded`` (stage ``copy``).
         """
         with self._lock:
             entry = self._entries.get(adapter.name)
@@ -333,11 +343,13 @@ class AdapterPool:
             layout, n, one_copy = self._plan(adapter)
             if n > self.num_pages:  # never fits: fail before evicting anything
                 raise PoolExhausted(f"{adapter.name}: needs {n} pages, pool has {self.num_pages}")
+            if should_yield is not None and should_yield("copy"):
+                raise LoadYielded(adapter.name, "copy")
             self._make_count_room(adapter.name)
             self._make_room(n, adapter.name)
             ids, contiguous = self._alloc(n, layout)
             try:
-                self._copy_in(adapter, layout, ids, contiguous, one_copy)
+                self._copy_in(adapter, layout, ids, contiguous, one_copy, should_yield)
             except BaseException:
                 self._free[ids] = True
                 self._num_free += n
@@ -361,8 +373,12 @@ class AdapterPool:
             return entry
 
     def _copy_in(self, adapter: LoraAdapter, layout, ids: np.ndarray, contiguous: bool,
-                 one_copy: bool) -> None:
+                 one_copy: bool, should_yield: Callable[[str], bool] | None = None) -> None:
         import torch
+
+        def checkpoint() -> None:
+            if should_yield is not None and should_yield("copy"):
+                raise LoadYielded(adapter.name, "copy")
 
         stream = self._copy_stream
         if stream is not None:
@@ -379,13 +395,20 @@ class AdapterPool:
                 p0 = int(ids[0])
                 dst = self.pages[p0: p0 + len(ids)].view(-1).view(torch.uint8)
                 raw = payload.file
-                if stream is None and raw is not None and not raw.closed:
-                    _pread_into(raw.fileno(), dst, start, adapter.name)
-                else:
-                    dst.copy_(payload.buffer[start:end], non_blocking=non_blocking)
+                # a prefetch's copy goes in chunks, asking between them whether to yield
+                step = COPY_CHUNK_BYTES if should_yield is not None else max(1, end - start)
+                for lo in range(0, end - start, step):
+                    hi = min(lo + step, end - start)
+                    if lo:
+                        checkpoint()
+                    if stream is None and raw is not None and not raw.closed:
+                        _pread_into(raw.fileno(), dst[lo:hi], start + lo, adapter.name)
+                    else:
+                        dst[lo:hi].copy_(payload.buffer[start + lo:start + hi], non_blocking=non_blocking)
             elif contiguous:
                 p0 = int(ids[0])
                 for key, (a, b) in adapter.weights.items():
+                    checkpoint()
                     a_off, a_pages, b_off, b_pages = layout[key]
                     self._flat(p0 + a_off, a_pages, a.numel()).copy_(a.reshape(-1), non_blocking=non_blocking)
                     self._flat(p0 + b_off, b_pages, b.numel()).copy_(b.reshape(-1), non_blocking=non_blocking)
@@ -393,6 +416,7 @@ class AdapterPool:
                 idx = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
                 w = self.row_width
                 for key, (a, b) in adapter.weights.items():
+                    checkpoint()
                     a_off, a_pages, b_off, b_pages = layout[key]
                     for off, n, m in ((a_off, a_pages, a), (b_off, b_pages, b)):
                         block = torch.zeros(n * w, dtype=self.dtype, device=self.device)
@@ -461,7 +485,7 @@ class AdapterPool:
         """Remove ``name``; AdapterBusy if pinned or in use, AdapterNotResident if absent."""
         with self._lock:
             entry = self.entry(name)
-            if entry.pinned or entry.in_use:
+            if entry.pinned or entry.in_use or self.claimed(name):
                 raise AdapterBusy(f"adapter {name!r} is {'pinned' if entry.pinned else 'in use'}")
             self._release(entry)
 
@@ -574,6 +598,8 @@ class AdapterPool:
 # (at most 4), read concurrently (os.preadv releases the GIL; the kernel copies from
 # the page cache with no page-table fill, unlike a fresh mmap).
 PREAD_PART_MIN = 4 << 20
+# A prefetch's one-piece copy is cut into chunks of this size, with a yield check between.
+COPY_CHUNK_BYTES = 256 << 10
 _readers = None
 _readers_lock = threading.Lock()
 

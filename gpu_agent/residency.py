@@ -11,8 +11,14 @@ chose): when its load needs device room, those go before the LRU (``hinted_victi
 
 Prefetches go into a bounded priority queue (duplicates coalesce with the queued or
 running load) and are worked off by background tasks; `ensure_resident` is the same
-load awaited. A reconcile loop asks the engine what it holds: adapters that vanished
-(engine restart) drop to their lower tier, are announced, and are loaded again.
+load awaited, as a request's (on demand): it goes before every queued prefetch (the
+workers take no new prefetch while one is in flight, and a prefetch waits for it, and
+for the engine's own request loads, before its device stage), and the engine is told
+it is a request's load (the builtin engine then pauses its own prefetch loads for it).
+A hinted victim that a request is about to use (the engine reports it busy) is skipped
+and counted, never evicted. A reconcile loop asks the engine what it holds: adapters
+that vanished (engine restart) drop to their lower tier, are announced, and are loaded
+again.
 Observers subscribe to a stream of `AdapterView` changes, interleaved with the engine's
 load (`LoadChange`, measured by `gpu_agent.load.LoadMonitor` every `load_interval_s`).
 """
@@ -150,6 +156,8 @@ class ResidencyManager:
         self._seq = itertools.count()
         self._wakeup = asyncio.Event()
         self._device_lock = asyncio.Lock()
+        self._demand: dict[str, int] = {}       # requests' loads (ensure_resident) in flight
+        self._demand_changed = asyncio.Event()  # replaced on every change
         self._subs: set[Subscription] = set()
         self._tasks: list[asyncio.Task] = []
         self.engine_up = True
@@ -158,6 +166,7 @@ class ResidencyManager:
         self.load_monitor = LoadMonitor(connector, budgets.load_interval_s, self._publish_load,
                                         on_failure=lambda: self.metrics.inc("ace_agent_load_read_failures_total"))
         self.metrics.add_gauges(self._gauges)
+        self.metrics.add_collector(self._collect_engine_counters)
         # every disk-cache eviction (the engine's own fetches included) spares what we protect
         store.protect_providers.append(self._protected_digests)
 
@@ -275,6 +284,9 @@ class ResidencyManager:
             while not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            await self._no_demand()  # a request's load goes before any queued prefetch
+            if not self._queue:
+                continue
             _, _, name = heapq.heappop(self._queue)
             try:
                 await self.ensure_resident(name, _by=self._load_origin(name))
@@ -288,8 +300,37 @@ class ResidencyManager:
         reason = self._states[name].pending_reason
         return reason if reason in ("pin", "engine_restart") else "prefetch"
 
+    async def _no_demand(self, name: str = "") -> bool:
+        """Wait until no request's load (of another adapter than `name`: a request that
+        joined this load promotes it) is in flight; True when it had to wait."""
+        waited = False
+        while any(n != name for n in self._demand):
+            waited = True
+            changed = self._demand_changed
+            await changed.wait()
+        return waited
+
+    def _demand_step(self, name: str, delta: int) -> None:
+        n = self._demand.get(name, 0) + delta
+        if n > 0:
+            self._demand[name] = n
+        else:
+            self._demand.pop(name, None)
+        self._demand_changed.set()
+        self._demand_changed = asyncio.Event()
+
     async def ensure_resident(self, name: str, _by: str = "request") -> AdapterView:
-        """Load `name` to the device tier (coalesced with any load already running)."""
+        """Load `name` to the device tier (coalesced with any load already running).
+        Called directly, it is a request's load: it goes before queued prefetches."""
+        if _by == "request":
+            self._demand_step(name, +1)
+            try:
+                return await self._ensure_resident(name, _by)
+            finally:
+                self._demand_step(name, -1)
+        return await self._ensure_resident(name, _by)
+
+    async def _ensure_resident(self, name: str, _by: str) -> AdapterView:
         spec = self.catalog.get(name)
         if spec is None:
             raise AgentError(f"unknown adapter {name!r}")
@@ -343,12 +384,21 @@ class ResidencyManager:
                 blob = await asyncio.to_thread((path / WEIGHTS).read_bytes)
                 self._admit_host(name, blob)
                 self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="read")
+            # a prefetch waits for requests' loads (the agent's, then the engine's own)
+            # before it takes the device lock, so it never holds the lock while it waits
+            # (a pin is an operator's explicit load: it goes as a request's does)
+            if by not in ("request", "pin"):
+                waited = await self._no_demand(name)
+                waited = await self.connector.prefetch_turn() or waited
+                if waited:
+                    self.metrics.inc("ace_agent_prefetch_preemptions_total", stage="agent")
+            demand = by in ("request", "pin") or name in self._demand  # or a request joined it
             async with self._device_lock:
                 if name not in self._device:
                     await self._make_device_room(spec, hints)
                     t = time.perf_counter()
                     pinned = self._states[name].pinned
-                    await self.connector.load(spec, path, pinned=pinned)
+                    await self.connector.load(spec, path, pinned=pinned, demand=demand)
                     if self._states[name].pinned != pinned:  # (un)pinned while it loaded
                         try:
                             self.connector.set_pinned(name, self._states[name].pinned)
@@ -441,8 +491,12 @@ class ResidencyManager:
             return
         if self.connector.self_managed:
             await self._forget_gone()
-        protected |= await self.connector.busy()
-        victims = hinted_victims(victims, spec.name, resident=self._device, protected=protected)
+        busy = await self.connector.busy()
+        in_use = [v for v in victims if v in busy and v in self._device]
+        if in_use:  # a request is about to use it (or uses it): never the prefetch's victim
+            self.metrics.inc("ace_agent_prefetch_victims_skipped_total", float(len(in_use)), reason="in_use")
+            log.info("prefetch of %s: hinted victim(s) %s in use, skipped", spec.name, ", ".join(in_use))
+        victims = hinted_victims(victims, spec.name, resident=self._device, protected=protected | busy)
         for victim in victims:
             if not over() and not await self.connector.needs_room(spec):
                 return
@@ -452,6 +506,7 @@ class ResidencyManager:
                 raise
             except ConnectorError as exc:  # it became busy meanwhile: the next hint, or LRU
                 log.info("hinted eviction of %s for %s refused: %s", victim, spec.name, exc)
+                self.metrics.inc("ace_agent_prefetch_victims_skipped_total", reason="in_use")
                 continue
             self._device.pop(victim, None)
             self.metrics.inc("ace_agent_evictions_total", tier="device", reason="hint")
@@ -584,6 +639,14 @@ class ResidencyManager:
             self._publish(name)
 
     # ---- metrics ---------------------------------------------------------------------
+    def _collect_engine_counters(self) -> None:
+        """The engine's own load-order counters (builtin), copied in at every scrape."""
+        stats = self.connector.load_order_stats()
+        for stage, n in stats.get("preemptions", {}).items():
+            self.metrics.set_counter("ace_agent_prefetch_preemptions_total", n, stage=stage)
+        for reason, n in stats.get("cancelled", {}).items():
+            self.metrics.set_counter("ace_agent_prefetch_cancelled_total", n, reason=reason)
+
     def _gauges(self) -> dict[str, tuple[str, float]]:
         out = {
             'ace_agent_tier_adapters{tier="device"}': ("Adapters resident per tier.", len(self._device)),

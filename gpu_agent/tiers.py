@@ -15,8 +15,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from .errors import AdapterNotFound, AdapterNotResident
+from .errors import AdapterNotFound, AdapterNotResident, LoadYielded
 from .peft import LoraAdapter, load_peft_dir
 from .pool import AdapterPool, PoolEntry
 
@@ -108,11 +109,15 @@ class AdapterTiers:
         return None
 
     def ensure(self, name: str, path: str | Path | None = None, sha256: str | None = None,
-               *, pin: bool = False) -> tuple[PoolEntry, LoadTimings]:
+               *, pin: bool = False, should_yield: Callable[[str], bool] | None = None
+               ) -> tuple[PoolEntry, LoadTimings]:
         """Make ``name`` resident in the pool; return its entry and the timings.
 
         ``path`` is the adapter directory, needed only when it is in neither pool nor
         host memory. Give ``sha256`` when the files just entered from outside.
+        ``should_yield(stage)`` (a prefetch's load): asked before the read (``read``),
+        before the pool copy and between chunks of it (``copy``); True stops the load
+        there (``LoadYielded``).
         """
         t0 = time.perf_counter()
         pool = self.pool
@@ -130,6 +135,8 @@ class AdapterTiers:
             adapter = self.host.get(name)
             t = LoadTimings(name, "host" if adapter is not None else "disk")
             if adapter is None:
+                if should_yield is not None and should_yield("read"):
+                    raise LoadYielded(name, "read")
                 if path is None:
                     raise AdapterNotFound(f"adapter {name!r} is not in memory and no path was given")
                 parts: dict[str, float] = {}
@@ -141,7 +148,7 @@ class AdapterTiers:
                 t.parse_ms = (time.perf_counter() - t1) * 1e3 - t.read_ms - t.verify_ms
                 self.host.put(adapter)
             t2 = time.perf_counter()
-            entry = pool.load(adapter, pin=pin)
+            entry = pool.load(adapter, pin=pin, should_yield=should_yield)
             t.pool_ms = (time.perf_counter() - t2) * 1e3
             t.nbytes = adapter.nbytes
             t.total_ms = (time.perf_counter() - t0) * 1e3

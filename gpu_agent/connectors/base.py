@@ -62,8 +62,12 @@ class EngineConnector(abc.ABC):
         """Release clients; never raises."""
 
     @abc.abstractmethod
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
-        """Make `spec` (files verified at `path`) resident. Already resident is success."""
+    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+                   demand: bool = False) -> None:
+        """Make `spec` (files verified at `path`) resident. Already resident is success.
+        `demand`: a request waits for this load; otherwise it is a prefetch, which an
+        engine that orders its own loads (builtin) runs after, and pauses for, requests'
+        loads. vLLM and SGLang load in one HTTP call: they cannot pause it."""
 
     @abc.abstractmethod
     async def unload(self, name: str) -> None:
@@ -78,8 +82,19 @@ class EngineConnector(abc.ABC):
         ConnectorError when it is not resident. Engines the agent alone evicts ignore it."""
 
     async def busy(self) -> set[str]:
-        """Adapters used by running or waiting requests (never evicted)."""
+        """Adapters used by running or waiting requests, or (builtin) accepted requests
+        about to use them (never evicted)."""
         return set()
+
+    async def prefetch_turn(self) -> bool:
+        """Wait until the engine has no request's load in flight (builtin: it orders its
+        own loads); True when it had to wait. Others answer False at once."""
+        return False
+
+    def load_order_stats(self) -> dict[str, dict[str, int]]:
+        """An engine that orders its own loads (builtin): ``{"preemptions": {stage: n},
+        "cancelled": {reason: n}}`` of its prefetch loads so far; {} otherwise."""
+        return {}
 
     async def needs_room(self, spec: AdapterSpec) -> bool:
         """Loading `spec` now would make the engine evict on its own (a pool with limits of

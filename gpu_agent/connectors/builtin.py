@@ -99,12 +99,15 @@ class BuiltinConnector(EngineConnector):
         if spec is not None and self.store.left_device(spec, keep=self._engine_digests()):
             log.debug("adapter %s left the pool: disk copy dropped (resident-only disk tier)", name)
 
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
+    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+                   demand: bool = False) -> None:
+        """A prefetch (``demand=False``) goes after, and yields to, the engine's request
+        loads (`gpu_agent.engine.load_order`); it fails rather than wait for room."""
         try:
             if pinned:  # load and pin atomically: the pool's LRU may not take it in between
-                await self.engine.residency.ensure_pinned(spec.name)
+                await self.engine.residency.ensure_pinned(spec.name, prefetch=not demand)
             else:
-                await self.engine.residency.ensure_resident(spec.name)
+                await self.engine.residency.ensure_resident(spec.name, prefetch=not demand)
         except Exception as exc:
             raise ConnectorError(f"builtin load {spec.name}: {exc}") from exc
 
@@ -151,9 +154,22 @@ class BuiltinConnector(EngineConnector):
         return {n for n in res.names() if res.tier(n) == "pool"}
 
     async def busy(self) -> set[str]:
+        """Held, claimed (a request the engine accepted is about to use it), loading, or
+        named by the batcher's running/waiting sequences."""
         res, batcher = self.engine.residency, self.engine.batcher
-        return ({n for n in res.names() if res.held(n)}
+        return ({n for n in res.names() if res.held(n)} | res.claimed_names() | res.loading()
                 | set(batcher.running_adapters()) | set(batcher.waiting_adapters()))
+
+    async def prefetch_turn(self) -> bool:
+        if self.engine is None:
+            return False
+        return await self.engine.residency.order.idle()
+
+    def load_order_stats(self) -> dict[str, dict[str, int]]:
+        if self.engine is None:
+            return {}
+        order = self.engine.residency.order
+        return {"preemptions": dict(order.preemptions), "cancelled": dict(order.cancelled)}
 
     async def engine_load(self) -> EngineLoad | None:
         """The batcher's own counts, read in memory. Requests still waiting for their

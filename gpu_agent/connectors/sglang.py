@@ -60,7 +60,8 @@ class SGLangConnector(EngineConnector):
             self._known = set(doc["loaded_adapters"])
         return {"status": resp.status_code, **doc}
 
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
+    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+                   demand: bool = False) -> None:
         doc = await self._call("/load_lora_adapter",
                                {"lora_name": spec.name, "lora_path": str(path), "pinned": pinned})
         if doc["status"] == 200 and doc.get("success", False):

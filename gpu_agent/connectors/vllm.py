@@ -80,7 +80,8 @@ class VLLMConnector(EngineConnector):
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"vLLM {self._url}{path}: {exc!r}") from exc
 
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
+    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+                   demand: bool = False) -> None:
         resp = await self._post("/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": str(path)})
         if resp.status_code == 200:
             return

@@ -58,6 +58,12 @@ def render_metrics(engine: Any, http_stats: Any) -> str:
     t.metric("ace_engine_adapter_cold_loads_total", "counter",
              "Adapter loads into the pool by the tier the adapter came from",
              [({"tier": k}, v) for k, v in sorted(res.loads.items())])
+    t.metric("ace_engine_prefetch_preemptions_total", "counter",
+             "Prefetch loads paused for a request's load, by the checkpoint where they stopped",
+             [({"stage": k}, v) for k, v in sorted(res.order.preemptions.items())])
+    t.metric("ace_engine_prefetch_cancelled_total", "counter",
+             "Prefetch loads given up (no_room: room only by evicting what requests use)",
+             [({"reason": k}, v) for k, v in sorted(res.order.cancelled.items())])
     snap = res.snapshot()
     t.metric("ace_engine_adapter_tier", "gauge", "1 for the tier each known adapter is in",
              [({"adapter": n, "tier": s["tier"]}, 1) for n, s in sorted(snap.items())])

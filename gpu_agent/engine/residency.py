@@ -6,8 +6,15 @@
   usable by a batch; ``hold=True`` also keeps it in the pool until :meth:`release`
   (the engine holds an adapter for as long as one of its sequences runs).
 - ``await prefetch(name, tier="pool") -> tier_before``: move it up ahead of a request.
+  A prefetch's load yields to every request's load (:mod:`gpu_agent.engine.load_order`):
+  it starts only while none is in flight, pauses at its checkpoints when one arrives,
+  and gives up rather than wait for room.
+- Claims: from the moment ``ensure_resident(hold=True)`` is called (the engine accepted
+  the request) until :meth:`release` (or the failed load), the adapter is *claimed*:
+  neither the pool's LRU nor :meth:`evict` takes it, so nothing (a prefetch, the agent's
+  eviction hint, another request's load) can evict it between its load and its use.
 - ``evict(name, tier="pool")``: drop it from the pool (and from host memory with
-  ``tier="host"``); refused (AdapterBusy) while a sequence holds it.
+  ``tier="host"``); refused (AdapterBusy) while a sequence holds it or a request claims it.
 - ``pin`` / ``unpin``: keep an adapter in the pool regardless of LRU.
 - ``register`` / ``unregister``: adapters added at run time (vLLM-style load endpoint).
 - ``left_pool_listeners``: called on the event loop with the name of every adapter that
@@ -39,6 +46,7 @@ from urllib.parse import unquote, urlparse
 
 from gpu_agent import errors as core
 from gpu_agent.engine.errors import AdapterUnavailable, EngineError, ModelNotFound
+from gpu_agent.engine.load_order import LoadOrder, LoadTicket
 
 __all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "AdapterResidency",
            "TIERS"]
@@ -144,8 +152,11 @@ class AdapterResidency:
         self.source: AdapterSource = source or LocalSource()
         self._verified: set[str] = set()  # digests checked once, when first read from disk
         self._holds: dict[str, int] = {}
+        self._claims: dict[str, int] = {}  # requests accepted and not finished, per adapter
         self._user_pins: set[str] = set()
         self._inflight: dict[str, asyncio.Future] = {}
+        self._tickets: dict[str, LoadTicket] = {}
+        self.order = LoadOrder()
         # loads into the pool by the tier they came from: one per load, however many
         # requests shared it
         self.loads: dict[str, int] = {t: 0 for t in TIERS}
@@ -155,6 +166,7 @@ class AdapterResidency:
         self.left_pool_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         pool.release_listeners.append(self._pool_released)
+        pool.claimed = self.claimed
 
     # -- names and tiers ---------------------------------------------------------------
 
@@ -189,40 +201,72 @@ class AdapterResidency:
     def held(self, name: str) -> int:
         return self._holds.get(name, 0)
 
+    def claimed(self, name: str) -> bool:
+        """A request the engine accepted is about to use (or uses) ``name``."""
+        return self._claims.get(name, 0) > 0
+
+    def claimed_names(self) -> set[str]:
+        return {n for n, c in list(self._claims.items()) if c > 0}
+
     # -- moving up ---------------------------------------------------------------------
 
-    async def ensure_resident(self, name: str, *, hold: bool = False) -> tuple[str, float]:
-        """Make ``name`` resident in the pool; ``(tier it was in, measured wait in ms)``."""
+    async def ensure_resident(self, name: str, *, hold: bool = False,
+                              prefetch: bool = False) -> tuple[str, float]:
+        """Make ``name`` resident in the pool; ``(tier it was in, measured wait in ms)``.
+
+        ``hold=True`` (a request): claimed from now on, held once resident, until
+        :meth:`release`. ``prefetch=True``: a load that yields to requests' loads and
+        gives up (PoolExhausted) rather than wait for room."""
         t0 = time.perf_counter()
         tier_before = self.tier(name)
-        if hold and self._holds.get(name, 0) > 0:
-            self._holds[name] += 1  # pinned already by an earlier holder
-            self.pool.touch(name)
-            return "pool", (time.perf_counter() - t0) * 1e3
-        if tier_before == "pool":
-            try:
-                if hold:
-                    self.pool.pin(name)
-                else:
-                    self.pool.touch(name)
-            except core.AdapterNotResident:  # evicted between the check and the pin
-                tier_before = self.tier(name)
-            else:
-                if hold:
-                    self._holds[name] = 1
+        if hold:
+            self._claims[name] = self._claims.get(name, 0) + 1
+        try:
+            if hold and self._holds.get(name, 0) > 0:
+                self._holds[name] += 1  # pinned already by an earlier holder
+                self.pool.touch(name)
                 return "pool", (time.perf_counter() - t0) * 1e3
-        await self._load_when_room(name, pin=hold)
+            if tier_before == "pool":
+                try:
+                    if hold:
+                        self.pool.pin(name)
+                    else:
+                        self.pool.touch(name)
+                except core.AdapterNotResident:  # evicted between the check and the pin
+                    tier_before = self.tier(name)
+                else:
+                    if hold:
+                        self._holds[name] = 1
+                    return "pool", (time.perf_counter() - t0) * 1e3
+            await self._load_when_room(name, pin=hold, prefetch=prefetch and not hold)
+        except BaseException:
+            if hold:
+                self._unclaim(name)
+            raise
         if hold:
             self._holds[name] = self._holds.get(name, 0) + 1
         ms = (time.perf_counter() - t0) * 1e3
         self.last_load[name] = LoadRecord(tier_before, ms, time.time())
         return tier_before, ms
 
+    def _unclaim(self, name: str) -> None:
+        n = self._claims.get(name, 0) - 1
+        if n > 0:
+            self._claims[name] = n
+        else:
+            self._claims.pop(name, None)
+            self._wake_room()
+
+    def _wake_room(self) -> None:
+        self._room.set()  # pages may have become evictable: wake loads waiting for room
+        self._room = asyncio.Event()
+
     def release(self, name: str) -> None:
         """One holder is done; the last one unpins (unless pinned on purpose)."""
         n = self._holds.get(name, 0) - 1
         if n > 0:
             self._holds[name] = n
+            self._unclaim(name)
             return
         self._holds.pop(name, None)
         if name not in self._user_pins:
@@ -230,8 +274,7 @@ class AdapterResidency:
                 self.pool.unpin(name)
             except core.AdapterNotResident:
                 pass
-            self._room.set()  # pages may have become evictable: wake loads waiting for room
-            self._room = asyncio.Event()
+        self._unclaim(name)
 
     async def prefetch(self, name: str, tier: str = "pool") -> str:
         """Move ``name`` up to ``tier`` (``pool`` or ``host``); returns where it was."""
@@ -239,7 +282,7 @@ class AdapterResidency:
             raise ValueError(f"prefetch tier must be pool or host, got {tier!r}")
         before = self.tier(name)
         if tier == "pool":
-            await self.ensure_resident(name)
+            await self.ensure_resident(name, prefetch=True)
         elif before not in ("pool", "host"):
             await self._to_host(name)
         return before
@@ -250,8 +293,8 @@ class AdapterResidency:
         AdapterBusy while a running sequence holds it or it is pinned.
         """
         self.entry(name)
-        if self._holds.get(name):
-            raise core.AdapterBusy(f"adapter {name!r} is used by running requests")
+        if self._holds.get(name) or self.claimed(name):
+            raise core.AdapterBusy(f"adapter {name!r} is used by running or accepted requests")
         self._note_loop()
         removed = False
         if self.pool.contains(name):
@@ -277,15 +320,16 @@ class AdapterResidency:
                 self._user_pins.discard(name)
             raise
 
-    async def ensure_pinned(self, name: str) -> str:
+    async def ensure_pinned(self, name: str, *, prefetch: bool = False) -> str:
         """Load ``name`` and pin it in one step (no window in which another load's LRU
-        eviction can take it between the load and the pin); returns the tier it was in."""
+        eviction can take it between the load and the pin); returns the tier it was in.
+        ``prefetch``: as in :meth:`ensure_resident`."""
         self.entry(name)
         before = self.tier(name)
         was_pinned = name in self._user_pins
         self._user_pins.add(name)  # first: a holder's release must not unpin it meanwhile
         try:
-            await self._load_when_room(name, pin=True)
+            await self._load_when_room(name, pin=True, prefetch=prefetch)
         except BaseException:
             if not was_pinned:
                 self._user_pins.discard(name)
@@ -340,41 +384,65 @@ class AdapterResidency:
             except Exception:  # noqa: BLE001 - a listener's failure must not stop the engine
                 log.exception("left-pool listener failed for %s", name)
 
-    async def _load_when_room(self, name: str, *, pin: bool) -> None:
+    async def _load_when_room(self, name: str, *, pin: bool, prefetch: bool = False) -> None:
         """Load; when the pool is full of held adapters, wait for a holder to finish
-        (as S-LoRA queues a request whose adapter does not fit yet) instead of failing."""
-        deadline = time.monotonic() + self.room_timeout_s
-        while True:
-            room = self._room
+        (as S-LoRA queues a request whose adapter does not fit yet) instead of failing.
+        A request's load counts as in flight (prefetches yield to it) the whole time; a
+        prefetch never waits for room: it is given up (cancelled, ``no_room``)."""
+        if prefetch:
             try:
-                await self._load(name, pin=pin)
-                return
+                await self._load(name, pin=pin, prefetch=True)
             except core.PoolExhausted:
-                adapter = self.tiers.host.get(name)
-                never_fits = adapter is not None and self.pool.pages_for(adapter) > self.pool.num_pages
-                left = deadline - time.monotonic()
-                if never_fits or not self._holds or left <= 0:
-                    raise
-            try:
-                await asyncio.wait_for(room.wait(), timeout=left)
-            except asyncio.TimeoutError:
-                pass  # one last try, then raise
-
-    async def _load(self, name: str, *, pin: bool) -> None:
-        self._loop = asyncio.get_running_loop()  # pool releases during the load are heard here
-        fut = self._inflight.get(name)
-        if fut is None and self._swap_inline(name, pin):
+                self.order.cancel("no_room")
+                raise
             return
-        if fut is None:
-            fut = asyncio.ensure_future(self._load_once(name))
-            self._inflight[name] = fut
-            fut.add_done_callback(lambda _f, n=name: self._inflight.pop(n, None))
-        await asyncio.shield(fut)
-        if pin:
+        async with self.order.demand():
+            deadline = time.monotonic() + self.room_timeout_s
+            while True:
+                room = self._room
+                try:
+                    await self._load(name, pin=pin, prefetch=False)
+                    return
+                except core.PoolExhausted:
+                    adapter = self.tiers.host.get(name)
+                    never_fits = adapter is not None and self.pool.pages_for(adapter) > self.pool.num_pages
+                    left = deadline - time.monotonic()
+                    # room comes back only when a request using a resident adapter ends
+                    waitable = any(n != name and self.pool.contains(n) for n in list(self._claims))
+                    if never_fits or not waitable or left <= 0:
+                        raise
+                try:
+                    await asyncio.wait_for(room.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    pass  # one last try, then raise
+
+    async def _load(self, name: str, *, pin: bool, prefetch: bool) -> None:
+        self._loop = asyncio.get_running_loop()  # pool releases during the load are heard here
+        while True:
+            fut = self._inflight.get(name)
+            if fut is None and not prefetch and self._swap_inline(name, pin):
+                return
+            if fut is None:
+                ticket = LoadTicket(name, prefetch)
+                fut = asyncio.ensure_future(self._load_once(name, ticket))
+                self._inflight[name] = fut
+                self._tickets[name] = ticket
+                fut.add_done_callback(lambda _f, n=name: self._load_finished(n, _f))
+            elif not prefetch and name in self._tickets:
+                self.order.promote(self._tickets[name])  # a request joined a prefetch's load
+            await asyncio.shield(fut)
+            if not pin:
+                return
             try:
                 self.pool.pin(name)
+                return
             except core.AdapterNotResident:  # evicted right after the shared load: load again
-                await self._load_once(name, pin=True)
+                continue                     # (registered as loading, like any load)
+
+    def _load_finished(self, name: str, fut: asyncio.Future) -> None:
+        if self._inflight.get(name) is fut:
+            del self._inflight[name]
+            self._tickets.pop(name, None)
 
     def _swap_inline(self, name: str, pin: bool) -> bool:
         """A small host -> pool copy on a CPU pool, done right here on the loop when no other
@@ -395,26 +463,43 @@ class AdapterResidency:
         self.loads["host"] = self.loads.get("host", 0) + 1
         return True
 
-    async def _load_once(self, name: str, pin: bool = False) -> None:
+    async def _load_once(self, name: str, ticket: LoadTicket) -> None:
         try:
-            await self._load_from_source(name, pin)
+            if ticket.prefetch:
+                async with self.order.prefetch_slot(ticket):
+                    await self._load_from_source(name, ticket)
+            else:
+                await self._load_from_source(name, ticket)
         except (core.AgentError, EngineError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - anything else is an internal load failure
             raise _unavailable(name, exc) from exc
 
-    async def _load_from_source(self, name: str, pin: bool) -> None:
-        path, digest = None, None
+    async def _load_from_source(self, name: str, ticket: LoadTicket) -> None:
         tier = self.tier(name)
-        if self.tiers.where(name) is None:  # not in host memory: the source gives a directory
-            entry = self.entry(name)
-            path, verify = await self.source.local_dir(entry)
-            if verify and entry.sha256 and entry.sha256 not in self._verified:
-                digest = entry.sha256
-        try:
-            await asyncio.to_thread(self.tiers.ensure, name, path, digest, pin=pin)
-        except FileNotFoundError as exc:
-            raise core.AdapterNotFound(f"adapter {name}: {exc}") from exc
+        while True:
+            path, digest = None, None
+            if self.tiers.where(name) is None:  # not in host memory: the source gives a directory
+                entry = self.entry(name)
+                path, verify = await self.source.local_dir(entry)
+                if verify and entry.sha256 and entry.sha256 not in self._verified:
+                    digest = entry.sha256
+                if self.order.should_yield(ticket, "fetch"):
+                    await self.order.pause(ticket, "fetch")
+                    continue  # its files are kept meanwhile: it is loading (``loading()``)
+            try:
+                await asyncio.to_thread(self.tiers.ensure, name, path, digest, pin=False,
+                                        should_yield=lambda stage: self.order.should_yield(ticket, stage))
+            except core.LoadYielded as exc:
+                await self.order.pause(ticket, exc.stage)
+                continue
+            except core.AdapterNotFound:
+                if path is None and self.tiers.where(name) is None:
+                    continue  # its host copy left between the check and the read: from disk
+                raise
+            except FileNotFoundError as exc:
+                raise core.AdapterNotFound(f"adapter {name}: {exc}") from exc
+            break
         if digest:
             self._verified.add(digest)
         if tier != "pool":

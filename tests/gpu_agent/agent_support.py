@@ -51,14 +51,17 @@ class FakeConnector(EngineConnector):
         self.load_delay_s = load_delay_s
         self.held: dict[str, Path] = {}
         self.calls: list[tuple[str, str]] = []
+        self.demands: list[bool] = []   # per load: a request's (True) or a prefetch (False)
         self.busy_set: set[str] = set()
         self.down = False
         self.fail_loads = False
         self.engine_load_value: EngineLoad | None = None  # what engine_load() answers
         self.engine_load_error: Exception | None = None   # ... or raises
 
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False) -> None:
+    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+                   demand: bool = False) -> None:
         self.calls.append(("load", spec.name))
+        self.demands.append(demand)
         if self.down:
             raise EngineUnavailable("fake engine down")
         if self.fail_loads:

@@ -64,6 +64,8 @@ def test_hints_that_may_not_go_fall_back_to_the_lru(tmp_path):
             assert set(eng.held) == {"a2", "a3", "a4"}
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 0
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device") == 1
+            # the one a request was about to use is counted as skipped (pinned ones are not)
+            assert mgr.metrics.counter("ace_agent_prefetch_victims_skipped_total", reason="in_use") == 1
         finally:
             await mgr.close()
     run(main())

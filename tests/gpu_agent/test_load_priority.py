@@ -1,0 +1,362 @@
+"""Loading that never hurts: a request's load goes before prefetches, a prefetch yields to
+one that arrives, and a prefetch never evicts an adapter a request is about to use.
+
+The interleavings are driven by hooks (threading events in the engine's load thread),
+never by sleeps. The first test is the regression of the benchmark's 404: a valid
+request answered ``404 not_found_error`` by the engine while a prefetch ran.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
+from tests.gpu_agent.agent_support import static_server
+from tests.support.vllm import fixtures_dir
+from tests.support.wait import async_wait_until, scaled
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    pytest.importorskip("torch")
+    return fixtures_dir(tmp_path_factory)
+
+
+def _remote_catalog(fixtures: Path, tmp_path: Path, base: str) -> Path:
+    doc = yaml.safe_load((fixtures / "catalog.yaml").read_text())
+    doc["base_model"]["path"] = str((fixtures / doc["base_model"]["path"]).resolve())
+    for a in doc["adapters"]:
+        a["uri"] = f"{base}/{a['name']}"
+    out = tmp_path / "remote-catalog.yaml"
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
+class LoadHook:
+    """Wraps the engine's load thread (``AdapterTiers.ensure``): the calls for ``name`` are
+    counted, and each can be held (``hold_after``: after its pool copy; ``hold_before``:
+    before it starts) until the test lets it go."""
+
+    def __init__(self, tiers, name: str):
+        self.tiers, self.name, self.real = tiers, name, tiers.ensure
+        self.calls = 0
+        self.reached = [threading.Event(), threading.Event()]
+        self.go = [threading.Event(), threading.Event()]
+        tiers.ensure = self
+
+    def __call__(self, name, *args, **kwargs):
+        if name != self.name:
+            return self.real(name, *args, **kwargs)
+        i = min(self.calls, 1)
+        self.calls += 1
+        if i == 0:  # the first load of `name`: hold it after its copy into the pool
+            out = self.real(name, *args, **kwargs)
+            self.reached[0].set()
+            self.go[0].wait(scaled(30))
+            return out
+        self.reached[1].set()  # a second load of `name`: hold it before it reads its files
+        self.go[1].wait(scaled(30))
+        return self.real(name, *args, **kwargs)
+
+
+async def _builtin_agent(fixtures: Path, tmp_path: Path, base: str, max_adapters: int):
+    from gpu_agent.connectors.builtin import BuiltinConnector
+    from gpu_agent.engine.core import EngineSettings
+    from gpu_agent.residency import ResidencyBudgets, ResidencyManager
+
+    cat_path = _remote_catalog(fixtures, tmp_path, base)
+    catalog = Catalog.from_yaml(cat_path)
+    # make bench's cold setting: resident-only disk cache, no parsed host copies
+    store = ArtifactStore(catalog, DiskCache(tmp_path / "cache", 0))
+    conn = BuiltinConnector(store, EngineSettings(catalog=cat_path, pool_bytes=16 << 20,
+                                                  host_cache_bytes=0, max_adapters=max_adapters,
+                                                  batch_window_ms=0.0), http_port=0)
+    mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(device_count=max_adapters,
+                                                                  reconcile_interval_s=0))
+    await mgr.start()
+    return mgr, conn
+
+
+def test_a_prefetch_hint_never_evicts_the_adapter_a_request_is_loading_regression_404(fixtures, tmp_path):
+    """The benchmark's 404, reproduced. A request for X is accepted and X's cold load has
+    just put it in the pool; before the request holds it, the gateway's speculation
+    prefetches Y naming X as the victim (its model of the pool had X as LRU). Before the
+    fix the agent evicted X (not yet "busy"), the request loaded X again with nothing
+    protecting X's files, a fetch of another adapter dropped them from the resident-only
+    disk cache, and the request got ``404 not_found_error``. Now X is the request's from
+    the moment the engine accepts it (claimed), and the prefetch waits for the request's
+    load before it decides anything: X is loaded once and the request is served."""
+    X, A, Y, Z = "code-sql", "med-triage", "fin-reports", "tr-de-en"
+
+    async def main():
+        async with static_server(fixtures / "adapters") as (base, _hits):
+            mgr, conn = await _builtin_agent(fixtures, tmp_path, base, max_adapters=2)
+            hook = LoadHook(conn.engine.residency.tiers, X)
+            try:
+                await mgr.ensure_resident(A)
+                async with httpx.AsyncClient(base_url=conn.url, timeout=scaled(60)) as client:
+                    req = asyncio.ensure_future(client.post(
+                        "/v1/completions", json={"model": X, "prompt": "SELECT", "max_tokens": 2}))
+                    await async_wait_until(hook.reached[0].is_set, what="X copied into the pool")
+                    await mgr.reconcile()  # the agent sees X in the pool (its reconcile loop)
+                    mgr.prefetch(Y, reason="predicted", evict=[X])
+
+                    def hint_decided_or_waiting():
+                        m = mgr.metrics
+                        order = getattr(conn.engine.residency, "order", None)  # (None before the fix)
+                        return (m.counter("ace_agent_evictions_total", tier="device", reason="hint")
+                                + m.counter("ace_agent_prefetch_victims_skipped_total", reason="in_use")
+                                + (order.idle_waiters if order is not None else 0))
+                    await async_wait_until(hint_decided_or_waiting,
+                                           what="the prefetch's hint decided, or the prefetch waiting its turn")
+                    hook.go[0].set()
+                    await async_wait_until(lambda: hook.reached[1].is_set() or req.done(),
+                                           what="the request served, or X loaded again")
+                    if hook.reached[1].is_set():
+                        # X is being loaded again: a fetch for another adapter runs meanwhile
+                        mgr.prefetch(Z, reason="predicted")
+                        await async_wait_until(lambda: mgr.store.local_path(mgr.catalog.get(Z)) is not None,
+                                               what="Z fetched")
+                        hook.go[1].set()
+                    r = await req
+                assert r.status_code == 200, r.text
+                assert hook.calls == 1                       # X was loaded once, never again
+                await async_wait_until(lambda: mgr.view(Y).tier.value == "device", what="Y loaded after")
+                assert mgr.metrics.counter("ace_agent_prefetch_preemptions_total", stage="agent") == 1
+            finally:
+                for ev in hook.go:
+                    ev.set()
+                await mgr.close()
+    run(main())
+
+
+# ---- the engine's load order (builtin engine, driven directly) ------------------------------
+
+BIG, SMALL, OTHER = "legal-review", "code-sql", "med-triage"   # 919,616 B: a copy in chunks
+
+
+def _engine(fixtures: Path, **kw):
+    from gpu_agent.engine import Engine, EngineSettings
+
+    kw.setdefault("pool_bytes", 16 << 20)
+    return Engine.create(EngineSettings(catalog=fixtures / "catalog.yaml", host_cache_bytes=0,
+                                        batch_window_ms=0.0, **kw))
+
+
+class Checkpoints:
+    """``LoadOrder.checkpoint_hook``: records every prefetch checkpoint and holds the one
+    numbered ``hold_at`` of ``stage`` (on the load thread) until ``go`` is set."""
+
+    def __init__(self, order, stage: str, hold_at: int = 1):
+        self.stage, self.hold_at = stage, hold_at
+        self.seen: list[tuple[str, str]] = []
+        self.reached, self.go = threading.Event(), threading.Event()
+        order.checkpoint_hook = self
+
+    def __call__(self, name: str, stage: str) -> None:
+        self.seen.append((name, stage))
+        if stage == self.stage and sum(s == stage for _, s in self.seen) == self.hold_at:
+            self.reached.set()
+            self.go.wait(scaled(30))
+
+
+def _preempted_by_a_request(fixtures, stage: str, hold_at: int):
+    """A prefetch of BIG held at its ``hold_at``-th ``stage`` checkpoint; meanwhile a second
+    prefetch is queued and a request for SMALL arrives; then the prefetch is let go."""
+    async def main():
+        engine = _engine(fixtures)
+        res = engine.residency
+        hook = Checkpoints(res.order, stage, hold_at)
+        events = hook.seen  # checkpoints (name, stage) and finished loads ("done", label)
+
+        async def step(label, coro):
+            await coro
+            events.append(("done", label))
+        try:
+            first = asyncio.ensure_future(step("prefetch", res.prefetch(BIG)))
+            await async_wait_until(hook.reached.is_set, what=f"the prefetch at its {stage} checkpoint")
+            queued = asyncio.ensure_future(step("queued prefetch", res.prefetch(OTHER)))
+            request = asyncio.ensure_future(step("request", res.ensure_resident(SMALL, hold=True)))
+            await async_wait_until(lambda: res.order.demand_in_flight == 1, what="the request's load in flight")
+            marker = len(events)
+            hook.go.set()
+            await asyncio.gather(first, queued, request)
+            after = events[marker:]
+            # the request's load finished before any prefetch checkpoint ran again: the held
+            # prefetch stopped and resumed only after it; the queued one started after it
+            assert after[0] == ("done", "request"), after
+            assert [e for e in after if e[0] == "done"] == [("done", "request"), ("done", "prefetch"),
+                                                           ("done", "queued prefetch")]
+            assert res.tier(BIG) == "pool" and res.tier(OTHER) == "pool"
+            assert res.order.preemptions == {stage: 1}
+            assert res.order.demand_in_flight == 0
+            res.release(SMALL)
+            engine.pool.check_invariants()
+            from gpu_agent.engine.metrics import render_metrics
+            from gpu_agent.engine.server import HttpStats
+            return res.loads, render_metrics(engine, HttpStats())
+        finally:
+            hook.go.set()
+            await engine.close()
+    return run(main())
+
+
+def test_a_prefetch_yields_mid_copy_to_a_request_that_arrives(fixtures):
+    """Held between two chunks of its pool copy: the request's load arrives, the prefetch
+    stops there (its partial copy freed), the request loads, then the prefetch loads."""
+    from gpu_agent.pool import COPY_CHUNK_BYTES
+
+    assert 919616 > 2 * COPY_CHUNK_BYTES
+    loads, text = _preempted_by_a_request(fixtures, "copy", hold_at=2)  # 1st: before it evicts anything
+    assert loads["disk"] == 3
+    assert 'ace_engine_prefetch_preemptions_total{stage="copy"} 1' in text  # the engine's /metrics
+
+
+def test_a_request_goes_before_a_prefetch_about_to_read(fixtures):
+    _preempted_by_a_request(fixtures, "read", hold_at=1)
+
+
+def test_a_request_joining_a_prefetch_of_its_adapter_promotes_it(fixtures):
+    """The request needs the adapter the prefetch is loading: it waits for that load, which
+    no longer yields (it would wait for itself)."""
+    async def main():
+        engine = _engine(fixtures)
+        res = engine.residency
+        hook = Checkpoints(res.order, "read")
+        try:
+            first = asyncio.ensure_future(res.prefetch(BIG))
+            await async_wait_until(hook.reached.is_set, what="the prefetch at its read checkpoint")
+            request = asyncio.ensure_future(res.ensure_resident(BIG, hold=True))
+            await async_wait_until(lambda: res.order.demand_in_flight == 1, what="the request's load in flight")
+            hook.go.set()
+            tier, _ms = await asyncio.wait_for(request, scaled(30))
+            await first
+            assert tier == "disk" and res.held(BIG) == 1
+            assert res.order.preemptions == {} and res.loads["disk"] == 1
+            res.release(BIG)
+        finally:
+            hook.go.set()
+            await engine.close()
+    run(main())
+
+
+def test_eviction_never_takes_an_adapter_a_request_was_accepted_for(fixtures):
+    """Claimed (accepted, not yet finished) = never evicted: not by the pool's LRU, not by
+    ``evict`` (the agent's hint); a prefetch that could only make room that way is given up
+    at once (cancelled, ``no_room``) instead of waiting."""
+    from gpu_agent.connectors.builtin import BuiltinConnector
+    from gpu_agent.errors import AdapterBusy, PoolExhausted
+
+    async def main():
+        engine = _engine(fixtures, max_adapters=1)
+        res = engine.residency
+        try:
+            await res.ensure_resident(SMALL, hold=True)    # accepted and running ...
+            res.release(SMALL)
+            res._claims[SMALL] = 1                          # ... a second request accepted, not yet held
+            with pytest.raises(AdapterBusy):
+                res.evict(SMALL)
+            assert SMALL in await BuiltinConnector(None, engine=engine).busy()  # the agent skips it
+            with pytest.raises(PoolExhausted):
+                await asyncio.wait_for(res.prefetch(OTHER), scaled(30))
+            assert res.tier(SMALL) == "pool" and res.order.cancelled == {"no_room": 1}
+            res._unclaim(SMALL)
+            await res.prefetch(OTHER)                       # unclaimed: the LRU may take it now
+            assert res.tier(SMALL) != "pool" and res.tier(OTHER) == "pool"
+        finally:
+            await engine.close()
+    run(main())
+
+
+def test_pool_lru_skips_claimed_adapters(fixtures):
+    from gpu_agent.errors import AdapterBusy
+
+    async def main():
+        engine = _engine(fixtures, max_adapters=2)
+        res, pool = engine.residency, engine.pool
+        try:
+            await res.ensure_resident(SMALL)
+            await res.ensure_resident(OTHER)
+            claimed = {SMALL}
+            pool.claimed = lambda name: name in claimed      # SMALL is the LRU, but claimed
+            await res.ensure_resident(BIG)
+            assert set(pool.resident()) == {SMALL, BIG}
+            with pytest.raises(AdapterBusy):
+                pool.evict(SMALL)
+            pool.check_invariants()
+        finally:
+            await engine.close()
+    run(main())
+
+
+# ---- the agent: a request's load before queued prefetches -------------------------------------
+
+def test_agent_request_load_goes_before_queued_prefetches(tmp_path):
+    from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager
+
+    class GatedConnector(FakeConnector):
+        def __init__(self):
+            super().__init__()
+            self.gates: dict[str, asyncio.Event] = {}
+            self.entered: list[str] = []
+
+        async def load(self, spec, path, *, pinned=False, demand=False):
+            self.entered.append(spec.name)
+            gate = self.gates.get(spec.name)
+            if gate is not None:
+                await gate.wait()
+            await super().load(spec, path, pinned=pinned, demand=demand)
+
+    async def main():
+        eng = GatedConnector()
+        eng.gates["p1"] = asyncio.Event()
+        mgr = make_manager(make_catalog(tmp_path, ["p1", "p2", "p3", "d"]), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            for name in ("p1", "p2", "p3"):
+                mgr.prefetch(name, reason="predicted")
+            await async_wait_until(lambda: eng.entered == ["p1"], what="p1 in its device stage")
+            request = asyncio.ensure_future(mgr.ensure_resident("d"))
+            await async_wait_until(lambda: "d" in mgr._inflight, what="the request's load started")
+            eng.gates["p1"].set()
+            await request
+            await async_wait_until(lambda: len(eng.calls) == 4, what="every load done")
+            assert [n for _, n in eng.calls] == ["p1", "d", "p2", "p3"]
+            assert eng.demands == [False, True, False, False]
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_agent_metrics_show_the_engine_load_order_counters(tmp_path):
+    """The builtin engine counts its own preemptions and cancellations; the agent's
+    /metrics shows them beside its own (stage="agent"), read at every scrape."""
+    from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager
+
+    class OrderingEngine(FakeConnector):
+        stats = {"preemptions": {"copy": 2, "read": 1}, "cancelled": {"no_room": 3}}
+
+        def load_order_stats(self):
+            return self.stats
+
+    eng = OrderingEngine()
+    mgr = make_manager(make_catalog(tmp_path, ["a1"]), tmp_path / "cache", eng)
+    mgr.metrics.inc("ace_agent_prefetch_preemptions_total", stage="agent")
+    text = mgr.metrics.render()
+    for line in ('ace_agent_prefetch_preemptions_total{stage="agent"} 1',
+                 'ace_agent_prefetch_preemptions_total{stage="copy"} 2',
+                 'ace_agent_prefetch_preemptions_total{stage="read"} 1',
+                 'ace_agent_prefetch_cancelled_total{reason="no_room"} 3',
+                 "# TYPE ace_agent_prefetch_preemptions_total counter"):
+        assert line in text
+    eng.stats = {"preemptions": {"copy": 5}, "cancelled": {}}
+    assert mgr.metrics.counter("ace_agent_prefetch_preemptions_total", stage="copy") == 5
