@@ -1,18 +1,21 @@
 """ext_proc phases as plain objects: one ``Exchange`` per HTTP request (= per gRPC stream).
 
-Handlers are registered per route path; an unknown path gets ``PassThrough``. Errors
-raised anywhere below become an OpenAI-shaped immediate response here, and only here.
+Handlers are registered per route path; any other path gets ``KeyRequired`` (a valid
+key, then forwarded untouched; the engines' administration API refused). Errors raised
+anywhere below become an OpenAI-shaped immediate response here, and only here.
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
+from urllib.parse import unquote
 from typing import Any, Mapping, Protocol
 
 from extproc.auth import Principal, authenticate
 from extproc.decision import InferenceRequest, decide
-from extproc.errors import (BadRequest, GatewayError, InvalidField, MethodNotAllowed,
+from extproc.errors import (BadRequest, Forbidden, GatewayError, InvalidField, MethodNotAllowed,
                             PayloadTooLarge)
 from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
@@ -26,12 +29,26 @@ from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
 
 __all__ = ["Continue", "Reply", "RequestHead", "Gateway", "Exchange", "CONTINUE",
-           "TENANT_HEADER"]
+           "TENANT_HEADER", "ENGINE_ADMIN_PATHS", "OPEN_PATHS"]
 
 log = logging.getLogger(__name__)
 
 TENANT_HEADER = "x-ace-tenant-id"
 SKILL_OVERRIDE_HEADER = "x-ace-skill-override"
+
+#: The engines' own administration (vLLM's and SGLang's runtime adapter, weight, cache and
+#: profiler endpoints). The gateway and the agents own what an engine loads: a client never
+#: reaches these through the gateway, whatever its key.
+ENGINE_ADMIN_PATHS = frozenset({
+    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",                       # vLLM
+    "/load_lora_adapter", "/unload_lora_adapter",                             # SGLang
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/init_weights_update_group", "/flush_cache", "/reset_prefix_cache", "/start_profile",
+    "/stop_profile", "/sleep", "/wake_up", "/collective_rpc", "/pause", "/resume", "/abort_request",
+})
+#: Open without a key, GET/HEAD only: liveness for load balancers; carries no tenant data.
+OPEN_PATHS = frozenset({"/health"})
+_SLASHES = re.compile(r"/{2,}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +101,32 @@ class Handler(Protocol):
     def on_response_body(self, body: bytes) -> Outcome: ...
 
 
-class PassThrough:
+def _engine_path(path: str) -> str:
+    """The path as an engine's router reads it: percent-decoded, slashes merged, no trailing
+    slash (Envoy normalizes too; this check must not depend on it)."""
+    return _SLASHES.sub("/", unquote(path)).rstrip("/") or "/"
+
+
+class KeyRequired:
+    """Any other path on ace's host: a valid key (authentication is never bypassed: an
+    engine's other endpoints list adapters, tokenize, embed...), then forwarded untouched;
+    headers only, the body streams. Engine administration is refused even with a key."""
+
     response_body_phase = False
+    headers_only = True
 
     def __init__(self, gw: Gateway) -> None:
-        pass
+        self.gw = gw
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
+        path = _engine_path(head.path)
+        if path in OPEN_PATHS and head.method in ("GET", "HEAD"):
+            return CONTINUE
+        h = head.headers
+        authenticate(self.gw.store.snapshot, h.get("authorization"), h.get(TENANT_HEADER))
+        if path in ENGINE_ADMIN_PATHS:
+            raise Forbidden(f"{head.path} is the engine's administration API; ace manages the "
+                            "engines' adapters", code="engine_admin_forbidden")
         return CONTINUE
 
     def on_request_body(self, body: bytes) -> Outcome:
@@ -261,7 +297,7 @@ class Exchange:
             return _error_reply(GatewayError("internal gateway error"))
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
-        self.handler = ROUTES.get(head.path, PassThrough)(self.gw)
+        self.handler = ROUTES.get(head.path, KeyRequired)(self.gw)
         return self._guard(self.handler.on_request_headers, head)
 
     def on_request_body(self, body: bytes, head: RequestHead | None = None) -> Outcome:
@@ -287,4 +323,6 @@ class Exchange:
         while the request is upstream cannot fail it (fail-closed, that would be a 503)."""
         if phase == "response_body":
             return True
+        if phase == "request_headers":
+            return getattr(self.handler, "headers_only", False)
         return phase == "request_body" and (self.handler is None or not self.handler.response_body_phase)

@@ -189,8 +189,11 @@ def test_istio_gateway_runs_the_dropin_filters_settings_routes_and_clusters():
         for name, value in per_filter.items():
             assert value == dper_filter.get(name, neutral[name]), (droute["match"], name)
         assert route == {k: v for k, v in droute.items() if k != "typed_per_filter_config"}
-    assert catch_all["typed_per_filter_config"]["envoy.filters.http.ext_proc"] == {
-        "@type": EXT_PROC_PER_ROUTE, "disabled": True}
+    # the drop-in's catch-all (key check, headers only) is not copied: the ace host's other
+    # paths are its own VirtualService's ("app")
+    assert catch_all["match"] == {"prefix": "/"}
+    assert catch_all["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
+        "processing_mode"]["request_body_mode"] == "NONE"
     # other hosts: untouched
     stand_in = {v["name"]: v for v in hcm_of(ingress_gateway(port=DEFAULTS["listener_port"], admin_port=18091))[
         "route_config"]["virtual_hosts"]}

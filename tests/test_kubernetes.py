@@ -461,7 +461,7 @@ def test_standalone_envoy_config_is_rendered_from_the_template_and_validates(tmp
     committed = (STANDALONE / "envoy.yaml").read_text()
     assert committed.endswith(fresh), (
         f"re-render: python -m extproc.envoy_config --out {STANDALONE.relative_to(REPO)}/envoy.yaml "
-        f"--extproc {extproc} --upstream {default_upstream} --fail-closed (and keep its header)")
+        f"--extproc {extproc} --upstream {default_upstream} (and keep its header)")
     config = next(o for o in objs if o["kind"] == "ConfigMap" and "envoy.yaml" in o.get("data", {}))["data"]
     (tmp_path / "envoy.yaml").write_text(config["envoy.yaml"])
     out = envoy_validate(tmp_path / "envoy.yaml")

@@ -86,13 +86,15 @@ def _hcm(config: dict) -> tuple[dict, dict]:
 
 
 def ace_routes(config: dict) -> list[dict]:
-    """The drop-in's routes without its catch-all (which only switches ext_proc and the
-    buffer off), named, each switching on the ace filters it does not configure."""
+    """The drop-in's routes without its catch-all (key check on the engine's other paths: in
+    the mesh, the ace host's other paths are its VirtualService's own, guarded by the mesh's
+    AuthorizationPolicy, docs/gateway.md), named, each switching on the ace filters it does
+    not configure."""
     _, hcm = _hcm(config)
     (vhost,) = hcm["route_config"]["virtual_hosts"]
     *routes, catch_all = copy.deepcopy(vhost["routes"])
     assert catch_all["match"] == {"prefix": "/"}, "the drop-in's last route must be its catch-all"
-    assert catch_all["typed_per_filter_config"][EXT_PROC].get("disabled") is True
+    assert catch_all["typed_per_filter_config"][BUFFER].get("disabled") is True
     filters = {f["name"]: f for f in hcm["http_filters"]}
     out = []
     for i, route in enumerate(routes):

@@ -403,15 +403,34 @@ def test_dev_key_skills_post_then_get(stack):
     _err(stack.http.get("/api/v1/dev_key/skills"), 401)
 
 
-def test_unknown_path_passes_through_untouched(stack):
+def test_unknown_path_passes_through_untouched_with_a_key(stack):
+    _err(stack.http.post("/v2/whatever", content=b"x", headers={**ALICE, "x-ace-tenant-id": "globex"}), 403,
+         "tenant_mismatch")
     r = stack.http.post("/v2/whatever?x=1", content=b"not json",
-                        headers={"x-custom": "1", "x-ace-tenant-id": "spoofed"})
+                        headers={**ALICE, "x-custom": "1", "x-ace-tenant-id": "acme"})
     assert r.status_code == 200
     got = stack.last()
     assert (got.path, got.query, got.body) == ("/v2/whatever", "x=1", b"not json")
     assert got.headers["x-custom"] == "1"
     assert "x-ace-tenant-id" not in got.headers     # never forwarded unvalidated
     assert "x-ace-served-by" not in r.headers and "x-ace-trace-multi-lora" not in r.headers
+
+
+def test_other_paths_need_a_key_and_engine_admin_is_refused(stack):
+    """(Was: every path but ace's four reached the engine without a key, including vLLM's
+    runtime /v1/load_lora_adapter.) Nothing reaches the upstream but GET /health."""
+    before = len(stack.up.requests)
+    _err(stack.http.get("/v1/models"), 401)
+    _err(stack.http.get("/v1/models", headers={"authorization": "Bearer sk-wrong"}), 401)
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/load%5Flora%5Fadapter",
+                 "//v1/load_lora_adapter", "/load_lora_adapter"):
+        body = {"lora_name": "evil", "lora_path": "/tmp/evil"}
+        _err(stack.http.post(path, json=body), 401)
+        err = _err(stack.http.post(path, json=body, headers=ALICE), 403)
+        assert err["code"] == "engine_admin_forbidden"
+    assert len(stack.up.requests) == before
+    r = stack.http.get("/health")
+    assert r.status_code == 200 and stack.last().path == "/health"
 
 
 def test_chunked_body_takes_the_headers_first_path(stack):

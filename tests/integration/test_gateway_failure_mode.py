@@ -42,7 +42,7 @@ def _chunks(body: dict):   # no content-length: the headers-first route (2 ext_p
 
 def test_fail_closed_by_default_when_extproc_is_dead(tmp_path):
     """No key, a wrong key, a valid key, chunked, the native and dev-key APIs: all 503 JSON,
-    and the upstream receives none of them. Paths ace does not own still pass."""
+    and the upstream receives none of them; nor any other path (they need a key too)."""
     with RecordingUpstream() as up:
         dead = f"127.0.0.1:{free_port()}"
         with run_envoy(tmp_path, extproc=dead, default_upstream=up.address, name="failclosed") as port:
@@ -58,9 +58,9 @@ def test_fail_closed_by_default_when_extproc_is_dead(tmp_path):
                 _err(c.post("/v1/execute", json={}, headers=ALICE), 503, "service_unavailable")
                 _err(c.get("/api/v1/dev_key/skills", headers=ALICE), 503, "service_unavailable")
                 assert list(up.requests) == []
-                r = c.post("/v2/other", content=b"not ace", headers={"x-custom": "1"})
-                assert r.status_code == 200
-                assert [(q.path, q.body) for q in up.requests] == [("/v2/other", b"not ace")]
+                for headers in ({}, ALICE):
+                    _err(c.post("/v2/other", content=b"not ace", headers=headers), 503, "service_unavailable")
+                assert list(up.requests) == []
 
 
 def test_fail_open_only_when_asked_and_then_unauthenticated(tmp_path):
