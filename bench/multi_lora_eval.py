@@ -69,6 +69,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -175,6 +176,10 @@ def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict],
     return keys
 
 
+# One torch thread per engine host: N hosts share this machine's cores, where a real
+# fleet gives each its own accelerator; without it N processes x all cores oversubscribe.
+AGENT_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
 # arm -> (routing policy, prefetch on)
 ARMS: dict[str, tuple[str, bool]] = {
     "round_robin": ("extproc.policy.routing:round_robin", False),
@@ -199,7 +204,7 @@ def stack(work: Path, catalog: Path, tenants: list[str], hosts: int, pool_adapte
 
     agent_args = ["--device-max-adapters", str(pool_adapters), "--pool-mb", str(pool_mb),
                   "--reconcile-interval-s", "0.2", *COLD_AGENT_ARGS]
-    with fleet_stack(work, catalog, hosts, write_state, token=TOKEN, agent_args=agent_args,
+    with fleet_stack(work, catalog, hosts, write_state, token=TOKEN, agent_args=agent_args, agent_env=AGENT_ENV,
                      extproc_args=["--routing-policy", policy]) as st:
         yield dict(st, keys=st["state"])
 
@@ -234,6 +239,38 @@ def preemptions(metrics_texts: list[str]) -> int | None:
 async def agent_preemptions(metrics_urls: list[str]) -> int | None:
     async with httpx.AsyncClient(timeout=10) as client:
         return preemptions([(await client.get(url)).text for url in metrics_urls])
+
+
+def metric(text: str, series: str) -> float:
+    """The value of one series (``name`` or ``name{labels}`` as rendered) in a /metrics text; 0 if absent."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def fleet_ready(hosts: list[dict], expect_prefetches: bool, timeout_s: float = 30.0,
+                      settle_s: float = 1.0) -> float:
+    """Wait, as a readiness probe would, until no agent has a prefetch queued or loading
+    (each accepted prefetch is in its pool) and that has held for ``settle_s``: with a
+    learned state, the warm set is resident before traffic starts (``expect_prefetches``:
+    wait for it to arrive at all). Returns the seconds waited (``ready_wait_s``)."""
+    t0 = time.monotonic()
+    seen, since = None, t0
+    async with httpx.AsyncClient(timeout=10) as client:
+        while time.monotonic() - t0 < timeout_s:
+            texts = [(await client.get(h["metrics"])).text for h in hosts]
+            accepted = [metric(t, 'ace_agent_prefetch_total{outcome="accepted"}') for t in texts]
+            device = [metric(t, 'ace_agent_tier_adapters{tier="device"}') for t in texts]
+            done = all(metric(t, "ace_agent_prefetch_queue_depth") == 0 and d >= a
+                       for t, a, d in zip(texts, accepted, device))
+            now = time.monotonic()
+            if (accepted, device) != seen:
+                seen, since = (accepted, device), now
+            if done and (sum(accepted) > 0 or not expect_prefetches) and now - since >= settle_s:
+                break
+            await asyncio.sleep(0.1)
+    return time.monotonic() - t0
 
 
 def learned_state(requests: list[dict], hosts: list[str], slots: int, out: Path) -> Path:
@@ -398,6 +435,8 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
         log(f"{label}stack up in {time.monotonic() - t_run:.0f}s, replaying {len(requests)} requests")
 
         async def go():
+            ready = await fleet_ready(st["hosts"], expect_prefetches=warm_file is not None)
+            log(f"{label}ready after {ready:.1f}s")
             rows = await replay(requests, st, args.speed, closed_loop=not args.open_loop, label=label)
             loads: Counter = Counter()
             by_host = {}
@@ -409,10 +448,11 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
             if probe:
                 t = requests[0]
                 ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
-            return rows, dict(loads), by_host, preempted, ov
+            return rows, dict(loads), by_host, preempted, ov, ready
 
         t_replay = time.monotonic()
-        rows, loads, loads_by_host, preempted, overhead = asyncio.run(go())
+        load_avg = os.getloadavg()[0]
+        rows, loads, loads_by_host, preempted, overhead, ready = asyncio.run(go())
         replay_s = time.monotonic() - t_replay
         fetches, _ = store_fetches(store_log, log_at)
     counters = speculation_counters(run_dir / "extproc.log") or {}  # the gateway has stopped
@@ -424,6 +464,8 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
         ok, errors=len(rows) - len(ok), requests_per_host=Counter(r["host"] or "unknown" for r in ok),
         loads_by_tier=loads, prefetch=prefetch,
         extra={"loads_by_host": loads_by_host, "store_fetches": fetches, "replay_s": round(replay_s, 1),
+               "ready_wait_s": round(ready, 2),
+               "machine_load_avg_1m": [round(load_avg, 2), round(os.getloadavg()[0], 2)],
                "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
                "speculation": counters or None, "gateway_overhead_ms": overhead})
     log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "

@@ -178,7 +178,7 @@ def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_a
 @contextlib.contextmanager
 def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: str,
                 agent_args: Sequence[str] = (), extproc_args: Sequence[str] = (),
-                message_timeout: str = "5s") -> Iterator[dict]:
+                agent_env: dict[str, str] | None = None, message_timeout: str = "5s") -> Iterator[dict]:
     """``hosts`` engine hosts (a GPU agent with its builtin engine in-process each, its
     own cache dir and log under ``work/host-<i>``), one ext_proc gateway and one Envoy;
     every process on ephemeral loopback ports, all started before any is waited on, all
@@ -188,6 +188,7 @@ def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: st
     are known (``hosts``: a list of ``{"name", "engine", "agent"}``, ``engine-1`` first);
     what it returns is yielded as ``state``. Yields ``gateway`` (Envoy's URL), ``hosts``
     (each with its ``engine`` URL and agent ``metrics`` URL too) and ``state``.
+    ``agent_env``: extra environment for the agents only.
     """
     work.mkdir(parents=True, exist_ok=True)
     env = {"ACE_AGENT_TOKEN": token}
@@ -200,7 +201,7 @@ def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: st
                    "--engine-port", str(engine_port), "--grpc-port", str(grpc_port),
                    "--metrics-port", str(metrics_port), "--cache-dir", str(home / "agent-cache"),
                    "--auth", "token", *agent_args]
-            proc = stack.enter_context(running(cmd, home / "agent.log", env=env))
+            proc = stack.enter_context(running(cmd, home / "agent.log", env={**env, **(agent_env or {})}))
             started.append((proc, home / "agent.log", {
                 "name": f"engine-{i}", "engine": f"127.0.0.1:{engine_port}", "agent": f"127.0.0.1:{grpc_port}",
                 "engine_url": f"http://127.0.0.1:{engine_port}",

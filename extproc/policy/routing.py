@@ -57,7 +57,7 @@ __all__ = ["LOAD_FLOOR", "RoutingDecision", "choose_endpoint", "load_bound", "pl
 RESIDENT_TIERS = frozenset({"device", "pool", "gpu", "vram"})
 STAGED_TIERS = frozenset({"host", "cpu"})
 VNODES = 64
-LOAD_FLOOR = 8
+LOAD_FLOOR = 16
 
 
 @dataclass(frozen=True)

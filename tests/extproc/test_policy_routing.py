@@ -233,7 +233,7 @@ def test_a_burst_spreads_once_the_sends_since_the_measurement_reach_the_floor():
     assert route(ups[:2], ad, ResidencySnapshot.build(both, measured, {"e0": 1, "e1": 1})).name == "e0"
     # the sends add to the measurement
     assert at({"e0": 3, "e1": 0}) == "e0"
-    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e0": 5, "e1": 0},
+    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e0": LOAD_FLOOR - 3, "e1": 0},
                                                         {"e0": 3, "e1": 0})).name == "e1"
 
 
