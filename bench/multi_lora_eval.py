@@ -176,9 +176,13 @@ def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict],
     return keys
 
 
-# One torch thread per engine host: N hosts share this machine's cores, where a real
-# fleet gives each its own accelerator; without it N processes x all cores oversubscribe.
-AGENT_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def agent_env(hosts: int) -> dict[str, str]:
+    """The machine's cores split between the engine hosts (at least one torch thread
+    each): N hosts share this machine, where a real fleet gives each its own accelerator;
+    without it N processes x all cores oversubscribe."""
+    n = str(max(1, (os.cpu_count() or 1) // hosts))
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
 
 # arm -> (routing policy, prefetch on)
 ARMS: dict[str, tuple[str, bool]] = {
@@ -204,7 +208,7 @@ def stack(work: Path, catalog: Path, tenants: list[str], hosts: int, pool_adapte
 
     agent_args = ["--device-max-adapters", str(pool_adapters), "--pool-mb", str(pool_mb),
                   "--reconcile-interval-s", "0.2", *COLD_AGENT_ARGS]
-    with fleet_stack(work, catalog, hosts, write_state, token=TOKEN, agent_args=agent_args, agent_env=AGENT_ENV,
+    with fleet_stack(work, catalog, hosts, write_state, token=TOKEN, agent_args=agent_args, agent_env=agent_env(hosts),
                      extproc_args=["--routing-policy", policy]) as st:
         yield dict(st, keys=st["state"])
 

@@ -197,3 +197,12 @@ def test_small_fleet_run_writes_the_report(tmp_path):
     assert report["stall_ms"]["prefetch"] == arms["ace"]["stall_ms"]
     assert report["checks"]["2"]["no_errors"] is True
     assert out.with_suffix(".png").exists()
+
+
+def test_metric_reads_one_series_or_zero():
+    from bench.multi_lora_eval import metric
+    text = ('# TYPE ace_agent_prefetch_total counter\nace_agent_prefetch_total{outcome="accepted"} 3.0\n'
+            'ace_agent_prefetch_total{outcome="coalesced"} 1.0\nace_agent_prefetch_queue_depth 0\n')
+    assert metric(text, 'ace_agent_prefetch_total{outcome="accepted"}') == 3.0
+    assert metric(text, "ace_agent_prefetch_queue_depth") == 0.0
+    assert metric(text, 'ace_agent_tier_adapters{tier="device"}') == 0.0
