@@ -20,7 +20,7 @@ Arms (``ARMS``):
   rather than as an Envoy round-robin cluster so all three arms pay the same Envoy +
   ext_proc path and differ only in the decision.
 - **affinity**: ``extproc.policy.routing:route`` (placement + residency-aware routing),
-  ``dynamic_lora_prefetch=off``: what an LoRA-affinity picker gives.
+  ``dynamic_lora_prefetch=off``: what a LoRA-affinity picker gives.
 - **ace**: the same routing, ``dynamic_lora_prefetch=prod``: ingress signals, the
   gateway's speculation (``extproc.speculation``) and, with a learned state, the warm set.
 

@@ -130,7 +130,7 @@ def fleet(r: dict) -> list[str]:
         f"Fleets of {' / '.join(r['fleets'])} engine hosts behind one Envoy + one ext_proc, each host with its own pool of "
         f"{r['pool_adapters']} slots; three arms on the same trace: **round_robin** (requests spread in turn, "
         "engines load on demand: a plain Service in front of vLLM replicas), **affinity** (ace's placement and "
-        "residency-aware routing, prefetch off: what an LoRA-affinity picker gives), **ace** (routing + prefetch). "
+        "residency-aware routing, prefetch off: what a LoRA-affinity picker gives), **ace** (routing + prefetch). "
         f"The ace arm's gateway starts from {learned}. Wall time of the whole run: {r['wall_s'] / 60:.1f} min "
         f"(replay ×{r['speed']:g}).",
         "",
