@@ -53,8 +53,13 @@ bench-gateway: $(STAMP) $(FIXTURES)/.done
 bench-agent: $(STAMP) $(FIXTURES)/.done
 	$(BIN)/python -m bench.agent --out reports/agent.json
 
+# make bench [HOSTS=1,2,4] [ARMS=round_robin,affinity,ace] [TRACE=FILE] [WARM_FROM=FILE]
+# The committed 800-request report: the ace arm starts from the state learned on the
+# generator's previous day (WARM_FROM's default when TRACE is not given); WARM_FROM= : cold.
+WARM_FROM ?= $(if $(TRACE),,data/multi_lora_eval/multi_lora_eval_800_prev.json)
 bench: $(STAMP) $(FIXTURES)/.done
-	$(BIN)/python -m bench.multi_lora_eval --out reports/multi_lora_eval.json $(if $(TRACE),--trace $(TRACE),)
+	$(BIN)/python -m bench.multi_lora_eval --out reports/multi_lora_eval.json $(if $(TRACE),--trace $(TRACE),) \
+		$(if $(HOSTS),--hosts $(HOSTS),) $(if $(ARMS),--arms $(ARMS),) $(if $(WARM_FROM),--warm-from $(WARM_FROM),)
 
 # On a machine with a CUDA GPU (not CI): the CUDA-only tests + bench-agent on the device,
 # with the python3 that holds torch+CUDA there (tools/gpu_check.sh; reports/agent_cuda.json).

@@ -1,61 +1,64 @@
-"""``make bench``: replay a trace through the whole local stack, prefetch off then on.
+"""``make bench``: replay a trace through a fleet of engine hosts behind Envoy + ext_proc.
 
-    python -m bench.multi_lora_eval [--trace FILE] [--speed 4] [--open-loop] --out reports/multi_lora_eval.json
+    python -m bench.multi_lora_eval [--trace FILE] [--hosts 1,2,4] [--arms round_robin,affinity,ace]
+        [--warm-from FILE] [--speed 8] [--open-loop] --out reports/multi_lora_eval.json
 
-Per run, a fresh stack on loopback ports: an artifact store (HTTP server over the
-adapters' files), the GPU agent with the builtin engine in-process, the ext_proc gateway
-(``extproc.policy.routing:route``) and Envoy. Requests go with ``stream: true``; TTFT is
-the time to the first streamed chunk, the stall is the engine's ``x-ace-adapter-wait-ms``
-and the tier its ``x-ace-adapter-tier``.
+For each fleet size (``--hosts``) and arm (``--arms``), a fresh stack on loopback ports
+(``tools.localstack.fleet_stack``): N engine hosts (the GPU agent with the builtin engine
+in-process each, its own pool and caches), one ext_proc gateway, one Envoy, and one
+artifact store (HTTP server over the adapters' files) shared by all runs. Every arm of
+every fleet replays the same trace. Requests go with ``stream: true``; TTFT is the time
+to the first streamed chunk, the stall is the engine's ``x-ace-adapter-wait-ms``, the
+tier its ``x-ace-adapter-tier``, the host the gateway's ``upstream`` in
+``x-ace-trace-multi-lora``.
 
-The pool, as vLLM's ``--max-loras``: half of the trace's adapters as slots
+Arms (``ARMS``):
+
+- **round_robin**: ``--routing-policy extproc.policy.routing:round_robin`` (each request
+  to the next host in turn, whatever its adapter), prefetch off: the engines load on
+  demand, as behind a plain Service in front of vLLM replicas. Chosen in the gateway
+  rather than as an Envoy round-robin cluster so all three arms pay the same Envoy +
+  ext_proc path and differ only in the decision.
+- **affinity**: ``extproc.policy.routing:route`` (placement + residency-aware routing),
+  ``dynamic_lora_prefetch=off``: what a LoRA-affinity picker gives.
+- **ace**: the same routing, ``dynamic_lora_prefetch=prod``: ingress signals, the
+  gateway's speculation (``extproc.speculation``) and, with a learned state, the warm set.
+
+The pool of each host, as vLLM's ``--max-loras``: half of the trace's adapters as slots
 (``--device-max-adapters``; report field ``pool_adapters``), each able to hold any
-adapter: the pool's bytes are the sum of that many largest adapters' files (an upper
-bound of their pages), rounded up to whole MiB (``--pool-mb``; report fields
-``pool_bytes_needed``, ``pool_mb``, ``pool_bytes``). So the slots always fit, and the
-count cap, not the bytes, decides what is evicted (the rounding's spare bytes could hold
-a small extra adapter; the cap does not let it in). For the committed 800-request trace:
+adapter: the pool's bytes are the sum of that many largest adapters' files, rounded up
+to whole MiB (``--pool-mb``; ``pool_bytes_needed``, ``pool_mb``, ``pool_bytes``). So the
+count cap, not the bytes, decides what is evicted. For the committed 800-request trace:
 5 of 10 adapters, 2 x 919,616 + 2 x 460,848 + 231,464 B = 2.85 MiB -> 3 MiB.
 
-Cold means cold: no warm shortcut below the pool. The engine keeps no parsed host copy
-(``--engine-host-mb 0``) and the disk cache is resident-only (``--disk-budget-mb 0``: an
-adapter's files are dropped when it leaves the pool), so every adapter that becomes
+Cold means cold: the engine keeps no parsed host copy (``--engine-host-mb 0``) and the
+disk cache is resident-only (``--disk-budget-mb 0``), so every adapter that becomes
 resident again goes the whole way: artifact store over loopback HTTP -> disk cache
-(SHA-256 checked while streaming) -> parsed -> pool, and reports tier ``remote``. The
-report counts, per run, the requests by tier (``rows_by_tier``), the engine's loads by
-the tier they came from (``loads_by_tier``) and the artifact store's weight GETs
-(``store_fetches``) to show it: no ``host`` loads, and a GET for every load. A load the
-agent prefetched counts as ``disk`` in the engine: the agent fetched the files a moment
-before (150-request check: baseline 57 loads, all ``remote``, 57 GETs; prefetch 56
-``remote`` + 34 ``disk``, 92 GETs).
+(SHA-256 checked while streaming) -> parsed -> pool. Per arm the report counts the
+engines' loads by the tier they came from (``loads_by_tier``; a load the agent had
+fetched for a prefetch counts as ``disk``) and the store's weight GETs
+(``store_fetches``).
 
-Sessions are replayed **closed-loop** (agents wait for an answer before the next step):
-a session's first step is sent at its ``t`` / ``--speed``; each later step when the
-previous response has ended plus its ``think_s`` / ``--speed`` (without ``think_s``: the
-gap between the two steps' ``t``). ``--open-loop`` sends every request at its own ``t``
-instead. Each request carries its session as ``x-ace-session-id`` and as the OpenAI
-``user`` field (the one-message Envoy route forwards only the headers it lists, so the
-gateway reads ``user`` there).
+Sessions are replayed **closed-loop**: a session's first step is sent at its ``t`` /
+``--speed``; each later step when the previous response has ended plus its ``think_s`` /
+``--speed``. ``--open-loop`` sends every request at its own ``t`` instead. Each request
+carries its session as ``x-ace-session-id`` and as the OpenAI ``user`` field.
 
-- **baseline**: skill ``dynamic_lora_prefetch=off``: the engine loads on demand; the
-  gateway neither signals nor speculates.
-- **prefetch**: ``dynamic_lora_prefetch=prod``: the gateway signals the agent at ingress
-  and speculates (``extproc.speculation``: every request's session step feeds the
-  gateway's Speculator, its prefetches go through the gateway's AgentLink). The
-  gateway's counters come from its log (``speculation counters``) when it stops.
+Learning is never told the answer: the scored run's gateway never starts from state
+learned on the trace it is scored on. By default the ace arm's gateway starts cold (no
+``gw.popularity.json``) and learns online. ``--warm-from FILE`` (another day's trace)
+starts it from the state a gateway would have learned serving that trace with prefetch
+off (``learned_state``: the gateway's own ``TransitionModel`` and request counts fed
+the other trace's steps in time order, the pool size per host as the agents' residency
+would have taught it, written with the gateway's ``PopularityFile``): its warm set at
+start-up and its transition model from the first session on. The report's ``warm_from``
+says which (null or the file).
 
-Warm set: the baseline run starts cold (no history). Its gateway counts the requests it
-serves per adapter and the pool size it saw, and learns the sessions' transitions (its
-prefetch is off, but ``off`` requests still teach the transition model), all in
-``gw.popularity.json``, written when it stops; the prefetch run's gateway starts with
-that file, as a restarted gateway starts with yesterday's history: at start-up it
-prefetches the most requested adapters, up to the pool size it learned, and predicts
-the workflows the baseline learned from the first session on (``--no-warm-set``: start
-the prefetch run cold too, with neither). Both come from the same trace, so they are
-"yesterday = today": aggregate counts (per adapter, and of which adapter followed which
-in a session), no order of the sessions, no timing. The report (``bench.report``) is
-printed and written with a TTFT plot; its ``warm_set_from`` is the whole file, the
-transitions included.
+The report (``bench.report``): ``fleets.{hosts}.{arm}`` (``fleet_entry``) with
+``checks`` (``fleet_checks``); the top-level fields of the largest fleet with
+``baseline`` = ``affinity`` and ``prefetch`` = ``ace`` when both ran; the TTFT plot of
+the largest fleet's arms next to it; one row per request in ``*_rows.jsonl``. Progress
+goes to stderr as it runs.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -76,7 +80,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.report import build_report, format_report, percentiles
+from bench.report import build_report, fleet_checks, fleet_entry, format_fleets, format_report, percentiles
 from bench.trace import TraceError, load_trace
 from gpu_agent.catalog_schema import read_catalog_file
 
@@ -156,7 +160,9 @@ async def engine_loads(engine_url: str) -> dict[str, int]:
     return out
 
 
-def state_yaml(path: Path, catalog: Path, tenants: list[str], engine: str, agent: str, prefetch: bool) -> dict:
+def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict], prefetch: bool) -> dict:
+    """The gateway's state: the tenants (``multi_lora`` on, prefetch on or off) and one
+    upstream per engine host (``hosts``: ``{"name", "engine", "agent"}``)."""
     mode = "prod" if prefetch else "off"
     keys = {t: f"sk-bench-{hashlib.sha256(t.encode()).hexdigest()[:16]}" for t in tenants}
     state = {
@@ -164,29 +170,48 @@ def state_yaml(path: Path, catalog: Path, tenants: list[str], engine: str, agent
         "tenants": [{"id": t, "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": mode}} for t in tenants],
         "keys": [{"name": f"bench-{t}", "sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": t, "skills": {}}
                  for t, k in keys.items()],
-        "upstreams": [{"name": "engine-1", "address": engine, "flavour": "builtin", "base_model": BASE_MODEL,
-                       "hints": "off", "agent": agent}],
+        "upstreams": [{"name": h["name"], "address": h["engine"], "flavour": "builtin", "base_model": BASE_MODEL,
+                       "hints": "off", "agent": h["agent"]} for h in hosts],
         "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": mode},
     }
     path.write_text(yaml.safe_dump(state, sort_keys=False))
     return keys
 
 
+def agent_env(hosts: int) -> dict[str, str]:
+    """The machine's cores split between the engine hosts (at least one torch thread
+    each): N hosts share this machine, where a real fleet gives each its own accelerator;
+    without it N processes x all cores oversubscribe."""
+    n = str(max(1, (os.cpu_count() or 1) // hosts))
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
+
+# arm -> (routing policy, prefetch on)
+ARMS: dict[str, tuple[str, bool]] = {
+    "round_robin": ("extproc.policy.routing:round_robin", False),
+    "affinity": ("extproc.policy.routing:route", False),
+    "ace": ("extproc.policy.routing:route", True),
+}
+
+
 # ---------------------------------------------------------------- the stack
 
 @contextlib.contextmanager
-def stack(work: Path, catalog: Path, tenants: list[str], pool_adapters: int, pool_mb: int, prefetch: bool):
-    """The local stack (``tools.localstack.gateway_stack``) with the pool capped and the
-    residency-aware routing policy; yields its addresses and the tenants' keys."""
-    from tools.localstack import gateway_stack
+def stack(work: Path, catalog: Path, tenants: list[str], hosts: int, pool_adapters: int, pool_mb: int,
+          arm: str):
+    """The fleet (``tools.localstack.fleet_stack``): ``hosts`` engine hosts, each pool
+    capped, the arm's routing policy and prefetch mode; yields its addresses and keys."""
+    from tools.localstack import fleet_stack
 
-    def write_state(path: Path, engine: str, agent: str) -> dict:
-        return state_yaml(path, catalog, tenants, engine, agent, prefetch)
+    policy, prefetch = ARMS[arm]
+
+    def write_state(path: Path, fleet: list[dict]) -> dict:
+        return state_yaml(path, catalog, tenants, fleet, prefetch)
 
     agent_args = ["--device-max-adapters", str(pool_adapters), "--pool-mb", str(pool_mb),
                   "--reconcile-interval-s", "0.2", *COLD_AGENT_ARGS]
-    with gateway_stack(work, catalog, write_state, token=TOKEN, agent_args=agent_args,
-                       extproc_args=["--routing-policy", "extproc.policy.routing:route"]) as st:
+    with fleet_stack(work, catalog, hosts, write_state, token=TOKEN, agent_args=agent_args, agent_env=agent_env(hosts),
+                     extproc_args=["--routing-policy", policy]) as st:
         yield dict(st, keys=st["state"])
 
 
@@ -201,6 +226,76 @@ def speculation_counters(log_path: Path) -> dict | None:
     except OSError:
         return None
     return json.loads(found) if found else None
+
+
+def preemptions(metrics_texts: list[str]) -> int | None:
+    """Prefetch loads the agents preempted, summed over hosts' /metrics texts: every
+    counter whose name says ``preempt``; None when no agent exposes one."""
+    total, seen = 0.0, False
+    for text in metrics_texts:
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if line.startswith("#") or "preempt" not in name or name.endswith(("_bucket", "_sum", "_count")):
+                continue
+            seen = True
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total) if seen else None
+
+
+async def agent_preemptions(metrics_urls: list[str]) -> int | None:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return preemptions([(await client.get(url)).text for url in metrics_urls])
+
+
+def metric(text: str, series: str) -> float:
+    """The value of one series (``name`` or ``name{labels}`` as rendered) in a /metrics text; 0 if absent."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def fleet_ready(hosts: list[dict], expect_prefetches: bool, timeout_s: float = 30.0,
+                      settle_s: float = 1.0) -> float:
+    """Wait, as a readiness probe would, until no agent has a prefetch queued or loading
+    (each accepted prefetch is in its pool) and that has held for ``settle_s``: with a
+    learned state, the warm set is resident before traffic starts (``expect_prefetches``:
+    wait for it to arrive at all). Returns the seconds waited (``ready_wait_s``)."""
+    t0 = time.monotonic()
+    seen, since = None, t0
+    async with httpx.AsyncClient(timeout=10) as client:
+        while time.monotonic() - t0 < timeout_s:
+            texts = [(await client.get(h["metrics"])).text for h in hosts]
+            accepted = [metric(t, 'ace_agent_prefetch_total{outcome="accepted"}') for t in texts]
+            device = [metric(t, 'ace_agent_tier_adapters{tier="device"}') for t in texts]
+            done = all(metric(t, "ace_agent_prefetch_queue_depth") == 0 and d >= a
+                       for t, a, d in zip(texts, accepted, device))
+            now = time.monotonic()
+            if (accepted, device) != seen:
+                seen, since = (accepted, device), now
+            if done and (sum(accepted) > 0 or not expect_prefetches) and now - since >= settle_s:
+                break
+            await asyncio.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def learned_state(requests: list[dict], hosts: list[str], slots: int, out: Path) -> Path:
+    """The gateway's learned state (``<db>.popularity.json``) after serving ``requests``
+    with prefetch off, built offline with the gateway's own learner: each request counts
+    for its adapter and teaches the transition model its session step, in time order (as
+    ``GatewaySpeculation`` does for ``off`` requests); the pool size it would have
+    learned from the agents' residency is each host's ``slots``."""
+    from extproc.policy.prediction import TransitionModel
+    from extproc.policy.speculate import SpeculationSettings
+    from extproc.speculation import PopularityFile
+
+    model = TransitionModel(order=SpeculationSettings().order)
+    counts: Counter = Counter()
+    for r in sorted(requests, key=lambda r: (r["t"], r.get("step", 0))):
+        counts[r["adapter"]] += 1.0
+        model.observe(r["tenant"], f"{r['tenant']}/{r['session']}", r["adapter"])
+    PopularityFile(out).save(dict(counts), {h: slots for h in hosts}, model)
+    return out
 
 
 # ---------------------------------------------------------------- replay
@@ -229,6 +324,7 @@ async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -
         "domain": r["domain"], "status": status, "tier": h.get("x-ace-adapter-tier", "unknown"),
         "wait_ms": float(wait) if wait is not None else None, "ttft_ms": ttft,
         "total_ms": (time.perf_counter() - t0) * 1000, "action": trace.get("action"),
+        "host": trace.get("upstream"),
     }
 
 
@@ -247,7 +343,8 @@ def think_s(prev: dict, r: dict) -> float:
     return max(0.0, float(think) if think is not None else r["t"] - prev["t"])
 
 
-async def replay(requests: list[dict], st: dict, speed: float, closed_loop: bool = True) -> list[dict]:
+async def replay(requests: list[dict], st: dict, speed: float, closed_loop: bool = True,
+                 label: str = "") -> list[dict]:
     rows: list[dict] = []
     t_start = time.perf_counter()
     t0 = requests[0]["t"]
@@ -256,7 +353,7 @@ async def replay(requests: list[dict], st: dict, speed: float, closed_loop: bool
     def done(row: dict) -> None:
         rows.append(row)
         if len(rows) % 100 == 0:
-            log(f"  {len(rows)}/{len(requests)} requests ({time.perf_counter() - t_start:.0f}s)")
+            log(f"  {label}{len(rows)}/{len(requests)} requests ({time.perf_counter() - t_start:.0f}s)")
 
     async def at(t: float) -> None:
         delay = (t - t0) / speed - (time.perf_counter() - t_start)
@@ -295,12 +392,12 @@ async def gateway_overhead(st: dict, adapter: str, key: str, n: int = 40) -> flo
                 r.raise_for_status()
             return out
 
-        direct = await timed(st["engine"] + "/v1/chat/completions", {})
+        direct = await timed(st["hosts"][0]["engine_url"] + "/v1/chat/completions", {})
         via = await timed(st["gateway"] + "/v1/chat/completions", {"authorization": f"Bearer {key}"})
     return percentiles(via, (50,))["p50"] - percentiles(direct, (50,))["p50"]
 
 
-def plot_ttft(runs: dict[str, list[float]], path: Path) -> None:
+def plot_ttft(runs: dict[str, list[float]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -314,7 +411,7 @@ def plot_ttft(runs: dict[str, list[float]], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms, log)")
     ax.set_ylabel("share of requests")
-    ax.set_title("TTFT through Envoy + ext_proc + agent + builtin engine")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -322,116 +419,135 @@ def plot_ttft(runs: dict[str, list[float]], path: Path) -> None:
     plt.close(fig)
 
 
+def ok_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "error" not in r and r["status"] == 200 and r["wait_ms"] is not None]
+
+
+def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[str], store: tuple[int, Path],
+            hosts: int, arm: str, pool: int, pool_mb: int, warm_file: Path | None, probe: bool) -> tuple[list, dict]:
+    """One arm on one fleet: a fresh stack, the whole trace, then the counters."""
+    store_port, store_log = store
+    run_dir = work / f"{hosts}-{arm}"
+    run_dir.mkdir()
+    if warm_file is not None:
+        shutil.copy(warm_file, run_dir / "gw.popularity.json")
+    tenants = sorted({r["tenant"] for r in requests})
+    rcat = run_dir / "catalog.yaml"
+    remote_catalog(catalog, f"http://127.0.0.1:{store_port}", rcat, names)
+    t_run = time.monotonic()
+    _, log_at = store_fetches(store_log)
+    label = f"{hosts} hosts {arm}: "
+    with stack(run_dir, rcat, tenants, hosts, pool, pool_mb, arm) as st:
+        log(f"{label}stack up in {time.monotonic() - t_run:.0f}s, replaying {len(requests)} requests")
+
+        async def go():
+            ready = await fleet_ready(st["hosts"], expect_prefetches=warm_file is not None)
+            log(f"{label}ready after {ready:.1f}s")
+            rows = await replay(requests, st, args.speed, closed_loop=not args.open_loop, label=label)
+            loads: Counter = Counter()
+            by_host = {}
+            for h in st["hosts"]:  # before the overhead probe's requests
+                by_host[h["name"]] = await engine_loads(h["engine_url"])
+                loads.update(by_host[h["name"]])
+            preempted = await agent_preemptions([h["metrics"] for h in st["hosts"]])
+            ov = None
+            if probe:
+                t = requests[0]
+                ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
+            return rows, dict(loads), by_host, preempted, ov, ready
+
+        t_replay = time.monotonic()
+        load_avg = os.getloadavg()[0]
+        rows, loads, loads_by_host, preempted, overhead, ready = asyncio.run(go())
+        replay_s = time.monotonic() - t_replay
+        fetches, _ = store_fetches(store_log, log_at)
+    counters = speculation_counters(run_dir / "extproc.log") or {}  # the gateway has stopped
+    ok = ok_rows(rows)
+    prefetch = {"sent": counters.get("signals_sent", 0) + counters.get("warm_sent", 0) if counters else None,
+                "used": counters.get("prefetch_used"), "wasted": counters.get("prefetch_wasted"),
+                "preempted": preempted}
+    entry = fleet_entry(
+        ok, errors=len(rows) - len(ok), requests_per_host=Counter(r["host"] or "unknown" for r in ok),
+        loads_by_tier=loads, prefetch=prefetch,
+        extra={"loads_by_host": loads_by_host, "store_fetches": fetches, "replay_s": round(replay_s, 1),
+               "ready_wait_s": round(ready, 2),
+               "machine_load_avg_1m": [round(load_avg, 2), round(os.getloadavg()[0], 2)],
+               "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
+               "speculation": counters or None, "gateway_overhead_ms": overhead})
+    log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "
+        f"effective {entry['effective_hits']}, errors {entry['errors']}, stall p99 {entry['stall_ms']['p99']}, "
+        f"ttft p99 {entry['ttft_ms']['p99']}, per host {entry['requests_per_host']}, loads {loads}")
+    return rows, entry
+
+
+def parse_list(text: str, allowed: tuple, kind) -> list:
+    out = [kind(x) for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in allowed] if allowed else []
+    if bad or not out:
+        raise ValueError(f"{bad or text!r}: choose from {', '.join(map(str, allowed))}")
+    return out
+
+
 def run(args) -> int:
     try:
         requests = load_trace(args.trace)
-    except TraceError as exc:
+        warm_requests = load_trace(args.warm_from) if args.warm_from else None
+        hosts_list = parse_list(args.hosts, (), int)
+        arms = parse_list(args.arms, tuple(ARMS), str)
+        if any(n < 1 for n in hosts_list):
+            raise ValueError("--hosts: at least 1 host")
+    except (TraceError, ValueError) as exc:
         log(f"error: {exc}")
         return 2
     work = Path(tempfile.mkdtemp(prefix="ace-bench-"))
+    t_all = time.monotonic()
     try:
-        catalog = bench_fixtures(requests, Path(args.fixtures), work)
+        catalog = bench_fixtures(requests + (warm_requests or []), Path(args.fixtures), work)
         names = {r["adapter"] for r in requests}
         sizes_all = {a.name: a.size_bytes for a in read_catalog_file(catalog).adapters}
         pool, pool_needed, pool_mb = pool_size(names, sizes_all)
-        tenants = sorted({r["tenant"] for r in requests})
         from tests.support.procs import free_port, python, running, wait_port
 
         store_port = free_port()
-        root = catalog.parent
-        cmd = [python(), "-m", "http.server", str(store_port), "--bind", "127.0.0.1", "--directory", str(root)]
+        cmd = [python(), "-m", "http.server", str(store_port), "--bind", "127.0.0.1", "--directory",
+               str(catalog.parent)]
         store_log = work / "store.log"
+        runs = [(n, arm) for n in hosts_list for arm in arms]
+        log(f"fleet benchmark: {len(requests)} requests, hosts {hosts_list}, arms {arms}, pool {pool} of "
+            f"{len(names)} adapters / {pool_mb} MiB per host, speed x{args.speed}, ace learns "
+            f"{'from ' + str(args.warm_from) if args.warm_from else 'online from a cold start'}")
+        top = max(hosts_list)
+        results: dict[str, dict[str, dict]] = {}
+        all_rows: dict[tuple[int, str], list] = {}
         with running(cmd, store_log) as store:
             wait_port(store_port, timeout=30, proc=store, log=store_log)
-            results = {}
-            overhead = None
-            warm_set = None
-            data = None
-            for name, prefetch in (("baseline", False), ("prefetch", True)):
-                run_dir = work / name
-                run_dir.mkdir()
-                warm_file = work / "baseline" / "gw.popularity.json"
-                if prefetch and not args.no_warm_set and warm_file.exists():
-                    shutil.copy(warm_file, run_dir / "gw.popularity.json")
-                    warm_set = json.loads(warm_file.read_text())
-                rcat = run_dir / "catalog.yaml"
-                data = remote_catalog(catalog, f"http://127.0.0.1:{store_port}", rcat, names)
-                log(f"{name}: {len(requests)} requests, pool {pool} of {len(names)} adapters / {pool_mb} MiB, "
-                    f"speed x{args.speed}")
-                t_run = time.monotonic()
-                _, log_at = store_fetches(store_log)
-                with stack(run_dir, rcat, tenants, pool, pool_mb, prefetch) as st:
-                    async def go():
-                        rows = await replay(requests, st, args.speed, closed_loop=not args.open_loop)
-                        loads = await engine_loads(st["engine"])  # before the overhead probe's requests
-                        ov = None
-                        if prefetch:
-                            t = requests[0]
-                            ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
-                        return rows, loads, ov
-
-                    rows, loads, ov = asyncio.run(go())
-                    fetches, _ = store_fetches(store_log, log_at)
-                    if ov is not None:
-                        overhead = ov
-                # the stack has stopped: the gateway logged its final counters
-                extra = {"replay_s": round(time.monotonic() - t_run, 1), "loads_by_tier": loads,
-                         "store_fetches": fetches}
-                log(f"{name}: engine loads by tier {loads}, store weight GETs {fetches}")
-                counters = speculation_counters(run_dir / "extproc.log")
-                if prefetch:
-                    extra["speculation"] = counters
-                results[name] = (rows, extra)
-        ok = {k: [r for r in rows if "error" not in r and r["status"] == 200 and r["wait_ms"] is not None]
-              for k, (rows, _) in results.items()}
-        errors = {k: len(rows) - len(ok[k]) for k, (rows, _) in results.items()}
-        base_rows, pre_rows = ok["baseline"], ok["prefetch"]
-        cold = [r["wait_ms"] for r in base_rows if r["tier"] in ("remote", "disk")]
-        # warm: a swap that did not go the whole way: host memory -> pool, measured on both
-        # runs; without any (the cold settings keep no host copy), the wait of requests
-        # whose adapter a prefetch made resident
-        warm = [r["wait_ms"] for r in base_rows + pre_rows if r["tier"] == "host"]
-        warm_source = "host->pool swaps"
-        if not warm:
-            warm = [r["wait_ms"] for r in pre_rows if r["action"] == "adapter_prefetched_applied"]
-            warm_source = "requests on prefetched adapters"
-        sizes = [a["size_bytes"] for a in data["adapters"]]
-        model_bytes = sum(p.stat().st_size for p in (catalog.parent / "model").glob("*.safetensors"))
-        report = build_report(
-            base_rows, pre_rows, cold_swap_samples_ms=cold, warm_swap_samples_ms=warm,
-            base_bytes=model_bytes, pool_bytes=pool_mb << 20, adapter_bytes=sizes,
-            gateway_overhead_ms=overhead,
-            extra={
-                "trace": str(args.trace), "speed": args.speed, "errors": errors,
-                "warm_swap_source": warm_source, "cold_swaps": len(cold), "warm_swaps": len(warm),
-                "pool_adapters": pool, "pool_mb": pool_mb, "pool_bytes": pool_mb << 20,
-                "pool_bytes_needed": pool_needed, "adapters": len(names),
-                "agent_cold_args": list(COLD_AGENT_ARGS),
-                "rows_by_tier": {k: dict(sorted(Counter(r["tier"] for r in rs).items())) for k, rs in ok.items()},
-                "loads_by_tier": {k: extra.get("loads_by_tier") for k, (_, extra) in results.items()},
-                "store_fetches": {k: extra.get("store_fetches") for k, (_, extra) in results.items()},
-                "model_shape": json.loads((catalog.parent / "model" / "config.json").read_text()),
-                "adapter_sizes": {a["name"]: a["size_bytes"] for a in data["adapters"]},
-                "speculation_driver": "gateway: extproc.speculation.GatewaySpeculation (counters from its log)",
-                "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
-                "sessions": len(sessions(requests)),
-                "replay_s": {k: extra.get("replay_s") for k, (_, extra) in results.items()},
-                "speculation": results["prefetch"][1].get("speculation"),
-                "warm_set_from": warm_set,
-            },
-        )
+            for i, (n, arm) in enumerate(runs, 1):
+                log(f"[{i}/{len(runs)}] {n} hosts, arm {arm} ({time.monotonic() - t_all:.0f}s so far)")
+                warm_file = None
+                if warm_requests is not None and ARMS[arm][1]:
+                    warm_file = learned_state(warm_requests, [f"engine-{k}" for k in range(1, n + 1)], pool,
+                                              work / f"learned-{n}.popularity.json")
+                rows, entry = run_arm(args, requests, work, catalog, names, (store_port, store_log), n, arm,
+                                      pool, pool_mb, warm_file, probe=(n == top and arm == "ace"))
+                results.setdefault(str(n), {})[arm] = entry
+                all_rows[(n, arm)] = rows
+        report = fleet_report(args, requests, results, all_rows, top, catalog, names, pool, pool_needed, pool_mb)
+        report["wall_s"] = round(time.monotonic() - t_all, 1)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
         with out.with_name(out.stem + "_rows.jsonl").open("w") as f:
-            for name, (rows, _) in results.items():
+            for (n, arm), rows in all_rows.items():
                 for row in rows:
-                    f.write(json.dumps({"run": name, **row}) + "\n")
-        plot_ttft({"prefetch off": [r["ttft_ms"] for r in base_rows if r["ttft_ms"] is not None],
-                   "prefetch on": [r["ttft_ms"] for r in pre_rows if r["ttft_ms"] is not None]},
-                  out.with_suffix(".png"))
-        print(format_report(report))
-        log(f"wrote {out} and {out.with_suffix('.png')}")
+                    f.write(json.dumps({"hosts": n, "arm": arm, **row}) + "\n")
+        plot_ttft({arm: [r["ttft_ms"] for r in ok_rows(all_rows[(top, arm)]) if r["ttft_ms"] is not None]
+                   for arm in arms},
+                  out.with_suffix(".png"), f"TTFT, {top} engine hosts behind Envoy + ext_proc, per arm")
+        if "total" in report:
+            print(format_report(report))
+            print()
+        print(format_fleets(report["fleets"], report["warm_from"]))
+        log(f"wrote {out} and {out.with_suffix('.png')} in {report['wall_s']:.0f}s")
         return 0
     finally:
         if not args.keep:
@@ -440,15 +556,66 @@ def run(args) -> int:
             log(f"kept {work}")
 
 
+def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top: int, catalog: Path, names: set[str],
+                 pool: int, pool_needed: int, pool_mb: int) -> dict:
+    """``fleets`` and its checks; the top-level fields from the largest fleet's
+    ``affinity`` (baseline) and ``ace`` (prefetch) arms when both ran."""
+    data = yaml.safe_load(catalog.read_text())
+    adapters = [a for a in data["adapters"] if a["name"] in names]
+    common = {
+        "trace": str(args.trace), "sessions": len(sessions(requests)), "speed": args.speed, "warm_from": str(args.warm_from) if args.warm_from else None,
+        "fleets": results, "checks": fleet_checks(results),
+        "fleet_hosts": top, "pool_adapters": pool, "pool_mb": pool_mb, "pool_bytes": pool_mb << 20,
+        "pool_bytes_needed": pool_needed, "adapters": len(names), "agent_cold_args": list(COLD_AGENT_ARGS),
+        "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
+        "arms": {arm: {"routing_policy": policy, "dynamic_lora_prefetch": "prod" if on else "off"}
+                 for arm, (policy, on) in ARMS.items()},
+        "adapter_sizes": {a["name"]: a["size_bytes"] for a in adapters},
+    }
+    arms = results.get(str(top), {})
+    if "affinity" not in arms or "ace" not in arms:
+        return common
+    base_rows, pre_rows = ok_rows(all_rows[(top, "affinity")]), ok_rows(all_rows[(top, "ace")])
+    cold = [r["wait_ms"] for r in base_rows if r["tier"] in ("remote", "disk")]
+    warm = [r["wait_ms"] for r in base_rows + pre_rows if r["tier"] == "host"]
+    warm_source = "host->pool swaps"
+    if not warm:
+        warm = [r["wait_ms"] for r in pre_rows if r["action"] == "adapter_prefetched_applied"]
+        warm_source = "requests on prefetched adapters"
+    model_bytes = sum(p.stat().st_size for p in (catalog.parent / "model").glob("*.safetensors"))
+    ace, aff = arms["ace"], arms["affinity"]
+    return build_report(
+        base_rows, pre_rows, cold_swap_samples_ms=cold, warm_swap_samples_ms=warm,
+        base_bytes=model_bytes, pool_bytes=pool_mb << 20, adapter_bytes=[a["size_bytes"] for a in adapters],
+        gateway_overhead_ms=ace.get("gateway_overhead_ms"),
+        extra={
+            **common,
+            "errors": {"baseline": aff["errors"], "prefetch": ace["errors"]},
+            "warm_swap_source": warm_source, "cold_swaps": len(cold), "warm_swaps": len(warm),
+            "rows_by_tier": {"baseline": aff["rows_by_tier"], "prefetch": ace["rows_by_tier"]},
+            "loads_by_tier": {"baseline": aff["loads_by_tier"], "prefetch": ace["loads_by_tier"]},
+            "store_fetches": {"baseline": aff["store_fetches"], "prefetch": ace["store_fetches"]},
+            "model_shape": json.loads((catalog.parent / "model" / "config.json").read_text()),
+            "speculation_driver": "gateway: extproc.speculation.GatewaySpeculation (counters from its log)",
+            "replay_s": {"baseline": aff["replay_s"], "prefetch": ace["replay_s"]},
+            "speculation": ace.get("speculation"),
+        },
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.multi_lora_eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=str(ROOT / "data/multi_lora_eval/multi_lora_eval_800.json"),
                     help="trace file (JSON or JSON Lines, docs/trace-format.md)")
     ap.add_argument("--out", default="reports/multi_lora_eval.json", help="JSON report; the TTFT plot goes next to it")
     ap.add_argument("--fixtures", default=".fixtures", help="fixtures directory (python -m gpu_agent.fixtures)")
-    ap.add_argument("--speed", type=float, default=4.0, help="replay speed-up of the trace's clock")
-    ap.add_argument("--no-warm-set", action="store_true",
-                    help="start the prefetch run without the baseline gateway's popularity counts")
+    ap.add_argument("--hosts", default="1,2,4", help="fleet sizes to run, comma-separated (make bench HOSTS=)")
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help=f"arms to run on each fleet, comma-separated, of {', '.join(ARMS)} (make bench ARMS=)")
+    ap.add_argument("--warm-from", default=None,
+                    help="a trace of another day: the ace arm's gateway starts with the state learned on it "
+                         "(default: it starts cold and learns online; make bench WARM_FROM=)")
+    ap.add_argument("--speed", type=float, default=8.0, help="replay speed-up of the trace's clock")
     ap.add_argument("--open-loop", action="store_true",
                     help="send every request at its own t (default: sessions closed-loop, think_s after each answer)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")

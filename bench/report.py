@@ -22,6 +22,13 @@ Definitions:
 - ``by_step``: the hit counts of a session's first step (``step`` 0: no session model
   can predict it, only popularity and the warm set help) and of its later steps, per
   run; rows without ``step`` are left out of it.
+
+The fleet benchmark (``fleets``: hosts -> arm -> ``fleet_entry``) runs three arms on the
+same trace: ``round_robin`` (no affinity, no prefetch), ``affinity`` (ace's placement
+and residency-aware routing, prefetch off) and ``ace`` (routing + prefetch).
+``fleet_checks`` compares them: ``ace`` no worse than ``affinity`` at any stall or TTFT
+percentile beyond noise (``<= NOISE_FACTOR x + NOISE_MS``), no errors in any arm, and the
+4-host targets (``TARGETS``) against the seeds' figures.
 """
 
 from __future__ import annotations
@@ -30,10 +37,16 @@ import math
 from typing import Iterable, Mapping, Sequence
 
 __all__ = [
+    "NOISE_FACTOR",
+    "NOISE_MS",
     "QUANTILES",
+    "TARGETS",
     "build_report",
     "by_domain",
     "by_step",
+    "fleet_checks",
+    "fleet_entry",
+    "format_fleets",
     "format_report",
     "hit_counts",
     "percentiles",
@@ -42,6 +55,10 @@ __all__ = [
 ]
 
 QUANTILES = (50, 90, 95, 99)
+NOISE_FACTOR, NOISE_MS = 1.05, 1.0
+# the seeds' figures for 4 hosts, 800 items: ace's effective / resident hit ratios, and
+# affinity's stall p99 over ace's at least this
+TARGETS = {"effective_hit_ratio": 0.9925, "resident_hit_ratio": 0.98, "stall_p99_reduction": 10.0}
 
 
 def percentiles(values: Iterable[float], qs: Sequence[int] = QUANTILES) -> dict[str, float | None]:
@@ -207,4 +224,78 @@ def format_report(r: Mapping) -> str:
         for kind, label in (("first", "first"), ("later", "later")):
             b, p = steps["baseline"][kind], steps["prefetch"][kind]
             lines.append(f"  {label:<14}{p['total']:>6}{b['effective_hits']:>15}{p['effective_hits']:>8}")
+    return "\n".join(lines)
+
+
+def fleet_entry(rows: Sequence[Mapping], *, errors: int, requests_per_host: Mapping[str, int],
+                loads_by_tier: Mapping[str, int], prefetch: Mapping[str, int | None],
+                stall_eps_ms: float = 1.0, extra: Mapping | None = None) -> dict:
+    """One arm on one fleet: hit counts, stall and TTFT percentiles, first steps."""
+    hits = hit_counts(rows, stall_eps_ms)
+    first = by_step(rows, stall_eps_ms)["first"]
+    entry = {
+        **hits,
+        "errors": errors,
+        "stall_ms": percentiles(r["wait_ms"] for r in rows),
+        "ttft_ms": percentiles(r["ttft_ms"] for r in rows if r["ttft_ms"] is not None),
+        "first_step": {"total": first["total"], "effective_hits": first["effective_hits"]},
+        "requests_per_host": dict(sorted(requests_per_host.items())),
+        "loads_by_tier": dict(sorted(loads_by_tier.items())),
+        "prefetch": dict(prefetch),
+    }
+    if extra:
+        entry.update(extra)
+    return entry
+
+
+def _no_worse(ace: float | None, affinity: float | None) -> bool | None:
+    if ace is None or affinity is None:
+        return None
+    return ace <= NOISE_FACTOR * affinity + NOISE_MS
+
+
+def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]]) -> dict:
+    """What the report can check about itself: per fleet, ``ace`` against ``affinity`` at
+    every stall and TTFT percentile, errors per arm; for 4 hosts, the seeds' targets."""
+    out: dict = {}
+    for n, arms in fleets.items():
+        c: dict = {"errors": {arm: e["errors"] for arm, e in arms.items()},
+                   "no_errors": all(e["errors"] == 0 for e in arms.values())}
+        ace, aff = arms.get("ace"), arms.get("affinity")
+        if ace and aff:
+            c["ace_no_worse_than_affinity"] = {
+                metric: {q: _no_worse(ace[metric][q], aff[metric][q]) for q in aff[metric]}
+                for metric in ("stall_ms", "ttft_ms")}
+            c["ace_no_worse_everywhere"] = all(
+                v is not False for m in c["ace_no_worse_than_affinity"].values() for v in m.values())
+        if n == "4" and ace and aff:
+            b, p = aff["stall_ms"]["p99"], ace["stall_ms"]["p99"]
+            got = {"effective_hit_ratio": ace["effective_hit_ratio"], "resident_hit_ratio": ace["resident_hit_ratio"],
+                   "stall_p99_reduction": (b / p) if b is not None and p else (math.inf if b else None)}
+            c["targets"] = {k: {"want": v, "got": got[k], "met": got[k] is not None and got[k] >= v}
+                            for k, v in TARGETS.items()}
+            ta, tb = ace["ttft_ms"]["p99"], aff["ttft_ms"]["p99"]
+            c["targets"]["ttft_p99_lower"] = {"want": tb, "got": ta,
+                                              "met": ta is not None and tb is not None and ta < tb}
+        out[n] = c
+    return out
+
+
+def _cell(v: float | None, fmt: str = ".1f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def format_fleets(fleets: Mapping[str, Mapping[str, Mapping]], warm_from: str | None = None) -> str:
+    """The fleet table: per hosts and arm, hits, stall and TTFT percentiles."""
+    lines = [f"fleet benchmark (ace arm learned on: {warm_from or 'nothing, cold start, learns online'})",
+             f"  {'hosts':>5} {'arm':<12}{'resident':>9}{'effective':>10}{'err':>4}"
+             f"{'stall p50':>10}{'p99':>8}{'ttft p50':>9}{'p90':>8}{'p99':>8}  requests per host"]
+    for n, arms in fleets.items():
+        for arm, e in arms.items():
+            t = e["total"] or 1
+            lines.append(
+                f"  {n:>5} {arm:<12}{100 * e['resident_hits'] / t:>8.2f}%{100 * e['effective_hits'] / t:>9.2f}%"
+                f"{e['errors']:>4}{_cell(e['stall_ms']['p50']):>10}{_cell(e['stall_ms']['p99']):>8}"
+                f"{_cell(e['ttft_ms']['p50']):>9}{_cell(e['ttft_ms']['p90']):>8}{_cell(e['ttft_ms']['p99']):>8}"
+                f"  {'/'.join(str(v) for v in e['requests_per_host'].values())}")
     return "\n".join(lines)

@@ -151,11 +151,15 @@ class _Agent:
 
 
 class AgentLink:
-    """All agents this gateway talks to, keyed by upstream name."""
+    """All agents this gateway talks to, keyed by upstream name.
+
+    ``send_timeout_s``: each Prefetch's deadline. 2 s: the sender is off the request path,
+    and an agent busy loading on a loaded host answers late (at 0.5 s the fleet benchmark
+    lost two of each host's three warm-set prefetches at start-up)."""
 
     def __init__(self, agents: Mapping[str, str], board: ResidencyBoard | None = None, *,
                  token: str | None = None, tls: AgentTLS | None = None, queue_size: int = 256,
-                 send_timeout_s: float = 0.5, backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
+                 send_timeout_s: float = 2.0, backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
                  load_max_age_s: float = 5.0):
         self.board = board or ResidencyBoard()
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()

@@ -51,7 +51,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from extproc.decision import Decision
 from extproc.policy.prediction import PredictionLedger, SessionDemand, StepPace, TransitionModel
@@ -188,15 +188,18 @@ def route_by_policy(policy) -> Callable[[Snapshot, str, ResidencySnapshot], str 
 
 
 def warm_signals(counts: Mapping[str, float], snapshot: Snapshot, slots: Mapping[str, int],
-                 hosts: list[str]) -> list[PrefetchSignal]:
+                 hosts: list[str], *, adapters: Iterable[str] | None = None,
+                 only: Iterable[str] | None = None) -> list[PrefetchSignal]:
     """The start-up prefetches: the most requested adapters, placed as routing would place
-    them, at most ``slots[host]`` (the pool size learned last time) per host."""
+    them (over ``adapters``, the fleet's, when given), at most ``slots[host]`` (the pool
+    size learned last time) per host; signals for the hosts in ``only`` (default all)."""
     known = {a: c for a, c in counts.items() if a in snapshot.adapters and c > 0}
     digests = {a: snapshot.adapters[a].sha256 or a for a in known}
     per_host = min((slots.get(h, 0) for h in hosts), default=0)
-    plan = warm_set(known, digests, hosts, per_host)
+    plan = warm_set(known, digests, hosts, per_host, adapters=adapters)
+    to = hosts if only is None else [h for h in hosts if h in set(only)]
     return [PrefetchSignal(upstream=h, adapter=a, digest=snapshot.adapters[a].sha256, priority=0,
-                           reason="warm_set") for h in hosts for a in plan.get(h, [])]
+                           reason="warm_set") for h in to for a in plan.get(h, [])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +272,7 @@ class GatewaySpeculation:
 
     def __init__(self, store, board, sink: PrefetchSink, planner: SpeculationPlanner | None = None, *,
                  popularity: PopularityFile | None = None, max_pending: int = 4096,
-                 poll_s: float = 0.005, save_every_s: float = 30.0,
+                 poll_s: float = 0.005, save_every_s: float = 30.0, warm_wait_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.board, self.sink = store, board, sink
         self.popularity = popularity
@@ -284,6 +287,8 @@ class GatewaySpeculation:
         self.observed = self.dropped = self.sent = self.send_dropped = self.shadow_prefetches = 0
         self.warm_sent = 0
         self._warmed: set[str] = set()
+        self.warm_wait_s = warm_wait_s
+        self._started = clock()
         self._seen: ResidencySnapshot | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="speculation", daemon=True)
@@ -362,18 +367,25 @@ class GatewaySpeculation:
                 self.send_dropped += 1
 
     def _warm(self) -> None:
-        """Submit each host's warm set once, when its agent's residency first arrives."""
+        """Submit each host's warm set once, when its agent's residency first arrives;
+        placed over every agent host (routing's placement), so the first hosts wait for
+        the others up to ``warm_wait_s``."""
         if not self.counts or not self._warm_slots:
             return
         residency = self.board.current
         hosts = [h for h in residency.by_upstream if h not in self._warmed]
         if not hosts:
             return
-        self._warmed.update(hosts)
         snap = self.store.snapshot
+        agents = {u.name for u in snap.upstreams if u.agent}
+        if not agents <= set(residency.by_upstream) and self.clock() - self._started < self.warm_wait_s:
+            return
+        self._warmed.update(hosts)
         if not _prefetch_enabled(snap):
             return
-        for signal in warm_signals(self.counts, snap, self._warm_slots, hosts):
+        fleet = {a for view in residency.by_upstream.values() for a in view}
+        for signal in warm_signals(self.counts, snap, self._warm_slots, list(residency.by_upstream),
+                                   adapters=fleet, only=hosts):
             if self.sink.submit(signal):
                 self.warm_sent += 1
 

@@ -177,3 +177,44 @@ def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_a
         yield {"gateway": f"http://127.0.0.1:{port}", "engine": f"http://127.0.0.1:{engine_port}",
                "agent": f"127.0.0.1:{grpc_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
                "state": state}
+
+
+@contextlib.contextmanager
+def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: str,
+                agent_args: Sequence[str] = (), extproc_args: Sequence[str] = (),
+                agent_env: dict[str, str] | None = None, message_timeout: str = "5s") -> Iterator[dict]:
+    """``hosts`` engine hosts (a GPU agent with its builtin engine in-process each, its
+    own cache dir and log under ``work/host-<i>``), one ext_proc gateway and one Envoy;
+    every process on ephemeral loopback ports, all started before any is waited on, all
+    stopped on exit.
+
+    ``write_state(path, hosts)`` writes the gateway's state YAML once the hosts' ports
+    are known (``hosts``: a list of ``{"name", "engine", "agent"}``, ``engine-1`` first);
+    what it returns is yielded as ``state``. Yields ``gateway`` (Envoy's URL), ``hosts``
+    (each with its ``engine`` URL and agent ``metrics`` URL too) and ``state``.
+    ``agent_env``: extra environment for the agents only.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    env = {"ACE_AGENT_TOKEN": token}
+    with contextlib.ExitStack() as stack:
+        started = []
+        for i in range(1, hosts + 1):
+            home = work / f"host-{i}"
+            engine_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+            cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", "builtin",
+                   "--engine-port", str(engine_port), "--grpc-port", str(grpc_port),
+                   "--metrics-port", str(metrics_port), "--cache-dir", str(home / "agent-cache"),
+                   "--auth", "token", *agent_args]
+            proc = stack.enter_context(running(cmd, home / "agent.log", env={**env, **(agent_env or {})}))
+            started.append((proc, home / "agent.log", {
+                "name": f"engine-{i}", "engine": f"127.0.0.1:{engine_port}", "agent": f"127.0.0.1:{grpc_port}",
+                "engine_url": f"http://127.0.0.1:{engine_port}",
+                "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "grpc_port": grpc_port}))
+        for proc, log, host in started:
+            wait_port(host["grpc_port"], timeout=180, proc=proc, log=log)
+            wait_http(host["engine_url"] + "/health", timeout=180, proc=proc, log=log)
+        fleet = [host for _, _, host in started]
+        state = write_state(work / "state.yaml", fleet)
+        port = stack.enter_context(gateway_front(work, work / "state.yaml", fleet[0]["engine"], env=env,
+                                                 extproc_args=extproc_args, message_timeout=message_timeout))
+        yield {"gateway": f"http://127.0.0.1:{port}", "hosts": fleet, "state": state}

@@ -15,13 +15,25 @@ Score tiers, best first (the first non-empty tier wins):
 2. ``staged``: hosts holding it in host memory (tier ``host``), not overloaded: the
    load is a host-to-device copy; the least loaded of them.
 3. ``hashed``: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
-   2018) on the adapter digest: walk the ring from the digest's point and take the first
-   host under the bound, so an adapter keeps landing on the same host instead of
-   thrashing across all of them. A hot adapter (``replicas`` > 1) may live on the first
+   2018): walk the hosts from the adapter's owner and take the first host under the
+   bound, so an adapter keeps landing on the same host instead of thrashing across all
+   of them. The owner is its ``place`` ment when the adapters of the fleet are known
+   (``adapters``: ``route`` passes every adapter the agents report), else the first host
+   of the ring walk from its digest. A hot adapter (``replicas`` > 1) may live on the first
    ``replicas`` hosts of its walk; the least loaded of them is taken. When its resident
    hosts are all overloaded, tier 3 places it on one more host: that is how a hot
    adapter spreads.
 4. ``none``: no hosts at all.
+
+Placement (``place``) bounds the *distinct adapters* per host, not only the requests: a
+plain hash of 10 adapters over 4 hosts gave 6, 0, 4 and 0 of them to the hosts (with
+5-slot pools the 6-adapter host thrashes while two hosts idle). Each adapter, in the
+order of its hash, goes to the first host of its ring walk still under its quota; the
+quotas split the adapters in proportion to the hosts' pool ``slots`` (equal when
+unknown: the agents do not publish their pool size), floor or ceiling of the share, so
+with equal pools the counts differ by at most one (3, 3, 2, 2) and no host is given
+more adapters than its slots while another has room. Adding or removing a host moves
+only the adapters whose walk passes it or whose quota changed.
 
 Overloaded: ``load + 1 > max(min_bound, ceil(load_factor * (total_load + 1) / hosts))``.
 ``route`` uses ``min_bound = LOAD_FLOOR``: a host carrying fewer requests than that is
@@ -33,17 +45,19 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
-__all__ = ["LOAD_FLOOR", "RoutingDecision", "choose_endpoint", "load_bound", "ring_walk", "route"]
+__all__ = ["LOAD_FLOOR", "RoutingDecision", "choose_endpoint", "load_bound", "place", "ring_walk",
+           "round_robin", "route"]
 
 RESIDENT_TIERS = frozenset({"device", "pool", "gpu", "vram"})
 STAGED_TIERS = frozenset({"host", "cpu"})
 VNODES = 64
-LOAD_FLOOR = 8
+LOAD_FLOOR = 16
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,39 @@ def ring_walk(hosts: tuple[str, ...], key: str) -> list[str]:
     return seen
 
 
+def place(adapters: Iterable[str], hosts: Iterable[str],
+          slots: Mapping[str, int] | None = None) -> dict[str, str]:
+    """adapter -> owner host: each adapter (in its hash order) on the first host of its
+    ring walk under that host's quota; quotas share the adapters in proportion to
+    ``slots`` (missing or None: equal), each host the floor of its share, the first
+    hosts to reach it one more until the remainder is given out."""
+    return dict(_place(tuple(sorted(set(map(str, adapters)))), tuple(sorted(hosts)),
+                       tuple(sorted((slots or {}).items()))))
+
+
+@lru_cache(maxsize=64)
+def _place(adapters: tuple[str, ...], hosts: tuple[str, ...],
+           slots: tuple[tuple[str, int], ...]) -> tuple[tuple[str, str], ...]:
+    if not hosts:
+        return ()
+    known = dict(slots)
+    weight = {h: max(1, known.get(h, 1)) if known else 1 for h in hosts}
+    total_w = sum(weight.values())
+    floor = {h: len(adapters) * weight[h] // total_w for h in hosts}
+    extra = len(adapters) - sum(floor.values())  # hosts that may take one more
+    count = dict.fromkeys(hosts, 0)
+    out = []
+    for a in sorted(adapters, key=lambda a: (_hash64(a), a)):
+        walk = ring_walk(hosts, a)
+        owner = next((h for h in walk if count[h] < floor[h]), None)
+        if owner is None:  # every host on its walk is at its floor: one of the extras
+            owner = next(h for h in walk if count[h] == floor[h]) if extra > 0 else walk[0]
+            extra -= 1
+        count[owner] += 1
+        out.append((a, owner))
+    return tuple(out)
+
+
 def load_bound(loads: Mapping[str, int], hosts: tuple[str, ...], load_factor: float,
                min_bound: int = 1) -> int:
     """The most requests one host may carry, counting the one being placed."""
@@ -116,13 +163,16 @@ def choose_endpoint(
     load_factor: float = 1.25,
     replicas: int = 1,
     min_bound: int = 1,
+    adapters: Iterable[str] | None = None,
+    slots: Mapping[str, int] | None = None,
 ) -> RoutingDecision:
     """Pick the engine host for ``adapter`` (content ``digest``), by the tiers above.
 
     ``snapshot``: upstream -> adapter -> residency (a mapping, or an object exposing one
     as ``upstreams``); ``loads``: requests per upstream (missing = 0);
     ``replicas``: how many ring hosts a hot adapter may occupy; ``min_bound``: the load
-    bound never goes below it.
+    bound never goes below it; ``adapters``: every adapter of the fleet, for ``place``
+    (with ``slots``: pool slots per host); without it the digest's ring walk decides.
     """
     view = _upstreams(snapshot)
     hosts = tuple(sorted(view))
@@ -151,6 +201,9 @@ def choose_endpoint(
         return RoutingDecision(min(staged, key=lambda h: (loads.get(h, 0), h)), "staged")
 
     walk = ring_walk(hosts, digest)
+    if adapters is not None:
+        owner = place([*adapters, str(adapter)], hosts, slots).get(str(adapter))
+        walk = [owner, *(h for h in ring_walk(hosts, str(adapter)) if h != owner)]
     owners = [h for h in walk if ok(h)][: max(1, replicas)]
     if not owners:  # everyone at the bound (tiny totals): the ring's first choice
         return RoutingDecision(walk[0], "hashed")
@@ -188,6 +241,24 @@ def route(upstreams: Sequence[Any], adapter: Any, residency: Any) -> Any:
     measured = getattr(residency, "loads", None) or {}
     sent = getattr(residency, "sent_since", None) or {}
     loads = {name: measured[name] + sent.get(name, 0) for name in snapshot if name in measured}
+    fleet = {name for adapters in snapshot.values() for name in adapters}
     decision = choose_endpoint(snapshot, adapter.name, adapter.sha256 or adapter.name,
-                               loads=loads, min_bound=LOAD_FLOOR)
+                               loads=loads, min_bound=LOAD_FLOOR, adapters=fleet)
     return known[decision.endpoint]
+
+
+class RoundRobin:
+    """The baseline a plain Service gives: the next candidate host, whatever the adapter
+    (``--routing-policy extproc.policy.routing:round_robin``; the bench's ``round_robin``
+    arm). One ``itertools.count`` shared by the request threads: ``next`` is atomic."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def __call__(self, upstreams: Sequence[Any], adapter: Any, residency: Any) -> Any:
+        candidates = [u for u in upstreams if adapter is None or u.base_model == adapter.base_model]
+        candidates = candidates or list(upstreams)
+        return candidates[next(self._next) % len(candidates)]
+
+
+round_robin = RoundRobin()

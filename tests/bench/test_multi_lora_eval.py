@@ -1,5 +1,6 @@
 import hashlib
 
+import pytest
 import yaml
 
 from bench.multi_lora_eval import remote_catalog, state_yaml
@@ -24,14 +25,16 @@ def test_remote_catalog_points_every_adapter_at_the_store(tmp_path):
 
 
 def test_state_yaml_keys_and_skills(tmp_path):
-    keys = state_yaml(tmp_path / "s.yaml", tmp_path / "c.yaml", ["acme", "medco"], "127.0.0.1:1", "127.0.0.1:2",
-                      prefetch=False)
+    hosts = [{"name": "engine-1", "engine": "127.0.0.1:1", "agent": "127.0.0.1:2"},
+             {"name": "engine-2", "engine": "127.0.0.1:3", "agent": "127.0.0.1:4"}]
+    keys = state_yaml(tmp_path / "s.yaml", tmp_path / "c.yaml", ["acme", "medco"], hosts, prefetch=False)
     state = yaml.safe_load((tmp_path / "s.yaml").read_text())
     assert state["skills"]["dynamic_lora_prefetch"] == "off"
     assert {k["tenant"] for k in state["keys"]} == {"acme", "medco"}
     for k in state["keys"]:
         assert k["sha256"] == hashlib.sha256(keys[k["tenant"]].encode()).hexdigest()
-    assert state["upstreams"][0]["agent"] == "127.0.0.1:2"
+    assert [(u["name"], u["address"], u["agent"]) for u in state["upstreams"]] == [
+        ("engine-1", "127.0.0.1:1", "127.0.0.1:2"), ("engine-2", "127.0.0.1:3", "127.0.0.1:4")]
 
 
 def test_sessions_group_steps_in_order_and_think_time():
@@ -108,3 +111,98 @@ def test_store_fetches_counts_weight_gets_after_an_offset(tmp_path):
         f.write(first + first.replace('" 200 ', '" 404 '))
     assert store_fetches(log, at)[0] == 1
     assert store_fetches(tmp_path / "missing.log") == (0, 0)
+
+
+def test_arms_are_round_robin_affinity_ace():
+    from bench.multi_lora_eval import ARMS
+    assert ARMS == {"round_robin": ("extproc.policy.routing:round_robin", False),
+                    "affinity": ("extproc.policy.routing:route", False),
+                    "ace": ("extproc.policy.routing:route", True)}
+
+
+def test_preemptions_sum_counters_named_preempt_or_none():
+    from bench.multi_lora_eval import preemptions
+    a = ('# HELP ace_agent_prefetch_preempted_total x\n# TYPE ace_agent_prefetch_preempted_total counter\n'
+         'ace_agent_prefetch_preempted_total{reason="request"} 2.0\nace_agent_prefetch_total{outcome="ok"} 9\n')
+    b = 'ace_agent_prefetch_preempted_total{reason="request"} 3\n'
+    assert preemptions([a, b]) == 5
+    assert preemptions(['ace_agent_prefetch_total{outcome="ok"} 9\n']) is None
+    assert preemptions(['ace_agent_prefetch_preempted_total 0\n']) == 0
+
+
+def test_learned_state_is_the_gateways_own_file_from_another_trace(tmp_path):
+    from bench.multi_lora_eval import learned_state
+    from extproc.policy.prediction import TransitionModel
+    from extproc.speculation import PopularityFile
+    reqs = [{"t": 0.0, "tenant": "acme", "session": "s1", "step": 0, "adapter": "a"},
+            {"t": 3.0, "tenant": "acme", "session": "s1", "step": 1, "adapter": "b"},
+            {"t": 1.0, "tenant": "acme", "session": "s2", "step": 0, "adapter": "a"},
+            {"t": 4.0, "tenant": "acme", "session": "s2", "step": 1, "adapter": "b"}]
+    saved = PopularityFile(learned_state(reqs, ["engine-1", "engine-2"], 5, tmp_path / "gw.popularity.json")).read()
+    assert saved.counts == {"a": 2.0, "b": 2.0}
+    assert saved.slots == {"engine-1": 5, "engine-2": 5}
+    model = TransitionModel()
+    assert model.load_state(saved.transitions) > 0
+
+
+def test_committed_previous_day_trace_is_the_generator_with_the_day_before_seed(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "prev.json"
+    subprocess.run([sys.executable, str(root / "data/multi_lora_eval/generate.py"), "--seed", "20261129",
+                    "--out", str(out)], check=True, capture_output=True)
+    prev = root / "data/multi_lora_eval/multi_lora_eval_800_prev.json"
+    assert out.read_bytes() == prev.read_bytes()
+    assert prev.read_bytes() != (root / "data/multi_lora_eval/multi_lora_eval_800.json").read_bytes()
+
+
+def test_hosts_and_arms_are_validated():
+    from bench.multi_lora_eval import main
+    assert main(["--hosts", "0", "--out", "/nonexistent/r.json"]) == 2
+    assert main(["--arms", "ace,nope", "--out", "/nonexistent/r.json"]) == 2
+
+
+@pytest.mark.slow
+def test_small_fleet_run_writes_the_report(tmp_path):
+    """2 engine hosts behind Envoy + ext_proc, 40 requests, all three arms, ace cold."""
+    import json
+    from pathlib import Path
+
+    from bench.multi_lora_eval import main
+    root = Path(__file__).resolve().parents[2]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(json.loads((root / "data/multi_lora_eval/multi_lora_eval_800.json").read_text())[:40]))
+    out = tmp_path / "r.json"
+    assert main(["--trace", str(trace), "--hosts", "2", "--speed", "20", "--out", str(out),
+                 "--fixtures", str(root / ".fixtures")]) == 0
+    report = json.loads(out.read_text())
+    assert report["warm_from"] is None and set(report["fleets"]) == {"2"}
+    arms = report["fleets"]["2"]
+    assert list(arms) == ["round_robin", "affinity", "ace"]
+    for name, e in arms.items():
+        assert e["errors"] == 0 and e["total"] == 40, name
+        assert sum(e["requests_per_host"].values()) == 40
+        assert 0 <= e["resident_hits"] <= e["total"] and 0 <= e["effective_hits"] <= e["total"]
+        assert e["resident_hit_ratio"] == pytest.approx(e["resident_hits"] / 40)
+        assert set(e["stall_ms"]) == set(e["ttft_ms"]) == {"p50", "p90", "p95", "p99"}
+        assert e["first_step"]["total"] == sum(1 for r in json.loads(trace.read_text()) if r["step"] == 0)
+        assert set(e["prefetch"]) == {"sent", "used", "wasted", "preempted"}
+        assert sum(e["loads_by_tier"].values()) >= 1  # every adapter starts cold
+    assert arms["round_robin"]["requests_per_host"] == {"engine-1": 20, "engine-2": 20}
+    assert arms["affinity"]["prefetch"]["sent"] == 0 and arms["ace"]["prefetch"]["sent"] >= 0
+    # top level: the largest fleet's affinity (baseline) and ace (prefetch)
+    assert report["total"] == arms["ace"]["total"] and report["baseline_hits"]["total"] == 40
+    assert report["stall_ms"]["prefetch"] == arms["ace"]["stall_ms"]
+    assert report["checks"]["2"]["no_errors"] is True
+    assert out.with_suffix(".png").exists()
+
+
+def test_metric_reads_one_series_or_zero():
+    from bench.multi_lora_eval import metric
+    text = ('# TYPE ace_agent_prefetch_total counter\nace_agent_prefetch_total{outcome="accepted"} 3.0\n'
+            'ace_agent_prefetch_total{outcome="coalesced"} 1.0\nace_agent_prefetch_queue_depth 0\n')
+    assert metric(text, 'ace_agent_prefetch_total{outcome="accepted"}') == 3.0
+    assert metric(text, "ace_agent_prefetch_queue_depth") == 0.0
+    assert metric(text, 'ace_agent_tier_adapters{tier="device"}') == 0.0

@@ -100,3 +100,43 @@ def test_by_step_splits_first_steps_from_later_ones():
     assert r["by_step"]["prefetch"]["first"]["total"] == 2
     text = format_report(r)
     assert "session step" in text and "effective hits, prefetch off" in text
+
+
+def arm(wait, ttft, errors=0, step=None):
+    from bench.report import fleet_entry
+    rows = [dict(row(tier="pool" if w == 0 else "remote", wait=w, ttft=t), step=s)
+            for w, t, s in zip(wait, ttft, step or [1] * len(wait))]
+    return fleet_entry(rows, errors=errors, requests_per_host={"engine-2": 1, "engine-1": len(rows) - 1},
+                       loads_by_tier={"remote": 1}, prefetch={"sent": 3, "used": 2, "wasted": 1, "preempted": None})
+
+
+def test_fleet_entry_fields_and_arithmetic():
+    e = arm([0, 0, 50, 0], [10, 12, 80, 11], step=[0, 1, 0, 2])
+    assert (e["total"], e["resident_hits"], e["effective_hits"], e["errors"]) == (4, 3, 3, 0)
+    assert e["stall_ms"]["p99"] == pytest.approx(48.5) and set(e["ttft_ms"]) == {"p50", "p90", "p95", "p99"}
+    assert e["first_step"] == {"total": 2, "effective_hits": 1}
+    assert list(e["requests_per_host"]) == ["engine-1", "engine-2"]
+    assert e["prefetch"] == {"sent": 3, "used": 2, "wasted": 1, "preempted": None}
+
+
+def test_fleet_checks_ace_against_affinity_within_noise_and_targets():
+    from bench.report import fleet_checks
+    aff = arm([0] * 98 + [40, 40], [10] * 98 + [60, 60])
+    ace_good = arm([0] * 100, [10] * 99 + [20])
+    c = fleet_checks({"4": {"affinity": aff, "ace": ace_good}})["4"]
+    assert c["no_errors"] and c["ace_no_worse_everywhere"]
+    assert c["targets"]["effective_hit_ratio"]["met"] and c["targets"]["stall_p99_reduction"]["got"] == float("inf")
+    assert c["targets"]["ttft_p99_lower"]["met"]
+    # within 1.05x + 1 ms is noise; beyond is worse
+    ace_noisy = arm([0] * 100, [10.5] * 98 + [60, 60])
+    assert fleet_checks({"2": {"affinity": aff, "ace": ace_noisy}})["2"]["ace_no_worse_everywhere"]
+    ace_bad = arm([0] * 100, [12] * 98 + [60, 60], errors=1)
+    c = fleet_checks({"2": {"affinity": aff, "ace": ace_bad}})["2"]
+    assert c["ace_no_worse_than_affinity"]["ttft_ms"]["p50"] is False and not c["ace_no_worse_everywhere"]
+    assert not c["no_errors"] and "targets" not in c
+
+
+def test_format_fleets_shows_every_arm():
+    from bench.report import format_fleets
+    text = format_fleets({"1": {"affinity": arm([0, 5], [1, 2]), "ace": arm([0, 0], [1, 1])}}, "prev.json")
+    assert "prev.json" in text and "affinity" in text and "ace" in text and "50.00%" in text

@@ -2,6 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from extproc.catalog import Upstream
 from extproc.policy.routing import choose_endpoint, ring_walk
 from extproc.policy.warmset import warm_set
 
@@ -204,7 +205,7 @@ def test_route_with_unknown_loads_decides_as_before():
     for i in range(20):
         other = _with_digest(ad, f"d{i}")
         assert (route(ups, other, ResidencySnapshot.build(cold)).name
-                == choose_endpoint({u: {} for u in cold}, other.name, other.sha256).endpoint)
+                == choose_endpoint({u: {} for u in cold}, other.name, other.sha256, adapters=()).endpoint)
 
 
 def _with_digest(ad, digest):
@@ -232,7 +233,7 @@ def test_a_burst_spreads_once_the_sends_since_the_measurement_reach_the_floor():
     assert route(ups[:2], ad, ResidencySnapshot.build(both, measured, {"e0": 1, "e1": 1})).name == "e0"
     # the sends add to the measurement
     assert at({"e0": 3, "e1": 0}) == "e0"
-    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e0": 5, "e1": 0},
+    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e0": LOAD_FLOOR - 3, "e1": 0},
                                                         {"e0": 3, "e1": 0})).name == "e1"
 
 
@@ -287,3 +288,81 @@ def test_sent_counter_loses_no_count_across_threads():
     finally:
         sys.setswitchinterval(before)
     assert sent.value("h") == n * threads and sent.value("other") == 0
+
+
+# ---- placement: distinct adapters per host, bounded by the pools
+
+TEN = [f"adapter-{i}" for i in range(10)]
+FOUR = ["engine-1", "engine-2", "engine-3", "engine-4"]
+
+
+def test_place_spreads_ten_adapters_evenly_over_four_five_slot_hosts():
+    from collections import Counter
+
+    from extproc.policy.routing import place
+    owners = place(TEN, FOUR, {h: 5 for h in FOUR})
+    assert set(owners) == set(TEN)
+    counts = Counter(owners.values())
+    assert set(counts) == set(FOUR)
+    assert max(counts.values()) - min(counts.values()) <= 1
+    assert sorted(counts.values()) == [2, 2, 3, 3]
+    assert place(TEN, FOUR) == owners  # equal pools: the same as unknown pools
+
+
+def test_place_never_gives_a_host_more_than_its_slots_while_others_have_room():
+    from collections import Counter
+
+    from extproc.policy.routing import place
+    slots = {"engine-1": 1, "engine-2": 2, "engine-3": 3, "engine-4": 6}
+    counts = Counter(place(TEN, FOUR, slots).values())
+    assert all(counts[h] <= slots[h] for h in FOUR)
+    assert counts["engine-4"] >= counts["engine-3"] >= counts["engine-2"] >= counts["engine-1"]
+
+
+def test_place_moves_little_when_a_host_leaves_or_joins():
+    from extproc.policy.routing import place
+    before = place(TEN, FOUR)
+    after = place(TEN, FOUR[:3])
+    stayed = [a for a in TEN if before[a] != "engine-4" and after[a] == before[a]]
+    kept = [a for a in TEN if before[a] != "engine-4"]
+    assert len(stayed) >= len(kept) - 2  # the quotas grow, few adapters change host
+    assert place(TEN, FOUR[:3] + ["engine-4"]) == before  # back: the same placement
+
+
+def test_hashed_tier_follows_the_placement_not_the_plain_hash():
+    from collections import Counter
+    s = {h: {} for h in FOUR}
+    plain = Counter(choose_endpoint(s, a, a).endpoint for a in TEN)
+    placed = Counter(choose_endpoint(s, a, a, adapters=TEN).endpoint for a in TEN)
+    assert max(placed.values()) - min(placed.values()) <= 1 and len(placed) == 4
+    assert plain != placed  # these 10 names hash unevenly; the placement does not
+
+
+def test_route_places_over_the_adapters_the_agents_report():
+    from collections import Counter
+
+    from extproc.policy.routing import route
+    ups = [Upstream(h, "127.0.0.1:1", "builtin", "m") for h in FOUR]
+    view = {h: {a: Res("remote") for a in TEN} for h in FOUR}
+    picks = Counter(route(ups, lora(a), view).name for a in TEN)
+    assert sorted(picks.values()) == [2, 2, 3, 3]
+
+
+def test_round_robin_cycles_hosts_whatever_the_adapter():
+    from extproc.policy.routing import RoundRobin
+    ups = [Upstream(h, "127.0.0.1:1", "builtin", "m") for h in FOUR]
+    rr = RoundRobin()
+    assert [rr(ups, lora(f"a{i}"), {}).name for i in range(6)] == FOUR + FOUR[:2]
+
+
+def lora(name: str):
+    from extproc.catalog import Adapter
+    return Adapter(name, "m", 8, ("q_proj",), 1, "public", f"adapters/{name}", name)
+
+
+def test_warm_set_over_the_fleet_agrees_with_the_placement():
+    from extproc.policy.routing import place
+    popularity = {a: 10.0 - i for i, a in enumerate(TEN)}
+    plan = warm_set(popularity, {a: a for a in TEN}, FOUR, 5, adapters=TEN)
+    owners = place(TEN, FOUR)
+    assert {a: h for h, adapters in plan.items() for a in adapters} == owners

@@ -423,3 +423,35 @@ def test_routing_policy_defaults_to_affinity_with_several_upstreams():
     assert route_policy(None, 3) is route
     assert route_policy("extproc.routing:choose_upstream", 3) is choose_upstream
     assert popularity_path("x/gw.sqlite3").name == "gw.popularity.json"
+
+
+def test_warm_set_waits_for_every_agent_host_and_follows_the_routing_placement(tmp_path, snapshot):
+    from extproc.catalog import Upstream
+    from extproc.policy.routing import place
+    hosts = ["engine-1", "engine-2"]
+    names = sorted(snapshot.adapters)
+    f = PopularityFile(tmp_path / "gw.popularity.json")
+    f.save({a: 10.0 - i for i, a in enumerate(names)}, {h: len(names) for h in hosts})
+    ups = tuple(Upstream(h, f"127.0.0.1:{i}", "builtin", snapshot.upstreams[0].base_model, agent=f"127.0.0.1:9{i}")
+                for i, h in enumerate(hosts))
+    snap = replace(snapshot, upstreams=ups,
+                   default_skills={**snapshot.default_skills, "dynamic_lora_prefetch": "prod"})
+    now = [0.0]
+    board, sink = ResidencyBoard(), Sink()
+    gs = GatewaySpeculation(FakeStore(snap), board, sink, popularity=f, clock=lambda: now[0])
+    remote = {a: AdapterResidency("remote", None) for a in names}
+    board.publish(ResidencySnapshot.build({"engine-1": remote}))
+    gs._warm()
+    assert sink.signals == []                       # engine-2's agent has not reported yet
+    board.publish(ResidencySnapshot.build({h: remote for h in hosts}))
+    gs._warm()
+    assert {s.adapter: s.upstream for s in sink.signals} == place(names, hosts)
+    # an agent that never reports: after warm_wait_s the hosts known are warmed
+    sink2 = Sink()
+    gs2 = GatewaySpeculation(FakeStore(snap), ResidencyBoard(), sink2, popularity=f, clock=lambda: now[0])
+    gs2.board.publish(ResidencySnapshot.build({"engine-1": remote}))
+    gs2._warm()
+    assert sink2.signals == []
+    now[0] = gs2.warm_wait_s + 1
+    gs2._warm()
+    assert {s.upstream for s in sink2.signals} == {"engine-1"} and len(sink2.signals) == len(names)

@@ -348,3 +348,36 @@ def test_the_engines_load_travels_into_the_gateways_snapshot_while_fresh(tmp_pat
     finally:
         link.close()
         agent.close()
+
+
+def test_a_busy_agent_still_gets_the_warm_set_with_the_default_deadline():
+    """An agent busy loading (its Prefetch answers after ~1 s on a loaded host) still gets
+    every signal: the default deadline is generous (the sender is off the request path)."""
+    class Busy(pb_grpc.AgentServicer):
+        async def Prefetch(self, request, context):
+            await asyncio.sleep(1.0)
+            return pb.PrefetchReply(outcome=pb.PrefetchReply.ACCEPTED)
+
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+
+    async def up():
+        server = grpc.aio.server()
+        pb_grpc.add_AgentServicer_to_server(Busy(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(up(), loop).result(10)
+    link = AgentLink({"u1": f"127.0.0.1:{port}"}, queue_size=4).start()
+    try:
+        for name in ("a1", "a2"):
+            assert link.submit(signal(name))
+        wait_until(lambda: link.agents["u1"].sent + link.agents["u1"].failed >= 2)
+        assert (link.agents["u1"].sent, link.agents["u1"].failed) == (2, 0)
+    finally:
+        link.close()
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(5)
