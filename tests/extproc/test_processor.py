@@ -100,17 +100,19 @@ def test_wire_responses():
     assert r.immediate_response.status.code == 422
 
 
+def _chat_messages(body: bytes):
+    """Envoy's headers-first exchange for one chat completion as alice."""
+    m = pb.ProcessingRequest()
+    for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"),
+                 ("authorization", f"Bearer {KEYS['alice']}")):
+        m.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    yield m
+    yield pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+
+
 def test_grpc_servicer_loop(store):
     """The servicer's generator over real protobuf messages (no network)."""
-    def messages():
-        m = pb.ProcessingRequest()
-        for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"),
-                     ("authorization", f"Bearer {KEYS['alice']}")):
-            m.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-        yield m
-        yield pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"lora_name":"code-python"}',
-                                                            end_of_stream=True))
-    out = list(ExternalProcessor(Gateway(store)).Process(messages(), None))
+    out = list(ExternalProcessor(Gateway(store)).Process(_chat_messages(b'{"lora_name":"code-python"}'), None))
     assert [o.WhichOneof("response") for o in out] == ["request_headers", "request_body"]
     assert json.loads(out[1].request_body.response.body_mutation.body)["model"] == "code-python"
     ace = out[1].dynamic_metadata.fields["ace"].struct_value.fields
@@ -134,12 +136,7 @@ def test_exchange_is_done_after_its_last_phase(store, path, last):
 def test_grpc_servicer_ends_the_stream_after_the_last_answer(store):
     """The generator returns after the body's answer, whatever Envoy would send next."""
     def messages():
-        m = pb.ProcessingRequest()
-        for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"),
-                     ("authorization", f"Bearer {KEYS['alice']}")):
-            m.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-        yield m
-        yield pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model":"code-python"}', end_of_stream=True))
+        yield from _chat_messages(b'{"model":"code-python"}')
         raise AssertionError("read past the last message")
     out = list(ExternalProcessor(Gateway(store)).Process(messages(), None))
     assert [o.WhichOneof("response") for o in out] == ["request_headers", "request_body"]

@@ -12,6 +12,7 @@ from extproc.decision import InferenceRequest, decide
 from extproc.residency import AdapterResidency, ResidencySnapshot
 from extproc.rewrite import rewrite_request
 from extproc.rewrite.codec import decode, encode
+from tests.support.seeds import SEED_EXECUTE, SEED_HINTS
 
 BODY = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
         "lora_name": "code-python"}
@@ -72,14 +73,6 @@ def test_shadow_and_off_never_rewrite(snapshot, skills):
 
 # ---------------------------------------------------------------- client copies of hint fields
 
-# the seeds' hint fields, as a client sends them
-SEED_HINTS = {"lora_name": "code-python", "enable_lora_prefetch": True,
-              "prefetch_adapter_id": "code-python", "vram_allocated_mb": 420, "prefetch_status": "hit"}
-SEED_EXECUTE = {"input": {"messages": [{"role": "user", "content": "Write a python function"}]},
-                "target": {"model": "ace-tiny-llama"},
-                "skill_overrides": {"multi_lora": {"mode": "prod"},
-                                    "dynamic_lora_prefetch": {"mode": "shadow"}},
-                "extra_body": SEED_HINTS}
 PROD = {"multi_lora": "prod", "dynamic_lora_prefetch": "shadow"}
 
 

@@ -57,3 +57,17 @@ def write_peft_dir(root: Path, adapter: LoraAdapter, *, config_overrides: dict |
     tensors.update(tensor_overrides or {})
     save_file(tensors, str(path / "adapter_model.safetensors"))
     return path
+
+
+def dense_reference(x, w0, rows, adapters, layer, module):
+    """x @ (W0 + scale * B @ A)^T row by row, in float64 (on the CPU)."""
+    out = []
+    for i, name in enumerate(rows):
+        w = w0.double().cpu()
+        if name is not None:
+            ad = adapters[name]
+            a, b = ad.weights[(layer, module)]
+            w = w + ad.scale * b.double() @ a.double()
+        out.append(x[i].double().cpu() @ w.t())
+    return torch.stack(out)
+

@@ -16,7 +16,7 @@ from gpu_agent.errors import PoolExhausted
 from gpu_agent.lora_ops import apply_lora
 from gpu_agent.pool import AdapterPool
 
-from .lora_testing import SPEC, make_adapter
+from .lora_testing import SPEC, dense_reference, make_adapter
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -67,15 +67,8 @@ def test_mixed_rank_batch_on_device_matches_the_dense_reference(dtype, atol, gro
             y = (x @ w0.t()).to(CUDA)
             with pool.batch(rows) as batch:
                 apply_lora(y, x.to(CUDA), pool, batch, layer, module)
-            ref = []
-            for i, name in enumerate(rows):
-                w = w0.double()
-                if name is not None:
-                    ad = adapters[name]
-                    a, b = ad.weights[(layer, module)]
-                    w = w + ad.scale * b.double() @ a.double()
-                ref.append(x[i].double() @ w.t())
-            torch.testing.assert_close(y.double().cpu(), torch.stack(ref), atol=atol, rtol=atol)
+            ref = dense_reference(x, w0, rows, adapters, layer, module)
+            torch.testing.assert_close(y.double().cpu(), ref, atol=atol, rtol=atol)
 
 
 def test_churn_never_reallocates_device_memory():

@@ -4,7 +4,7 @@ import torch
 from gpu_agent.lora_ops import apply_lora
 from gpu_agent.pool import AdapterPool
 
-from .lora_testing import SPEC, make_adapter
+from .lora_testing import SPEC, dense_reference, make_adapter
 
 RANKS = (8, 16, 32, 64, 128)
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
@@ -12,19 +12,6 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 
 def _pool(dtype, budget_mb=8):
     return AdapterPool(SPEC, budget_mb << 20, dtype=dtype)
-
-
-def _reference(x, w0, rows, adapters, layer, module):
-    """x @ (W0 + scale * B @ A)^T row by row, in float64."""
-    out = []
-    for i, name in enumerate(rows):
-        w = w0.double()
-        if name is not None:
-            ad = adapters[name]
-            a, b = ad.weights[(layer, module)]
-            w = w + ad.scale * b.double() @ a.double()
-        out.append(x[i].double() @ w.t())
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
@@ -50,7 +37,7 @@ def test_mixed_batch_matches_dense_reference(dtype, atol, module, grouped):
         with pool.batch(rows) as batch:
             assert (batch.perm is None) == grouped
             apply_lora(y, x, pool, batch, layer, module)
-        ref = _reference(x, w0, rows, adapters, layer, module)
+        ref = dense_reference(x, w0, rows, adapters, layer, module)
         torch.testing.assert_close(y.double(), ref, atol=atol, rtol=atol)
 
 

@@ -21,6 +21,7 @@ from tests.support.procs import extproc_process, python
 from tools.localstack import gateway_front
 from tests.support.upstream import RecordingUpstream
 from tests.support.wait import scaled
+from tests.support.seeds import SEED_EXECUTE, SEED_HINTS
 
 ALICE = {"authorization": f"Bearer {KEYS['alice']}"}
 BOB = {"authorization": f"Bearer {KEYS['bob']}"}
@@ -165,14 +166,6 @@ def test_curl_execute_native(stack):
     assert r.headers["x-ace-served-by"] == "local-vllm"
 
 
-# the seeds' request shapes, verbatim
-SEED_HINTS = {"lora_name": "code-python", "enable_lora_prefetch": True,
-              "prefetch_adapter_id": "code-python", "vram_allocated_mb": 420, "prefetch_status": "hit"}
-SEED_EXECUTE = {"input": {"messages": [{"role": "user", "content": "Write a python function"}]},
-                "target": {"model": "ace-tiny-llama"},
-                "skill_overrides": {"multi_lora": {"mode": "prod"},
-                                    "dynamic_lora_prefetch": {"mode": "shadow"}},
-                "extra_body": SEED_HINTS}
 # what the engine must receive instead: the gateway's values (no agent data in this stack)
 GATEWAY_HINTS = {"lora_name": "code-python", "lora_adapter": "code-python", "lora_prefetch": False,
                  "enable_lora_prefetch": False, "prefetch_status": "unknown"}
