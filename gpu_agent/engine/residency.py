@@ -157,6 +157,7 @@ class AdapterResidency:
         self.last_load: dict[str, LoadRecord] = {}
         self.room_timeout_s = room_timeout_s
         self._room = asyncio.Event()  # replaced on every set: one wake-up per release
+        self.room_waits = 0  # times a load found the pool full of held adapters and waited
         self.left_pool_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         pool.release_listeners.append(self._pool_released)
@@ -360,6 +361,7 @@ class AdapterResidency:
                 left = deadline - time.monotonic()
                 if never_fits or not self._holds or left <= 0:
                     raise
+            self.room_waits += 1
             try:
                 await asyncio.wait_for(room.wait(), timeout=left)
             except asyncio.TimeoutError:
