@@ -87,6 +87,8 @@ class _Agent:
         self.stub = pb_grpc.AgentStub(self.channel)
         self.queue = PrefetchQueue(self._send, maxsize=link.queue_size)
         self.sent = self.failed = 0
+        self.stream_failures = 0    # WatchResidency streams that failed or were refused
+        self.last_stream_error: grpc.StatusCode | None = None
         self.connected = False
         self._call = None
         self._stop = threading.Event()
@@ -128,6 +130,8 @@ class _Agent:
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
+                self.stream_failures += 1
+                self.last_stream_error = exc.code()
                 if self.connected:
                     log.warning("agent %s stream lost: %s", self.upstream, exc.code())
             self.connected = False
