@@ -62,14 +62,14 @@ class ServerThread:
 
         self.thread = threading.Thread(target=run, name="h2-server", daemon=True)
         self.thread.start()
-        assert ready.wait(10), "h2 server did not start"
+        assert ready.wait(TIMEOUT), "h2 server did not start"
         self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     def inspect(self, fn):
         """Run ``fn()`` on the server's loop (its state is only touched there)."""
         async def call():
             return fn()
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(5)
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(TIMEOUT)
 
     def open_streams(self) -> int:
         return self.inspect(lambda: sum(len(c.calls) for c in self.h2.connections))
@@ -84,7 +84,7 @@ class ServerThread:
         self.inspect(check)
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.h2.shutdown(self.server, 1.0), self.loop).result(10)
+        asyncio.run_coroutine_threadsafe(self.h2.shutdown(self.server, 1.0), self.loop).result(TIMEOUT)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()

@@ -323,11 +323,11 @@ def test_small_host_to_pool_swap_runs_on_the_loop_unless_a_load_holds_the_tiers(
         def hold_tiers():
             with res.tiers.lock:
                 held.set()
-                done.wait(5)
+                done.wait(scaled(5))
 
         t = threading.Thread(target=hold_tiers)
         t.start()
-        held.wait(5)
+        assert held.wait(scaled(5))
         waiter = asyncio.ensure_future(res.ensure_resident("code-sql"))
         await async_wait_until(lambda: len(threads) == 2, what="the swap called")
         assert threads[1] is False           # from the worker thread, which waits for the lock

@@ -20,6 +20,7 @@ from tests.support.envoy import run_envoy
 from tests.support.procs import extproc_process, free_port, python
 from tools.localstack import gateway_front
 from tests.support.upstream import RecordingUpstream
+from tests.support.wait import scaled
 
 ALICE = {"authorization": f"Bearer {KEYS['alice']}"}
 BOB = {"authorization": f"Bearer {KEYS['bob']}"}
@@ -332,7 +333,7 @@ def test_extproc_health_and_graceful_sigterm(tmp_path):
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert resp.status == health_pb2.HealthCheckResponse.SERVING
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=scaled(10)) == 0
 
 
 def test_bad_config_exits_with_a_message(tmp_path):
