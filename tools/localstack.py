@@ -1,7 +1,9 @@
 """Start and always stop the local stack's real processes (tests, demo, benchmarks).
 
 Every server binds 127.0.0.1 on an ephemeral port; logs go to a file under the test's
-tmp dir so a failure can print them.
+tmp dir so a failure can print them. The start-up waits (``wait_port``, ``wait_http``)
+are failure deadlines multiplied by ``ACE_TEST_TIME_SCALE`` (default 1), the factor the
+tests' own waits use (``tests/support/wait.py``), so a loaded machine only waits longer.
 """
 from __future__ import annotations
 
@@ -22,6 +24,13 @@ from extproc.envoy_config import render
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _time_scale() -> float:
+    try:
+        return max(1.0, float(os.environ.get("ACE_TEST_TIME_SCALE", "1")))
+    except ValueError:
+        return 1.0
+
+
 def free_port() -> int:
     """An ephemeral loopback port that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -31,6 +40,7 @@ def free_port() -> int:
 
 def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None,
               log: Path | None = None) -> None:
+    timeout *= _time_scale()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -46,6 +56,7 @@ def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = 
 
 def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None,
               log: Path | None = None) -> None:
+    timeout *= _time_scale()
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:

@@ -163,6 +163,7 @@ class AdapterResidency:
         self.last_load: dict[str, LoadRecord] = {}
         self.room_timeout_s = room_timeout_s
         self._room = asyncio.Event()  # replaced on every set: one wake-up per release
+        self.room_waits = 0  # times a load found the pool full of held adapters and waited
         self.left_pool_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         pool.release_listeners.append(self._pool_released)
@@ -411,6 +412,7 @@ class AdapterResidency:
                     waitable = any(n != name and self.pool.contains(n) for n in list(self._claims))
                     if never_fits or not waitable or left <= 0:
                         raise
+                self.room_waits += 1
                 try:
                     await asyncio.wait_for(room.wait(), timeout=left)
                 except asyncio.TimeoutError:

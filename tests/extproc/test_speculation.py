@@ -14,6 +14,7 @@ from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapsho
 from extproc.speculation import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, Step,
                                  route_by_policy, session_of, warm_signals)
 from tests.extproc.builders import KEYS
+from tests.support.wait import wait_until
 
 PROD = {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
 SHADOW = {"multi_lora": "prod", "dynamic_lora_prefetch": "shadow"}
@@ -235,24 +236,18 @@ def test_a_full_sink_is_counted_not_retried(snapshot):
 def test_the_thread_runs_and_stops(snapshot):
     sink = Sink()
     board = ResidencyBoard()
+    now = [0.0]   # the speculation's clock, moved by the test
     gs = GatewaySpeculation(FakeStore(snapshot), board, sink, SpeculationPlanner(initial_slots=2, load_grace_s=0.05),
-                            poll_s=0.001).start()
+                            poll_s=0.001, clock=lambda: now[0]).start()
     try:
         for i in range(4):
             for a in ("code-python", "acme-legal"):
                 gs.observe(decision(snapshot, a, PROD), "acme", f"s{i}")
-        import time
-        deadline = time.monotonic() + 5
-        while gs.counters()["observed"] < 8:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.1)  # past the in-flight grace, then the engine evicts acme-legal
+        wait_until(lambda: gs.counters()["observed"] >= 8, what="the thread handled 8 steps")
+        now[0] += 1.0  # past the in-flight grace, then the engine evicts acme-legal
         board.publish(pool("local-vllm", "code-python"))
         gs.observe(decision(snapshot, "code-python", PROD), "acme", "new")
-        deadline = time.monotonic() + 5
-        while gs.counters()["observed"] < 9:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: gs.counters()["observed"] >= 9, what="the thread handled the 9th step")
     finally:
         gs.close()
     assert not gs._thread.is_alive()

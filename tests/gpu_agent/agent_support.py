@@ -52,6 +52,7 @@ class FakeConnector(EngineConnector):
         self.held: dict[str, Path] = {}
         self.calls: list[tuple[str, str]] = []
         self.demands: list[bool] = []   # per load: a request's (True) or a prefetch (False)
+        self.reads = {"loaded": 0, "engine_load": 0}      # how often the agent asked
         self.busy_set: set[str] = set()
         self.down = False
         self.fail_loads = False
@@ -77,6 +78,7 @@ class FakeConnector(EngineConnector):
         self.held.pop(name, None)
 
     async def loaded(self) -> set[str]:
+        self.reads["loaded"] += 1
         if self.down:
             raise EngineUnavailable("fake engine down")
         return set(self.held)
@@ -85,6 +87,7 @@ class FakeConnector(EngineConnector):
         return set(self.busy_set)
 
     async def engine_load(self) -> EngineLoad | None:
+        self.reads["engine_load"] += 1
         if self.engine_load_error is not None:
             raise self.engine_load_error
         return self.engine_load_value
@@ -135,14 +138,6 @@ async def static_server(root: Path, corrupt: set[str] = frozenset()):
     app.router.add_get("/{tail:.*}", handle)
     async with serve(app) as url:
         yield url, hits
-
-
-async def wait_for(predicate, timeout: float = 15.0, interval: float = 0.01):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(interval)
 
 
 # Shaped like vLLM 0.x's /metrics with two data-parallel engines (prometheus_client output).

@@ -9,8 +9,8 @@ import pytest
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.connectors.builtin import BuiltinConnector
 from gpu_agent.residency import PrefetchOutcome, ResidencyBudgets, ResidencyManager, Tier
-from tests.gpu_agent.agent_support import wait_for
 from tests.support.vllm import fixtures_dir
+from tests.support.wait import async_wait_until
 
 pytest.importorskip("torch")
 
@@ -42,7 +42,7 @@ def test_prefetch_loads_into_the_pool_and_requests_find_it_there(fixtures, tmp_p
         try:
             assert mgr.view("code-sql").tier is Tier.DISK
             assert mgr.prefetch("code-sql").outcome is PrefetchOutcome.ACCEPTED
-            await wait_for(lambda: mgr.view("code-sql").tier is Tier.DEVICE, timeout=30)
+            await async_wait_until(lambda: mgr.view("code-sql").tier is Tier.DEVICE, timeout=30)
             assert conn.engine.residency.tier("code-sql") == "pool"
             assert mgr.view("code-sql").cold_load_ms > 0
             stats = conn.pool_stats()
@@ -56,7 +56,7 @@ def test_prefetch_loads_into_the_pool_and_requests_find_it_there(fixtures, tmp_p
             assert hot.status_code == 200 and hot.headers["x-ace-adapter-tier"] == "pool"
             assert cold.status_code == 200 and cold.headers["x-ace-adapter-tier"] in ("disk", "host")
             # the engine's on-demand load is picked up by the agent's reconcile
-            await wait_for(lambda: mgr.view("legal-review").tier is Tier.DEVICE, timeout=5)
+            await async_wait_until(lambda: mgr.view("legal-review").tier is Tier.DEVICE, timeout=5)
             evicted, _ = await mgr.evict("code-sql")
             assert evicted and conn.engine.residency.tier("code-sql") != "pool"
             assert mgr.view("code-sql").tier in (Tier.HOST, Tier.DISK)
@@ -72,10 +72,14 @@ def test_pool_self_eviction_drops_a_tier_without_reload_storm(fixtures, tmp_path
         try:
             await mgr.ensure_resident("legal-review")   # rank 128
             await mgr.ensure_resident("tr-fr-en")       # rank 128: pool evicts legal-review
-            await asyncio.sleep(0.4)                     # a few reconciles
             assert conn.engine.residency.tier("legal-review") != "pool"
+            # the reconcile that sees it gone counts a device eviction (the pool's own),
+            # where an engine that lost it would count a reset and prefetch it back
+            await async_wait_until(lambda: mgr.metrics.counter("ace_agent_evictions_total", tier="device") >= 1,
+                                   what="the reconcile counted the pool's eviction")
             assert mgr.view("legal-review").tier in (Tier.HOST, Tier.DISK)
             assert mgr.metrics.counter("ace_agent_engine_resets_total") == 0
+            assert mgr.metrics.counter("ace_agent_prefetch_total", outcome="accepted") == 0   # no reload
             assert conn.engine.residency.tier("tr-fr-en") == "pool"
         finally:
             await mgr.close()
@@ -111,13 +115,13 @@ def test_a_prefetch_hint_chooses_what_the_engine_pool_evicts(fixtures, tmp_path)
             await mgr.ensure_resident("tr-de-en")
             assert pool.stats()["pages_free"] < 112
             assert mgr.prefetch("code-python", evict=["tr-de-en"]).outcome is PrefetchOutcome.ACCEPTED
-            await wait_for(lambda: mgr.view("code-python").tier is Tier.DEVICE, timeout=30)
+            await async_wait_until(lambda: mgr.view("code-python").tier is Tier.DEVICE, timeout=30)
             assert set(pool.resident()) == {"med-triage", "code-python"}
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
             # room for a rank 8 again after evicting one: a hint is not taken while it fits
             await mgr.evict("med-triage")
             mgr.prefetch("fin-reports", evict=["code-python"])
-            await wait_for(lambda: mgr.view("fin-reports").tier is Tier.DEVICE, timeout=30)
+            await async_wait_until(lambda: mgr.view("fin-reports").tier is Tier.DEVICE, timeout=30)
             assert set(pool.resident()) == {"code-python", "fin-reports"}
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
         finally:
@@ -156,14 +160,14 @@ def test_cold_settings_every_reload_goes_the_whole_way(fixtures, tmp_path):
                         return r.headers["x-ace-adapter-tier"]
 
                     assert [await ask(m) for m in ("code-sql", "code-sql", "med-notes")] == ["remote", "pool", "remote"]
-                    await wait_for(lambda: store.local_path(catalog.get("code-sql")) is None, timeout=5)
+                    await async_wait_until(lambda: store.local_path(catalog.get("code-sql")) is None, timeout=5)
                     assert [p.name for p in (tmp_path / "cache").iterdir()] == [catalog.get("med-notes").sha256]
                     assert await ask("code-sql") == "remote"
                 assert hits["code-sql/adapter_model.safetensors"] == 2
                 res = conn.engine.residency
                 assert res.loads["remote"] == 3 and res.loads["host"] == res.loads["disk"] == 0
                 assert res.tiers.host.names() == []
-                await wait_for(lambda: mgr.view("med-notes").tier is Tier.REMOTE, timeout=5)
+                await async_wait_until(lambda: mgr.view("med-notes").tier is Tier.REMOTE, timeout=5)
             finally:
                 await mgr.close()
     run(main())
@@ -198,7 +202,7 @@ def test_the_engine_load_is_the_batchers_running_and_waiting_sequences(fixtures,
             await asyncio.gather(*tasks)
             assert EngineLoad(2, 2) in seen or EngineLoad(2, 1) in seen, seen
             assert all(load.running <= 2 and load.requests <= 4 for load in seen)
-            await wait_for(lambda: mgr.engine_load == EngineLoad(0, 0), timeout=5)
+            await async_wait_until(lambda: mgr.engine_load == EngineLoad(0, 0), timeout=5)
             announced = [sub.queue.get_nowait().load for _ in range(sub.queue.qsize())]
             assert any(load is not None and load.running == 2 for load in announced), announced
             sub.close()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -12,6 +13,7 @@ import torch
 from gpu_agent.engine import Engine, EngineSettings, serve
 from gpu_agent.fixtures import make_fixtures
 from tests.support import procs
+from tests.support.wait import async_wait_until, scaled
 
 torch.set_num_threads(1)
 
@@ -258,11 +260,8 @@ def test_stop_strings_sampling_seed_and_client_disconnect(fx):
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     break
-        for _ in range(200):
-            if engine.batcher.num_running == 0 and engine.residency.held("fin-risk") == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert engine.batcher.num_running == 0 and engine.residency.held("fin-risk") == 0
+        await async_wait_until(lambda: engine.batcher.num_running == 0 and engine.residency.held("fin-risk") == 0,
+                               what="the abandoned sequence freed")
         assert engine.batcher.stats.generated_tokens < 200 + 60
     run_with_server(fx, scenario)
 
@@ -279,12 +278,18 @@ def test_cold_load_waits_for_room_when_the_pool_is_full_of_running_adapters(fx):
         # directly: a held adapter makes the next cold load wait until it is released
         res = engine.residency
         await res.ensure_resident("legal-review", hold=True)
+        waits = res.room_waits
         waiting = asyncio.ensure_future(res.ensure_resident("tr-fr-en"))
-        await asyncio.sleep(0.1)
+        await async_wait_until(lambda: res.room_waits > waits, what="the load waiting for room")
+        seen = time.perf_counter()
         assert not waiting.done()
+        await asyncio.sleep(0)   # still waiting after a turn of the loop: only a release wakes it
+        assert not waiting.done()
+        released = time.perf_counter()
         res.release("legal-review")
-        tier, ms = await asyncio.wait_for(waiting, 10)
-        assert tier in ("host", "disk") and ms >= 100 and res.tier("legal-review") != "pool"
+        tier, ms = await asyncio.wait_for(waiting, scaled(10))
+        # its wait began before we saw it waiting and ended after the release
+        assert tier in ("host", "disk") and ms >= (released - seen) * 1e3 and res.tier("legal-review") != "pool"
     run_with_server(fx, scenario, pool_bytes=3 << 19)
 
 
@@ -318,14 +323,15 @@ def test_small_host_to_pool_swap_runs_on_the_loop_unless_a_load_holds_the_tiers(
         def hold_tiers():
             with res.tiers.lock:
                 held.set()
-                done.wait(5)
+                done.wait(scaled(5))
 
         t = threading.Thread(target=hold_tiers)
         t.start()
-        held.wait(5)
+        assert held.wait(scaled(5))
         waiter = asyncio.ensure_future(res.ensure_resident("code-sql"))
-        await asyncio.sleep(0.05)
-        assert not waiter.done()            # it went to the worker thread, which waits
+        await async_wait_until(lambda: len(threads) == 2, what="the swap called")
+        assert threads[1] is False           # from the worker thread, which waits for the lock
+        assert not waiter.done()
         done.set()
         assert (await waiter)[0] == "host"
         t.join()

@@ -10,7 +10,8 @@ from gpu_agent.connectors.base import EngineLoad, EngineUnavailable
 from gpu_agent.connectors.vllm import VLLMConnector
 from gpu_agent.load import LoadChange, LoadMonitor
 from tests.gpu_agent.agent_support import (VLLM_TEXT, FakeConnector, make_catalog, make_manager,
-                                          metrics_server, wait_for)
+                                          metrics_server)
+from tests.support.wait import async_wait_until
 
 
 class Clock:
@@ -100,11 +101,11 @@ def test_a_broken_connector_never_stops_the_loop():
         conn.engine_load_error = RuntimeError("bug in a connector")
         mon, seen, _, failures = monitor(conn)
         task = asyncio.create_task(mon.run())
-        await wait_for(lambda: len(failures) >= 3)
+        await async_wait_until(lambda: len(failures) >= 3)
         assert not task.done() and seen == []
         conn.engine_load_error = None
         conn.engine_load_value = EngineLoad(1, 1)
-        await wait_for(lambda: seen == [EngineLoad(1, 1)])
+        await async_wait_until(lambda: seen == [EngineLoad(1, 1)])
         task.cancel()
     asyncio.run(main())
 
@@ -118,17 +119,17 @@ def test_manager_measures_a_vllm_engine_over_http_and_survives_bad_scrapes(tmp_p
             await mgr.start()
             sub = mgr.subscribe()
             try:
-                await wait_for(lambda: mgr.engine_load == EngineLoad(5, 7))
+                await async_wait_until(lambda: mgr.engine_load == EngineLoad(5, 7))
                 assert mgr.engine_load.measured_unix_ms > 0
                 text = mgr.metrics.render()
                 assert "ace_agent_engine_requests_running 5" in text
                 assert "ace_agent_engine_requests_waiting 7" in text
                 state["status"] = 503                              # the engine's /metrics breaks
-                await wait_for(lambda: mgr.engine_load is None)
+                await async_wait_until(lambda: mgr.engine_load is None)
                 assert mgr.metrics.counter("ace_agent_load_read_failures_total") >= 1
                 assert "ace_agent_engine_requests_running" not in mgr.metrics.render()
                 state.update(status=200, text=VLLM_TEXT.replace("} 7.0", "} 1.0"))
-                await wait_for(lambda: mgr.engine_load == EngineLoad(5, 1))
+                await async_wait_until(lambda: mgr.engine_load == EngineLoad(5, 1))
                 changes = []
                 while not sub.queue.empty():
                     item = sub.queue.get_nowait()
@@ -145,10 +146,12 @@ def test_load_interval_zero_measures_nothing(tmp_path):
     async def main():
         conn = FakeConnector()
         conn.engine_load_value = EngineLoad(1, 0)
-        mgr = make_manager(make_catalog(tmp_path, ["a1"]), tmp_path / "cache", conn, load_interval_s=0)
+        mgr = make_manager(make_catalog(tmp_path, ["a1"]), tmp_path / "cache", conn, load_interval_s=0,
+                           reconcile_interval_s=0.01)
         await mgr.start()
-        try:
-            await asyncio.sleep(0.1)
+        try:   # a monitor would measure as soon as it starts; two reconciles later, none did
+            await async_wait_until(lambda: conn.reads["loaded"] >= 2, what="two reconciles")
+            assert conn.reads["engine_load"] == 0
             assert mgr.engine_load is None
         finally:
             await mgr.close()

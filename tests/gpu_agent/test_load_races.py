@@ -26,6 +26,7 @@ from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.errors import AdapterBusy, PoolExhausted
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, write_adapter
 from tests.support.vllm import fixtures_dir
+from tests.support.wait import async_wait_until
 
 NAMES = ["a1", "a2", "a3"]
 
@@ -94,7 +95,7 @@ def test_one_waiter_cancelled_does_not_cancel_the_shared_download(tmp_path):
             try:
                 first = asyncio.ensure_future(store.ensure_local(spec, set()))
                 second = asyncio.ensure_future(store.ensure_local(spec, set()))
-                await asyncio.sleep(0.05)
+                await async_wait_until(lambda: any(k.startswith("a2/") for k in hits), what="the download under way")
                 first.cancel()                       # e.g. the client of the request went away
                 path, fetched = await second
                 assert fetched and path == tmp_path / "cache" / spec.sha256
@@ -171,21 +172,17 @@ def test_request_and_prefetch_of_one_remote_adapter_at_once_both_succeed(fixture
                 async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
                     body = {"model": "code-sql", "prompt": "SELECT", "max_tokens": 2}
                     req = asyncio.ensure_future(client.post("/v1/completions", json=body))
-                    await asyncio.sleep(0.05)           # the request's fetch is under way
+                    await async_wait_until(lambda: any(k.startswith("code-sql/") for k in hits),
+                                           what="the request's fetch under way")
                     mgr.prefetch("code-sql", reason="predicted")
                     r = await req
                 assert r.status_code == 200, r.text
                 assert r.headers["x-ace-adapter-tier"] == "remote"
-                await asyncio.wait_for(_until(lambda: mgr.view("code-sql").tier is Tier.DEVICE), 30)
+                await async_wait_until(lambda: mgr.view("code-sql").tier is Tier.DEVICE)
                 assert hits["code-sql/adapter_model.safetensors"] == 1
             finally:
                 await mgr.close()
     run(main())
-
-
-async def _until(pred):
-    while not pred():
-        await asyncio.sleep(0.01)
 
 
 def test_an_internal_load_failure_is_a_logged_503_not_a_500(fixtures, caplog):

@@ -9,8 +9,8 @@ from gpu_agent.artifacts import ArtifactStore, Catalog, CatalogError, DiskCache
 from gpu_agent.errors import AdapterNotFound, DigestMismatch
 from gpu_agent.residency import PrefetchOutcome, Tier
 
-from tests.gpu_agent.agent_support import (FakeConnector, make_catalog, make_manager, static_server,
-                                            wait_for)
+from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, static_server
+from tests.support.wait import async_wait_until
 
 NAMES = ["a1", "a2", "a3", "a4"]
 
@@ -29,7 +29,7 @@ def test_prefetch_moves_local_adapter_to_device_and_records_cold_load(tmp_path):
             assert mgr.view("a1").cold_load_ms is None
             res = mgr.prefetch("a1", reason="test")
             assert res.outcome is PrefetchOutcome.ACCEPTED
-            await wait_for(lambda: mgr.view("a1").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a1").tier is Tier.DEVICE)
             view = mgr.view("a1")
             assert view.cold_load_ms is not None and view.cold_load_ms > 0
             assert view.bytes == 4096
@@ -66,11 +66,12 @@ def test_duplicates_coalesce_and_queue_is_bounded(tmp_path):
             assert outcomes[0].outcome is PrefetchOutcome.ACCEPTED
             assert all(o.reason == "coalesced" for o in outcomes[1:])
             assert mgr.prefetch("a2").outcome is PrefetchOutcome.ACCEPTED
-            await asyncio.sleep(0.05)  # a1 is running now, a2 queued
+            # a1 is running now, a2 queued (nothing below yields to the loop until the wait)
+            await async_wait_until(lambda: ("load", "a1") in eng.calls, what="a1 loading")
             assert mgr.prefetch("a3").outcome is PrefetchOutcome.ACCEPTED
             r = mgr.prefetch("a4")
             assert (r.outcome, r.reason) == (PrefetchOutcome.REJECTED, "queue_full")
-            await wait_for(lambda: mgr.view("a3").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a3").tier is Tier.DEVICE)
             assert [c for c in eng.calls if c == ("load", "a1")] == [("load", "a1")]
         finally:
             await mgr.close()
@@ -84,10 +85,10 @@ def test_higher_priority_runs_first(tmp_path):
         await mgr.start()
         try:
             mgr.prefetch("a1", priority=0)
-            await asyncio.sleep(0.01)
+            await async_wait_until(lambda: ("load", "a1") in eng.calls, what="a1 loading")
             mgr.prefetch("a2", priority=1)
             mgr.prefetch("a3", priority=9)
-            await wait_for(lambda: all(mgr.view(n).tier is Tier.DEVICE for n in ("a1", "a2", "a3")))
+            await async_wait_until(lambda: all(mgr.view(n).tier is Tier.DEVICE for n in ("a1", "a2", "a3")))
             assert [n for op, n in eng.calls if op == "load"] == ["a1", "a3", "a2"]
         finally:
             await mgr.close()
@@ -101,7 +102,7 @@ def test_device_count_budget_evicts_lru_but_never_pinned_or_busy(tmp_path):
         await mgr.start()
         try:
             assert mgr.pin("a1") == (True, "")
-            await wait_for(lambda: mgr.view("a1").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a1").tier is Tier.DEVICE)
             await mgr.ensure_resident("a2")
             await mgr.ensure_resident("a3")          # evicts a2 (a1 pinned)
             assert set(eng.held) == {"a1", "a3"}
@@ -296,11 +297,11 @@ def test_engine_restart_is_noticed_and_residency_rebuilt(tmp_path):
             await mgr.ensure_resident("a1")
             await mgr.ensure_resident("a2")
             eng.down = True
-            await wait_for(lambda: not mgr.engine_up)
+            await async_wait_until(lambda: not mgr.engine_up)
             eng.down = False
             eng.restart()                       # came back with no adapters
-            await wait_for(lambda: mgr.metrics.counter("ace_agent_engine_resets_total") == 1)
-            await wait_for(lambda: set(eng.held) == {"a1", "a2"})
+            await async_wait_until(lambda: mgr.metrics.counter("ace_agent_engine_resets_total") == 1)
+            await async_wait_until(lambda: set(eng.held) == {"a1", "a2"})
             assert mgr.view("a1").tier is Tier.DEVICE
             seen = []
             while not sub.queue.empty():
@@ -322,11 +323,11 @@ def test_engine_down_fails_prefetch_without_crashing(tmp_path):
         try:
             eng.down = True
             assert mgr.prefetch("a1").outcome is PrefetchOutcome.ACCEPTED
-            await wait_for(lambda: mgr.metrics.counter("ace_agent_load_failures_total",
+            await async_wait_until(lambda: mgr.metrics.counter("ace_agent_load_failures_total",
                                                        reason="engine_unavailable") == 1)
             eng.down = False
             mgr.prefetch("a1")
-            await wait_for(lambda: mgr.view("a1").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a1").tier is Tier.DEVICE)
         finally:
             await mgr.close()
     run(main())
@@ -357,12 +358,12 @@ def test_loaded_by_says_why_an_adapter_is_on_the_device(tmp_path):
         await mgr.start()
         try:
             mgr.prefetch("a1", reason="predicted")
-            await wait_for(lambda: mgr.view("a1").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a1").tier is Tier.DEVICE)
             assert mgr.view("a1").loaded_by == "prefetch"
             await mgr.ensure_resident("a2")
             assert mgr.view("a2").loaded_by == "request"
             mgr.pin("a3")
-            await wait_for(lambda: mgr.view("a3").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a3").tier is Tier.DEVICE)
             assert mgr.view("a3").loaded_by == "pin"
             assert mgr.view("a4").loaded_by == ""
         finally:

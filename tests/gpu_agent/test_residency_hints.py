@@ -8,7 +8,8 @@ import yaml
 
 from gpu_agent.residency import PrefetchOutcome, Tier
 
-from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, wait_for, write_adapter
+from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, write_adapter
+from tests.support.wait import async_wait_until
 
 NAMES = ["a1", "a2", "a3", "a4"]
 
@@ -36,7 +37,7 @@ def test_a_full_pool_evicts_the_hinted_adapter_not_the_lru(tmp_path):
         mgr = await full_pool(tmp_path, eng)
         try:
             assert mgr.prefetch("a4", evict=["a3"]).outcome is PrefetchOutcome.ACCEPTED
-            await wait_for(lambda: mgr.view("a4").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE)
             assert unloads(eng) == ["a3"]
             assert set(eng.held) == {"a1", "a2", "a4"}
             assert mgr.view("a3").tier is Tier.DISK
@@ -59,7 +60,7 @@ def test_hints_that_may_not_go_fall_back_to_the_lru(tmp_path):
             # pinned, in use, not in the catalog, unsafe as a path, the adapter itself
             r = mgr.prefetch("a4", evict=["a3", "a2", "nope", "../a1", "a4"])
             assert r.outcome is PrefetchOutcome.ACCEPTED
-            await wait_for(lambda: mgr.view("a4").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE)
             assert unloads(eng) == ["a1"]          # the LRU, as without hints
             assert set(eng.held) == {"a2", "a3", "a4"}
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 0
@@ -77,7 +78,7 @@ def test_no_hinted_eviction_while_there_is_room(tmp_path):
         mgr = await full_pool(tmp_path, eng)
         try:
             mgr.prefetch("a4", evict=["a3"])
-            await wait_for(lambda: mgr.view("a4").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE)
             assert unloads(eng) == []
             assert set(eng.held) == {"a1", "a2", "a3", "a4"}
         finally:
@@ -103,7 +104,7 @@ def test_hints_go_first_and_the_lru_makes_the_rest_of_the_room(tmp_path):
             for name in ("s1", "s2", "s3", "s4"):
                 await mgr.ensure_resident(name)
             mgr.prefetch("big", evict=["s4"])
-            await wait_for(lambda: mgr.view("big").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("big").tier is Tier.DEVICE)
             assert unloads(eng) == ["s4", "s1"]    # the hint, then the LRU
             assert set(eng.held) == {"s2", "s3", "big"}
         finally:
@@ -119,7 +120,7 @@ def test_a_duplicate_of_a_queued_prefetch_brings_its_hints(tmp_path):
             assert mgr.prefetch("a4").outcome is PrefetchOutcome.ACCEPTED    # queued, no worker yet
             r = mgr.prefetch("a4", evict=["a3"])
             assert (r.outcome, r.reason) == (PrefetchOutcome.ACCEPTED, "coalesced")
-            await wait_for(lambda: mgr.view("a4").tier is Tier.DEVICE)
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE)
             assert unloads(eng) == ["a3"]
         finally:
             await mgr.close()

@@ -11,8 +11,9 @@ from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from gpu_agent.service import SERVICE_NAME, start_server
 
-from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, wait_for
+from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager
 from tests.support.certs import make_certs, needs_openssl
+from tests.support.wait import async_wait_until, scaled
 
 NAMES = ["a1", "a2", "a3"]
 TOKEN = "s3cret-token"
@@ -52,7 +53,7 @@ def test_prefetch_status_evict_pin_roundtrip(tmp_path):
                 assert st.tier == pb.TIER_DISK and not st.HasField("cold_load_ms") and st.bytes == 4096
                 r = await stub.Prefetch(pb.PrefetchRequest(adapter="a1", priority=1, reason="t"), metadata=AUTH)
                 assert r.outcome == pb.PrefetchReply.ACCEPTED
-                await wait_for(lambda: agent.manager.view("a1").tier.value == "device")
+                await async_wait_until(lambda: agent.manager.view("a1").tier.value == "device")
                 st = await stub.Status(pb.StatusRequest(adapter="a1"), metadata=AUTH)
                 assert st.tier == pb.TIER_DEVICE and st.cold_load_ms > 0 and st.digest
                 r = await stub.Prefetch(pb.PrefetchRequest(adapter="a1"), metadata=AUTH)
@@ -98,7 +99,7 @@ def test_prefetch_evict_list_reaches_the_manager(tmp_path):
                 stub = pb_grpc.AgentStub(ch)
                 r = await stub.Prefetch(pb.PrefetchRequest(adapter="a3", evict=["a2", "no-such"]), metadata=AUTH)
                 assert r.outcome == pb.PrefetchReply.ACCEPTED
-                await wait_for(lambda: agent.manager.view("a3").tier.value == "device")
+                await async_wait_until(lambda: agent.manager.view("a3").tier.value == "device")
             assert set(agent.engine.held) == {"a1", "a3"}         # the hint went, not the LRU
     run(main())
 
@@ -154,6 +155,9 @@ def test_watch_residency_carries_the_engine_load(tmp_path):
                 assert ev.status.adapter == "a1" and (ev.load.running, ev.load.waiting) == (3, 1)
                 agent.engine.engine_load_value = None
                 ev = await next_of(pb.ResidencyEvent.LOAD)
+                while ev.HasField("load"):   # a heartbeat of the old load may come first
+                    assert (ev.load.running, ev.load.waiting) == (3, 1)
+                    ev = await next_of(pb.ResidencyEvent.LOAD)
                 assert not ev.HasField("load")
                 call.cancel()
     run(main())
@@ -185,13 +189,21 @@ def test_health_follows_engine(tmp_path):
         async with Agent(tmp_path, reconcile_interval_s=0.05) as agent:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{agent.port}") as ch:
                 health = health_pb2_grpc.HealthStub(ch)
-                agent.engine.down = True
                 NS = health_pb2.HealthCheckResponse.NOT_SERVING
-                for _ in range(40):
-                    h = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-                    if h.status == NS:
-                        break
-                    await asyncio.sleep(0.1)
+                watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+
+                async def statuses():
+                    seen = []
+                    async for h in watch:          # the current status, then each change
+                        seen.append(h.status)
+                        if h.status == health_pb2.HealthCheckResponse.SERVING:
+                            agent.engine.down = True
+                        if h.status == NS:
+                            return seen
+                seen = await asyncio.wait_for(statuses(), scaled(10))
+                watch.cancel()
+                assert health_pb2.HealthCheckResponse.SERVING in seen and seen[-1] == NS
+                h = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
                 assert h.status == NS
     run(main())
 

@@ -7,7 +7,6 @@ request waited for it (`x-ace-adapter-wait-ms`).
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import httpx
@@ -18,6 +17,7 @@ from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.agent import AUTH, agent_process
 from tests.support.procs import free_port, wait_http
 from tests.support.vllm import fixtures_dir
+from tests.support.wait import wait_until
 
 pytest.importorskip("torch")
 
@@ -41,6 +41,10 @@ def rpc(agent, method, request):
     return asyncio.run(call())
 
 
+def on_device(agent, adapter: str) -> bool:
+    return rpc(agent, "Status", pb.StatusRequest(adapter=adapter)).tier == pb.TIER_DEVICE
+
+
 def complete(agent, model):
     r = httpx.post(agent.engine_url + "/v1/completions", timeout=60,
                    json={"model": model, "prompt": "SELECT name FROM", "max_tokens": 4, "temperature": 0})
@@ -49,12 +53,9 @@ def complete(agent, model):
 
 
 def test_prefetched_and_cold_adapters_side_by_side(agent):
-    t0 = time.monotonic()
     reply = rpc(agent, "Prefetch", pb.PrefetchRequest(adapter="code-sql", priority=1, reason="predicted"))
     assert reply.outcome == pb.PrefetchReply.ACCEPTED
-    while rpc(agent, "Status", pb.StatusRequest(adapter="code-sql")).tier != pb.TIER_DEVICE:
-        assert time.monotonic() - t0 < 30
-        time.sleep(0.01)
+    wait_until(lambda: on_device(agent, "code-sql"), what="code-sql on the device")
     st = rpc(agent, "Status", pb.StatusRequest(adapter="code-sql"))
     assert st.loaded_by == "prefetch" and st.cold_load_ms > 0
     hot = complete(agent, "code-sql")
@@ -66,10 +67,7 @@ def test_prefetched_and_cold_adapters_side_by_side(agent):
     print(f"\nprefetched code-sql waited {hot_wait:.2f} ms; cold legal-review waited {cold_wait:.2f} ms "
           f"(agent cold load of code-sql {st.cold_load_ms:.1f} ms)")
     # the engine's own on-demand load is noticed by the agent
-    deadline = time.monotonic() + 10
-    while rpc(agent, "Status", pb.StatusRequest(adapter="legal-review")).tier != pb.TIER_DEVICE:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: on_device(agent, "legal-review"), what="legal-review adopted")
     assert rpc(agent, "Status", pb.StatusRequest(adapter="legal-review")).loaded_by == "engine"
 
 
@@ -84,10 +82,7 @@ def test_metrics_endpoint_reports_tiers_and_pool_pages(agent):
 
 def test_evict_and_pin_reach_the_engine_pool(agent):
     rpc(agent, "Prefetch", pb.PrefetchRequest(adapter="fin-reports"))
-    deadline = time.monotonic() + 30
-    while rpc(agent, "Status", pb.StatusRequest(adapter="fin-reports")).tier != pb.TIER_DEVICE:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: on_device(agent, "fin-reports"), what="fin-reports on the device")
     reply = rpc(agent, "Evict", pb.EvictRequest(adapter="fin-reports", down_to=pb.TIER_DISK))
     assert reply.evicted and reply.status.tier in (pb.TIER_HOST, pb.TIER_DISK)
     assert complete(agent, "fin-reports").headers["x-ace-adapter-tier"] != "pool"
@@ -115,10 +110,7 @@ def test_device_count_budget_holds_for_the_engines_own_on_demand_loads(tmp_path_
             assert len(pool_adapters(proc.engine_url)) <= 2, pool_adapters(proc.engine_url)
         assert pool_adapters(proc.engine_url) == {"fin-reports", "tr-de-en"}   # LRU went
         assert rpc(proc, "Pin", pb.PinRequest(adapter="code-python")).ok
-        deadline = time.monotonic() + 30
-        while "code-python" not in pool_adapters(proc.engine_url):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: "code-python" in pool_adapters(proc.engine_url), what="pinned code-python in the pool")
         for name in ("legal-review", "med-notes", "code-sql"):                # on demand, pin held
             complete(proc, name)
             pool = pool_adapters(proc.engine_url)
@@ -132,8 +124,9 @@ def test_device_count_budget_holds_for_the_engines_own_on_demand_loads(tmp_path_
                                               for m in ("code-python", "fin-risk", "tr-fr-en", "legal-contracts")))
         assert [r.status_code for r in asyncio.run(burst())] == [200] * 4
         assert len(pool_adapters(proc.engine_url)) <= 2
-        time.sleep(0.6)   # a few reconciles: the agent's view agrees with the pool
-        device = {n for n in pool_adapters(proc.engine_url)}
-        for name in ("code-python", "fin-risk", "tr-fr-en", "legal-contracts"):
-            tier = rpc(proc, "Status", pb.StatusRequest(adapter=name)).tier
-            assert (tier == pb.TIER_DEVICE) == (name in device), name
+        names = ("code-python", "fin-risk", "tr-fr-en", "legal-contracts")
+
+        def agrees() -> bool:   # the agent's reconcile brings its view in line with the pool
+            pool = pool_adapters(proc.engine_url)
+            return all(on_device(proc, n) == (n in pool) for n in names)
+        wait_until(agrees, interval=0.05, what="the agent's view agrees with the pool")

@@ -7,7 +7,6 @@ side by side, in the gateway's trace headers and the engine's own tier header.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import httpx
@@ -20,6 +19,7 @@ from tools.localstack import gateway_front
 from tests.support.agent import AUTH, TOKEN, agent_process
 from tests.support.procs import free_port, wait_http
 from tests.support.vllm import fixtures_dir
+from tests.support.wait import wait_until
 
 pytest.importorskip("torch")
 
@@ -57,10 +57,8 @@ def test_prefetched_and_cold_side_by_side_through_envoy(stack):
     agent = stack["agent"]
     assert rpc(agent, "Prefetch", pb.PrefetchRequest(adapter="code-sql", reason="predicted")).outcome == \
         pb.PrefetchReply.ACCEPTED
-    deadline = time.monotonic() + 30
-    while trace(through_gateway(stack, "code-sql"))["action"] != "adapter_prefetched_applied":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: trace(through_gateway(stack, "code-sql"))["action"] == "adapter_prefetched_applied",
+               interval=0.05, what="the gateway sees code-sql prefetched")
     hot = through_gateway(stack, "code-sql")
     # no ingress prefetch for the cold one: its signal would race the request to the
     # engine (and may win: then the engine already finds it in the pool)
@@ -73,7 +71,5 @@ def test_prefetched_and_cold_side_by_side_through_envoy(stack):
     assert t_cold["action"] == "adapter_cold_loaded" and t_cold["is_prefetch_hit"] == "false"
     assert cold.headers["x-ace-adapter-tier"] in ("disk", "host")
     # the engine's own load made it resident for the next request
-    deadline = time.monotonic() + 30
-    while trace(through_gateway(stack, "legal-review"))["residency"] != "pool":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: trace(through_gateway(stack, "legal-review"))["residency"] == "pool",
+               interval=0.05, what="the gateway sees legal-review in the pool")

@@ -464,7 +464,7 @@ def test_extproc_health_and_graceful_sigterm(tmp_path):
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert resp.status == health_pb2.HealthCheckResponse.SERVING
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=scaled(10)) == 0
 
 
 def test_bad_config_exits_with_a_message(tmp_path):

@@ -7,6 +7,8 @@ One vLLM per module (startup is ~16 s+ on this machine), started with
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 
 import grpc
@@ -17,6 +19,7 @@ from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.agent import AUTH, agent_process
 from tests.support.vllm import BASE_MODEL, VLLMServer, fixtures_dir, vllm_python
+from tests.support.wait import scaled, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -54,15 +57,6 @@ def rpc(agent, method, request):
     return asyncio.run(call())
 
 
-def wait_until(predicate, timeout=60.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise TimeoutError("condition not met")
-
-
 def unload_all(vllm, agent):
     for name in list(vllm.adapters()):
         rpc(agent, "Evict", pb.EvictRequest(adapter=name))
@@ -80,7 +74,7 @@ def test_prefetch_makes_adapter_listed_before_the_request(vllm, agent):
     st = rpc(agent, "Status", pb.StatusRequest(adapter="code-python"))
     wait_until(lambda: rpc(agent, "Status", pb.StatusRequest(adapter="code-python")).tier == pb.TIER_DEVICE)
     st = rpc(agent, "Status", pb.StatusRequest(adapter="code-python"))
-    assert st.HasField("cold_load_ms") and 0 < st.cold_load_ms < 10_000
+    assert st.HasField("cold_load_ms") and 0 < st.cold_load_ms < scaled(10) * 1000
     assert st.bytes > 0
     print(f"\nprefetch -> listed in /v1/models: {listed_ms:.1f} ms; agent cold load {st.cold_load_ms:.1f} ms")
     # the request that follows finds it loaded: vLLM answers with the adapter
@@ -144,37 +138,51 @@ def test_unknown_or_tampered_requests_never_reach_vllm(vllm, agent):
 
 def test_the_agent_publishes_the_real_vllms_load(vllm, agent):
     """vLLM's own gauges (vllm:num_requests_running/_waiting) are the names the agent
-    scrapes: idle reads 0/0 (known, not unknown), requests in flight show up as running."""
-    import threading
+    scrapes: idle reads 0/0 (known, not unknown), requests in flight show up as running.
+    Read from what the agent published (its WatchResidency stream), with requests kept in
+    flight until it has published them: on a fast machine a few short requests can finish
+    between two scrapes."""
+    loads: list[pb.EngineLoad] = []
+    stop = threading.Event()
 
-    def first_load():
-        async def call():
-            async with grpc.aio.insecure_channel(agent.target) as ch:
-                stream = pb_grpc.AgentStub(ch).WatchResidency(pb.WatchRequest(), metadata=AUTH, timeout=30)
-                async for ev in stream:
+    def requests() -> int:
+        return loads[-1].running + loads[-1].waiting if loads else -1
+
+    def keep_busy() -> None:   # one request in flight after another until told to stop
+        with httpx.Client(base_url=vllm.url, timeout=scaled(120)) as client:
+            while not stop.is_set():
+                client.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "x", "max_tokens": 200,
+                                                     "temperature": 0, "ignore_eos": True})
+
+    with grpc.insecure_channel(agent.target) as ch:
+        stream = pb_grpc.AgentStub(ch).WatchResidency(pb.WatchRequest(), metadata=AUTH)
+
+        def watch() -> None:
+            with contextlib.suppress(grpc.RpcError):   # cancelled at the end
+                for ev in stream:
                     if ev.HasField("load"):
-                        stream.cancel()
-                        return ev.load
-        return asyncio.run(call())
+                        loads.append(ev.load)
 
-    load = first_load()
-    assert load.measured_unix_ms > 0 and load.running + load.waiting >= 0
-    wait_until(lambda: "ace_agent_engine_requests_running 0" in agent.metrics(), timeout=10)
-
-    def long_request():
-        httpx.post(vllm.url + "/v1/completions", timeout=120, json={
-            "model": BASE_MODEL, "prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True})
-
-    threads = [threading.Thread(target=long_request) for _ in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        wait_until(lambda: agent.metric("ace_agent_engine_requests_running")
-                   + agent.metric("ace_agent_engine_requests_waiting") >= 1, timeout=30, interval=0.05)
-    finally:
-        for t in threads:
-            t.join(timeout=120)
-    wait_until(lambda: "ace_agent_engine_requests_running 0" in agent.metrics(), timeout=10)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        busy = [threading.Thread(target=keep_busy, daemon=True) for _ in range(4)]
+        try:
+            wait_until(lambda: requests() == 0, what="the idle engine published as 0/0")
+            assert loads[-1].measured_unix_ms > 0
+            for t in busy:
+                t.start()
+            wait_until(lambda: any(ld.running + ld.waiting >= 1 for ld in loads),
+                       what="requests in flight published")
+            assert max(ld.running for ld in loads) >= 1
+        finally:
+            stop.set()
+            for t in busy:
+                if t.is_alive():
+                    t.join(scaled(120))
+        wait_until(lambda: requests() == 0, what="0/0 published again once they finished")
+        stream.cancel()
+        watcher.join(scaled(10))
+    assert "ace_agent_engine_requests_running 0" in agent.metrics()
 
 
 def test_engine_restart_is_noticed_and_residency_rebuilt(vllm, agent):

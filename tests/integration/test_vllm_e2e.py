@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import time
 
 import grpc
 import httpx
@@ -25,6 +24,7 @@ from tools.localstack import gateway_front
 from tests.support.agent import AUTH, TOKEN, agent_process
 from tests.support.procs import free_port
 from tests.support.vllm import BASE_MODEL, VLLMServer, fixtures_dir, vllm_python
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -100,15 +100,6 @@ def through_gateway(stack, model, prompt="def fibonacci(n):"):
 
 def trace(r):
     return dict(kv.split("=", 1) for kv in r.headers["x-ace-trace-multi-lora"].split(","))
-
-
-def wait_until(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise TimeoutError("condition not met")
 
 
 def test_prefetched_and_cold_adapters_side_by_side(stack):

@@ -21,6 +21,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.support.wait import scaled
+
 __all__ = ["Recorded", "RecordingUpstream"]
 
 WORDS = ["Hello", " from", " the", " recording", " upstream"]
@@ -123,7 +125,7 @@ class RecordingUpstream:
 
         self._thread = threading.Thread(target=run, name="recording-upstream", daemon=True)
         self._thread.start()
-        if not ready.wait(10):
+        if not ready.wait(scaled(10)):
             raise RuntimeError("recording upstream did not start")
         return self
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.support.procs import REPO, free_port
+from tests.support.wait import wait_until
 
 SKIP_REASON = ("needs the real vLLM: set ACE_VLLM_PYTHON to .venv-vllm/bin/python "
                "(make test-vllm does)")
@@ -91,19 +92,21 @@ class VLLMServer:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          cwd=str(cwd), start_new_session=True)
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
             try:
-                if httpx.get(self.url + "/v1/models", timeout=2.0).status_code == 200:
-                    self.startup_s.append(time.monotonic() - t0)
-                    return
+                return httpx.get(self.url + "/v1/models", timeout=2.0).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"vLLM not ready in {self.timeout}s:\n{self.log.read_text()[-4000:]}")
+                return False
+
+        try:
+            wait_until(ready, timeout=self.timeout, interval=0.25, what="vLLM ready")
+        except TimeoutError as exc:
+            self.stop()
+            raise TimeoutError(f"{exc}:\n{self.log.read_text()[-4000:]}") from exc
+        self.startup_s.append(time.monotonic() - t0)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
