@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from extproc.decision import Decision
-from extproc.policy.prediction import PredictionLedger, SessionDemand, StepPace, TransitionModel
+from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
 from extproc.policy.speculate import SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.prefetch import PrefetchSignal, PrefetchSink
@@ -116,13 +116,14 @@ class SpeculationPlanner:
         self._slots = dict(slots or {})
         self.pace = StepPace(settings.horizon_s)
         self.expected = SessionDemand(settings.horizon_s)
+        self.first_steps = FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s)
 
     def speculator(self, upstream: str) -> Speculator:
         spec = self.speculators.get(upstream)
         if spec is None:
             spec = Speculator(max(self.initial_slots, self._slots.get(upstream, 0)), self.settings,
                               model=self.model, ledger=self.ledger, pace=self.pace,
-                              expected=self.expected)
+                              expected=self.expected, first_steps=self.first_steps, name=upstream)
             spec.set_horizon(self.pace.horizon_s)
             self.speculators[upstream] = spec
         return spec
@@ -134,34 +135,26 @@ class SpeculationPlanner:
             self.speculator(upstream).sync(pooled, now, learn_capacity=True)
 
     def step(self, step: Step, snapshot: Snapshot, residency: ResidencySnapshot, now: float) -> list[PrefetchSignal]:
-        """Count the demand, learn the session step, and return the prefetches worth sending."""
-        spec = self.speculator(step.upstream)
-        spec.demand(step.adapter, now)
-        if step.session is None:
-            return []
-        predicted = spec.learn(step.tenant, step.session, step.adapter, now)
-        if self.settings.adaptive_horizon:
-            for other in self.speculators.values():
-                if other.horizon_s != self.pace.horizon_s:
-                    other.set_horizon(self.pace.horizon_s)
+        """``Speculator.step`` on the serving host (the one speculation loop), wrapped with
+        the gateway's parts: a predicted adapter must exist and be visible to the tenant,
+        and is offered to the host the routing policy would send it to; each prefetch
+        becomes a ``PrefetchSignal`` naming the victim the pool model chose."""
         grace = self.load_grace_s
-        out: list[PrefetchSignal] = []
-        for name, p in predicted:
+        multi = self.route is not None and len(snapshot.upstreams) > 1
+
+        def place(name: str) -> Speculator | None:
             adapter = snapshot.adapters.get(name)
             if adapter is None or not adapter.visible_to(step.tenant):
-                continue
-            target = step.upstream
-            if self.route is not None and len(snapshot.upstreams) > 1:
-                target = self.route(snapshot, name, residency) or step.upstream
-            got = self.speculator(target).offer(
-                name, p, now, load=lambda a, t: t + grace,
-                in_use=step.adapter if target == step.upstream else None)
-            if got is not None:  # the model's victim is the one the agent should evict
-                out.append(PrefetchSignal(upstream=target, adapter=name, digest=adapter.sha256,
-                                          priority=0, reason="predicted",
-                                          evict=() if got.victim is None else (str(got.victim),)))
-        self.ledger.record(step.tenant, step.session, tuple(b for b, _ in predicted if b != step.adapter))
-        return out
+                return None
+            target = (self.route(snapshot, name, residency) if multi else None) or step.upstream
+            return self.speculator(target)
+
+        got = self.speculator(step.upstream).step(step.tenant, step.session, step.adapter, now,
+                                                  prefetch_load=lambda a, t: t + grace, place=place)
+        return [PrefetchSignal(upstream=p.host, adapter=p.adapter, digest=snapshot.adapters[p.adapter].sha256,
+                               priority=0, reason=p.reason,
+                               evict=() if p.victim is None else (str(p.victim),))
+                for p in got.prefetches]
 
     def slots(self) -> dict[str, int]:
         """Learned pool capacity per upstream (persisted for the next start's warm set)."""
