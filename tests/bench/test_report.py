@@ -100,3 +100,17 @@ def test_by_step_splits_first_steps_from_later_ones():
     assert r["by_step"]["prefetch"]["first"]["total"] == 2
     text = format_report(r)
     assert "session step" in text and "effective hits, prefetch off" in text
+
+
+def test_by_step_derives_steps_from_session_order_when_the_trace_has_no_step_field():
+    from bench.report import by_step
+
+    # rows as the replay records them for a trace without "step" (the field is optional)
+    rows = [dict(row("coding", "remote", 12, 20), tenant="a", session="s1", step=None),
+            dict(row("coding", "pool", 0, 5), tenant="b", session="s1", step=None),   # other tenant: a first step
+            dict(row("coding", "pool", 0, 5), tenant="a", session="s1", step=None),
+            dict(row("coding", "remote", 9, 15), tenant="a", session="s2", step=None),
+            dict(row("coding", "pool", 0, 5), tenant="a", session="s2", step=None)]
+    s = by_step(rows)
+    assert (s["first"]["total"], s["first"]["effective_hits"]) == (3, 1)
+    assert (s["later"]["total"], s["later"]["effective_hits"]) == (2, 2)
