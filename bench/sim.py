@@ -38,8 +38,16 @@ Policies:
   takes prediction.
 - ``oracle``: offline prefetcher with the same budget and load model: Belady eviction,
   and at each arrival it loads every upcoming adapter whose next use comes before the
-  furthest next use in the cache (Cao et al.'s "aggressive" rule, a prefetch-ahead bound
-  that no online prefetcher reaches in practice; not a proven optimum under load times).
+  furthest next use in the cache (Cao et al.'s "aggressive" rule), but only a load the
+  link completes before that use (a late prefetch only delays the demand loads queued
+  behind it: on a saturated link the rule without this check scored LRU's ratio).
+  Not a proven optimum under load times: ``check_bounds`` verifies on every run that
+  it is >= every policy and that Belady >= LRU, and the run exits 3 when one breaks.
+
+Also (``--hosts``, default 64): the fleet of ``bench.fleet`` (arms round_robin, affinity,
+ace over H hosts, each with its per-pool bounds), and (``--one-host-trace``) the 1-host
+check: the 800-request trace at 5 slots, replayed cold. Every run starts from nothing:
+no policy is given state learned on the trace it is scored on.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@
 ```
 
 The request path only appends a tuple to a bounded deque (``observe``, well under a
-microsecond; a full deque drops the step and counts it). Speculation itself (the
-``extproc.policy.speculate.Speculator`` of the serving host, 5-15 us a step on this
-machine, plus syncs) runs in one daemon thread, so the ext_proc decision budget (<= 20 us
+microsecond; a full deque drops the step and counts it). Speculation itself
+(``Speculator.step`` of the serving host, the loop ``bench.sim`` runs too, 5-15 us a
+step on this machine, plus syncs) runs in one daemon thread, so the ext_proc decision budget (<= 20 us
 p99 for ``decide``) is not spent on it.
 
 - **Session**: header ``x-ace-session-id`` › the OpenAI body field ``user`` (the end
@@ -23,8 +23,10 @@ p99 for ``decide``) is not spent on it.
   is still learned from residency) and teach the transition model (kept for the next
   start), never planned.
 - **Where**: one ``Speculator`` (pool model, popularity) per upstream; one transition
-  model and prediction ledger for all of them (a session's steps may go to different
-  hosts). A predicted adapter is offered to the host the routing policy would send it to.
+  model, prediction ledger, session demand and first-step model for all of them (a
+  session's steps may go to different hosts). A predicted adapter (a session's next
+  step, or one of the tenant's likeliest session openers: signal reason ``first_step``)
+  is offered to the host the routing policy would send it to, if the tenant may use it.
 - **Horizon**: the bound compares use probabilities over a horizon; one shared
   ``StepPace`` sets it to twice the median gap between a session's consecutive steps as
   observed (last 256 gaps, clamped to 0.25-60 s; the settings' 10 s until 32 gaps are

@@ -1,22 +1,28 @@
 """Speculative prefetch for one engine host: the decision loop the gateway runs per request.
 
 ``Speculator`` owns a model of the host's pool (``AdapterCache``, slots = the pool's
-adapter capacity), the tenant transition model, decayed popularity and the prediction
-ledger. For each request it:
+adapter capacity) and its decayed popularity; the transition model, prediction ledger,
+sessions' pace, session demand and first-step model may be shared between the hosts of
+a fleet. ``step`` is the loop, per request:
 
 1. records the demand (the adapter enters the pool model, evicting the coldest of the
    ``window`` least recently used entries by ``victim_score``);
-2. learns the session step (``TransitionModel.observe``) and settles the session's
+2. notes whether the request opens a session (``FirstSteps``: the tenant's openers);
+3. learns the session step (``TransitionModel.observe``) and settles the session's
    pending predictions (``PredictionLedger``);
-3. predicts the next adapters (``predict_next``, probability at least ``min_p``): one
-   already resident only gets its prediction noted (it protects it from eviction);
-   one that is not is prefetched if ``should_speculate`` says it is likelier to be used
-   within ``horizon_s`` than the victim it would evict.
+4. offers the predicted next adapters (``predict_next``, probability at least ``min_p``)
+   and the tenant's likeliest session openers (``FirstSteps.likely``) to the host
+   ``place`` names (default: this one): one already resident only gets its prediction
+   noted (it protects it from eviction); one that is not is prefetched if
+   ``should_speculate`` says it is likelier to be used within ``horizon_s`` than the
+   victim it would evict.
 
-The same class drives ``bench.sim``'s ``speculative`` policy, so the simulator measures
-the code the gateway runs. Time is passed in (``now``): no clock, no I/O, no threads.
-``load(adapter, now) -> ready_at`` says when a load started now completes (the simulator
-models the load link; the gateway passes the agent's measured ``cold_load_ms`` or 0).
+The gateway (``extproc.speculation.SpeculationPlanner.step``) and ``bench.sim`` (the
+``speculative`` policy and the fleet's ``ace`` arm) call this same ``step``, so the
+simulator measures the code the gateway runs. Time is passed in (``now``): no clock, no
+I/O, no threads. ``load(adapter, now) -> ready_at`` says when a load started now
+completes (the simulator models the load link; the gateway passes 0 for demand and its
+grace period for prefetches).
 """
 
 from __future__ import annotations
