@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from bench.sim import LoadChannel, Progress, first_steps, next_use, run_belady
+from bench.sim import LoadChannel, Progress, first_steps, load_times, next_use, run_belady
 from bench.workload import Workload
 from extproc.policy.cache import AdapterCache
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
@@ -223,8 +223,6 @@ def run_fleet(w: Workload, budgets: list[int], hosts: int, settings: Speculation
     rng = np.random.default_rng(args.seed)
     t = w.t.tolist()
     s = (w.t + rng.exponential(args.lead_ms / 1000.0, len(w.t))).tolist()
-    from bench.sim import load_times
-
     cols = (t, s, w.adapter.tolist(), w.tenant.tolist(), w.session.tolist(),
             load_times(w, args.load_base_ms, args.bytes_per_rank, args.gbps), first_steps(w.session))
     out: dict[str, dict] = {}
