@@ -261,3 +261,32 @@ def fleet_targets(fleet: dict, budgets: list[int]) -> dict:
         out.update(oracle=bounds["oracle"]["hit_ratio"], gap_closed=closed, gap_closed_target=0.5,
                    gap_closed_met=closed is not None and closed >= 0.5)
     return out
+
+
+def plot_fleet(fleet: dict, path) -> None:
+    """Hit ratio per arm over the per-host budgets, with the oracle on ace's routing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = fleet["budgets"]
+    res = fleet["results"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm in ARMS:
+        ax.plot(budgets, [res[str(b)][arm]["hit_ratio"] for b in budgets], marker="o", label=arm)
+    if all("bounds" in res[str(b)]["ace"] for b in budgets):
+        for name, style in (("belady", ":"), ("oracle", "--")):
+            ax.plot(budgets, [res[str(b)]["ace"]["bounds"][name]["hit_ratio"] for b in budgets],
+                    linestyle=style, color="grey", label=f"{name} (ace's routing)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("pool budget per host (adapter slots)")
+    ax.set_ylabel("effective hit ratio (no stall)")
+    w = fleet["workload"]
+    ax.set_title(f"{fleet['hosts']} hosts, {w['requests']:,} requests, {w['adapters']:,} adapters", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

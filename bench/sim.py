@@ -516,6 +516,10 @@ def main(argv=None) -> int:
     title = (f"{len(w):,} requests, {report['adapters_seen']:,} adapters"
              + (f" ({args.trace})" if args.trace else " (synthetic: Zipf, chains, bursts, churn)"))
     plot(results, budgets, out.with_suffix(".png"), title)
+    if fleet is not None:
+        from bench.fleet import plot_fleet
+
+        plot_fleet(report["fleet"], out.with_name(out.stem + "_fleet.png"))
     print(json.dumps(report["targets"], indent=2), file=sys.stderr)
     print(f"wrote {out} and {out.with_suffix('.png')} in {report['elapsed_s']}s", file=sys.stderr)
     if broken:

@@ -43,3 +43,4 @@ def test_sim_section_renders_the_fleet_the_bounds_and_the_one_host_check():
     assert "n/a of the LRU → oracle gap" in text and "BROKEN: budget 8: lru beats Belady" in text
     assert "| 8 | 0.500 (0.400) | 0.500 (0.400) | 0.500 (0.400) | 0.300 / 0.300 / 0.300 | 0.600 | 0.900 |" in text
     assert "ace (speculative) 0.810 vs Belady's demand optimum 0.795 (met)" in text
+    assert "reports/sim_fleet.png" in text

@@ -197,6 +197,7 @@ def sim(r: dict) -> list[str]:
                           f"(target ≥ +0.10, {_ok(ft['ace_minus_affinity_met'])}); ace closes "
                           f"{_ratio(ft.get('gap_closed'))} of the affinity → oracle gap "
                           f"(target ≥ 0.5, {_ok(ft.get('gap_closed_met', False))})."]
+        lines += ["", "![fleet: hit ratio per arm over the per-host budgets](reports/sim_fleet.png)"]
     return lines + ["", "![hit ratio per policy over the budget sweep](reports/sim.png)"]
 
 

@@ -123,6 +123,7 @@ def test_cli_synthetic_small(tmp_path):
     for b in ("4", "8", "16"):
         assert report["results"]["oracle"][b]["hit_ratio"] >= report["results"]["speculative"][b]["hit_ratio"]
     assert report["bounds_ok"] is True and report["bounds_broken"] == []
+    assert out.with_name("sim_fleet.png").stat().st_size > 1000
     fleet = report["fleet"]
     assert fleet["hosts"] == 4 and set(fleet["results"]) == {"4", "8"}
     for arms in fleet["results"].values():
