@@ -20,8 +20,8 @@ Definitions:
 - ``vram_savings_pct``: 1 - (base + pool bytes) / (adapters x (base + adapter bytes)),
   one shared base model with a pool versus one dedicated instance per adapter.
 - ``by_step``: the hit counts of a session's first step (``step`` 0: no session model
-  can predict it, only popularity and the warm set help) and of its later steps, per
-  run; rows without ``step`` are left out of it.
+  can predict it, only popularity, the warm set and the first-step model help) and of
+  its later steps, per run; a row without ``step`` takes its position in its session.
 
 The fleet benchmark (``fleets``: hosts -> arm -> ``fleet_entry``) runs three arms on the
 same trace: ``round_robin`` (no affinity, no prefetch), ``affinity`` (ace's placement
@@ -120,9 +120,23 @@ def by_domain(rows: Sequence[Mapping], stall_eps_ms: float = 1.0) -> dict[str, d
 
 
 def by_step(rows: Sequence[Mapping], stall_eps_ms: float = 1.0) -> dict[str, dict]:
-    """Hit counts of first steps (``step`` 0) and later steps of sessions."""
-    first = [r for r in rows if r.get("step") == 0]
-    later = [r for r in rows if isinstance(r.get("step"), int) and r["step"] > 0]
+    """Hit counts of first steps and later steps of sessions.
+
+    A row's step is its ``step`` field where the trace has one (it is optional in
+    docs/trace-format.md); otherwise the row's position among the rows of its
+    (``tenant``, ``session``), in row order (a closed-loop replay records a session's
+    steps in order). Rows with neither are left out."""
+    first, later = [], []
+    seen: set = set()
+    for r in rows:
+        step = r.get("step")
+        key = (r.get("tenant"), r.get("session"))
+        if not isinstance(step, int) or isinstance(step, bool):
+            if r.get("session") is None:
+                continue
+            step = 1 if key in seen else 0
+        seen.add(key)
+        (first if step == 0 else later).append(r)
     return {"first": hit_counts(first, stall_eps_ms), "later": hit_counts(later, stall_eps_ms)}
 
 

@@ -38,8 +38,16 @@ Policies:
   takes prediction.
 - ``oracle``: offline prefetcher with the same budget and load model: Belady eviction,
   and at each arrival it loads every upcoming adapter whose next use comes before the
-  furthest next use in the cache (Cao et al.'s "aggressive" rule, a prefetch-ahead bound
-  that no online prefetcher reaches in practice; not a proven optimum under load times).
+  furthest next use in the cache (Cao et al.'s "aggressive" rule), but only a load the
+  link completes before that use (a late prefetch only delays the demand loads queued
+  behind it: on a saturated link the rule without this check scored LRU's ratio).
+  Not a proven optimum under load times: ``check_bounds`` verifies on every run that
+  it is >= every policy and that Belady >= LRU, and the run exits 3 when one breaks.
+
+Also (``--hosts``, default 64): the fleet of ``bench.fleet`` (arms round_robin, affinity,
+ace over H hosts, each with its per-pool bounds), and (``--one-host-trace``) the 1-host
+check: the 800-request trace at 5 slots, replayed cold. Every run starts from nothing:
+no policy is given state learned on the trace it is scored on.
 """
 
 from __future__ import annotations
@@ -58,6 +66,26 @@ from extproc.policy.cache import AdapterCache
 from extproc.policy.speculate import SpeculationSettings, Speculator
 
 POLICIES = ("lru", "ingress", "scored", "speculative", "belady", "belady_ingress", "oracle")
+ONLINE = ("lru", "ingress", "scored", "speculative")
+MIN_GAP = 0.01  # least LRU -> oracle gap (hit ratio) a gap_closed is computed over
+TOLERANCE = 1e-3  # hit ratio by which a bound may be beaten (float sums), no more
+ONE_HOST_TRACE = "data/multi_lora_eval/multi_lora_eval_800.json"
+
+
+def check_bounds(results: dict) -> list[str]:
+    """Every broken bound, as a sentence: the oracle >= every policy, Belady's demand
+    optimum >= LRU, at every budget (an upper bound that a policy beats is a bug)."""
+    broken = []
+    budgets = {b for by in results.values() for b in by}
+    for b in sorted(budgets, key=int):
+        h = {p: by[b]["hit_ratio"] for p, by in results.items() if b in by}
+        if "oracle" in h:
+            for p, v in h.items():
+                if p != "oracle" and v > h["oracle"] + TOLERANCE:
+                    broken.append(f"budget {b}: {p} {v:.4f} beats the oracle {h['oracle']:.4f}")
+        if "belady" in h and "lru" in h and h["lru"] > h["belady"] + TOLERANCE:
+            broken.append(f"budget {b}: lru {h['lru']:.4f} beats Belady {h['belady']:.4f}")
+    return broken
 
 
 class Progress:
@@ -72,11 +100,13 @@ class Progress:
 
 
 class Result:
-    __slots__ = ("hits", "resident", "stall_sum", "stalls", "extra", "bits")
+    __slots__ = ("hits", "resident", "stall_sum", "stalls", "extra", "bits", "first", "first_total", "first_hits")
     keep_bits = False  # tests and analysis: per-request hit bits
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, first: list[bool] | None = None) -> None:
         self.bits = bytearray(n) if Result.keep_bits else None
+        self.first = first  # per request: does it open its session (first_steps)
+        self.first_total = self.first_hits = 0
         self.hits = 0
         self.resident = 0
         self.stall_sum = 0.0
@@ -86,8 +116,13 @@ class Result:
     def record(self, i: int, ready_at: float, t: float, s: float) -> None:
         if ready_at <= t:
             self.resident += 1
+        first = self.first is not None and self.first[i]
+        if first:
+            self.first_total += 1
         if ready_at <= s:
             self.hits += 1
+            if first:
+                self.first_hits += 1
             if self.bits is not None:
                 self.bits[i] = 1
         else:
@@ -101,6 +136,8 @@ class Result:
             "hit_ratio": self.hits / n,
             "resident_hit_ratio": self.resident / n,
             "mean_stall_ms": 1000 * self.stall_sum / n,
+            "first_steps": self.first_total,
+            "first_step_hits": self.first_hits,
             "p99_stall_ms": 1000 * p99,
             "loads": cache.stats.loads,
             "prefetches": cache.stats.prefetches,
@@ -142,17 +179,22 @@ class LoadChannel:
         free[i] = start + duration
         return free[i]
 
+    def peek(self, issue: float, duration: float) -> float:
+        """When a load started at ``issue`` would complete; nothing changes."""
+        free = min(self.free)
+        return (issue if issue > free else free) + duration
+
     def backlog(self, now: float) -> float:
         """Seconds until a link is free (0 when one is idle)."""
         return max(0.0, min(self.free) - now)
 
 
 def run_lru(cols, budget: int, channels: int, *, ingress: bool) -> dict:
-    t, s, ad, _, _, L = cols
+    t, s, ad, _, _, L, first = cols
     n = len(t)
     cache = AdapterCache(budget)
     chan = LoadChannel(channels)
-    res = Result(n)
+    res = Result(n, first)
     prog = Progress(f"{'ingress' if ingress else 'lru'}@{budget}", n)
     for i in range(n):
         a = ad[i]
@@ -170,11 +212,11 @@ def run_speculative(cols, budget: int, channels: int, settings: SpeculationSetti
                     max_backlog_s: float, speculate: bool = True) -> dict:
     """``extproc.policy.speculate.Speculator`` (the gateway's code) over the trace:
     ingress loads, score-aware eviction and, if ``speculate``, predicted prefetches."""
-    t, s, ad, tn, ss, L = cols
+    t, s, ad, tn, ss, L, first = cols
     n = len(t)
     spec = Speculator(budget, settings)
     chan = LoadChannel(channels)
-    res = Result(n)
+    res = Result(n, first)
     prog = Progress(f"{'speculative' if speculate else 'scored'}@{budget}", n)
 
     def load(key: int, now: float) -> float:
@@ -182,11 +224,14 @@ def run_speculative(cols, budget: int, channels: int, settings: SpeculationSetti
 
     for i in range(n):
         now = t[i]
-        ready = spec.demand(ad[i], now, load=load, engine_at=s[i])
-        res.record(i, ready, now, s[i])
         if speculate:
-            # the agent's prefetch queue is bounded: a busy load link drops speculation first
-            spec.speculate(tn[i], ss[i], ad[i], now, load=load, may_load=chan.backlog(now) <= max_backlog_s)
+            # the gateway's loop (Speculator.step); the agent's prefetch queue is bounded:
+            # a busy load link drops speculation first
+            ready = spec.step(tn[i], ss[i], ad[i], now, load=load, engine_at=s[i],
+                              may_load=chan.backlog(now) <= max_backlog_s).ready_at
+        else:
+            ready = spec.demand(ad[i], now, load=load, engine_at=s[i])
+        res.record(i, ready, now, s[i])
         prog.tick(i)
     spec.ledger.flush()
     if speculate:
@@ -205,41 +250,36 @@ def _furthest(heap: list, cur: dict) -> int:
 
 
 def run_belady(cols, nxt: list[int], budget: int, channels: int, *, prefetch: bool, ingress: bool) -> dict:
-    t, s, ad, _, _, L = cols
+    """Belady's eviction, on demand (``prefetch=False``) or as the prefetching oracle.
+
+    The oracle loads every upcoming adapter whose next use comes before the furthest next
+    use in the pool, in order of use, but only a load that the link completes before the
+    engine needs it (a late prefetch would only delay the demand loads queued behind
+    it); a request whose adapter is absent is loaded at ingress, evicting the furthest.
+    """
+    t, s, ad, _, _, L, first = cols
     n = len(t)
     cache = AdapterCache(budget)
     chan = LoadChannel(channels)
     cur: dict[int, int] = {}  # cached key -> its next use index
     heap: list = []
-    res = Result(n)
+    res = Result(n, first)
     prog = Progress(f"{'oracle' if prefetch else 'belady'}{'' if ingress else '-demand'}@{budget}", n)
     window = max(256, 8 * budget)
     ptr = 0
 
-    def bring(key: int, use: int, issue: float, pre: bool) -> bool:
-        if cache.used + 1 > cache.capacity:
-            victim = _furthest(heap, cur)
-            if prefetch and cur[victim] <= use:
-                return False
-            heapq.heappop(heap)
-            del cur[victim]
-            cache.evict(victim)
-        cache.admit(key, chan.load(issue, L[key]), prefetched=pre)
-        cur[key] = use
-        heapq.heappush(heap, (-use, key))
-        return True
+    def evict_furthest() -> None:
+        victim = _furthest(heap, cur)
+        heapq.heappop(heap)
+        del cur[victim]
+        cache.evict(victim)
 
     for i in range(n):
         a = ad[i]
         if a not in cache:
-            if not bring(a, i, t[i] if ingress else s[i], False):
-                # everything cached is needed before this request (the oracle refused to
-                # evict for it): load on demand anyway, evicting the furthest
-                victim = _furthest(heap, cur)
-                heapq.heappop(heap)
-                del cur[victim]
-                cache.evict(victim)
-                cache.admit(a, chan.load(t[i], L[a]))
+            if cache.used + 1 > cache.capacity:
+                evict_furthest()
+            cache.admit(a, chan.load(t[i] if ingress else s[i], L[a]))
         e = cache.get(a)
         cache.access(a, s[i])
         res.record(i, e.ready_at, t[i], s[i])
@@ -249,11 +289,35 @@ def run_belady(cols, nxt: list[int], budget: int, channels: int, *, prefetch: bo
             ptr = max(ptr, i + 1)
             while ptr < n and ptr - i <= window:
                 b = ad[ptr]
-                if b not in cache and not bring(b, ptr, t[i], True):
-                    break
+                if b not in cache:
+                    if chan.peek(t[i], L[b]) > s[ptr]:
+                        break  # it would arrive late: leave the link to the demand loads
+                    if cache.used + 1 > cache.capacity:
+                        if cur[_furthest(heap, cur)] <= ptr:
+                            break  # everything cached is needed before it
+                        evict_furthest()
+                    cache.admit(b, chan.load(t[i], L[b]), prefetched=True)
+                    cur[b] = ptr
+                    heapq.heappush(heap, (-ptr, b))
                 ptr += 1
         prog.tick(i)
     return res.summary(n, cache)
+
+
+def first_steps(session: np.ndarray) -> list[bool]:
+    """Per request: is it the first of its session (the trace's order; any trace has it)."""
+    first = np.zeros(len(session), dtype=bool)
+    _, idx = np.unique(session, return_index=True)
+    first[idx] = True
+    return first.tolist()
+
+
+def settings_of(args) -> SpeculationSettings:
+    return SpeculationSettings(k=args.k, min_p=args.min_p, horizon_s=args.horizon_s,
+                               half_life_s=args.half_life_s, window=args.window,
+                               adaptive_horizon=not args.fixed_horizon,
+                               session_demand=not args.no_session_demand, order=args.order,
+                               first_steps=args.first_steps)
 
 
 def simulate(w: Workload, budgets: list[int], args) -> dict:
@@ -261,7 +325,7 @@ def simulate(w: Workload, budgets: list[int], args) -> dict:
     t = w.t.tolist()
     s = (w.t + rng.exponential(args.lead_ms / 1000.0, len(w.t))).tolist()
     cols = (t, s, w.adapter.tolist(), w.tenant.tolist(), w.session.tolist(),
-            load_times(w, args.load_base_ms, args.bytes_per_rank, args.gbps))
+            load_times(w, args.load_base_ms, args.bytes_per_rank, args.gbps), first_steps(w.session))
     nxt = next_use(w.adapter)
     results: dict[str, dict[str, dict]] = {p: {} for p in args.policies}
     for b in budgets:
@@ -270,11 +334,7 @@ def simulate(w: Workload, budgets: list[int], args) -> dict:
             if p in ("lru", "ingress"):
                 r = run_lru(cols, b, args.channels, ingress=p == "ingress")
             elif p in ("speculative", "scored"):
-                settings = SpeculationSettings(k=args.k, min_p=args.min_p, horizon_s=args.horizon_s,
-                                               half_life_s=args.half_life_s, window=args.window,
-                                               adaptive_horizon=not args.fixed_horizon,
-                                               session_demand=not args.no_session_demand, order=args.order)
-                r = run_speculative(cols, b, args.channels, settings,
+                r = run_speculative(cols, b, args.channels, settings_of(args),
                                     max_backlog_s=args.max_backlog_ms / 1000.0, speculate=p == "speculative")
             else:
                 r = run_belady(cols, nxt, b, args.channels, prefetch=p == "oracle", ingress=p != "belady")
@@ -293,18 +353,19 @@ def targets(results: dict, budgets: list[int]) -> dict:
     h = {p: results[p][mid]["hit_ratio"] for p in results if mid in results[p]}
     hits = {p: round(v, 4) for p, v in h.items()}
     gap = h["oracle"] - h["lru"]
-    closed = (h["speculative"] - h["lru"]) / gap if gap > 0 else float("nan")
+    # a gap under MIN_GAP is noise (or a broken bound): no ratio is computed from it
+    closed = (h["speculative"] - h["lru"]) / gap if gap >= MIN_GAP else None
     out = {
         "budget": int(mid),
         "gap_closed": closed,
         "gap_closed_target": 0.5,
-        "gap_closed_met": closed >= 0.5,
+        "gap_closed_met": closed is not None and closed >= 0.5,
         "beats_belady": h["speculative"] > h["belady"],
         "hit_ratio": hits,
     }
     if "belady_ingress" in h:
         out["beats_belady_ingress"] = h["speculative"] > h["belady_ingress"]
-    if "ingress" in h and h["oracle"] > h["ingress"]:
+    if "ingress" in h and h["oracle"] - h["ingress"] >= MIN_GAP:
         out["gap_closed_vs_ingress"] = (h["speculative"] - h["ingress"]) / (h["oracle"] - h["ingress"])
     return out
 
@@ -363,6 +424,19 @@ def parse_args(argv):
                     help="speculation: transition model context (1 = last step, 2 = last two, backing off to 1)")
     ap.add_argument("--k", type=int, default=2, help="speculation: next adapters considered per step")
     ap.add_argument("--min-p", type=float, default=0.35, help="speculation: least probability worth a load")
+    ap.add_argument("--first-steps", type=int, default=SpeculationSettings.first_steps,
+                    help="speculation: the tenant's likeliest session openers offered per step (0 = off)")
+    ap.add_argument("--hosts", type=int, default=64, help="fleet: engine hosts (0 = no fleet run)")
+    ap.add_argument("--fleet-requests", type=int, default=100_000, help="fleet: synthetic requests")
+    ap.add_argument("--fleet-adapters", type=int, default=10_000, help="fleet: synthetic adapters")
+    ap.add_argument("--fleet-tenants", type=int, default=2_000, help="fleet: synthetic tenants")
+    ap.add_argument("--fleet-rate", type=float, default=640.0, help="fleet: requests per second")
+    ap.add_argument("--fleet-budget", default="8,16,32", help="fleet: comma-separated per-host pool budgets")
+    ap.add_argument("--service-s", type=float, default=1.0, help="fleet: seconds a request occupies its host")
+    ap.add_argument("--no-fleet-bounds", action="store_true", help="fleet: skip the per-pool bounds")
+    ap.add_argument("--one-host-trace", default=ONE_HOST_TRACE,
+                    help="1-host check: trace replayed cold at --one-host-budget ('' = skip)")
+    ap.add_argument("--one-host-budget", type=int, default=5, help="1-host check: pool slots")
     args = ap.parse_args(argv)
     args.policies = [p for p in args.policies.split(",") if p]
     bad = [p for p in args.policies if p not in POLICIES]
@@ -394,6 +468,22 @@ def main(argv=None) -> int:
         default = [8, 16, 32, 64, 128]
     budgets = [int(b) for b in args.budget.split(",")] if args.budget else default
     results = simulate(w, budgets, args)
+    broken = check_bounds(results)
+    fleet = fleet_budgets = fleet_spec = None
+    if args.hosts > 0:
+        from bench.fleet import check_bounds as fleet_check, run_fleet
+
+        fleet_spec = WorkloadSpec(requests=args.fleet_requests, adapters=args.fleet_adapters,
+                                  tenants=args.fleet_tenants, zipf_s=args.zipf, rate_per_s=args.fleet_rate,
+                                  seed=args.seed)
+        print(f"fleet: {args.hosts} hosts, {fleet_spec.requests:,} requests over {fleet_spec.adapters:,} adapters",
+              file=sys.stderr)
+        fleet_budgets = [int(b) for b in args.fleet_budget.split(",")]
+        fleet = run_fleet(synthetic(fleet_spec), fleet_budgets, args.hosts, settings_of(args), args)
+        broken += fleet_check(fleet)
+    one_host = one_host_check(args) if args.one_host_trace else None
+    if one_host is not None:
+        broken += [f"1 host: {m}" for m in one_host.pop("broken")]
     report = {
         "workload": workload,
         "requests": len(w),
@@ -407,17 +497,59 @@ def main(argv=None) -> int:
         "metric": "hit_ratio = share of requests whose adapter was loaded when the engine started them",
         "results": results,
         "targets": targets(results, budgets),
+        "bounds_ok": not broken,
+        "bounds_broken": broken,
         "elapsed_s": round(time.monotonic() - t0, 1),
     }
+    if fleet is not None:
+        from bench.fleet import fleet_targets
+
+        report["fleet"] = {"hosts": args.hosts, "workload": fleet_spec.as_dict(), "budgets": fleet_budgets,
+                           "service_s": args.service_s, "results": fleet,
+                           "targets": fleet_targets(fleet, fleet_budgets)}
+    if one_host is not None:
+        report["one_host"] = one_host
+    report["elapsed_s"] = round(time.monotonic() - t0, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     title = (f"{len(w):,} requests, {report['adapters_seen']:,} adapters"
              + (f" ({args.trace})" if args.trace else " (synthetic: Zipf, chains, bursts, churn)"))
     plot(results, budgets, out.with_suffix(".png"), title)
+    if fleet is not None:
+        from bench.fleet import plot_fleet
+
+        plot_fleet(report["fleet"], out.with_name(out.stem + "_fleet.png"))
     print(json.dumps(report["targets"], indent=2), file=sys.stderr)
     print(f"wrote {out} and {out.with_suffix('.png')} in {report['elapsed_s']}s", file=sys.stderr)
+    if broken:
+        print("error: the simulator's bounds do not hold (a bug in a bound or a policy):", file=sys.stderr)
+        for m in broken:
+            print(f"  {m}", file=sys.stderr)
+        return 3
     return 0
+
+
+def one_host_check(args) -> dict | None:
+    """The hard case: one host, ``--one-host-budget`` slots, the trace replayed cold (every
+    policy starts from nothing and learns online), ace = the speculative policy."""
+    from bench.trace import TraceError, load_trace
+
+    try:
+        w = encode_trace(load_trace(args.one_host_trace))
+    except TraceError as exc:
+        print(f"1-host check skipped: {exc}", file=sys.stderr)
+        return None
+    b = args.one_host_budget
+    quiet = argparse.Namespace(**{**vars(args), "policies": ["lru", "belady", "belady_ingress", "speculative", "oracle"]})
+    res = simulate(w, [b], quiet)
+    h = {p: by[str(b)] for p, by in res.items()}
+    first = {p: r["first_step_hits"] for p, r in h.items()}
+    return {"trace": args.one_host_trace, "budget": b, "requests": len(w),
+            "first_steps": h["lru"]["first_steps"],
+            "hit_ratio": {p: r["hit_ratio"] for p, r in h.items()}, "first_step_hits": first,
+            "ace_above_belady": h["speculative"]["hit_ratio"] > h["belady"]["hit_ratio"],
+            "broken": check_bounds(res)}
 
 
 if __name__ == "__main__":

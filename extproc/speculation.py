@@ -8,9 +8,9 @@
 ```
 
 The request path only appends a tuple to a bounded deque (``observe``, well under a
-microsecond; a full deque drops the step and counts it). Speculation itself (the
-``extproc.policy.speculate.Speculator`` of the serving host, 5-15 us a step on this
-machine, plus syncs) runs in one daemon thread, so the ext_proc decision budget (<= 20 us
+microsecond; a full deque drops the step and counts it). Speculation itself
+(``Speculator.step`` of the serving host, the loop ``bench.sim`` runs too, 5-15 us a
+step on this machine, plus syncs) runs in one daemon thread, so the ext_proc decision budget (<= 20 us
 p99 for ``decide``) is not spent on it.
 
 - **Session**: header ``x-ace-session-id`` › the OpenAI body field ``user`` (the end
@@ -23,8 +23,10 @@ p99 for ``decide``) is not spent on it.
   is still learned from residency) and teach the transition model (kept for the next
   start), never planned.
 - **Where**: one ``Speculator`` (pool model, popularity) per upstream; one transition
-  model and prediction ledger for all of them (a session's steps may go to different
-  hosts). A predicted adapter is offered to the host the routing policy would send it to.
+  model, prediction ledger, session demand and first-step model for all of them (a
+  session's steps may go to different hosts). A predicted adapter (a session's next
+  step, or one of the tenant's likeliest session openers: signal reason ``first_step``)
+  is offered to the host the routing policy would send it to, if the tenant may use it.
 - **Horizon**: the bound compares use probabilities over a horizon; one shared
   ``StepPace`` sets it to twice the median gap between a session's consecutive steps as
   observed (last 256 gaps, clamped to 0.25-60 s; the settings' 10 s until 32 gaps are
@@ -54,7 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from extproc.decision import Decision
-from extproc.policy.prediction import PredictionLedger, SessionDemand, StepPace, TransitionModel
+from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
 from extproc.policy.speculate import SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.prefetch import PrefetchSignal, PrefetchSink
@@ -116,13 +118,14 @@ class SpeculationPlanner:
         self._slots = dict(slots or {})
         self.pace = StepPace(settings.horizon_s)
         self.expected = SessionDemand(settings.horizon_s)
+        self.first_steps = FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s)
 
     def speculator(self, upstream: str) -> Speculator:
         spec = self.speculators.get(upstream)
         if spec is None:
             spec = Speculator(max(self.initial_slots, self._slots.get(upstream, 0)), self.settings,
                               model=self.model, ledger=self.ledger, pace=self.pace,
-                              expected=self.expected)
+                              expected=self.expected, first_steps=self.first_steps, name=upstream)
             spec.set_horizon(self.pace.horizon_s)
             self.speculators[upstream] = spec
         return spec
@@ -134,34 +137,26 @@ class SpeculationPlanner:
             self.speculator(upstream).sync(pooled, now, learn_capacity=True)
 
     def step(self, step: Step, snapshot: Snapshot, residency: ResidencySnapshot, now: float) -> list[PrefetchSignal]:
-        """Count the demand, learn the session step, and return the prefetches worth sending."""
-        spec = self.speculator(step.upstream)
-        spec.demand(step.adapter, now)
-        if step.session is None:
-            return []
-        predicted = spec.learn(step.tenant, step.session, step.adapter, now)
-        if self.settings.adaptive_horizon:
-            for other in self.speculators.values():
-                if other.horizon_s != self.pace.horizon_s:
-                    other.set_horizon(self.pace.horizon_s)
+        """``Speculator.step`` on the serving host (the one speculation loop), wrapped with
+        the gateway's parts: a predicted adapter must exist and be visible to the tenant,
+        and is offered to the host the routing policy would send it to; each prefetch
+        becomes a ``PrefetchSignal`` naming the victim the pool model chose."""
         grace = self.load_grace_s
-        out: list[PrefetchSignal] = []
-        for name, p in predicted:
+        multi = self.route is not None and len(snapshot.upstreams) > 1
+
+        def place(name: str) -> Speculator | None:
             adapter = snapshot.adapters.get(name)
             if adapter is None or not adapter.visible_to(step.tenant):
-                continue
-            target = step.upstream
-            if self.route is not None and len(snapshot.upstreams) > 1:
-                target = self.route(snapshot, name, residency) or step.upstream
-            got = self.speculator(target).offer(
-                name, p, now, load=lambda a, t: t + grace,
-                in_use=step.adapter if target == step.upstream else None)
-            if got is not None:  # the model's victim is the one the agent should evict
-                out.append(PrefetchSignal(upstream=target, adapter=name, digest=adapter.sha256,
-                                          priority=0, reason="predicted",
-                                          evict=() if got.victim is None else (str(got.victim),)))
-        self.ledger.record(step.tenant, step.session, tuple(b for b, _ in predicted if b != step.adapter))
-        return out
+                return None
+            target = (self.route(snapshot, name, residency) if multi else None) or step.upstream
+            return self.speculator(target)
+
+        got = self.speculator(step.upstream).step(step.tenant, step.session, step.adapter, now,
+                                                  prefetch_load=lambda a, t: t + grace, place=place)
+        return [PrefetchSignal(upstream=p.host, adapter=p.adapter, digest=snapshot.adapters[p.adapter].sha256,
+                               priority=0, reason=p.reason,
+                               evict=() if p.victim is None else (str(p.victim),))
+                for p in got.prefetches]
 
     def slots(self) -> dict[str, int]:
         """Learned pool capacity per upstream (persisted for the next start's warm set)."""

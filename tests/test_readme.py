@@ -19,3 +19,28 @@ def test_every_linked_doc_and_image_exists():
     for target in re.findall(r"\]\(([^)#]+)\)", README):
         if "://" not in target:
             assert (REPO / target).exists(), target
+
+
+def test_sim_section_renders_the_fleet_the_bounds_and_the_one_host_check():
+    from tools.report_tables import sim
+
+    arm = {"hit_ratio": 0.5, "resident_hit_ratio": 0.4, "first_step_hit_ratio": 0.3,
+           "bounds": {"belady": {"hit_ratio": 0.6}, "oracle": {"hit_ratio": 0.9}}}
+    r = {"budgets": [8], "results": {"lru": {"8": {"hit_ratio": 0.2}}}, "requests": 10, "adapters_seen": 3,
+         "tenants_seen": 1, "sessions": 2, "elapsed_s": 1.0, "metric": "hit_ratio = x",
+         "targets": {"budget": 8, "gap_closed": None, "gap_closed_met": False, "beats_belady": False,
+                     "hit_ratio": {"speculative": 0.1, "belady": 0.2}},
+         "bounds_ok": False, "bounds_broken": ["budget 8: lru beats Belady"],
+         "one_host": {"trace": "t.json", "budget": 5, "first_steps": 12, "ace_above_belady": True,
+                      "hit_ratio": {"speculative": 0.81, "belady": 0.795},
+                      "first_step_hits": {"speculative": 7, "lru": 6}},
+         "fleet": {"hosts": 64, "budgets": [8], "workload": {"requests": 100, "adapters": 10, "tenants": 2,
+                                                             "rate_per_s": 640.0},
+                   "results": {"8": {"round_robin": arm, "affinity": arm, "ace": arm}},
+                   "targets": {"budget": 8, "ace_minus_affinity": 0.0, "ace_minus_affinity_met": False,
+                               "gap_closed": 0.0, "gap_closed_met": False}}}
+    text = "\n".join(sim(r))
+    assert "n/a of the LRU → oracle gap" in text and "BROKEN: budget 8: lru beats Belady" in text
+    assert "| 8 | 0.500 (0.400) | 0.500 (0.400) | 0.500 (0.400) | 0.300 / 0.300 / 0.300 | 0.600 | 0.900 |" in text
+    assert "ace (speculative) 0.810 vs Belady's demand optimum 0.795 (met)" in text
+    assert "reports/sim_fleet.png" in text

@@ -202,11 +202,15 @@ def eval800(r: dict) -> list[str]:
     ]
 
 
+def _ratio(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
 def sim(r: dict) -> list[str]:
     budgets = r["budgets"]
     policies = list(r["results"])
     tg = r["targets"]
-    return [
+    lines = [
         "### Simulator — `make sim` → `reports/sim.json`",
         "",
         f"{r['requests']:,} requests, {r['adapters_seen']:,} adapters, {r['tenants_seen']} tenants, "
@@ -218,12 +222,48 @@ def sim(r: dict) -> list[str]:
         *(f"| {b} | " + " | ".join(f"{r['results'][p][str(b)]['hit_ratio']:.3f}" for p in policies) + " |"
           for b in budgets),
         "",
-        f"- At budget {tg['budget']}: speculative closes {tg['gap_closed']:.3f} of the LRU → oracle gap "
+        f"- At budget {tg['budget']}: speculative closes {_ratio(tg['gap_closed'])} of the LRU → oracle gap "
         f"(target ≥ 0.5, {_ok(tg['gap_closed_met'])}); beats Belady's demand-caching optimum: "
         f"{_ok(tg['beats_belady'])} ({tg['hit_ratio']['speculative']:.3f} vs {tg['hit_ratio']['belady']:.3f}).",
-        "",
-        "![hit ratio per policy over the budget sweep](reports/sim.png)",
     ]
+    if "bounds_ok" in r:
+        lines.append(f"- Bounds (oracle ≥ every policy, Belady ≥ LRU, per budget and per pool): "
+                     f"{'hold' if r['bounds_ok'] else 'BROKEN: ' + '; '.join(r['bounds_broken'])}.")
+    one = r.get("one_host")
+    if one:
+        h = one["hit_ratio"]
+        lines.append(f"- 1 host, {one['budget']} slots, `{one['trace']}` replayed cold: ace (speculative) "
+                     f"{h['speculative']:.3f} vs Belady's demand optimum {h['belady']:.3f} "
+                     f"({_ok(one['ace_above_belady'])}); first steps hit {one['first_step_hits']['speculative']}"
+                     f"/{one['first_steps']} (LRU {one['first_step_hits']['lru']}).")
+    fleet = r.get("fleet")
+    if fleet:
+        w = fleet["workload"]
+        arms = ("round_robin", "affinity", "ace")
+        lines += [
+            "",
+            f"Fleet: {fleet['hosts']} hosts, {w['requests']:,} requests over {w['adapters']:,} adapters "
+            f"({w['tenants']:,} tenants, {w['rate_per_s']:g} req/s); effective hit ratio per arm, "
+            "resident in brackets, first-step hit ratio, and the per-pool bounds on ace's routing:",
+            "",
+            "| budget per host | " + " | ".join(arms) + " | first steps (rr / aff / ace) | Belady | oracle |",
+            "|---|" + "---|" * (len(arms) + 3),
+        ]
+        for b in fleet["budgets"]:
+            res = fleet["results"][str(b)]
+            cells = " | ".join(f"{res[a]['hit_ratio']:.3f} ({res[a]['resident_hit_ratio']:.3f})" for a in arms)
+            first = " / ".join(_ratio(res[a]["first_step_hit_ratio"]) for a in arms)
+            bnd = res["ace"].get("bounds") or {}
+            lines.append(f"| {b} | {cells} | {first} | {_ratio(bnd.get('belady', {}).get('hit_ratio'))} | "
+                         f"{_ratio(bnd.get('oracle', {}).get('hit_ratio'))} |")
+        ft = fleet.get("targets") or {}
+        if ft:
+            lines += ["", f"- At {ft['budget']} slots per host: ace − affinity = {ft['ace_minus_affinity']:+.3f} "
+                          f"(target ≥ +0.10, {_ok(ft['ace_minus_affinity_met'])}); ace closes "
+                          f"{_ratio(ft.get('gap_closed'))} of the affinity → oracle gap "
+                          f"(target ≥ 0.5, {_ok(ft.get('gap_closed_met', False))})."]
+        lines += ["", "![fleet: hit ratio per arm over the per-host budgets](reports/sim_fleet.png)"]
+    return lines + ["", "![hit ratio per policy over the budget sweep](reports/sim.png)"]
 
 
 def render() -> str:

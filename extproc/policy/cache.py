@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterator
+from typing import Callable, Hashable, Iterator, Mapping
 
 HIT = "hit"
 LATE = "late"
@@ -90,6 +90,12 @@ class AdapterCache:
     def __iter__(self) -> Iterator[Hashable]:
         """Keys from least to most recently used."""
         return iter(self._entries)
+
+    @property
+    def entries(self) -> Mapping[Hashable, Entry]:
+        """The entries, LRU first: a read-only view for callers that test membership in
+        many pools per request (the fleet simulator's router)."""
+        return self._entries
 
     def get(self, key: Hashable) -> Entry | None:
         """The entry, without counting an access or changing the order."""

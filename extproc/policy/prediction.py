@@ -1,6 +1,6 @@
 """Speculative prefetch: which adapter a session needs next, and whether it is worth a slot.
 
-Three small pieces, all plain Python and bounded in memory:
+Four small pieces, all plain Python and bounded in memory:
 
 - ``TransitionModel``: per tenant, counts of "adapter A was followed by adapter B in the
   same session", learned online from traffic (agentic workflows such as code -> review ->
@@ -13,6 +13,9 @@ Three small pieces, all plain Python and bounded in memory:
 - ``should_speculate(candidate_score, victim_score)``: the bound. Both scores are the
   probability that the adapter is used within the same horizon, so speculation never
   evicts something hotter than what it brings in.
+
+- ``FirstSteps``: per tenant, which adapters open its sessions (a session's first
+  request has no previous step to predict it from) and how often sessions open.
 
 ``PredictionLedger`` counts every prediction as used (the session's next step asked for
 it) or wasted (it asked for something else, or never came back).
@@ -27,6 +30,7 @@ from typing import Hashable
 
 __all__ = [
     "DecayedPopularity",
+    "FirstSteps",
     "SessionDemand",
     "StepPace",
     "PredictionLedger",
@@ -417,6 +421,91 @@ class TransitionModel:
         return isinstance(x, str) and 0 < len(x) <= cls.MAX_NAME
 
 
+class FirstSteps:
+    """Which adapters open a tenant's sessions, and how soon the next session opens.
+
+    A session's first request is the one no transition can predict: nothing came before
+    it. ``observe(tenant, session, adapter, now)`` says whether the request opens a
+    session (its id was not seen before, or it was idle longer than ``idle_timeout_s``)
+    and, if so, counts ``adapter`` as an opener of ``tenant`` (decayed counts, half-life
+    ``half_life_s``; at most ``per_tenant`` openers kept per tenant, the weakest dropped).
+
+    ``likely(tenant, now, horizon_s, k)`` returns the ``k`` likeliest openers with the
+    probability that a new session of the tenant opens with each within ``horizon_s``:
+    the tenant's session-open rate thinned by the opener's share, as a Poisson use
+    probability (``1 - exp(-rate * share * horizon_s)``). Bounded: ``max_sessions``
+    last-seen times and ``max_tenants`` tenants (least recently seen dropped first).
+    """
+
+    def __init__(self, half_life_s: float = 600.0, *, idle_timeout_s: float = 600.0, per_tenant: int = 8,
+                 max_sessions: int = 200_000, max_tenants: int = 100_000) -> None:
+        if half_life_s <= 0 or idle_timeout_s <= 0 or per_tenant <= 0:
+            raise ValueError("half_life_s, idle_timeout_s and per_tenant must be positive")
+        self._lambda = math.log(2.0) / half_life_s
+        self.idle_timeout_s = idle_timeout_s
+        self.per_tenant, self.max_sessions, self.max_tenants = per_tenant, max_sessions, max_tenants
+        self._seen: OrderedDict[tuple[Hashable, Hashable], float] = OrderedDict()
+        # tenant -> [opens (decayed), at, {adapter: decayed count}]
+        self._tenants: OrderedDict[Hashable, list] = OrderedDict()
+        self.first_steps = 0
+
+    def observe(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float) -> bool:
+        """Record a request; True when it opens a session (and ``adapter`` was counted)."""
+        key = (tenant, session)
+        last = self._seen.pop(key, None)
+        self._seen[key] = now
+        if len(self._seen) > self.max_sessions:
+            self._seen.popitem(last=False)
+        if last is not None and now - last <= self.idle_timeout_s:
+            return False
+        self.first_steps += 1
+        row = self._tenants.pop(tenant, None)
+        if row is None:
+            row = [0.0, now, {}]
+        self._tenants[tenant] = row
+        if len(self._tenants) > self.max_tenants:
+            self._tenants.popitem(last=False)
+        decay = math.exp(-self._lambda * (now - row[1])) if now > row[1] else 1.0
+        counts: dict = row[2]
+        if decay != 1.0:
+            for a in counts:
+                counts[a] *= decay
+        row[0] = row[0] * decay + 1.0
+        row[1] = now
+        counts[adapter] = counts.get(adapter, 0.0) + 1.0
+        if len(counts) > self.per_tenant:
+            del counts[min(counts, key=counts.__getitem__)]
+        return True
+
+    def is_open(self, tenant: Hashable, session: Hashable, now: float) -> bool:
+        """Would a request of (tenant, session) at ``now`` continue a session (not open one)?"""
+        last = self._seen.get((tenant, session))
+        return last is not None and now - last <= self.idle_timeout_s
+
+    def likely(self, tenant: Hashable, now: float, horizon_s: float, k: int = 2) -> list[tuple[Hashable, float]]:
+        """The ``k`` likeliest openers of ``tenant``'s next sessions, with their use
+        probabilities within ``horizon_s``, likeliest first (ties by name)."""
+        row = self._tenants.get(tenant)
+        if row is None or k <= 0:
+            return []
+        opens, at, counts = row
+        # decayed open rate (per second) of the tenant's sessions, as DecayedPopularity.rate
+        rate = opens * math.exp(-self._lambda * max(0.0, now - at)) * self._lambda
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))[:k]
+        return [(a, use_probability(rate * c / opens, horizon_s)) for a, c in ranked]
+
+    def openers(self, tenant: Hashable) -> dict[Hashable, float]:
+        """Share of the tenant's (decayed) session opens per adapter."""
+        row = self._tenants.get(tenant)
+        if row is None:
+            return {}
+        return {a: c / row[0] for a, c in row[2].items()}
+
+
+NEED_EPS = 1e-4  # SessionDemand.need stops once at most this far from certain ...
+NEED_TERMS = 64  # ... or after the this many most recent sessions (older ones weigh least)
+
+
 class SessionDemand:
     """What the sessions in progress are expected to ask for next.
 
@@ -473,19 +562,28 @@ class SessionDemand:
         waiting = self._by_adapter.get(adapter)
         if not waiting:
             return 0.0
-        inv_h = 1.0 / self.horizon_s
         expire = self.expire_horizons * self.horizon_s
+        # entries are in the order their sessions stepped: the expired ones lead
+        stale = []
+        for key, (_, t) in waiting.items():
+            if now - t <= expire:
+                break
+            stale.append(key)
+        for key in stale:
+            self._forget(key)
+        waiting = self._by_adapter.get(adapter)
+        if not waiting:
+            return 0.0
+        inv_h = 1.0 / self.horizon_s
         miss = 1.0
-        stale = None
-        for key, (p, t) in waiting.items():
+        # newest first (the heaviest weights), at most NEED_TERMS of them, stopping once
+        # the product is below NEED_EPS: a hot adapter with thousands of sessions waiting
+        # costs tens of terms, not thousands
+        for n, (p, t) in enumerate(reversed(waiting.values())):
+            if miss < NEED_EPS or n == NEED_TERMS:
+                break
             age = now - t
-            if age > expire:
-                stale = [key] if stale is None else stale + [key]
-                continue
             miss *= 1.0 - p * math.exp(-age * inv_h) if age > 0 else 1.0 - p
-        if stale:
-            for key in stale:
-                self._forget(key)
         return 1.0 - miss
 
 

@@ -1,22 +1,28 @@
 """Speculative prefetch for one engine host: the decision loop the gateway runs per request.
 
 ``Speculator`` owns a model of the host's pool (``AdapterCache``, slots = the pool's
-adapter capacity), the tenant transition model, decayed popularity and the prediction
-ledger. For each request it:
+adapter capacity) and its decayed popularity; the transition model, prediction ledger,
+sessions' pace, session demand and first-step model may be shared between the hosts of
+a fleet. ``step`` is the loop, per request:
 
 1. records the demand (the adapter enters the pool model, evicting the coldest of the
    ``window`` least recently used entries by ``victim_score``);
-2. learns the session step (``TransitionModel.observe``) and settles the session's
+2. notes whether the request opens a session (``FirstSteps``: the tenant's openers);
+3. learns the session step (``TransitionModel.observe``) and settles the session's
    pending predictions (``PredictionLedger``);
-3. predicts the next adapters (``predict_next``, probability at least ``min_p``): one
-   already resident only gets its prediction noted (it protects it from eviction);
-   one that is not is prefetched if ``should_speculate`` says it is likelier to be used
-   within ``horizon_s`` than the victim it would evict.
+4. offers the predicted next adapters (``predict_next``, probability at least ``min_p``)
+   and the tenant's likeliest session openers (``FirstSteps.likely``) to the host
+   ``place`` names (default: this one): one already resident only gets its prediction
+   noted (it protects it from eviction); one that is not is prefetched if
+   ``should_speculate`` says it is likelier to be used within ``horizon_s`` than the
+   victim it would evict.
 
-The same class drives ``bench.sim``'s ``speculative`` policy, so the simulator measures
-the code the gateway runs. Time is passed in (``now``): no clock, no I/O, no threads.
-``load(adapter, now) -> ready_at`` says when a load started now completes (the simulator
-models the load link; the gateway passes the agent's measured ``cold_load_ms`` or 0).
+The gateway (``extproc.speculation.SpeculationPlanner.step``) and ``bench.sim`` (the
+``speculative`` policy and the fleet's ``ace`` arm) call this same ``step``, so the
+simulator measures the code the gateway runs. Time is passed in (``now``): no clock, no
+I/O, no threads. ``load(adapter, now) -> ready_at`` says when a load started now
+completes (the simulator models the load link; the gateway passes 0 for demand and its
+grace period for prefetches).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Callable, Hashable, Iterable
 from extproc.policy.cache import AdapterCache, Entry
 from extproc.policy.prediction import (
     DecayedPopularity,
+    FirstSteps,
     PredictionLedger,
     SessionDemand,
     StepPace,
@@ -37,7 +44,7 @@ from extproc.policy.prediction import (
     victim_score,
 )
 
-__all__ = ["Prefetch", "SpeculationSettings", "Speculator"]
+__all__ = ["Prefetch", "SpeculationSettings", "Speculator", "StepResult"]
 
 LoadFn = Callable[[Hashable, float], float]
 
@@ -52,6 +59,8 @@ class SpeculationSettings:
     adaptive_horizon: bool = True  # horizon_s follows the sessions' pace (StepPace); False: fixed
     session_demand: bool = True  # victims scored by what sessions in progress expect next (SessionDemand)
     order: int = 2  # transition model context: 1 = the last step, 2 = the last two (backs off to 1)
+    first_steps: int = 2  # likeliest session openers of the tenant offered per step (FirstSteps); 0 = off
+    idle_timeout_s: float = 600.0  # a session idle this long opens anew at its next request
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,21 @@ class Prefetch:
     probability: float
     ready_at: float
     victim: Hashable | None = None  # what the pool model evicted to make room (None: there was room)
+    host: Hashable | None = None  # the ``name`` of the Speculator (host) it was offered to
+    reason: str = "predicted"  # predicted: a session's next step; first_step: a tenant's session opener
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one request did: when its adapter is loaded, whether it opened a session,
+    and the prefetches to send."""
+
+    ready_at: float
+    first_step: bool
+    prefetches: list[Prefetch]
+
+
+Place = Callable[[Hashable], "Speculator | None"]
 
 
 def _now_load(adapter: Hashable, now: float) -> float:
@@ -69,12 +93,18 @@ def _now_load(adapter: Hashable, now: float) -> float:
 class Speculator:
     def __init__(self, capacity: int, settings: SpeculationSettings = SpeculationSettings(), *,
                  model: TransitionModel | None = None, ledger: PredictionLedger | None = None,
-                 pace: StepPace | None = None, expected: SessionDemand | None = None) -> None:
-        """``model`` / ``ledger`` / ``pace`` / ``expected``: shared between the Speculators of
-        several hosts (the gateway: a session's steps may be served by different hosts);
-        own ones by default. ``pace`` is used only with ``settings.adaptive_horizon``,
-        ``expected`` only with ``settings.session_demand``."""
+                 pace: StepPace | None = None, expected: SessionDemand | None = None,
+                 first_steps: FirstSteps | None = None, name: Hashable | None = None) -> None:
+        """``model`` / ``ledger`` / ``pace`` / ``expected`` / ``first_steps``: shared between
+        the Speculators of several hosts (the gateway and the fleet simulator: a session's
+        steps may be served by different hosts); own ones by default. ``pace`` is used only
+        with ``settings.adaptive_horizon``, ``expected`` only with ``settings.session_demand``,
+        ``first_steps`` only with ``settings.first_steps``. ``name``: the host, as reported
+        in ``Prefetch.host``."""
         self.settings = settings
+        self.name = name
+        self.first_steps = first_steps if first_steps is not None else FirstSteps(
+            settings.half_life_s, idle_timeout_s=settings.idle_timeout_s)
         self.cache = AdapterCache(capacity)
         self.model = model if model is not None else TransitionModel(order=settings.order)
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
@@ -141,25 +171,66 @@ class Speculator:
             self.expected.expect(tenant, session, predicted, now if now is not None else self._now)
         return [(b, p) for b, p in predicted if p >= st.min_p]
 
-    def speculate(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
-                  load: LoadFn = _now_load, may_load: bool = True) -> list[Prefetch]:
-        """Learn the step ``adapter`` of (tenant, session) and return the prefetches to send.
+    def step(self, tenant: Hashable, session: Hashable | None, adapter: Hashable, now: float, *,
+             load: LoadFn = _now_load, engine_at: float | None = None, may_load: bool = True,
+             place: Place | None = None, prefetch_load: LoadFn | None = None) -> StepResult:
+        """One request served by this host: the speculation loop, the one implementation
+        the gateway (``extproc.speculation.SpeculationPlanner``) and ``bench.sim`` run.
 
-        ``may_load=False`` (the load path is busy) still learns and notes predictions on
-        resident adapters, but starts no load.
+        1. ``demand``: the adapter enters this host's pool model;
+        2. without a session, nothing else (it teaches no transition);
+        3. ``FirstSteps.observe``: does the request open a session (counts the opener);
+        4. ``learn``: the transition model's next adapters (probability >= ``min_p``);
+        5. each is offered (``offer``) to the host ``place(adapter)`` names (None: skip it,
+           e.g. an adapter the tenant may not use; default: this host);
+        6. the tenant's likeliest session openers (``FirstSteps.likely``, ``first_steps``
+           of them) are offered the same way, scored by the same bound: a pool keeps them
+           only where they beat what the sessions in flight need;
+        7. the session's predictions go to the ledger.
+
+        ``load``: when a load started now completes; ``prefetch_load``: the same for
+        prefetches, when it differs (the gateway: demand is loaded by the engine itself,
+        a prefetch is in flight ``load_grace_s``). ``may_load=False`` (the load path is
+        busy) still learns and notes predictions on resident adapters, but starts no load.
         """
+        if self.settings.adaptive_horizon and self.horizon_s != self.pace.horizon_s:
+            self.set_horizon(self.pace.horizon_s)
+        ready = self.demand(adapter, now, load=load, engine_at=engine_at)
+        if session is None:
+            return StepResult(ready, False, [])
+        first = self.first_steps.observe(tenant, session, adapter, now) if self.settings.first_steps else False
+        return StepResult(ready, first, self._predict(tenant, session, adapter, now, load=prefetch_load or load,
+                                                      may_load=may_load, place=place))
+
+    def speculate(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
+                  load: LoadFn = _now_load, may_load: bool = True, place: Place | None = None) -> list[Prefetch]:
+        """Steps 4-7 of ``step`` (the demand was counted already)."""
+        return self._predict(tenant, session, adapter, now, load=load, may_load=may_load, place=place)
+
+    def _predict(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
+                 load: LoadFn, may_load: bool, place: Place | None) -> list[Prefetch]:
         predicted = self.learn(tenant, session, adapter, now)
         out: list[Prefetch] = []
-        for b, p in predicted:
-            got = self.offer(b, p, now, load=load, may_load=may_load, in_use=adapter)
+        offers = [(b, p, "predicted") for b, p in predicted]
+        if self.settings.first_steps:
+            offers += [(b, p, "first_step") for b, p in
+                       self.first_steps.likely(tenant, now, self.horizon_s, self.settings.first_steps)]
+        for b, p, reason in offers:
+            target = self if place is None else place(b)
+            if target is None:
+                continue
+            if target is not self and target.horizon_s != self.horizon_s:
+                target.set_horizon(self.horizon_s)
+            got = target.offer(b, p, now, load=load, may_load=may_load,
+                               in_use=adapter if target is self else None, reason=reason)
             if got is not None:
                 out.append(got)
         self.ledger.record(tenant, session, tuple(b for b, _ in predicted if b != adapter))
         return out
 
     def offer(self, adapter: Hashable, p: float, now: float, *, load: LoadFn = _now_load,
-              may_load: bool = True, in_use: Hashable | None = None) -> Prefetch | None:
-        """A prediction: ``adapter`` is needed next with probability ``p``. Resident: the
+              may_load: bool = True, in_use: Hashable | None = None, reason: str = "predicted") -> Prefetch | None:
+        """A prediction: ``adapter`` is needed soon with probability ``p``. Resident: the
         prediction is noted on its entry (it protects it from eviction). Absent: loaded if
         ``should_speculate`` says it beats the victim it would evict; ``in_use`` (the
         adapter of the request in flight) is never a victim. Returns the prefetch or None."""
@@ -188,7 +259,7 @@ class Speculator:
                 cache.evict(victim)
             ready = load(adapter, now)
             cache.admit(adapter, ready, prefetched=True, score=p, scored_at=now)
-            return Prefetch(adapter, p, ready, victim)
+            return Prefetch(adapter, p, ready, victim, self.name, reason)
         finally:
             if current is not None:
                 current.pinned = was_pinned
@@ -216,9 +287,8 @@ class Speculator:
 
     def on_request(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
                    load: LoadFn = _now_load) -> list[Prefetch]:
-        """The gateway's one call per request: ``demand`` then ``speculate``."""
-        self.demand(adapter, now, load=load)
-        return self.speculate(tenant, session, adapter, now, load=load)
+        """``step`` on this host alone; the prefetches."""
+        return self.step(tenant, session, adapter, now, load=load).prefetches
 
     def counters(self) -> dict[str, int]:
         """Predictions used/wasted (model) and prefetches used/wasted (pool), as counted."""

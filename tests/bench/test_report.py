@@ -140,3 +140,17 @@ def test_format_fleets_shows_every_arm():
     from bench.report import format_fleets
     text = format_fleets({"1": {"affinity": arm([0, 5], [1, 2]), "ace": arm([0, 0], [1, 1])}}, "prev.json")
     assert "prev.json" in text and "affinity" in text and "ace" in text and "50.00%" in text
+
+
+def test_by_step_derives_steps_from_session_order_when_the_trace_has_no_step_field():
+    from bench.report import by_step
+
+    # rows as the replay records them for a trace without "step" (the field is optional)
+    rows = [dict(row("coding", "remote", 12, 20), tenant="a", session="s1", step=None),
+            dict(row("coding", "pool", 0, 5), tenant="b", session="s1", step=None),   # other tenant: a first step
+            dict(row("coding", "pool", 0, 5), tenant="a", session="s1", step=None),
+            dict(row("coding", "remote", 9, 15), tenant="a", session="s2", step=None),
+            dict(row("coding", "pool", 0, 5), tenant="a", session="s2", step=None)]
+    s = by_step(rows)
+    assert (s["first"]["total"], s["first"]["effective_hits"]) == (3, 1)
+    assert (s["later"]["total"], s["later"]["effective_hits"]) == (2, 2)

@@ -4,6 +4,7 @@ import math
 import pytest
 
 from extproc.policy.prediction import (
+    FirstSteps,
     DecayedPopularity,
     PredictionLedger,
     TransitionModel,
@@ -334,3 +335,45 @@ def test_to_state_row_budget_keeps_the_global_rows_then_the_latest_tenants():
         bad.observe("t", "s", 1)
         bad.observe("t", "s", 2)
         bad.to_state()
+
+
+# -- FirstSteps: which adapters open a tenant's sessions
+
+def test_first_steps_detects_openers_by_new_id_and_by_idle_timeout():
+    fs = FirstSteps(half_life_s=600.0, idle_timeout_s=100.0)
+    table = [  # (tenant, session, adapter, now, opens a session?)
+        ("acme", "s1", "code", 0.0, True),
+        ("acme", "s1", "review", 5.0, False),
+        ("acme", "s2", "code", 6.0, True),
+        ("acme", "s1", "sql", 104.0, False),      # 99 s idle: still the same session
+        ("acme", "s1", "code", 300.0, True),      # idle past the timeout: opens anew
+        ("other", "s1", "chat", 301.0, True),     # session ids are per tenant
+    ]
+    for tenant, session, adapter, now, opens in table:
+        assert fs.observe(tenant, session, adapter, now) is opens, (tenant, session, now)
+    assert fs.first_steps == 4
+    assert fs.openers("acme") == pytest.approx({"code": 1.0})
+    assert fs.is_open("acme", "s1", 350.0) and not fs.is_open("acme", "nope", 350.0)
+
+
+def test_first_steps_ranks_openers_and_gives_use_probabilities_within_the_horizon():
+    fs = FirstSteps(half_life_s=1e9)              # no decay: plain counts
+    for i in range(30):
+        fs.observe("acme", f"a{i}", "code" if i % 3 else "chat", float(i))
+    likely = fs.likely("acme", 30.0, horizon_s=10.0, k=2)
+    assert [a for a, _ in likely] == ["code", "chat"]
+    assert 0.0 < likely[1][1] < likely[0][1] < 1.0
+    # a longer horizon: likelier to be asked for within it
+    assert fs.likely("acme", 30.0, horizon_s=100.0, k=1)[0][1] > likely[0][1]
+    assert fs.likely("nobody", 30.0, horizon_s=10.0) == []
+
+
+def test_first_steps_forget_old_habits_and_stay_bounded():
+    fs = FirstSteps(half_life_s=10.0, per_tenant=2, max_sessions=3)
+    for i in range(20):
+        fs.observe("acme", f"old{i}", "legacy", float(i))
+    for i in range(20):
+        fs.observe("acme", f"new{i}", "fresh", 100.0 + i)
+    assert [a for a, _ in fs.likely("acme", 120.0, 10.0, k=1)] == ["fresh"]
+    fs.observe("acme", "x", "third", 121.0)
+    assert len(fs.openers("acme")) <= 2 and len(fs._seen) <= 3

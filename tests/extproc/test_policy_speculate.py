@@ -135,3 +135,59 @@ def test_a_session_still_coming_back_keeps_its_adapter_hot_after_another_used_it
 
     assert scenario(True) > 0.9
     assert scenario(False) < 0.5
+
+
+# -- the first-step model inside the loop
+
+def open_sessions(spec, n, opener="code", start=0.0, gap=1.0, tenant="acme"):
+    now = start
+    for s in range(n):
+        spec.step(tenant, f"open{s}", opener, now)
+        now += gap
+    return now
+
+
+def test_a_tenants_session_opener_is_kept_resident_where_the_pool_has_room():
+    spec = Speculator(capacity=4, settings=SpeculationSettings(min_p=0.35, k=1))
+    now = open_sessions(spec, 20)                           # acme's sessions open with "code", 1/s
+    spec.cache.evict("code")                                # the engine dropped it
+    got = spec.step("acme", "busy", "other", now)           # any request of the tenant
+    assert [(p.adapter, p.reason) for p in got.prefetches] == [("code", "first_step")]
+    assert got.first_step
+    nxt = spec.step("acme", "fresh", "code", now + 0.5)
+    assert nxt.first_step and nxt.ready_at <= now + 0.5      # the first step finds it loaded
+
+
+def test_a_session_opener_never_evicts_what_a_session_in_flight_needs():
+    spec = Speculator(capacity=2, settings=SpeculationSettings(min_p=0.35, k=1))
+    now = open_sessions(spec, 20)
+    for s in range(8):                                      # teach x -> needed (many sessions)
+        spec.step("acme", f"w{s}", "x", now)
+        spec.step("acme", f"w{s}", "needed", now + 0.1)
+        now += 0.2
+    spec.cache.evict("code")
+    spec.step("acme", "live", "x", now)                     # live expects "needed" next
+    assert set(spec.cache) == {"x", "needed"}
+    assert spec.expected.need("needed", now) > 0.9
+    got = spec.offer("code", 0.5, now, in_use="x", reason="first_step")  # less likely than "needed"
+    assert got is None and set(spec.cache) == {"x", "needed"}
+
+
+def test_first_steps_off_offers_no_openers():
+    spec = Speculator(capacity=4, settings=SpeculationSettings(min_p=0.35, k=1, first_steps=0))
+    now = open_sessions(spec, 20)
+    spec.cache.evict("code")
+    got = spec.step("acme", "busy", "other", now)
+    assert got.prefetches == [] and not got.first_step
+
+
+def test_step_offers_each_prediction_to_the_host_place_names():
+    shared = Speculator(capacity=4)
+    other = Speculator(capacity=4, model=shared.model, ledger=shared.ledger, pace=shared.pace,
+                       expected=shared.expected, first_steps=shared.first_steps, name="other")
+    sent = []
+    for s in range(5):
+        sent += shared.step("acme", f"s{s}", "code", float(s), place=lambda b: other).prefetches
+        sent += shared.step("acme", f"s{s}", "review", s + 0.5, place=lambda b: other).prefetches
+    assert sent and {p.host for p in sent} == {"other"} and "review" in other.cache
+    assert shared.step("acme", "n2", "code", 11.0, place=lambda b: None).prefetches == []

@@ -1,0 +1,58 @@
+import random
+
+import numpy as np
+
+from bench import fleet, sim
+from bench.workload import WorkloadSpec, synthetic
+from extproc.policy.routing import LOAD_FLOOR, choose_endpoint
+
+
+def test_fleet_router_agrees_with_choose_endpoint():
+    rng = random.Random(3)
+    hosts = [f"host-{h:03d}" for h in range(8)]
+    for _ in range(300):
+        pools = [set(rng.sample(range(30), 4)) for _ in hosts]
+        router = fleet.FleetRouter(hosts, pools)
+        router.load = [rng.randrange(0, 14) for _ in hosts]
+        router.total = sum(router.load)
+        a = rng.randrange(30)
+        snapshot = {h: {b: "pool" for b in pools[i]} for i, h in enumerate(hosts)}
+        want = choose_endpoint(snapshot, a, f"adapter-{a}", loads=dict(zip(hosts, router.load)),
+                               min_bound=LOAD_FLOOR)
+        assert hosts[router.choose(a)] == want.endpoint, (a, pools, router.load, want)
+
+
+def small_fleet(**over):
+    a = sim.parse_args(["--hosts", "4", "--service-s", "1.0"])
+    for k, v in over.items():
+        setattr(a, k, v)
+    w = synthetic(WorkloadSpec(requests=4000, adapters=300, tenants=40, rate_per_s=40.0, seed=9))
+    return fleet.run_fleet(w, [4, 8], 4, sim.settings_of(a), a)
+
+
+def test_fleet_arms_side_by_side_with_bounds_that_hold():
+    res = small_fleet()
+    assert fleet.check_bounds(res) == []
+    for arms in res.values():
+        assert set(arms) == set(fleet.ARMS)
+        for name, r in arms.items():
+            assert 0.0 <= r["hit_ratio"] <= r["bounds"]["oracle"]["hit_ratio"] + fleet.TOLERANCE
+            assert r["first_steps"] == arms["round_robin"]["first_steps"] > 0
+        # residency-aware routing keeps an adapter on few hosts: fewer loads than round robin
+        assert arms["affinity"]["loads"] < arms["round_robin"]["loads"]
+        assert arms["ace"]["predictions"] > 0
+
+
+def test_fleet_check_bounds_fails_on_a_policy_above_its_oracle():
+    res = {"8": {"ace": {"hit_ratio": 0.9, "bounds": {"oracle": {"hit_ratio": 0.8}, "belady": {"hit_ratio": 0.5}}},
+                 "affinity": {"hit_ratio": 0.6, "bounds": {"oracle": {"hit_ratio": 0.9}, "belady": {"hit_ratio": 0.5}}}}}
+    broken = fleet.check_bounds(res)
+    assert len(broken) == 2 and "ace" in broken[0] and "Belady" in broken[1]
+
+
+def test_fleet_targets_need_a_meaningful_gap():
+    res = {"8": {"affinity": {"hit_ratio": 0.5}, "ace": {"hit_ratio": 0.62, "bounds": {"oracle": {"hit_ratio": 0.7}}}}}
+    t = fleet.fleet_targets(res, [8])
+    assert t["ace_minus_affinity_met"] and abs(t["gap_closed"] - 0.6) < 1e-9 and t["gap_closed_met"]
+    res["8"]["ace"]["bounds"]["oracle"]["hit_ratio"] = 0.505
+    assert fleet.fleet_targets(res, [8])["gap_closed"] is None
