@@ -82,17 +82,22 @@ def ring_walk(hosts: tuple[str, ...], key: str) -> list[str]:
     """All hosts in the order the consistent-hash ring visits them from ``key``'s point."""
     if not hosts:
         return []
-    points, owners = _ring(tuple(sorted(hosts)))
+    return list(_walk(tuple(sorted(hosts)), key))
+
+
+@lru_cache(maxsize=8192)
+def _walk(hosts: tuple[str, ...], key: str) -> tuple[str, ...]:
+    # cached: the hot path asks for the same (hosts, digest) walks again and again; a walk
+    # visits up to hosts x VNODES ring points (4,096 at 64 hosts)
+    points, owners = _ring(hosts)
     start = bisect.bisect_left(points, _hash64(key))
-    seen: list[str] = []
+    seen: dict[str, None] = {}
     n = len(points)
     for i in range(n):
-        h = owners[(start + i) % n]
-        if h not in seen:
-            seen.append(h)
-            if len(seen) == len(hosts):
-                break
-    return seen
+        seen.setdefault(owners[(start + i) % n])
+        if len(seen) == len(hosts):
+            break
+    return tuple(seen)
 
 
 def place(adapters: Iterable[str], hosts: Iterable[str],
