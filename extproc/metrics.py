@@ -131,7 +131,10 @@ class GatewayCollector(Collector):
         if self.link is not None:
             yield from self._links()
         if self.speculation is not None:
-            counts = self.speculation.counters()
+            try:
+                counts = self.speculation.counters()
+            except RuntimeError:   # its thread added an upstream's speculator mid-read: read again
+                counts = self.speculation.counters()
             fam = CounterMetricFamily("ace_gateway_predictions", "Speculative prefetches by outcome: used "
                                       "(a request came for the adapter in time) or wasted.", labels=("outcome",))
             fam.add_metric(("used",), counts.get("predictions_used", 0))
