@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from extproc.errors import ConfigError
+from extproc.metrics import GatewayCollector, GatewayMetrics, propagation_histogram, serve_metrics
 from extproc.prefetch import NullPrefetchSink
 from extproc.processor import Gateway
 from extproc.routing import choose_upstream, load_policy
@@ -31,11 +32,23 @@ def popularity_path(db: Path) -> Path:
     return Path(db).with_suffix(".popularity.json")
 
 
+def start_metrics(listen: str, gateway: Gateway, link, speculation):
+    """/metrics on its own port, in a daemon thread: one registry for this gateway."""
+    from prometheus_client import CollectorRegistry
+    registry = CollectorRegistry()
+    registry.register(GatewayCollector(gateway.metrics, link, speculation, link.board if link else None))
+    gateway.store.on_snapshot(propagation_histogram(registry).observe)
+    server = serve_metrics(registry, listen)
+    logging.getLogger("extproc").info("metrics on http://%s:%d/metrics", *server.server_address[:2])
+    return server
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_args(argv)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        metrics_server = None
         store = Store(settings.config, settings.db, settings.catalog)
         agents = {u.name: u.agent for u in store.snapshot.upstreams if u.agent}
         route = route_policy(settings.routing_policy, len(store.snapshot.upstreams))
@@ -51,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             planner = SpeculationPlanner(route=route_by_policy(route), slots=slots)
             speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity).start()
         gateway = Gateway(store, residency=link.board if link else None,
-                          prefetch=link or NullPrefetchSink(), route=route, speculation=speculation)
+                          prefetch=link or NullPrefetchSink(), route=route, speculation=speculation,
+                          metrics=GatewayMetrics())
+        if settings.metrics_listen != "off":
+            metrics_server = start_metrics(settings.metrics_listen, gateway, link, speculation)
     except ConfigError as exc:
         print(f"extproc: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -63,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             serve(gateway, settings.listen, settings.workers)
     finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
         if speculation is not None:
             speculation.close()
         if link is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from urllib.parse import unquote
 from typing import Any, Mapping, Protocol
@@ -17,13 +18,14 @@ from extproc.auth import Principal, authenticate
 from extproc.decision import InferenceRequest, decide
 from extproc.errors import (BadRequest, Forbidden, GatewayError, InvalidField, MethodNotAllowed,
                             PayloadTooLarge)
+from extproc.metrics import GatewayMetrics
 from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.residency import ResidencyBoard
 from extproc.rewrite import rewrite_request
 from extproc.rewrite.codec import decode
 from extproc.routing import RoutePolicy, choose_upstream
-from extproc.skills import SKILLS, parse_override_header, resolve, validate_skills
+from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve, validate_skills
 from extproc.speculation import SESSION_HEADER, RequestObserver, session_of
 from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
@@ -78,16 +80,19 @@ Outcome = Continue | Reply
 
 
 class Gateway:
-    """What every exchange shares: state, residency, the prefetch sink, the routing policy."""
+    """What every exchange shares: state, residency, the prefetch sink, the routing policy,
+    the request counts (``metrics``, read by /metrics)."""
 
     def __init__(self, store: Store, residency: ResidencyBoard | None = None,
                  prefetch: PrefetchSink | None = None, route: RoutePolicy = choose_upstream,
-                 speculation: "RequestObserver | None" = None) -> None:
+                 speculation: "RequestObserver | None" = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.store = store
         self.residency = residency or ResidencyBoard()
         self.prefetch = prefetch or NullPrefetchSink()
         self.route = route
         self.speculation = speculation  # extproc.speculation.GatewaySpeculation: one append per request
+        self.metrics = metrics or GatewayMetrics()
 
     def exchange(self) -> "Exchange":
         return Exchange(self)
@@ -185,6 +190,7 @@ class _Authenticated:
 class Inference(_Authenticated):
     """``/v1/chat/completions`` and ``/v1/completions``: decide, rewrite, route."""
 
+    uncounted = True           # not yet in ace_gateway_requests_total (a refusal counts there too)
     forces_body = False                                  # re-encode even if nothing changed
     extra_headers: tuple[tuple[str, str], ...] = ()      # set on the upstream request
 
@@ -203,8 +209,10 @@ class Inference(_Authenticated):
         self.check_size(body)
         chat = self.to_chat(_parse_object(body))
         snap = self.gw.store.snapshot
+        started = time.perf_counter()
         d = decide(snap, self.gw.residency.current,
                    InferenceRequest(self.principal, chat, self.header_skills), self.gw.route)
+        decided = time.perf_counter() - started
         queued = self.gw.prefetch.submit(d.prefetch_signal) if d.prefetch_signal else None
         if self.gw.speculation is not None:
             self.gw.speculation.observe(d, self.principal.tenant.id, session_of(self.session_header, chat))
@@ -219,6 +227,10 @@ class Inference(_Authenticated):
         headers = self.extra_headers
         if rw.body is not None:  # Envoy checks it when the headers were sent to us
             headers += (("content-length", str(len(rw.body))),)
+        # counted once it cannot fail any more (a refusal is counted as its error instead)
+        self.gw.metrics.request(self.principal.tenant.id, d.adapter.name if d.adapter else "",
+                                d.multi_lora_action, d.skills[MULTI_LORA], decided)
+        self.uncounted = False
         return Continue(headers, rw.body, metadata)
 
 
@@ -278,6 +290,15 @@ def _error_reply(exc: GatewayError) -> Reply:
     return Reply(exc.status, exc.to_json())
 
 
+def _count_error(gw: Gateway, handler: "Handler | None", exc: GatewayError) -> None:
+    """An error answer: by status and code; an inference request's also as a request whose
+    action is the code (its tenant once the key was checked, never the client's header)."""
+    gw.metrics.error(exc.status, exc.code)
+    if getattr(handler, "uncounted", False):
+        principal = getattr(handler, "principal", None)
+        gw.metrics.request(principal.tenant.id if principal is not None else "", "", exc.code, "")
+
+
 class Exchange:
     """One HTTP request's phases. The only place errors become responses."""
 
@@ -291,10 +312,13 @@ class Exchange:
         try:
             return phase(arg)
         except GatewayError as exc:
+            _count_error(self.gw, self.handler, exc)
             return _error_reply(exc)
         except Exception:  # a bug: say so in the log, answer a clean JSON error, never hang
             log.exception("ext_proc handler failed")
-            return _error_reply(GatewayError("internal gateway error"))
+            exc = GatewayError("internal gateway error")
+            _count_error(self.gw, self.handler, exc)
+            return _error_reply(exc)
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
         self.handler = ROUTES.get(head.path, KeyRequired)(self.gw)
@@ -305,7 +329,9 @@ class Exchange:
         if self.handler is None:
             if head is None:   # Envoy config lacks request_attributes: never pass unchecked
                 log.error("request body without headers or request_attributes: check the Envoy config")
-                return _error_reply(GatewayError("gateway misconfigured: no request headers"))
+                exc = GatewayError("gateway misconfigured: no request headers")
+                _count_error(self.gw, None, exc)
+                return _error_reply(exc)
             first = self.on_request_headers(head)
             if isinstance(first, Reply):
                 return first

@@ -14,6 +14,7 @@ measurement arrived, so it moves between snapshots without a new one being built
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterator, Mapping
@@ -113,11 +114,14 @@ class ResidencyBoard:
     """Holds the current snapshot; one reference swap per update, no locks on read.
 
     ``sent``: the requests the gateway routed to each upstream (``record`` on the request
-    path); the publisher bases each snapshot's ``sent_since`` on it."""
+    path); the publisher bases each snapshot's ``sent_since`` on it. ``published_at``: when
+    ``current`` was published (``time.monotonic``), for its age on /metrics."""
 
     def __init__(self, initial: ResidencySnapshot = EMPTY) -> None:
         self.current = initial
         self.sent = SentCounter()
+        self.published_at = time.monotonic()
 
     def publish(self, snapshot: ResidencySnapshot) -> None:
         self.current = snapshot
+        self.published_at = time.monotonic()

@@ -21,6 +21,8 @@ _HELP = {
     "catalog": "extra adapter catalog YAML in the docs/contracts.md format (optional)",
     "db": "SQLite file for runtime changes (dev-key skills); survives restarts",
     "listen": "host:port the gRPC ext_proc + health service binds",
+    "metrics_listen": "host:port of the Prometheus GET /metrics server (its own port, off the "
+                      "request path; port 0: any free port, logged at start-up), or off",
     "workers": "gRPC worker threads; each in-flight HTTP request holds one stream",
     "routing_policy": "module:function choosing the upstream (default extproc.routing.choose_upstream with one upstream, extproc.policy.routing:route with several)",
     "prefetch_queue": "bound of the out-of-band prefetch signal queue",
@@ -58,6 +60,7 @@ class Settings:
     catalog: Path | None = None
     db: Path = Path("ace-gateway.sqlite3")
     listen: str = "127.0.0.1:50051"
+    metrics_listen: str = "127.0.0.1:9464"
     workers: int = 32
     routing_policy: str | None = None
     prefetch_queue: int = 1024
@@ -77,6 +80,10 @@ class Settings:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"--listen must be host:port, got {self.listen!r}")
+        if self.metrics_listen != "off":
+            host, _, port = self.metrics_listen.rpartition(":")
+            if not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"--metrics-listen must be host:port or off, got {self.metrics_listen!r}")
         if self.server not in ("aio", "threads", "h2"):
             raise ConfigError(f"--server must be aio, threads or h2, got {self.server!r}")
         if self.workers < 1 or self.prefetch_queue < 1:
@@ -120,7 +127,8 @@ class Settings:
         try:
             return cls(config=Path(ns["config"]),
                        catalog=Path(ns["catalog"]) if ns["catalog"] else None,
-                       db=Path(ns["db"]), listen=str(ns["listen"]), workers=int(ns["workers"]),
+                       db=Path(ns["db"]), listen=str(ns["listen"]),
+                       metrics_listen=str(ns["metrics_listen"]), workers=int(ns["workers"]),
                        routing_policy=ns["routing_policy"] or None,
                        prefetch_queue=int(ns["prefetch_queue"]), log_level=str(ns["log_level"]),
                        server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]),

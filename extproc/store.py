@@ -4,7 +4,9 @@ The YAML file is the source of truth for adapters, tenants, keys and upstreams; 
 read at start-up. Changes made at runtime (a developer key's skills, set through
 ``POST /api/v1/dev_key/skills``) are written to SQLite and overlay the file's values, so
 they survive a restart. Every change builds a new immutable ``Snapshot`` and swaps one
-reference: the request path only ever reads ``Store.snapshot``.
+reference: the request path only ever reads ``Store.snapshot``. ``on_snapshot(callback)``:
+``callback(seconds)`` after each swap a write caused, with the time from the write to the
+swap (the gateway's ``ace_gateway_store_propagation_seconds``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from extproc.catalog import Adapter, DevKey, Tenant, Upstream
 from extproc.errors import ConfigError, GatewayError
@@ -113,6 +115,11 @@ class Store:
         self._db.execute("CREATE TABLE IF NOT EXISTS dev_key_skills ("
                          " key_sha256 TEXT PRIMARY KEY, skills TEXT NOT NULL, updated_at REAL NOT NULL)")
         self.snapshot = self._build()
+        self._listeners: list[Callable[[float], None]] = []
+
+    def on_snapshot(self, callback: Callable[[float], None]) -> None:
+        """Call ``callback(seconds from the write to the swap)`` after each write's swap."""
+        self._listeners.append(callback)
 
     def _build(self) -> Snapshot:
         keys = dict(self._file_state["keys"])
@@ -129,12 +136,15 @@ class Store:
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Snapshot:
         """Persist a developer key's skills (merged over earlier runtime changes)."""
         with self._lock:
+            written = time.perf_counter()
             row = self._db.execute("SELECT skills FROM dev_key_skills WHERE key_sha256=?",
                                    (key_sha256,)).fetchone()
             merged = {**(json.loads(row[0]) if row else {}), **skills}
             self._db.execute("INSERT OR REPLACE INTO dev_key_skills VALUES (?, ?, ?)",
                              (key_sha256, json.dumps(merged, sort_keys=True), time.time()))
             self.snapshot = self._build()
+            for callback in self._listeners:
+                callback(time.perf_counter() - written)
             return self.snapshot
 
     def close(self) -> None:

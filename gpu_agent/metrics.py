@@ -1,22 +1,26 @@
-"""The agent's counters and histograms, rendered in Prometheus text format at /metrics.
+"""The agent's counters and histograms, served in Prometheus text format at /metrics.
 
-Small on purpose (no client library): counters and histograms keyed by one label set,
-plus gauges read from callbacks at scrape time (pool pages, tier occupancy).
+Each ``AgentMetrics`` owns a ``prometheus_client`` registry (several agents in one process
+do not collide) with one collector: the counts and histograms kept here (event-loop
+code adds to plain dicts: no lock), counters copied in from elsewhere (``set_counter``,
+by ``add_collector`` callbacks) and gauges read from callbacks at scrape time (pool pages,
+tier occupancy). The library renders the text, escaping label values.
 """
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Iterable
+from typing import Callable, Iterator
 
-__all__ = ["AgentMetrics", "Histogram", "LOAD_BUCKETS_S"]
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["AgentMetrics", "Gauge", "Histogram", "LOAD_BUCKETS_S"]
 
 LOAD_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-
-def _labels(pairs: Iterable[tuple[str, str]]) -> str:
-    items = [f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-             for k, v in pairs]
-    return "{" + ",".join(items) + "}" if items else ""
+#: one gauge series a gauge source reports: (name, help, labels, value)
+Gauge = tuple[str, str, dict[str, str], float]
 
 
 class Histogram:
@@ -31,15 +35,13 @@ class Histogram:
         self.total += value
         self.n += 1
 
-    def render(self, name: str, labels: tuple[tuple[str, str], ...]) -> list[str]:
-        lines, acc = [], 0
-        for bound, count in zip(self.buckets, self.counts):
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, count of observations <= le) per bucket, +Inf last."""
+        out, acc = [], 0
+        for bound, count in zip((*map(repr, self.buckets), "+Inf"), self.counts):
             acc += count
-            lines.append(f"{name}_bucket{_labels(labels + (('le', repr(bound)),))} {acc}")
-        lines.append(f"{name}_bucket{_labels(labels + (('le', '+Inf'),))} {self.n}")
-        lines.append(f"{name}_sum{_labels(labels)} {self.total:.6f}")
-        lines.append(f"{name}_count{_labels(labels)} {self.n}")
-        return lines
+            out.append((bound, acc))
+        return out
 
 
 class AgentMetrics:
@@ -62,8 +64,10 @@ class AgentMetrics:
     def __init__(self) -> None:
         self._counters: dict[tuple[str, tuple], float] = {}
         self._hists: dict[tuple[str, tuple], Histogram] = {}
-        self._gauges: list[Callable[[], dict[str, tuple[str, float]]]] = []
+        self._gauges: list[Callable[[], list[Gauge]]] = []
         self._collectors: list[Callable[[], None]] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_AgentCollector(self))
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         key = (name, tuple(sorted(labels.items())))
@@ -93,34 +97,45 @@ class AgentMetrics:
         self.collect()
         return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
 
-    def add_gauges(self, source: Callable[[], dict[str, tuple[str, float]]]) -> None:
-        """`source()` -> {"metric{labels}": (help, value)}, read at every scrape."""
+    def add_gauges(self, source: Callable[[], list[Gauge]]) -> None:
+        """``source()`` -> [(name, help, labels, value)], read at every scrape."""
         self._gauges.append(source)
 
     def render(self) -> str:
-        self.collect()
-        out: list[str] = []
-        seen: set[str] = set()
+        return generate_latest(self.registry).decode()
 
-        def head(name: str) -> None:
-            if name not in seen and name in self._HELP:
-                kind, text = self._HELP[name]
-                out.append(f"# HELP {name} {text}")
-                out.append(f"# TYPE {name} {kind}")
-                seen.add(name)
 
-        for (name, labels), value in sorted(self._counters.items()):
-            head(name)
-            out.append(f"{name}{_labels(labels)} {value:g}")
-        for (name, labels), hist in sorted(self._hists.items(), key=lambda kv: kv[0]):
-            head(name)
-            out.extend(hist.render(name, labels))
-        for source in self._gauges:
-            for series, (text, value) in sorted(source().items()):
-                base = series.split("{", 1)[0]
-                if base not in seen:
-                    out.append(f"# HELP {base} {text}")
-                    out.append(f"# TYPE {base} gauge")
-                    seen.add(base)
-                out.append(f"{series} {value:g}")
-        return "\n".join(out) + "\n"
+class _AgentCollector(Collector):
+    """One family per metric name; its series may carry different label names (an
+    eviction with or without ``reason``), so samples are added one by one."""
+
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        m.collect()
+        families: dict[str, Metric] = {}
+
+        def family(name: str, kind: str, text: str | None = None) -> Metric:
+            fam = families.get(name)
+            if fam is None:
+                base = name.removesuffix("_total") if kind == "counter" else name
+                text = text if text is not None else m._HELP.get(name, ("", name))[1]
+                fam = families[name] = Metric(base, text, kind)
+            return fam
+
+        for (name, labels), value in sorted(m._counters.items()):
+            family(name, "counter").add_sample(name, dict(labels), value)
+        for (name, labels), hist in sorted(m._hists.items(), key=lambda kv: kv[0]):
+            fam = family(name, "histogram")
+            for le, count in hist.cumulative():
+                fam.add_sample(name + "_bucket", {**dict(labels), "le": le}, count)
+            fam.add_sample(name + "_count", dict(labels), hist.n)
+            fam.add_sample(name + "_sum", dict(labels), hist.total)
+        for source in m._gauges:
+            for name, text, labels, value in sorted(source(), key=lambda g: (g[0], sorted(g[2].items()))):
+                family(name, "gauge", text).add_sample(name, {k: str(v) for k, v in labels.items()}, value)
+        for name, (kind, _) in m._HELP.items():   # every metric declared, with series or not yet
+            family(name, kind)
+        yield from families.values()

@@ -40,7 +40,7 @@ from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineLoa
 from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
 from gpu_agent.eviction import hinted_victims
 from gpu_agent.load import LoadChange, LoadMonitor
-from gpu_agent.metrics import AgentMetrics
+from gpu_agent.metrics import AgentMetrics, Gauge
 
 __all__ = ["Tier", "AdapterView", "PrefetchOutcome", "PrefetchResult", "ResidencyManager",
            "ResidencyBudgets", "Subscription"]
@@ -647,26 +647,26 @@ class ResidencyManager:
         for reason, n in stats.get("cancelled", {}).items():
             self.metrics.set_counter("ace_agent_prefetch_cancelled_total", n, reason=reason)
 
-    def _gauges(self) -> dict[str, tuple[str, float]]:
-        out = {
-            'ace_agent_tier_adapters{tier="device"}': ("Adapters resident per tier.", len(self._device)),
-            'ace_agent_tier_adapters{tier="host"}': ("Adapters resident per tier.", len(self._host)),
-            'ace_agent_tier_bytes{tier="device"}': ("Adapter bytes resident per tier.", sum(self._device.values())),
-            'ace_agent_tier_bytes{tier="host"}': ("Adapter bytes resident per tier.", sum(len(b) for b in self._host.values())),
-            'ace_agent_tier_bytes{tier="disk"}': ("Adapter bytes resident per tier.", self.store.cache.used_bytes),
-            "ace_agent_prefetch_queue_depth": ("Prefetches waiting for a worker.", len(self._queued)),
-            "ace_agent_engine_up": ("1 when the engine answered the last reconcile.", 1.0 if self.engine_up else 0.0),
-        }
+    def _gauges(self) -> list[Gauge]:
+        adapters, size = "Adapters resident per tier.", "Adapter bytes resident per tier."
+        out: list[Gauge] = [
+            ("ace_agent_tier_adapters", adapters, {"tier": "device"}, len(self._device)),
+            ("ace_agent_tier_adapters", adapters, {"tier": "host"}, len(self._host)),
+            ("ace_agent_tier_bytes", size, {"tier": "device"}, sum(self._device.values())),
+            ("ace_agent_tier_bytes", size, {"tier": "host"}, sum(len(b) for b in self._host.values())),
+            ("ace_agent_tier_bytes", size, {"tier": "disk"}, self.store.cache.used_bytes),
+            ("ace_agent_prefetch_queue_depth", "Prefetches waiting for a worker.", {}, len(self._queued)),
+            ("ace_agent_engine_up", "1 when the engine answered the last reconcile.", {}, 1.0 if self.engine_up else 0.0),
+        ]
         load = self.engine_load
         if load is not None:
-            out["ace_agent_engine_requests_running"] = ("The engine's running requests, as last measured.",
-                                                        float(load.running))
-            out["ace_agent_engine_requests_waiting"] = ("The engine's waiting requests, as last measured.",
-                                                        float(load.waiting))
+            out.append(("ace_agent_engine_requests_running", "The engine's running requests, as last measured.",
+                        {}, float(load.running)))
+            out.append(("ace_agent_engine_requests_waiting", "The engine's waiting requests, as last measured.",
+                        {}, float(load.waiting)))
         for key, value in self.connector.pool_stats().items():
-            out[f"ace_agent_pool_{key}"] = ("The engine's adapter pool (builtin paged pool).", float(value))
+            out.append((f"ace_agent_pool_{key}", "The engine's adapter pool (builtin paged pool).", {}, float(value)))
         return out
-
 
 def _weights_bytes(model_dir: Path | None) -> int:
     """Bytes of a checkpoint's weight files (0 when unknown)."""

@@ -137,14 +137,16 @@ def run_envoy(tmp: Path, *, extproc: str | Sequence[str], default_upstream: str,
 
 @contextlib.contextmanager
 def extproc_process(work: Path, state: Path, *, env: dict[str, str] | None = None,
-                    extproc_args: Sequence[str] = ()) -> Iterator[tuple[str, subprocess.Popen]]:
+                    extproc_args: Sequence[str] = (),
+                    metrics_port: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m extproc`` with ``state`` on an ephemeral loopback port (log
     ``work/extproc.log``, db ``work/gw.sqlite3``); yields its ``host:port`` and process
-    once it listens, stops it on exit."""
+    once it listens, stops it on exit. /metrics on ``metrics_port`` (default: a free one)."""
     port = free_port()
     log = work / "extproc.log"
     cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(work / "gw.sqlite3"),
-           "--listen", f"127.0.0.1:{port}", *extproc_args]
+           "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics_port or free_port()}",
+           *extproc_args]
     with running(cmd, log, env=env) as proc:
         wait_port(port, timeout=60, proc=proc, log=log)
         yield f"127.0.0.1:{port}", proc
@@ -153,10 +155,11 @@ def extproc_process(work: Path, state: Path, *, env: dict[str, str] | None = Non
 @contextlib.contextmanager
 def gateway_front(work: Path, state: Path, default_upstream: str, *, env: dict[str, str] | None = None,
                   extproc_args: Sequence[str] = (), message_timeout: str = "5s",
-                  failure_mode_allow: bool = False) -> Iterator[int]:
+                  failure_mode_allow: bool = False, metrics_port: int | None = None) -> Iterator[int]:
     """The gateway in front of an engine: ``extproc_process`` and Envoy; yields Envoy's port.
     Fail-closed unless ``failure_mode_allow`` (fail-open: docs/gateway.md, "Failure mode")."""
-    with extproc_process(work, state, env=env, extproc_args=extproc_args) as (address, _):
+    with extproc_process(work, state, env=env, extproc_args=extproc_args,
+                         metrics_port=metrics_port) as (address, _):
         with run_envoy(work, extproc=address, default_upstream=default_upstream,
                        message_timeout=message_timeout, failure_mode_allow=failure_mode_allow) as port:
             yield port
@@ -173,7 +176,7 @@ def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_a
     """
     work.mkdir(parents=True, exist_ok=True)
     env = {"ACE_AGENT_TOKEN": token}
-    engine_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, grpc_port, metrics_port, gateway_metrics = free_port(), free_port(), free_port(), free_port()
     agent_cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", "builtin",
                  "--engine-port", str(engine_port), "--grpc-port", str(grpc_port),
                  "--metrics-port", str(metrics_port), "--cache-dir", str(work / "agent-cache"),
@@ -184,10 +187,11 @@ def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_a
         wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=120, proc=agent, log=work / "agent.log")
         state = write_state(work / "state.yaml", f"127.0.0.1:{engine_port}", f"127.0.0.1:{grpc_port}")
         port = stack.enter_context(gateway_front(work, work / "state.yaml", f"127.0.0.1:{engine_port}", env=env,
-                                                 extproc_args=extproc_args, message_timeout=message_timeout))
+                                                 extproc_args=extproc_args, message_timeout=message_timeout,
+                                                 metrics_port=gateway_metrics))
         yield {"gateway": f"http://127.0.0.1:{port}", "engine": f"http://127.0.0.1:{engine_port}",
                "agent": f"127.0.0.1:{grpc_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
-               "state": state}
+               "gateway_metrics": f"http://127.0.0.1:{gateway_metrics}/metrics", "state": state}
 
 
 @contextlib.contextmanager

@@ -1,33 +1,37 @@
 """Prometheus text of the engine: batching, tokens, adapter tiers, pool occupancy.
 
 Also writes vLLM's ``vllm:lora_requests_info`` gauge (running / waiting adapters), so a
-scraper written for vLLM reads this engine the same way.
+scraper written for vLLM reads this engine the same way. Rendered (and label values
+escaped) by ``prometheus_client``.
 """
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterator
+
+from prometheus_client import generate_latest
+from prometheus_client.core import Metric
 
 __all__ = ["render_metrics"]
 
 
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 class _Text:
+    """The families of one scrape, built at scrape time; a collector for ``generate_latest``."""
+
     def __init__(self) -> None:
-        self.lines: list[str] = []
+        self.families: list[Metric] = []
 
     def metric(self, name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
-        self.lines.append(f"# HELP {name} {help_}")
-        self.lines.append(f"# TYPE {name} {kind}")
+        fam = Metric(name.removesuffix("_total") if kind == "counter" else name, help_, kind)
         for labels, value in samples:
-            lab = ",".join(f'{k}="{_esc(str(v))}"' for k, v in labels.items())
-            self.lines.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
+            fam.add_sample(name, {k: str(v) for k, v in labels.items()}, value)
+        self.families.append(fam)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
 
     def render(self) -> str:
-        return "\n".join(self.lines) + "\n"
+        return generate_latest(self).decode()
 
 
 def render_metrics(engine: Any, http_stats: Any) -> str:

@@ -129,7 +129,7 @@ def aio(state):
     port = free_port()
     log = tmp / "aio.log"
     cmd = [python(), "-m", "extproc", "--server", "aio", "--config", str(path),
-           "--db", str(tmp / "aio.sqlite3"), "--listen", f"127.0.0.1:{port}"]
+           "--db", str(tmp / "aio.sqlite3"), "--listen", f"127.0.0.1:{port}", "--metrics-listen", "off"]
     with running(cmd, log) as proc:
         wait_port(port, timeout=30, proc=proc, log=log)
         yield f"127.0.0.1:{port}"

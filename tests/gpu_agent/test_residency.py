@@ -343,7 +343,7 @@ def test_metrics_render_prometheus_text(tmp_path):
             text = mgr.metrics.render()
             assert 'ace_agent_tier_hits_total{tier="device"} 1' in text
             assert 'ace_agent_tier_misses_total{tier="device"} 1' in text
-            assert 'ace_agent_load_seconds_bucket{stage="cold",le="+Inf"} 1' in text
+            assert 'ace_agent_load_seconds_bucket{le="+Inf",stage="cold"} 1' in text
             assert 'ace_agent_tier_adapters{tier="device"} 1' in text
             assert "# TYPE ace_agent_load_seconds histogram" in text
         finally:

@@ -74,7 +74,7 @@ def test_prefetched_and_cold_adapters_side_by_side(agent):
 def test_metrics_endpoint_reports_tiers_and_pool_pages(agent):
     text = agent.metrics()
     for series in ('ace_agent_tier_misses_total{tier="device"}', "ace_agent_pool_pages_used",
-                   "ace_agent_pool_pages_free", 'ace_agent_load_seconds_bucket{stage="cold"',
+                   "ace_agent_pool_pages_free", 'ace_agent_load_seconds_bucket{le="+Inf",stage="cold"}',
                    'ace_agent_prefetch_total{outcome="accepted"}'):
         assert series in text, series
     assert agent.metric("ace_agent_pool_pages_used") > 0
