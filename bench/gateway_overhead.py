@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             up_cmd = [sys.executable, "-m", "tests.support.upstream", "--port", str(up_port)]
         xp_cmd = [sys.executable, "-m", "extproc", "--config", str(state), "--db", str(tmp / "gw.sqlite3"),
-                  "--listen", f"127.0.0.1:{xp_port}", "--log-level", "WARNING", "--server", a.server]
+                  "--listen", f"127.0.0.1:{xp_port}", "--log-level", "WARNING", "--server", a.server,
+                  "--metrics-listen", "127.0.0.1:0"]   # metrics on, as deployed; any free port
         null_cmd = [sys.executable, "-m", "bench.gateway_overhead", "--serve-null-extproc", str(null_port),
                     "--server", a.server]
         with running(up_cmd, tmp / "upstream.log") as up_proc, \
