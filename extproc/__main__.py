@@ -12,6 +12,7 @@ from extproc.prefetch import NullPrefetchSink
 from extproc.processor import Gateway
 from extproc.routing import choose_upstream, load_policy
 from extproc.server import serve, serve_aio, serve_h2
+from extproc.serving_cert import load_cert, self_signed
 from extproc.settings import Settings
 from extproc.store import Store
 
@@ -51,17 +52,23 @@ def main(argv: list[str] | None = None) -> int:
             planner = SpeculationPlanner(route=route_by_policy(route), slots=slots)
             speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity).start()
         gateway = Gateway(store, residency=link.board if link else None,
-                          prefetch=link or NullPrefetchSink(), route=route, speculation=speculation)
+                          prefetch=link or NullPrefetchSink(), route=route, speculation=speculation,
+                          shed_load=settings.shed_load, epp_fallbacks=settings.epp_fallbacks)
+        tls = None
+        if settings.serves_tls:
+            tls = (load_cert(settings.tls_cert, settings.tls_key) if settings.tls_cert
+                   else self_signed())
     except ConfigError as exc:
         print(f"extproc: configuration error: {exc}", file=sys.stderr)
         return 2
     try:
         if settings.server == "aio":
-            asyncio.run(serve_aio(gateway, settings.listen))
+            asyncio.run(serve_aio(gateway, settings.listen, protocol=settings.protocol, tls=tls))
         elif settings.server == "h2":
-            asyncio.run(serve_h2(gateway, settings.listen, max_streams=settings.h2_max_streams))
+            asyncio.run(serve_h2(gateway, settings.listen, max_streams=settings.h2_max_streams,
+                                 protocol=settings.protocol, tls=tls))
         else:
-            serve(gateway, settings.listen, settings.workers)
+            serve(gateway, settings.listen, settings.workers, protocol=settings.protocol, tls=tls)
     finally:
         if speculation is not None:
             speculation.close()

@@ -94,6 +94,43 @@ def render(*, listen_port: int = 8080, admin_port: int = 9901,
     return yaml.safe_dump(config, sort_keys=False)
 
 
+EPP_TEMPLATE = TEMPLATE.with_name("epp.template.yaml")
+_TLS_TRANSPORT = """    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          alpn_protocols: ["h2"]
+          validation_context: {}"""
+_SUBSET_FILTER = """          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: %s
+                on_header_present:
+                  metadata_namespace: envoy.lb.subset_hint
+                  key: x-gateway-destination-endpoint-subset
+                  type: STRING
+                remove: true"""
+
+
+def render_epp(*, listen_port: int = 8081, admin_port: int = 19000, extproc: str = "127.0.0.1:9002",
+               listen_address: str = "0.0.0.0", message_timeout: str = "10s", tls: bool = True,
+               subset_header: str | None = None) -> str:
+    """envoy/epp.template.yaml: Envoy as the inference extension's standalone chart sets it
+    up in front of ``ace --protocol epp`` at ``extproc`` (TLS unless ``tls=False``).
+    ``subset_header``: a request header whose value becomes the subset hint metadata
+    (``header_to_metadata``; for tests: a real gateway sets the hint itself)."""
+    host, sep, port = extproc.rpartition(":")
+    if not (sep and host and port.isdigit()):
+        raise ValueError(f"ext_proc address must be host:port, got {extproc!r}")
+    return Template(EPP_TEMPLATE.read_text()).substitute(
+        listen_port=listen_port, admin_port=admin_port, listen_address=listen_address,
+        extproc_host=host, extproc_port=port, message_timeout=message_timeout,
+        extproc_transport=_TLS_TRANSPORT if tls else "",
+        subset_filter=_SUBSET_FILTER % subset_header if subset_header else "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, required=True)

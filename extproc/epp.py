@@ -6,7 +6,8 @@ adapter, skills, rewrite, routing, prefetch); this module only speaks the protoc
 
 - the pick goes out as header ``x-gateway-destination-endpoint`` and as dynamic metadata
   ``envoy.lb`` / ``x-gateway-destination-endpoint``, the same ``ip:port[,ip:port...]``
-  (the routing policy's choice first, then the other eligible hosts in its order);
+  (the routing policy's choice first, then up to ``Gateway.epp_fallbacks`` other eligible
+  hosts in its order: Envoy's ORIGINAL_DST cluster reads one address, so none by default);
 - the eligible hosts are ace's upstreams, narrowed by the subset hint (filter metadata
   ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``, a list or a comma
   string) when the gateway sends one; an empty or disjoint hint is a 503;
@@ -29,7 +30,8 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 
 from extproc.catalog import Upstream
 from extproc.errors import GatewayError, PayloadTooLarge, ServiceUnavailable, TooManyRequests
-from extproc.processor import Continue, Gateway, Outcome, Reply
+from extproc.processor import TENANT_HEADER, Continue, Gateway, Reply
+from extproc.rewrite.hints import HINT_FIELDS
 from extproc.wire import METADATA_NAMESPACE, pb, request_head, to_response
 
 __all__ = ["EppStream", "EppStats", "subset_hint", "eligible_upstreams", "pick_order",
@@ -45,6 +47,13 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 SERVED_BY_HEADER = "x-ace-served-by"
 CHUNK = 62_000   # bytes per streamed body answer, as the reference picker splits them
 
+#: ace's dynamic metadata keys that ace's own Envoy config turns into headers (envoy/
+#: envoy.template.yaml); a gateway configured for the picker protocol does not, so they
+#: are set here, and removed when ace sets none, so a client or an engine cannot supply them
+_REQUEST_HEADERS = {"tenant": TENANT_HEADER,
+                    **{"hint_" + f: "x-ace-hint-" + f.replace("_", "-") for f in HINT_FIELDS}}
+_RESPONSE_HEADERS = {"trace_multi_lora": "x-ace-trace-multi-lora",
+                     "trace_dynamic_lora_prefetch": "x-ace-trace-dynamic-lora-prefetch"}
 _DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -82,12 +91,13 @@ def eligible_upstreams(upstreams: Sequence[Upstream], subset: tuple[str, ...] | 
     return [u for u in upstreams if u.address in allowed or u.address.rpartition(":")[0] in allowed]
 
 
-def pick_order(route, eligible: Sequence[Upstream], first: Upstream | None, adapter, residency) -> list[Upstream]:
+def pick_order(route, eligible: Sequence[Upstream], first: Upstream | None, adapter, residency,
+               count: int) -> list[Upstream]:
     """``first`` (the decision's upstream; None: ask ``route``), then the other eligible
-    hosts as ``route`` would rank them once the earlier ones are gone."""
+    hosts as ``route`` would rank them once the earlier ones are gone; ``count`` at most."""
     left = list(eligible)
     order: list[Upstream] = []
-    while left:
+    while left and len(order) < count:
         nxt = first if first is not None and not order and first in left else route(left, adapter, residency)
         if nxt not in left:   # a policy that answers outside the list: keep the list's order
             nxt = left[0]
@@ -96,8 +106,13 @@ def pick_order(route, eligible: Sequence[Upstream], first: Upstream | None, adap
     return order
 
 
-def _set_headers(mutation, headers) -> None:
-    """Overwrite semantics: a client cannot smuggle the pick (or ace's headers) in."""
+def _set_headers(mutation, headers, metadata=(), owned=None) -> None:
+    """Overwrite semantics: a client cannot smuggle the pick (or ace's headers) in.
+    ``owned``: metadata key -> header name; those of ``metadata`` are set, the others removed."""
+    if owned:
+        values = dict(metadata)
+        headers = (*headers, *((name, values[key]) for key, name in owned.items() if key in values))
+        mutation.remove_headers.extend(name for key, name in owned.items() if key not in values)
     for key, value in headers:
         mutation.set_headers.add(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
                                  append_action=_OVERWRITE)
@@ -138,8 +153,7 @@ class EppStream:
     header answer and the body chunks go out together."""
 
     __slots__ = ("gw", "stats", "duplex_request", "duplex_response", "exchange", "eligible",
-                 "held", "body", "echo_request", "echo_response", "hold_response", "picks",
-                 "finished")
+                 "held", "body", "echo_request", "echo_response", "picks", "metadata", "finished")
 
     def __init__(self, gw: Gateway, stats: EppStats | None = None) -> None:
         self.gw, self.stats = gw, stats or EppStats()
@@ -148,8 +162,9 @@ class EppStream:
         self.eligible: list[Upstream] = []
         self.held: Continue | None = None
         self.body = bytearray()
-        self.echo_request = self.echo_response = self.hold_response = False
+        self.echo_request = self.echo_response = False
         self.picks: list[Upstream] = []
+        self.metadata: tuple[tuple[str, str], ...] = ()   # ace's, from the request's decision
         self.finished = False   # an immediate response went out: Envoy is done with us
 
     def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -223,9 +238,10 @@ class EppStream:
     def _pick(self, decision) -> str:
         snap = self.gw.residency.current
         adapter = decision.adapter if decision is not None and decision.applies_adapter else None
-        self.picks = pick_order(self.gw.route, self.eligible,
-                                decision.upstream if decision is not None else None, adapter, snap)
         self._shed(snap)
+        self.picks = pick_order(self.gw.route, self.eligible,
+                                decision.upstream if decision is not None else None, adapter, snap,
+                                1 + self.gw.epp_fallbacks)
         return ",".join(u.address for u in self.picks)
 
     def _shed(self, snap) -> None:
@@ -234,14 +250,16 @@ class EppStream:
         if not bound:
             return
         loads, sent = snap.loads, snap.sent_since
-        if all(loads.get(u.name, 0) + sent.get(u.name, 0) >= bound for u in self.picks):
+        if all(loads.get(u.name, 0) + sent.get(u.name, 0) >= bound for u in self.eligible):
             raise TooManyRequests(f"every eligible endpoint has {bound} or more requests in flight")
 
     def _headers_answer(self, phase: str, outcome: Continue, pick: str) -> pb.ProcessingResponse:
         resp = pb.ProcessingResponse()
         common = getattr(resp, phase).response
         common.clear_route_cache = True
-        _set_headers(common.header_mutation, (*outcome.headers, (ENDPOINT_HEADER, pick)))
+        self.metadata = outcome.metadata
+        _set_headers(common.header_mutation, (*outcome.headers, (ENDPOINT_HEADER, pick)),
+                     outcome.metadata, _REQUEST_HEADERS)
         if outcome.body is not None:
             common.body_mutation.body = outcome.body
         resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[ENDPOINT_HEADER].string_value = pick
@@ -277,14 +295,12 @@ class EppStream:
         served = self._served_headers(self._served(msg))
         handler = self.exchange.handler if self.exchange is not None else None
         wants_body = handler is not None and handler.response_body_phase
-        if wants_body and not msg.response_headers.end_of_stream and self.duplex_response:
-            self.hold_response = True
-            self.held = Continue(served)
-            return []
-        self.echo_response = not wants_body
         self.held = Continue(served)
+        if wants_body and not msg.response_headers.end_of_stream and self.duplex_response:
+            return []   # held: the body's rewrite may change its length
+        self.echo_response = not wants_body
         resp = pb.ProcessingResponse()
-        _set_headers(resp.response_headers.response.header_mutation, served)
+        _set_headers(resp.response_headers.response.header_mutation, served, self.metadata, _RESPONSE_HEADERS)
         return [resp]
 
     def _response_body(self, part: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -303,10 +319,10 @@ class EppStream:
         if not self.duplex_response:
             resp = pb.ProcessingResponse()
             common = resp.response_body.response
-            _set_headers(common.header_mutation, headers)
+            _set_headers(common.header_mutation, headers, self.metadata, _RESPONSE_HEADERS)
             if outcome.body is not None:
                 common.body_mutation.body = outcome.body
             return [resp]
         resp = pb.ProcessingResponse()
-        _set_headers(resp.response_headers.response.header_mutation, headers)
+        _set_headers(resp.response_headers.response.header_mutation, headers, self.metadata, _RESPONSE_HEADERS)
         return [resp, *_body_chunks("response_body", new_body)]

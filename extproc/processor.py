@@ -82,13 +82,15 @@ class Gateway:
 
     def __init__(self, store: Store, residency: ResidencyBoard | None = None,
                  prefetch: PrefetchSink | None = None, route: RoutePolicy = choose_upstream,
-                 speculation: "RequestObserver | None" = None, shed_load: int = 0) -> None:
+                 speculation: "RequestObserver | None" = None, shed_load: int = 0,
+                 epp_fallbacks: int = 0) -> None:
         self.store = store
         self.residency = residency or ResidencyBoard()
         self.prefetch = prefetch or NullPrefetchSink()
         self.route = route
         self.speculation = speculation  # extproc.speculation.GatewaySpeculation: one append per request
         self.shed_load = shed_load      # endpoint picker protocol: 429 when every host carries this many (0: never)
+        self.epp_fallbacks = epp_fallbacks   # endpoint picker protocol: fallback hosts after the pick
 
     def exchange(self, route: RoutePolicy | None = None) -> "Exchange":
         """``route``: this request's routing policy when not the gateway's (the endpoint

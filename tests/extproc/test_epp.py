@@ -22,7 +22,7 @@ def gateway(tmp_path):
     state = write_state(tmp_path, [upstream("a", A), upstream("b", B), upstream("c", C)],
                         max_body_bytes=400_000)
     store = Store(state, tmp_path / "gw.sqlite3")
-    yield Gateway(store, route=route)
+    yield Gateway(store, route=route, epp_fallbacks=2)
     store.close()
 
 
@@ -154,6 +154,14 @@ def test_shedding_when_every_eligible_host_is_at_the_bound(gateway):
     s = EppStream(gateway)
     s.handle(headers_msg())
     assert run(s, body_msgs(chat()))[0].HasField("request_headers")
+
+
+def test_no_fallbacks_by_default_one_address_as_envoy_reads_it(gateway):
+    gateway.epp_fallbacks = 0
+    s = EppStream(gateway)
+    s.handle(headers_msg())
+    out = run(s, body_msgs(chat()))
+    assert header_map(out[0].request_headers.response)[ENDPOINT_HEADER] in (A, B, C)
 
 
 def test_headers_only_request_is_picked_at_once_and_its_body_streams(gateway):

@@ -1,0 +1,136 @@
+"""ace as the Gateway API Inference Extension's endpoint picker, end to end: a real Envoy
+configured as the extension's standalone chart does (full duplex bodies, ORIGINAL_DST on
+``x-gateway-destination-endpoint``, the ext_proc cluster over TLS with a gRPC health
+check), ``python -m extproc --protocol epp`` (self-signed certificate) and two recording
+upstreams. The subset hint comes from a test header through ``header_to_metadata``
+(a real gateway sets the metadata itself)."""
+from __future__ import annotations
+
+import json
+import ssl
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.extproc.builders import KEYS, upstream, write_state
+from tests.support.envoy import run_epp_envoy
+from tests.support.upstream import RecordingUpstream
+from tools.localstack import extproc_process
+
+ALICE = {"authorization": f"Bearer {KEYS['alice']}", "content-type": "application/json"}
+SUBSET = "x-test-subset"
+LIMIT = 400_000
+
+
+@pytest.fixture(scope="module", params=["h2", "aio", "threads"])
+def stack(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("epp-" + request.param)
+    with RecordingUpstream() as one, RecordingUpstream() as two:
+        state = write_state(tmp, [upstream("one", one.address), upstream("two", two.address)],
+                            max_body_bytes=LIMIT)
+        args = ["--protocol", "epp", "--server", request.param]
+        with extproc_process(tmp, state, extproc_args=args) as (address, _):
+            with run_epp_envoy(tmp, extproc=address, subset_header=SUBSET) as port:
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=15) as http:
+                    yield {"http": http, "extproc": address, "ups": {"one": one, "two": two}}
+
+
+def chat(extra: str = "") -> bytes:
+    return json.dumps({"model": "ace-tiny-llama", "lora_name": "code-python",
+                       "messages": [{"role": "user", "content": "hi" + extra}]}).encode()
+
+
+def received(stack):
+    """The one request the upstreams received since the last call, and who got it."""
+    got = [(name, up.requests.pop()) for name, up in stack["ups"].items() if up.requests]
+    assert len(got) == 1, got
+    return got[0]
+
+
+def test_chat_reaches_the_picked_upstream_rewritten_with_its_length(stack):
+    r = stack["http"].post("/v1/chat/completions", content=chat(), headers=ALICE)
+    assert r.status_code == 200, r.text
+    name, req = received(stack)
+    assert r.headers["x-ace-served-by"] == name
+    body = req.json()
+    assert body["model"] == "code-python"                  # the adapter, rewritten by ace
+    # Envoy drops Content-Length when a full duplex body is mutated (ProcessingMode's
+    # documentation) and sends the new body chunked: no stale length reaches the engine
+    assert "content-length" not in req.headers and req.headers["transfer-encoding"] == "chunked"
+    assert req.headers["x-ace-tenant-id"] == "acme"
+    assert r.json()["model"] == "code-python"
+    assert "action=adapter_applied" in r.headers["x-ace-trace-multi-lora"]
+
+
+def test_large_body_is_rewritten_and_arrives_whole(stack):
+    filler = "x" * 200_000                                 # > 62,000: several streamed chunks each way
+    r = stack["http"].post("/v1/chat/completions", content=chat(filler), headers=ALICE)
+    assert r.status_code == 200, r.text
+    _, req = received(stack)
+    body = req.json()
+    assert body["model"] == "code-python" and body["messages"][0]["content"] == "hi" + filler
+    assert "content-length" not in req.headers
+
+
+@pytest.mark.parametrize("target", ["one", "two"])
+def test_subset_hint_is_honoured(stack, target):
+    address = stack["ups"][target].address
+    for _ in range(3):
+        r = stack["http"].post("/v1/chat/completions", content=chat(),
+                               headers={**ALICE, SUBSET: f"10.255.0.1:80,{address}"})
+        assert r.status_code == 200, r.text
+        assert received(stack)[0] == target
+
+
+def test_subset_without_an_eligible_endpoint_is_503_json(stack):
+    r = stack["http"].post("/v1/chat/completions", content=chat(),
+                           headers={**ALICE, SUBSET: "10.255.0.1:80"})
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "no_endpoint"
+    assert not any(up.requests for up in stack["ups"].values())
+
+
+def test_client_cannot_supply_gateway_owned_headers(stack):
+    r = stack["http"].post("/v1/chat/completions", content=chat(),
+                           headers={**ALICE, "x-ace-hint-prefetch-status": "resident",
+                                    "x-gateway-destination-endpoint": "10.255.0.1:80"})
+    assert r.status_code == 200, r.text   # the client's pick is overwritten by ace's
+    _, req = received(stack)
+    assert req.headers["x-ace-tenant-id"] == "acme" and "x-ace-hint-prefetch-status" not in req.headers
+
+
+def test_bad_key_is_401_json_and_nothing_goes_upstream(stack):
+    r = stack["http"].post("/v1/chat/completions", content=chat(),
+                           headers={**ALICE, "authorization": "Bearer sk-nope"})
+    assert r.status_code == 401
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert not any(up.requests for up in stack["ups"].values())
+
+
+def test_stream_passes_through(stack):
+    body = json.loads(chat())
+    body["stream"] = True
+    with stack["http"].stream("POST", "/v1/chat/completions", content=json.dumps(body),
+                              headers=ALICE) as r:
+        assert r.status_code == 200
+        text = b"".join(r.iter_raw())
+    assert text.endswith(b"data: [DONE]\n\n") and b"code-python" in text
+    received(stack)
+
+
+def test_health_services_answer_serving_over_tls(stack):
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=ssl.get_server_certificate(tuple_address(stack["extproc"])).encode())
+    with grpc.secure_channel(stack["extproc"], creds,
+                             options=[("grpc.ssl_target_name_override", "localhost")]) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor", ""):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status \
+                == health_pb2.HealthCheckResponse.SERVING
+
+
+def tuple_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
