@@ -24,17 +24,36 @@ SUBSET = "x-test-subset"
 LIMIT = 400_000
 
 
-@pytest.fixture(scope="module", params=["h2", "aio", "threads"])
+DUPLEX, BUFFERED = "FULL_DUPLEX_STREAMED", "BUFFERED"
+
+
+# (server flavour, TLS on the ext_proc port, body mode): the chart's set-up on every flavour,
+# then the plaintext switch with BUFFERED bodies (Envoy AI Gateway's per-pool option)
+@pytest.fixture(scope="module", params=[("h2", True, DUPLEX), ("aio", True, DUPLEX),
+                                        ("threads", True, DUPLEX), ("h2", False, BUFFERED)],
+                ids=lambda p: "-".join((p[0], "tls" if p[1] else "plain", p[2].lower())))
 def stack(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("epp-" + request.param)
+    server, tls, mode = request.param
+    tmp = tmp_path_factory.mktemp("epp-" + server)
     with RecordingUpstream() as one, RecordingUpstream() as two:
         state = write_state(tmp, [upstream("one", one.address), upstream("two", two.address)],
                             max_body_bytes=LIMIT)
-        args = ["--protocol", "epp", "--server", request.param]
+        args = ["--protocol", "epp", "--server", server, *(() if tls else ("--secure-serving", "false"))]
         with extproc_process(tmp, state, extproc_args=args) as (address, _):
-            with run_epp_envoy(tmp, extproc=address, subset_header=SUBSET) as port:
+            with run_epp_envoy(tmp, extproc=address, subset_header=SUBSET, tls=tls, body_mode=mode) as port:
                 with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=15) as http:
-                    yield {"http": http, "extproc": address, "ups": {"one": one, "two": two}}
+                    yield {"http": http, "extproc": address, "ups": {"one": one, "two": two},
+                           "tls": tls, "mode": mode}
+
+
+def assert_length(stack, req):
+    """FULL_DUPLEX: Envoy drops Content-Length when the body is mutated (ProcessingMode's
+    documentation) and sends the new body chunked, so no stale length reaches the engine.
+    BUFFERED: the length ace set, matching the rewritten body."""
+    if stack["mode"] == DUPLEX:
+        assert "content-length" not in req.headers and req.headers["transfer-encoding"] == "chunked"
+    else:
+        assert int(req.headers["content-length"]) == len(req.body)
 
 
 def chat(extra: str = "") -> bytes:
@@ -56,9 +75,7 @@ def test_chat_reaches_the_picked_upstream_rewritten_with_its_length(stack):
     assert r.headers["x-ace-served-by"] == name
     body = req.json()
     assert body["model"] == "code-python"                  # the adapter, rewritten by ace
-    # Envoy drops Content-Length when a full duplex body is mutated (ProcessingMode's
-    # documentation) and sends the new body chunked: no stale length reaches the engine
-    assert "content-length" not in req.headers and req.headers["transfer-encoding"] == "chunked"
+    assert_length(stack, req)
     assert req.headers["x-ace-tenant-id"] == "acme"
     assert r.json()["model"] == "code-python"
     assert "action=adapter_applied" in r.headers["x-ace-trace-multi-lora"]
@@ -71,7 +88,7 @@ def test_large_body_is_rewritten_and_arrives_whole(stack):
     _, req = received(stack)
     body = req.json()
     assert body["model"] == "code-python" and body["messages"][0]["content"] == "hi" + filler
-    assert "content-length" not in req.headers
+    assert_length(stack, req)
 
 
 @pytest.mark.parametrize("target", ["one", "two"])
@@ -120,11 +137,29 @@ def test_stream_passes_through(stack):
     received(stack)
 
 
-def test_health_services_answer_serving_over_tls(stack):
+def channel(stack):
+    if not stack["tls"]:
+        return grpc.insecure_channel(stack["extproc"])
     creds = grpc.ssl_channel_credentials(
         root_certificates=ssl.get_server_certificate(tuple_address(stack["extproc"])).encode())
-    with grpc.secure_channel(stack["extproc"], creds,
-                             options=[("grpc.ssl_target_name_override", "localhost")]) as ch:
+    return grpc.secure_channel(stack["extproc"], creds, options=[("grpc.ssl_target_name_override", "localhost")])
+
+
+def test_execute_rewrites_path_and_wraps_the_response_with_its_length(stack):
+    body = {"input": {"messages": [{"role": "user", "content": "hi"}]}, "target": {"model": "ace-tiny-llama"},
+            "extra_body": {"lora_name": "code-python", "max_tokens": 8}}
+    r = stack["http"].post("/v1/execute", content=json.dumps(body), headers=ALICE)
+    assert r.status_code == 200, r.text
+    out = r.json()                                  # the held response body, rewritten by ace
+    assert out["output"]["model"] == "code-python" and out["trace"][0]["skill"] == "multi_lora"
+    assert int(r.headers.get("content-length", len(r.content))) == len(r.content)
+    name, req = received(stack)
+    assert req.path == "/v1/chat/completions" and req.json()["max_tokens"] == 8
+    assert r.headers["x-ace-served-by"] == name
+
+
+def test_health_services_answer_serving(stack):
+    with channel(stack) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor", ""):
             assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status \
