@@ -118,13 +118,15 @@ def _set_headers(mutation, headers, metadata=(), owned=None) -> None:
                                  append_action=_OVERWRITE)
 
 
-def _body_chunks(phase: str, body: bytes) -> list[pb.ProcessingResponse]:
+def _body_chunks(phase: str, body: bytes, end: bool = True) -> list[pb.ProcessingResponse]:
+    """``body`` as streamed answers of ``CHUNK`` bytes; the last ends the stream when ``end``
+    (not when trailers follow)."""
     out = []
     for start in range(0, max(len(body), 1), CHUNK):
         resp = pb.ProcessingResponse()
         streamed = getattr(resp, phase).response.body_mutation.streamed_response
         streamed.body = body[start:start + CHUNK]
-        streamed.end_of_stream = start + CHUNK >= len(body)
+        streamed.end_of_stream = end and start + CHUNK >= len(body)
         out.append(resp)
     return out
 
@@ -179,15 +181,23 @@ class EppStream:
             if phase == "request_headers":
                 return self._request_headers(msg)
             if phase == "request_body":
-                return self._request_body(msg.request_body)
+                return self._request_body(msg.request_body.body, msg.request_body.end_of_stream)
+            if phase == "request_trailers":   # the body's end when the request has trailers
+                return [*self._request_body(b"", True, trailers=True), _empty(phase)]
             if phase == "response_headers":
                 return self._response_headers(msg)
             if phase == "response_body":
-                return self._response_body(msg.response_body)
+                return self._response_body(msg.response_body.body, msg.response_body.end_of_stream)
+            if phase == "response_trailers":
+                return [*self._response_body(b"", True, trailers=True), _empty(phase)]
         except GatewayError as exc:
             self.finished = True
             return _reply(exc)
-        return [_empty(phase)] if phase else []
+        except Exception:   # a bug: say so in the log, answer a clean JSON error, never hang
+            log.exception("endpoint picker stream failed")
+            self.finished = True
+            return _reply(GatewayError("internal gateway error"))
+        return []   # no phase: nothing to answer
 
     # -- request
     def _request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -212,15 +222,20 @@ class EppStream:
         self.held = outcome
         return [_empty("request_headers")]
 
-    def _request_body(self, part: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _request_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[pb.ProcessingResponse]:
+        """``trailers``: called by the trailers, which end the body; nothing left to answer
+        when the body was already answered (or streams through)."""
+        if self.exchange is None:   # a body before any headers: Envoy's config is not the picker's
+            raise GatewayError("gateway misconfigured: request body before its headers")
+        if trailers and (self.echo_request or self.picks):
+            return []
         if self.echo_request:
-            return [_echo("request_body", part.body, part.end_of_stream)] if self.duplex_request \
-                else [_empty("request_body")]
-        self.body += part.body
+            return [_echo("request_body", chunk, end)] if self.duplex_request else [_empty("request_body")]
+        self.body += chunk
         limit = self.gw.store.snapshot.max_body_bytes
         if len(self.body) > limit:
-            raise PayloadTooLarge(f"body of more than {limit} bytes exceeds the limit of {limit} bytes")
-        if not part.end_of_stream and self.duplex_request:
+            raise PayloadTooLarge(f"body of {len(self.body)} bytes or more exceeds the limit of {limit} bytes")
+        if not end and self.duplex_request:
             return []
         body, self.body = bytes(self.body), bytearray()
         outcome = self.exchange.on_request_body(body)
@@ -233,7 +248,8 @@ class EppStream:
         if not self.duplex_request:
             return [self._headers_answer("request_body", merged, pick)]
         headers = self._headers_answer("request_headers", Continue(merged.headers, None, merged.metadata), pick)
-        return [headers, *_body_chunks("request_body", body if outcome.body is None else outcome.body)]
+        return [headers, *_body_chunks("request_body", body if outcome.body is None else outcome.body,
+                                       not trailers)]
 
     def _pick(self, decision) -> str:
         snap = self.gw.residency.current
@@ -303,18 +319,20 @@ class EppStream:
         _set_headers(resp.response_headers.response.header_mutation, served, self.metadata, _RESPONSE_HEADERS)
         return [resp]
 
-    def _response_body(self, part: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _response_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[pb.ProcessingResponse]:
+        if trailers and (self.echo_response or self.exchange is None or self.held is None):
+            return []
         if self.echo_response or self.exchange is None:
-            return [_echo("response_body", part.body, part.end_of_stream)] if self.duplex_response \
-                else [_empty("response_body")]
-        self.body += part.body
-        if not part.end_of_stream and self.duplex_response:
+            return [_echo("response_body", chunk, end)] if self.duplex_response else [_empty("response_body")]
+        self.body += chunk
+        if not end and self.duplex_response:
             return []
         body, self.body = bytes(self.body), bytearray()
         outcome = self.exchange.on_response_body(body)
         if isinstance(outcome, Reply):
             return self._immediate(outcome)
         headers = (self.held.headers if self.held is not None else ()) + outcome.headers
+        self.held = None
         new_body = body if outcome.body is None else outcome.body
         if not self.duplex_response:
             resp = pb.ProcessingResponse()
@@ -325,4 +343,4 @@ class EppStream:
             return [resp]
         resp = pb.ProcessingResponse()
         _set_headers(resp.response_headers.response.header_mutation, headers, self.metadata, _RESPONSE_HEADERS)
-        return [resp, *_body_chunks("response_body", new_body)]
+        return [resp, *_body_chunks("response_body", new_body, not trailers)]

@@ -66,7 +66,6 @@ class AioExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.epp = EppStats() if protocol == "epp" else None
 
     async def Process(self, request_iterator, context):
-        exchange = self.gateway.exchange()
         read, write, eof = context.read, context.write, grpc.aio.EOF
         if self.epp is not None:   # the endpoint picker protocol: extproc.epp answers
             stream = EppStream(self.gateway, self.epp)
@@ -74,6 +73,7 @@ class AioExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 for answer in stream.handle(msg):
                     await write(answer)
             return
+        exchange = self.gateway.exchange()
         while True:
             msg = await read()
             if msg is eof:

@@ -193,3 +193,33 @@ def test_body_over_the_limit_is_413(gateway):
     s.handle(headers_msg())
     out = run(s, body_msgs(b"x" * 500_000, parts=10))
     assert out[-1].immediate_response.status.code == 413
+
+
+def test_trailers_end_the_body_in_full_duplex(gateway):
+    s = EppStream(gateway)
+    s.handle(headers_msg())
+    part = pb.ProcessingRequest()
+    part.request_body.body = chat()
+    assert s.handle(part) == []                     # no end_of_stream: trailers will end it
+    trailers = pb.ProcessingRequest()
+    trailers.request_trailers.SetInParent()
+    out = s.handle(trailers)
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "request_trailers"]
+    streamed = out[1].request_body.response.body_mutation.streamed_response
+    assert json.loads(streamed.body)["model"] == "code-python" and not streamed.end_of_stream
+
+
+def test_body_before_headers_is_a_clean_json_error(gateway):
+    out = EppStream(gateway).handle(body_msgs(chat())[0])
+    assert out[0].immediate_response.status.code == 500
+    assert json.loads(out[0].immediate_response.body)["error"]["message"]
+
+
+def test_a_failing_routing_policy_answers_json_not_a_hang(gateway):
+    def broken(upstreams, adapter, residency):
+        raise RuntimeError("policy bug")
+    gateway.route = broken
+    s = EppStream(gateway)
+    s.handle(headers_msg())
+    out = run(s, body_msgs(chat()))
+    assert out[0].immediate_response.status.code == 500
