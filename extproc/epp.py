@@ -212,15 +212,13 @@ class EppStream:
         outcome = self.exchange.on_request_headers(head)
         if isinstance(outcome, Reply):
             return self._immediate(outcome)
+        self._shed()   # authenticated, bound upstream: before anything is decided or signalled
         if head.end_of_stream or getattr(self.exchange.handler, "headers_only", False):
             # nothing of the body is needed: pick now, let the body stream through
             self.echo_request = not head.end_of_stream
             return [self._headers_answer("request_headers", outcome, self._pick(None))]
-        if self.duplex_request:
-            self.held = outcome
-            return []
-        self.held = outcome
-        return [_empty("request_headers")]
+        self.held = outcome   # its headers go out with the pick
+        return [] if self.duplex_request else [_empty("request_headers")]
 
     def _request_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[pb.ProcessingResponse]:
         """``trailers``: called by the trailers, which end the body; nothing left to answer
@@ -254,17 +252,17 @@ class EppStream:
     def _pick(self, decision) -> str:
         snap = self.gw.residency.current
         adapter = decision.adapter if decision is not None and decision.applies_adapter else None
-        self._shed(snap)
         self.picks = pick_order(self.gw.route, self.eligible,
                                 decision.upstream if decision is not None else None, adapter, snap,
                                 1 + self.gw.epp_fallbacks)
         return ",".join(u.address for u in self.picks)
 
-    def _shed(self, snap) -> None:
+    def _shed(self) -> None:
         """429 when every eligible host is at the shedding bound (``Gateway.shed_load``)."""
         bound = self.gw.shed_load
         if not bound:
             return
+        snap = self.gw.residency.current
         loads, sent = snap.loads, snap.sent_since
         if all(loads.get(u.name, 0) + sent.get(u.name, 0) >= bound for u in self.eligible):
             raise TooManyRequests(f"every eligible endpoint has {bound} or more requests in flight")

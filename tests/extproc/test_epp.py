@@ -147,9 +147,10 @@ def test_shedding_when_every_eligible_host_is_at_the_bound(gateway):
     gateway.shed_load = 4
     gateway.residency.publish(ResidencySnapshot.build({}, loads={"a": 4, "b": 9, "c": 4}))
     s = EppStream(gateway)
-    s.handle(headers_msg())
-    out = run(s, body_msgs(chat()))
+    out = s.handle(headers_msg())                   # after auth, before any decision
     assert out[0].immediate_response.status.code == 429
+    assert json.loads(out[0].immediate_response.body)["error"]["code"] == "overloaded"
+    assert EppStream(gateway).handle(headers_msg(key="sk-nope"))[0].immediate_response.status.code == 401
     gateway.residency.publish(ResidencySnapshot.build({}, loads={"a": 4, "b": 3, "c": 4}))
     s = EppStream(gateway)
     s.handle(headers_msg())
