@@ -145,6 +145,19 @@ def channel(stack):
     return grpc.secure_channel(stack["extproc"], creds, options=[("grpc.ssl_target_name_override", "localhost")])
 
 
+def test_other_paths_need_a_key_and_stream_their_body_through(stack):
+    body = b'{"prompt": "' + b"y" * 150_000 + b'"}'
+    r = stack["http"].post("/tokenize", content=body, headers=ALICE)
+    assert r.status_code == 200 and r.json()["path"] == "/tokenize"
+    _, req = received(stack)
+    assert req.body == body                          # echoed chunk by chunk, untouched
+    r = stack["http"].get("/v1/models", headers=ALICE)
+    assert r.status_code == 200 and received(stack)[1].method == "GET"
+    assert stack["http"].get("/v1/models").status_code == 401
+    assert stack["http"].post("/v1/load_lora_adapter", content=b"{}", headers=ALICE).status_code == 403
+    assert not any(up.requests for up in stack["ups"].values())
+
+
 def test_execute_rewrites_path_and_wraps_the_response_with_its_length(stack):
     body = {"input": {"messages": [{"role": "user", "content": "hi"}]}, "target": {"model": "ace-tiny-llama"},
             "extra_body": {"lora_name": "code-python", "max_tokens": 8}}
