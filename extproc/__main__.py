@@ -13,6 +13,7 @@ from extproc.prefetch import NullPrefetchSink
 from extproc.processor import Gateway
 from extproc.routing import choose_upstream, load_policy
 from extproc.server import serve, serve_aio, serve_h2
+from extproc.serving_cert import load_cert, self_signed
 from extproc.settings import Settings
 from extproc.store import Store
 
@@ -65,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
             speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity).start()
         gateway = Gateway(store, residency=link.board if link else None,
                           prefetch=link or NullPrefetchSink(), route=route, speculation=speculation,
-                          metrics=GatewayMetrics())
+                          metrics=GatewayMetrics(), shed_load=settings.shed_load,
+                          epp_fallbacks=settings.epp_fallbacks)
+        tls = None
+        if settings.serves_tls:
+            tls = (load_cert(settings.tls_cert, settings.tls_key) if settings.tls_cert
+                   else self_signed())
         if settings.metrics_listen != "off":
             metrics_server = start_metrics(settings.metrics_listen, gateway, link, speculation)
     except ConfigError as exc:
@@ -73,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if settings.server == "aio":
-            asyncio.run(serve_aio(gateway, settings.listen))
+            asyncio.run(serve_aio(gateway, settings.listen, protocol=settings.protocol, tls=tls))
         elif settings.server == "h2":
-            asyncio.run(serve_h2(gateway, settings.listen, max_streams=settings.h2_max_streams))
+            asyncio.run(serve_h2(gateway, settings.listen, max_streams=settings.h2_max_streams,
+                                 protocol=settings.protocol, tls=tls))
         else:
-            serve(gateway, settings.listen, settings.workers)
+            serve(gateway, settings.listen, settings.workers, protocol=settings.protocol, tls=tls)
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()

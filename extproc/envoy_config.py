@@ -94,6 +94,51 @@ def render(*, listen_port: int = 8080, admin_port: int = 9901,
     return yaml.safe_dump(config, sort_keys=False)
 
 
+EPP_TEMPLATE = TEMPLATE.with_name("epp.template.yaml")
+_TLS_TRANSPORT = """    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          alpn_protocols: ["h2"]
+          validation_context: {}"""
+_SUBSET_FILTER = """          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: %s
+                on_header_present:
+                  metadata_namespace: envoy.lb.subset_hint
+                  key: x-gateway-destination-endpoint-subset
+                  type: STRING
+                remove: true"""
+
+
+def render_epp(*, listen_port: int = 8081, admin_port: int = 19000, extproc: str = "127.0.0.1:9002",
+               listen_address: str = "0.0.0.0", message_timeout: str = "10s", tls: bool = True,
+               subset_header: str | None = None, body_mode: str = "FULL_DUPLEX_STREAMED",
+               max_body_bytes: int = 1 << 20) -> str:
+    """envoy/epp.template.yaml: Envoy as the inference extension's standalone chart sets it
+    up in front of ``ace --protocol epp`` at ``extproc`` (TLS unless ``tls=False``).
+    ``subset_header``: a request header whose value becomes the subset hint metadata
+    (``header_to_metadata``; for tests: a real gateway sets the hint itself). ``body_mode``:
+    both bodies' ext_proc mode, ``FULL_DUPLEX_STREAMED`` (the gateways' default) or
+    ``BUFFERED`` (Envoy AI Gateway's per-pool option: Envoy then holds the whole body,
+    so the connection buffer is ``max_body_bytes`` plus headroom; the chart's 32 KiB else)."""
+    if body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
+        raise ValueError(f"body_mode must be FULL_DUPLEX_STREAMED or BUFFERED, got {body_mode!r}")
+    host, sep, port = extproc.rpartition(":")
+    if not (sep and host and port.isdigit()):
+        raise ValueError(f"ext_proc address must be host:port, got {extproc!r}")
+    return Template(EPP_TEMPLATE.read_text()).substitute(
+        listen_port=listen_port, admin_port=admin_port, listen_address=listen_address,
+        extproc_host=host, extproc_port=port, message_timeout=message_timeout,
+        extproc_transport=_TLS_TRANSPORT if tls else "", body_mode=body_mode,
+        buffer_limit=32768 if body_mode == "FULL_DUPLEX_STREAMED" else max_body_bytes + (64 << 10),
+        health_tls='      tls_options: {alpn_protocols: ["h2"]}' if tls else "",
+        subset_filter=_SUBSET_FILTER % subset_header if subset_header else "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, required=True)

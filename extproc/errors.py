@@ -89,3 +89,15 @@ class InvalidField(GatewayError):
     status = 422
     type = "invalid_request_error"
     code = "invalid_value"
+
+
+class TooManyRequests(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "overloaded"
+
+
+class ServiceUnavailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_endpoint"

@@ -10,10 +10,11 @@ from grpc_health.v1 import health_pb2
 
 from extproc.h2frames import (HEADERS, END_HEADERS, RESPONSE_HEADERS, TRAILERS_OK, RecvWindow, frame,
                               status_block)
+from extproc.epp import EppStream
 from extproc.processor import CONTINUE
 from extproc.wire import NO_PHASE, head_from_attributes, pb, request_head, serialize_response
 
-__all__ = ["Call", "ProcessCall", "NullProcessCall", "HealthCheckCall", "UnknownCall"]
+__all__ = ["Call", "ProcessCall", "EppProcessCall", "NullProcessCall", "HealthCheckCall", "UnknownCall"]
 
 # gRPC status codes used here
 OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 3, 5, 8, 12, 13
@@ -87,6 +88,21 @@ class ProcessCall(Call):
         self.send_message(serialize_response(phase, outcome))
         if exchange.done_after(phase):
             self.finish(OK)   # trailers in the same write: Envoy needs us no more for this request
+
+
+class EppProcessCall(Call):
+    """``ExternalProcessor/Process`` in the endpoint picker protocol (``extproc.epp``): zero,
+    one or several answers per message; the stream ends when Envoy half-closes it."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, conn, sid: int) -> None:
+        super().__init__(conn, sid)
+        self.stream = EppStream(conn.gateway, conn.server.epp_stats)
+
+    def on_message(self, data: bytes) -> None:
+        for answer in self.stream.handle(pb.ProcessingRequest.FromString(data)):
+            self.send_message(answer.SerializeToString())
 
 
 class NullProcessCall(Call):

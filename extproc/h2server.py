@@ -15,23 +15,28 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import signal
+import ssl
 import struct
+import tempfile
 
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from hpack import Decoder, HPACKError
 
 from extproc.errors import ConfigError
-from extproc.h2calls import (INTERNAL, RESOURCE_EXHAUSTED, UNIMPLEMENTED, Call, HealthCheckCall,
+from extproc.h2calls import (INTERNAL, RESOURCE_EXHAUSTED, UNIMPLEMENTED, Call, EppProcessCall, HealthCheckCall,
                              NullProcessCall, ProcessCall, UnknownCall)
 from extproc.h2frames import (ACK, COMPRESSION_ERROR, CONT, DATA, END_HEADERS, END_STREAM,
                               FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS,
                               INTERNAL_ERROR, MAX_FRAME, MAX_WINDOW, PADDED, PING, PREFACE,
                               PRIO_FLAG, PROTOCOL_ERROR, PUSH, REFUSED_STREAM, RST, SETTINGS,
                               STREAM_CLOSED, WINDOW, ProtocolError, RecvWindow, frame, hpack_int)
+from extproc.epp import EppStats
 from extproc.processor import Gateway
-from extproc.wire import SERVICE
+from extproc.serving_cert import ServingCert
+from extproc.wire import HEALTH_SERVICES, SERVICE
 
 __all__ = ["H2Server", "serve_h2", "MAX_MESSAGE", "MAX_STREAMS", "STREAM_WINDOW", "CONNECTION_WINDOW"]
 
@@ -530,7 +535,8 @@ class H2Server:
     (a peer that sends more gets FLOW_CONTROL_ERROR)."""
 
     def __init__(self, gateway: Gateway | None, null: bool = False, *, max_streams: int = MAX_STREAMS,
-                 stream_window: int = STREAM_WINDOW, connection_window: int = CONNECTION_WINDOW) -> None:
+                 stream_window: int = STREAM_WINDOW, connection_window: int = CONNECTION_WINDOW,
+                 protocol: str = "ace", tls: ServingCert | None = None) -> None:
         if not 1 <= max_streams <= MAX_WINDOW:
             raise ConfigError(f"max_streams must be in 1..2^31-1, got {max_streams}")
         # below 65535 a peer that has not yet seen our SETTINGS could overrun the stream window
@@ -540,8 +546,10 @@ class H2Server:
         self.max_streams = max_streams
         self.stream_window, self.connection_window = stream_window, connection_window
         self.gateway = gateway
-        self.process_call = NullProcessCall if null else ProcessCall
-        self.health = {name: health_pb2.HealthCheckResponse.SERVING for name in ("", SERVICE)}
+        self.process_call = NullProcessCall if null else EppProcessCall if protocol == "epp" else ProcessCall
+        self.epp_stats = EppStats()
+        self.tls = tls
+        self.health = {name: health_pb2.HealthCheckResponse.SERVING for name in HEALTH_SERVICES}
         self.connections: set[H2Connection] = set()
         self._idle: asyncio.Event | None = None
 
@@ -554,7 +562,10 @@ class H2Server:
         host = host.strip("[]")     # "[::]:50051" as grpc spells it
         loop = asyncio.get_running_loop()
         # asyncio sets TCP_NODELAY on accepted sockets
-        return await loop.create_server(lambda: H2Connection(self), host or None, int(port))
+        ssl_context = None
+        if self.tls is not None:
+            ssl_context = server_ssl_context(self.tls)
+        return await loop.create_server(lambda: H2Connection(self), host or None, int(port), ssl=ssl_context)
 
     async def shutdown(self, server: asyncio.AbstractServer, grace_s: float) -> None:
         """NOT_SERVING, GOAWAY to every connection, wait up to ``grace_s`` for open streams."""
@@ -574,10 +585,26 @@ class H2Server:
             conn.transport.abort()   # close() would wait for a peer that does not read
 
 
+def server_ssl_context(tls: ServingCert) -> ssl.SSLContext:
+    """TLS 1.2+, ALPN h2 (gRPC), from PEM bytes (written to a private temporary directory:
+    ``ssl`` loads certificates from files only)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["h2"])
+    with tempfile.TemporaryDirectory(prefix="ace-tls-") as tmp:
+        cert, key = os.path.join(tmp, "tls.crt"), os.path.join(tmp, "tls.key")
+        with open(cert, "wb") as f:
+            f.write(tls.cert_pem)
+        with open(os.open(key, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+            f.write(tls.key_pem)
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
 async def serve_h2(gateway: Gateway | None, listen: str, grace_s: float = 5.0, null: bool = False,
-                   max_streams: int = MAX_STREAMS) -> None:
+                   max_streams: int = MAX_STREAMS, protocol: str = "ace", tls: ServingCert | None = None) -> None:
     """``null=True``: the benchmark's do-nothing ext_proc on the same loop."""
-    h2 = H2Server(gateway, null=null, max_streams=max_streams)
+    h2 = H2Server(gateway, null=null, max_streams=max_streams, protocol=protocol, tls=tls)
     server = await h2.start(listen)
     log.info("ext_proc (h2) listening on %s", listen)
     stop = asyncio.Event()

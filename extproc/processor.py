@@ -86,16 +86,21 @@ class Gateway:
     def __init__(self, store: Store, residency: ResidencyBoard | None = None,
                  prefetch: PrefetchSink | None = None, route: RoutePolicy = choose_upstream,
                  speculation: "RequestObserver | None" = None,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, shed_load: int = 0,
+                 epp_fallbacks: int = 0) -> None:
         self.store = store
         self.residency = residency or ResidencyBoard()
         self.prefetch = prefetch or NullPrefetchSink()
         self.route = route
         self.speculation = speculation  # extproc.speculation.GatewaySpeculation: one append per request
         self.metrics = metrics or GatewayMetrics()
+        self.shed_load = shed_load      # endpoint picker protocol: 429 when every host carries this many (0: never)
+        self.epp_fallbacks = epp_fallbacks   # endpoint picker protocol: fallback hosts after the pick
 
-    def exchange(self) -> "Exchange":
-        return Exchange(self)
+    def exchange(self, route: RoutePolicy | None = None) -> "Exchange":
+        """``route``: this request's routing policy when not the gateway's (the endpoint
+        picker protocol narrows the hosts to the gateway's subset hint, extproc.epp)."""
+        return Exchange(self, route)
 
 
 class Handler(Protocol):
@@ -120,7 +125,7 @@ class KeyRequired:
     response_body_phase = False
     headers_only = True
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Gateway, route: RoutePolicy) -> None:
         self.gw = gw
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
@@ -158,8 +163,9 @@ class _Authenticated:
     response_body_phase = False
     principal: Principal
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Gateway, route: RoutePolicy) -> None:
         self.gw = gw
+        self.route = route
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
         if head.method not in self.methods:
@@ -211,7 +217,7 @@ class Inference(_Authenticated):
         snap = self.gw.store.snapshot
         started = time.perf_counter()
         d = decide(snap, self.gw.residency.current,
-                   InferenceRequest(self.principal, chat, self.header_skills), self.gw.route)
+                   InferenceRequest(self.principal, chat, self.header_skills), self.route)
         decided = time.perf_counter() - started
         queued = self.gw.prefetch.submit(d.prefetch_signal) if d.prefetch_signal else None
         if self.gw.speculation is not None:
@@ -302,10 +308,11 @@ def _count_error(gw: Gateway, handler: "Handler | None", exc: GatewayError) -> N
 class Exchange:
     """One HTTP request's phases. The only place errors become responses."""
 
-    __slots__ = ("gw", "handler")
+    __slots__ = ("gw", "route", "handler")
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Gateway, route: RoutePolicy | None = None) -> None:
         self.gw = gw
+        self.route = route or gw.route
         self.handler: Handler | None = None
 
     def _guard(self, phase, arg) -> Outcome:
@@ -321,7 +328,7 @@ class Exchange:
             return _error_reply(exc)
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
-        self.handler = ROUTES.get(head.path, KeyRequired)(self.gw)
+        self.handler = ROUTES.get(head.path, KeyRequired)(self.gw, self.route)
         return self._guard(self.handler.on_request_headers, head)
 
     def on_request_body(self, body: bytes, head: RequestHead | None = None) -> Outcome:

@@ -37,6 +37,15 @@ _HELP = {
     "agent_tls_cert": "TLS towards the GPU agents: this gateway's client certificate, PEM "
                       "(with --agent-tls-key; an agent with --auth mtls requires it)",
     "agent_tls_key": "TLS towards the GPU agents: the client certificate's private key, PEM",
+    "protocol": "ext_proc protocol: ace (ace's own Envoy config, envoy/) or epp (the Gateway API "
+                "Inference Extension's endpoint picker protocol, docs/epp.md)",
+    "secure_serving": "TLS on the ext_proc port: auto (on with --protocol epp, off with ace), true, false",
+    "tls_cert": "TLS on the ext_proc port: certificate PEM (default: a self-signed one made at start-up)",
+    "tls_key": "TLS on the ext_proc port: the certificate's private key PEM",
+    "shed_load": "--protocol epp: answer 429 when every eligible host carries this many requests "
+                 "(its agent's load + requests sent since); 0: never shed",
+    "epp_fallbacks": "--protocol epp: fallback endpoints after the pick, in routing order (the gateway "
+                     "tries them in turn; Envoy's ORIGINAL_DST reads only one address: keep 0 there)",
     "agent_tls_server_name": "TLS towards the GPU agents: the name their certificates are checked "
                              "against, when not the host of the upstream's agent: address",
 }
@@ -71,6 +80,12 @@ class Settings:
     agent_tls_cert: Path | None = None
     agent_tls_key: Path | None = None
     agent_tls_server_name: str | None = None
+    protocol: str = "ace"
+    secure_serving: str = "auto"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    shed_load: int = 0
+    epp_fallbacks: int = 0
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
@@ -96,8 +111,27 @@ class Settings:
                 raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file")
         if (self.agent_tls_cert is None) != (self.agent_tls_key is None):
             raise ConfigError("--agent-tls-cert and --agent-tls-key go together")
+        if self.protocol not in ("ace", "epp"):
+            raise ConfigError(f"--protocol must be ace or epp, got {self.protocol!r}")
+        if self.secure_serving not in ("auto", "true", "false"):
+            raise ConfigError(f"--secure-serving must be auto, true or false, got {self.secure_serving!r}")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if self.shed_load < 0 or self.epp_fallbacks < 0:
+            raise ConfigError("--shed-load and --epp-fallbacks must be 0 or more")
         if self.agent_tls_server_name and self.agent_tls() is None:
             raise ConfigError("--agent-tls-server-name needs --agent-tls-ca or --agent-tls-cert")
+
+    @property
+    def serves_tls(self) -> bool:
+        """Whether the ext_proc port speaks TLS (``--secure-serving``; auto: with epp)."""
+        if self.secure_serving == "auto":
+            return self.protocol == "epp"
+        return self.secure_serving == "true"
 
     def agent_tls(self) -> AgentTLS | None:
         """TLS towards the agents, or None (plaintext) when no agent TLS file is set."""
@@ -134,7 +168,11 @@ class Settings:
                        server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]),
                        **{name: Path(ns[name]) if ns[name] else None
                           for name in ("agent_tls_ca", "agent_tls_cert", "agent_tls_key")},
-                       agent_tls_server_name=ns["agent_tls_server_name"] or None)
+                       agent_tls_server_name=ns["agent_tls_server_name"] or None,
+                       protocol=str(ns["protocol"]), secure_serving=str(ns["secure_serving"]).lower(),
+                       tls_cert=Path(ns["tls_cert"]) if ns["tls_cert"] else None,
+                       tls_key=Path(ns["tls_key"]) if ns["tls_key"] else None,
+                       shed_load=int(ns["shed_load"]), epp_fallbacks=int(ns["epp_fallbacks"]))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 

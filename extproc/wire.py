@@ -8,9 +8,12 @@ from envoy.type.v3 import http_status_pb2
 from extproc.processor import Continue, Outcome, Reply, RequestHead
 
 __all__ = ["request_head", "head_from_attributes", "to_response", "serialize_response", "pb",
-           "METADATA_NAMESPACE", "SERVICE", "NO_PHASE"]
+           "METADATA_NAMESPACE", "SERVICE", "NO_PHASE", "HEALTH_SERVICES"]
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"   # the gRPC service name
+#: gRPC health services every flavour answers: the server, ext_proc, and the endpoint picker
+#: protocol's ``liveness`` and ``readiness`` (SERVING once listening; NOT_SERVING when draining)
+HEALTH_SERVICES = ("", SERVICE, "liveness", "readiness")
 NO_PHASE = "ProcessingRequest without a request phase"    # INVALID_ARGUMENT, every server flavour
 
 METADATA_NAMESPACE = "ace"

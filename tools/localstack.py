@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import httpx
 
-from extproc.envoy_config import render
+from extproc.envoy_config import render, render_epp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,6 +127,23 @@ def run_envoy(tmp: Path, *, extproc: str | Sequence[str], default_upstream: str,
     config.write_text(render(listen_port=port, admin_port=admin, extproc=extproc,
                              default_upstream=default_upstream, listen_address="127.0.0.1",
                              **render_kw))
+    log = tmp / f"{name}.log"
+    cmd = [envoy_binary(), "-c", str(config), "--log-level", "warn", "--concurrency", "1",
+           "--base-id", str(port), "--disable-hot-restart"]
+    with running(cmd, log) as proc:
+        wait_http(f"http://127.0.0.1:{admin}/ready", timeout=30, proc=proc, log=log)
+        yield port
+
+
+@contextlib.contextmanager
+def run_epp_envoy(tmp: Path, *, extproc: str, name: str = "envoy-epp", **render_kw) -> Iterator[int]:
+    """Envoy configured as the inference extension's standalone chart does (envoy/
+    epp.template.yaml) in front of ``ace --protocol epp`` at ``extproc``; yields its port.
+    Ready once its gRPC health check of the picker passed (the cluster's initialization)."""
+    port, admin = free_port(), free_port()
+    config = tmp / f"{name}.yaml"
+    config.write_text(render_epp(listen_port=port, admin_port=admin, extproc=extproc,
+                                 listen_address="127.0.0.1", **render_kw))
     log = tmp / f"{name}.log"
     cmd = [envoy_binary(), "-c", str(config), "--log-level", "warn", "--concurrency", "1",
            "--base-id", str(port), "--disable-hot-restart"]

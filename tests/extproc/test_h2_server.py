@@ -8,6 +8,7 @@ Every wait has a timeout: a hang is a failure, not a stuck suite.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -913,3 +914,59 @@ def test_unparseable_message_fails_the_call_only(h2, aio, no_errors_logged):
     assert err.value.code() == grpc.StatusCode.INTERNAL   # gRPC's code for it; grpc.aio says UNKNOWN
     assert ref.value.code() == grpc.StatusCode.UNKNOWN
     assert_still_serving(h2)
+
+
+# ---------------------------------------------------------------- endpoint picker protocol
+
+@pytest.fixture(scope="module")
+def epp_servers(state):
+    """``--protocol epp --secure-serving false`` on each flavour, through the CLI."""
+    tmp, path = state
+    with contextlib.ExitStack() as stack:
+        addresses = {}
+        for flavour in ("h2", "aio", "threads"):
+            port = free_port()
+            log = tmp / f"epp-{flavour}.log"
+            cmd = [python(), "-m", "extproc", "--server", flavour, "--protocol", "epp",
+                   "--secure-serving", "false", "--config", str(path),
+                   "--db", str(tmp / f"epp-{flavour}.sqlite3"), "--listen", f"127.0.0.1:{port}",
+                   "--metrics-listen", "off"]
+            addresses[flavour] = (port, stack.enter_context(running(cmd, log)), log)
+        for port, proc, log in addresses.values():
+            wait_port(port, timeout=30, proc=proc, log=log)
+        yield {flavour: f"127.0.0.1:{port}" for flavour, (port, _, _) in addresses.items()}
+
+
+def _duplex(msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
+    msg.protocol_config.request_body_mode = msg.protocol_config.response_body_mode = 4  # FULL_DUPLEX_STREAMED
+    return msg
+
+
+def _part(body: bytes, end: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body={"body": body, "end_of_stream": end})
+
+
+_BIG = chat("z" * 130_000, lora_name="code-python")
+EPP_EXCHANGES = {
+    "chat in three parts": [_duplex(headers_request("/v1/chat/completions", authorization=ALICE)),
+                            _part(_BIG[:1000], False), _part(_BIG[1000:70_000], False), _part(_BIG[70_000:], True),
+                            pb.ProcessingRequest(response_headers={}),
+                            pb.ProcessingRequest(response_body={"body": b"data: x\n\n", "end_of_stream": True})],
+    "bad key": [_duplex(headers_request("/v1/chat/completions", authorization="Bearer sk-no"))],
+    "GET other path": [_duplex(headers_request("/v1/models", "GET", True, authorization=ALICE))],
+    "buffered": [headers_request("/v1/chat/completions", authorization=BOB), plain_body(chat(lora_name="code-python"))],
+}
+
+
+@pytest.mark.parametrize("name", list(EPP_EXCHANGES))
+def test_epp_same_answers_on_every_flavour(epp_servers, name):
+    answers = {flavour: _same_but_execution_ids(process(address, EPP_EXCHANGES[name]))
+               for flavour, address in epp_servers.items()}
+    assert answers["h2"] == answers["aio"] == answers["threads"]
+    assert answers["h2"]
+
+
+@pytest.mark.parametrize("service", ["", "liveness", "readiness", SERVICE])
+def test_epp_health_services_on_every_flavour(epp_servers, service):
+    for address in epp_servers.values():
+        assert health_check(address, service) == health_pb2.HealthCheckResponse.SERVING

@@ -63,3 +63,32 @@ def test_invalid_agent_tls_settings_are_config_errors(tmp_path, state_file, args
         (tmp_path / name).write_text("PEM")
     with pytest.raises(ConfigError, match=message):
         Settings.from_args(["--config", str(state_file), *(a.format(d=tmp_path) for a in args)])
+
+
+def test_protocol_and_secure_serving(tmp_path, state_file):
+    base = ["--config", str(state_file)]
+    ace = Settings.from_args(base)
+    assert (ace.protocol, ace.serves_tls) == ("ace", False)         # ace's own drop-in: plaintext
+    epp = Settings.from_args([*base, "--protocol", "epp"])
+    assert epp.serves_tls and epp.tls_cert is None                  # epp: TLS, self-signed
+    assert not Settings.from_args([*base, "--protocol", "epp", "--secure-serving", "false"]).serves_tls
+    assert Settings.from_args([*base, "--secure-serving", "true"]).serves_tls
+    (tmp_path / "c.pem").write_text("PEM")
+    (tmp_path / "k.pem").write_text("PEM")
+    s = Settings.from_args([*base, "--protocol", "epp", "--tls-cert", str(tmp_path / "c.pem"),
+                            "--tls-key", str(tmp_path / "k.pem"), "--epp-fallbacks", "2", "--shed-load", "8"])
+    assert (s.tls_cert, s.epp_fallbacks, s.shed_load) == (tmp_path / "c.pem", 2, 8)
+
+
+@pytest.mark.parametrize("args", [["--protocol", "grpc"], ["--secure-serving", "maybe"],
+                                  ["--tls-cert", "/nope.pem", "--tls-key", "/nope.key"],
+                                  ["--epp-fallbacks", "-1"], ["--shed-load", "-1"]])
+def test_invalid_epp_settings_are_config_errors(state_file, args):
+    with pytest.raises(ConfigError):
+        Settings.from_args(["--config", str(state_file), *args])
+
+
+def test_self_signed_serving_cert_is_pem():
+    from extproc.serving_cert import self_signed
+    cert = self_signed()
+    assert cert.cert_pem.startswith(b"-----BEGIN CERTIFICATE-----") and b"PRIVATE KEY" in cert.key_pem

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.envoy_config import render
+from extproc.envoy_config import render, render_epp
 from tests.support.envoy import validate
 from tests.support.procs import REPO
 
@@ -21,7 +21,8 @@ def _ok(path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(p.name for p in ENVOY_DIR.glob("*.yaml")))
 def test_yaml_files_parse(name):
-    text = render() if name == "envoy.template.yaml" else (ENVOY_DIR / name).read_text()
+    rendered = {"envoy.template.yaml": render, "epp.template.yaml": render_epp}
+    text = rendered[name]() if name in rendered else (ENVOY_DIR / name).read_text()
     docs = list(yaml.safe_load_all(text))
     assert docs and all(isinstance(d, dict) for d in docs)
 
@@ -35,6 +36,13 @@ def test_dropin_example_is_the_rendered_template():
 def test_rendered_template_validates(tmp_path, kw):
     path = tmp_path / "envoy.yaml"
     path.write_text(render(listen_port=18080, admin_port=18081, **kw))
+    _ok(path)
+
+
+@pytest.mark.parametrize("kw", [{}, {"tls": False}, {"body_mode": "BUFFERED"}, {"subset_header": "x-subset"}])
+def test_rendered_epp_template_validates(tmp_path, kw):
+    path = tmp_path / "epp.yaml"
+    path.write_text(render_epp(listen_port=18080, admin_port=18081, **kw))
     _ok(path)
 
 
