@@ -19,7 +19,10 @@ __all__ = ["AgentTLS", "Settings"]
 _HELP = {
     "config": "state YAML (GitOps): adapters/include, tenants, keys, upstreams, skills, limits",
     "catalog": "extra adapter catalog YAML in the docs/contracts.md format (optional)",
-    "db": "SQLite file for runtime changes (dev-key skills); survives restarts",
+    "db": "SQLite file for runtime changes (dev-key skills, revoked keys) on one node; "
+          "survives restarts. Ignored with --database-url",
+    "database_url": "postgresql://user:password@host:port/db: the runtime changes shared by "
+                    "several gateway replicas (docs/gateway.md, \"Shared state\"); instead of --db",
     "listen": "host:port the gRPC ext_proc + health service binds",
     "workers": "gRPC worker threads; each in-flight HTTP request holds one stream",
     "routing_policy": "module:function choosing the upstream (default extproc.routing.choose_upstream with one upstream, extproc.policy.routing:route with several)",
@@ -57,6 +60,7 @@ class Settings:
     config: Path
     catalog: Path | None = None
     db: Path = Path("ace-gateway.sqlite3")
+    database_url: str | None = None
     listen: str = "127.0.0.1:50051"
     workers: int = 32
     routing_policy: str | None = None
@@ -77,6 +81,8 @@ class Settings:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"--listen must be host:port, got {self.listen!r}")
+        if self.database_url is not None and not self.database_url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("--database-url must be a postgresql:// URL")
         if self.server not in ("aio", "threads", "h2"):
             raise ConfigError(f"--server must be aio, threads or h2, got {self.server!r}")
         if self.workers < 1 or self.prefetch_queue < 1:
@@ -99,6 +105,10 @@ class Settings:
         return AgentTLS(self.agent_tls_ca, self.agent_tls_cert, self.agent_tls_key,
                         self.agent_tls_server_name or None)
 
+    def state_db(self) -> Path | str:
+        """What ``extproc.store.Store`` opens: the PostgreSQL URL when set, else the SQLite file."""
+        return self.database_url or self.db
+
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "Settings":
         pre = argparse.ArgumentParser(add_help=False)
@@ -120,7 +130,7 @@ class Settings:
         try:
             return cls(config=Path(ns["config"]),
                        catalog=Path(ns["catalog"]) if ns["catalog"] else None,
-                       db=Path(ns["db"]), listen=str(ns["listen"]), workers=int(ns["workers"]),
+                       db=Path(ns["db"]), database_url=ns["database_url"] or None, listen=str(ns["listen"]), workers=int(ns["workers"]),
                        routing_policy=ns["routing_policy"] or None,
                        prefetch_queue=int(ns["prefetch_queue"]), log_level=str(ns["log_level"]),
                        server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]),
@@ -141,3 +151,4 @@ def _read_settings_file(path: Path) -> dict:
     if not isinstance(data, dict) or not set(data) <= names:
         raise ConfigError(f"--settings {path}: a mapping with keys among {sorted(names)}")
     return data
+
