@@ -173,7 +173,9 @@ class PostgresStateDB:
 
     def _connect(self, **kw):
         try:
-            return self._psycopg.connect(self.url, connect_timeout=self._timeout, **kw)
+            # a statement waiting on a lock gives up too: a write answers 503, never hangs
+            return self._psycopg.connect(self.url, connect_timeout=self._timeout,
+                                         options="-c statement_timeout=5000", **kw)
         except self._psycopg.Error as exc:
             raise StoreUnavailable(f"state database unreachable: {_first_line(exc)}") from exc
 
