@@ -20,7 +20,8 @@ _HELP = {
     "config": "state YAML (GitOps): adapters/include, tenants, keys, upstreams, skills, limits",
     "catalog": "extra adapter catalog YAML in the docs/contracts.md format (optional)",
     "db": "SQLite file for runtime changes (dev-key skills, revoked keys) on one node; "
-          "survives restarts. Ignored with --database-url",
+          "survives restarts. With --database-url only the learned request counts beside it "
+          "(<db>.popularity.json) use its path",
     "database_url": "postgresql://user:password@host:port/db: the runtime changes shared by "
                     "several gateway replicas (docs/gateway.md, \"Shared state\"); instead of --db",
     "listen": "host:port the gRPC ext_proc + health service binds",

@@ -167,9 +167,13 @@ class PostgresStateDB:
         self._psycopg = psycopg
         self.url = url
         self._timeout = max(1, round(connect_timeout_s))
-        with self._connect() as conn, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            conn.execute(_PG_SCHEMA)
+        with self._connect() as conn:
+            try:
+                with conn.transaction():
+                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                    conn.execute(_PG_SCHEMA)
+            except psycopg.Error as exc:      # e.g. a role without CREATE on the schema
+                raise StoreUnavailable(f"creating the state tables failed: {_first_line(exc)}") from exc
 
     def _connect(self, **kw):
         try:
