@@ -44,8 +44,9 @@ test-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP)
 
 test: test-unit test-vllm
 
+# make demo [REPLICAS=2]: 2 ext_proc replicas sharing a PostgreSQL the demo starts
 demo: $(STAMP) $(FIXTURES)/.done
-	$(BIN)/python -m tools.demo --fixtures $(FIXTURES)
+	$(BIN)/python -m tools.demo --fixtures $(FIXTURES) $(if $(REPLICAS),--replicas $(REPLICAS),)
 
 bench-gateway: $(STAMP) $(FIXTURES)/.done
 	$(BIN)/python -m bench.gateway_overhead --out reports/gateway_overhead.json

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         metrics_server = None
-        store = Store(settings.config, settings.db, settings.catalog)
+        store = Store(settings.config, settings.state_db(), settings.catalog)
         agents = {u.name: u.agent for u in store.snapshot.upstreams if u.agent}
         route = route_policy(settings.routing_policy, len(store.snapshot.upstreams))
         link = speculation = None

@@ -7,7 +7,9 @@
     ├── NotFound                 404  unknown adapter, or another tenant's adapter
     ├── MethodNotAllowed         405  wrong HTTP method on a gateway route
     ├── PayloadTooLarge          413  body over the configured limit
-    └── InvalidField             422  a field with a value we cannot accept
+    ├── InvalidField             422  a field with a value we cannot accept
+    └── StoreUnavailable         503  a runtime change could not be stored (state database
+                                      down): nothing was changed, retry
 
 Errors are raised anywhere in the request path and turned into a response at exactly
 one boundary: ``processor.Exchange`` (via ``GatewayError.to_json``).
@@ -18,7 +20,7 @@ import json
 
 __all__ = [
     "BadRequest", "Forbidden", "GatewayError", "InvalidField", "MethodNotAllowed",
-    "NotFound", "PayloadTooLarge", "Unauthorized", "ConfigError",
+    "NotFound", "PayloadTooLarge", "StoreUnavailable", "Unauthorized", "ConfigError",
 ]
 
 
@@ -101,3 +103,7 @@ class ServiceUnavailable(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_endpoint"
+class StoreUnavailable(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "store_unavailable"

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Protocol
 from extproc.auth import Principal, authenticate
 from extproc.decision import InferenceRequest, decide
 from extproc.errors import (BadRequest, Forbidden, GatewayError, InvalidField, MethodNotAllowed,
-                            PayloadTooLarge)
+                            PayloadTooLarge, Unauthorized)
 from extproc.metrics import GatewayMetrics
 from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
@@ -272,7 +272,9 @@ class DevKeySkills(_Authenticated):
             raise InvalidField("body must be {\"skills\": {skill: mode}}", param="skills")
         skills = validate_skills(parsed["skills"], "skills")
         snap = self.gw.store.set_key_skills(self.principal.key.sha256, skills)
-        key = snap.keys[self.principal.key.sha256]
+        key = snap.keys.get(self.principal.key.sha256)
+        if key is None:         # revoked while this request was in flight
+            raise Unauthorized("invalid API key")
         return self._answer(Principal(key=key, tenant=snap.tenants[key.tenant]))
 
     def _answer(self, p: Principal) -> Reply:

@@ -19,7 +19,11 @@ __all__ = ["AgentTLS", "Settings"]
 _HELP = {
     "config": "state YAML (GitOps): adapters/include, tenants, keys, upstreams, skills, limits",
     "catalog": "extra adapter catalog YAML in the docs/contracts.md format (optional)",
-    "db": "SQLite file for runtime changes (dev-key skills); survives restarts",
+    "db": "SQLite file for runtime changes (dev-key skills, revoked keys) on one node; "
+          "survives restarts. With --database-url only the learned request counts beside it "
+          "(<db>.popularity.json) use its path",
+    "database_url": "postgresql://user:password@host:port/db: the runtime changes shared by "
+                    "several gateway replicas (docs/gateway.md, \"Shared state\"); instead of --db",
     "listen": "host:port the gRPC ext_proc + health service binds",
     "metrics_listen": "host:port of the Prometheus GET /metrics server (its own port, off the "
                       "request path; port 0: any free port, logged at start-up), or off",
@@ -68,6 +72,7 @@ class Settings:
     config: Path
     catalog: Path | None = None
     db: Path = Path("ace-gateway.sqlite3")
+    database_url: str | None = None
     listen: str = "127.0.0.1:50051"
     metrics_listen: str = "127.0.0.1:9464"
     workers: int = 32
@@ -99,6 +104,8 @@ class Settings:
             host, _, port = self.metrics_listen.rpartition(":")
             if not host or not port.isdigit() or int(port) > 65535:
                 raise ConfigError(f"--metrics-listen must be host:port or off, got {self.metrics_listen!r}")
+        if self.database_url is not None and not self.database_url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("--database-url must be a postgresql:// URL")
         if self.server not in ("aio", "threads", "h2"):
             raise ConfigError(f"--server must be aio, threads or h2, got {self.server!r}")
         if self.workers < 1 or self.prefetch_queue < 1:
@@ -140,6 +147,10 @@ class Settings:
         return AgentTLS(self.agent_tls_ca, self.agent_tls_cert, self.agent_tls_key,
                         self.agent_tls_server_name or None)
 
+    def state_db(self) -> Path | str:
+        """What ``extproc.store.Store`` opens: the PostgreSQL URL when set, else the SQLite file."""
+        return self.database_url or self.db
+
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "Settings":
         pre = argparse.ArgumentParser(add_help=False)
@@ -161,7 +172,7 @@ class Settings:
         try:
             return cls(config=Path(ns["config"]),
                        catalog=Path(ns["catalog"]) if ns["catalog"] else None,
-                       db=Path(ns["db"]), listen=str(ns["listen"]),
+                       db=Path(ns["db"]), database_url=ns["database_url"] or None, listen=str(ns["listen"]),
                        metrics_listen=str(ns["metrics_listen"]), workers=int(ns["workers"]),
                        routing_policy=ns["routing_policy"] or None,
                        prefetch_queue=int(ns["prefetch_queue"]), log_level=str(ns["log_level"]),
@@ -187,3 +198,4 @@ def _read_settings_file(path: Path) -> dict:
     if not isinstance(data, dict) or not set(data) <= names:
         raise ConfigError(f"--settings {path}: a mapping with keys among {sorted(names)}")
     return data
+

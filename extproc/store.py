@@ -1,17 +1,18 @@
-"""Gateway state: a YAML file (GitOps) plus an embedded SQLite database for runtime changes.
+"""Gateway state: a YAML file (GitOps) plus a database of runtime changes.
 
 The YAML file is the source of truth for adapters, tenants, keys and upstreams; it is
 read at start-up. Changes made at runtime (a developer key's skills, set through
-``POST /api/v1/dev_key/skills``) are written to SQLite and overlay the file's values, so
-they survive a restart. Every change builds a new immutable ``Snapshot`` and swaps one
-reference: the request path only ever reads ``Store.snapshot``. ``on_snapshot(callback)``:
-``callback(seconds)`` after each swap a write caused, with the time from the write to the
-swap (the gateway's ``ace_gateway_store_propagation_seconds``).
+``POST /api/v1/dev_key/skills``; a key revoked with ``python -m extproc.admin``) are
+written to the state database (``extproc.state_db``: SQLite for one node, PostgreSQL
+shared by several replicas) and overlay the file's values, so they survive a restart and
+reach every replica. Every change builds a new immutable ``Snapshot`` and swaps one
+reference: the request path only ever reads ``Store.snapshot``, never the database.
+``on_snapshot(callback)``: ``callback(seconds)`` after each swap a write caused, here or on
+another replica, with the time from the write's commit to the swap on this replica (the
+gateway's ``ace_gateway_store_propagation_seconds``).
 """
 from __future__ import annotations
 
-import json
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -22,6 +23,7 @@ from typing import Any, Callable, Mapping
 from extproc.catalog import Adapter, DevKey, Tenant, Upstream
 from extproc.errors import ConfigError, GatewayError
 from extproc.skills import validate_skills
+from extproc.state_db import Overlay, is_postgres_url, open_state_db
 from extproc.state_schema import config_error, read_catalog, read_state
 from gpu_agent.catalog_schema import CatalogAdapter
 
@@ -105,28 +107,58 @@ def load_state_file(path: Path, catalog: Path | None = None) -> dict[str, Any]:
 
 
 class Store:
-    """Owns the SQLite database and publishes snapshots."""
+    """Owns the state database (``extproc.state_db``) and publishes snapshots: the state
+    file's values with the database's runtime changes over them."""
 
-    def __init__(self, state_file: Path, db_path: Path | str, catalog: Path | None = None) -> None:
+    def __init__(self, state_file: Path, db: Path | str, catalog: Path | None = None, *,
+                 poll_s: float = 2.0, watch: bool = True) -> None:
+        """``db``: a SQLite path or a ``postgresql://`` URL. ``poll_s``: how often the
+        watcher compares the database's version (PostgreSQL: the fallback behind NOTIFY).
+        Start-up needs the database: a replica never serves without its revocations."""
         self._file_state = load_state_file(Path(state_file), catalog)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS dev_key_skills ("
-                         " key_sha256 TEXT PRIMARY KEY, skills TEXT NOT NULL, updated_at REAL NOT NULL)")
-        self.snapshot = self._build()
         self._listeners: list[Callable[[float], None]] = []
+        try:
+            self._db = open_state_db(db)
+            overlay = self._db.read()
+        except GatewayError as exc:
+            raise ConfigError(f"state database {_redact(db)}: {exc.message}") from exc
+        self._version = -1
+        self._apply(overlay)
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if watch:
+            self._watcher = threading.Thread(target=self._db.watch, name="ace-state-watch", daemon=True,
+                                             args=(self._apply, lambda: self._version, self._stop, poll_s))
+            self._watcher.start()
 
     def on_snapshot(self, callback: Callable[[float], None]) -> None:
-        """Call ``callback(seconds from the write to the swap)`` after each write's swap."""
+        """Call ``callback(seconds from the write's commit to this replica's swap)`` after
+        each swap a write caused (not the first snapshot)."""
         self._listeners.append(callback)
 
-    def _build(self) -> Snapshot:
-        keys = dict(self._file_state["keys"])
-        for digest, skills_json in self._db.execute("SELECT key_sha256, skills FROM dev_key_skills"):
+    @property
+    def version(self) -> int:
+        """The database version the current snapshot reflects."""
+        return self._version
+
+    def _apply(self, overlay: Overlay) -> None:
+        with self._lock:    # never step back: a slow reader must not undo a newer write
+            if overlay.version <= self._version:
+                return
+            first = self._version < 0
+            self.snapshot = self._build(overlay)
+            self._version = overlay.version
+        if not first and overlay.changed_at > 0:
+            lag = max(0.0, time.time() - overlay.changed_at)
+            for callback in self._listeners:
+                callback(lag)
+
+    def _build(self, overlay: Overlay) -> Snapshot:
+        keys = {d: k for d, k in self._file_state["keys"].items() if d not in overlay.revoked}
+        for digest, skills in overlay.key_skills.items():
             if digest in keys:
-                merged = {**keys[digest].skills, **json.loads(skills_json)}
-                keys[digest] = replace(keys[digest], skills=MappingProxyType(merged))
+                keys[digest] = replace(keys[digest], skills=MappingProxyType({**keys[digest].skills, **skills}))
         s = self._file_state
         return Snapshot(adapters=MappingProxyType(dict(s["adapters"])), base_models=s["base_models"],
                         tenants=MappingProxyType(dict(s["tenants"])), keys=MappingProxyType(keys),
@@ -134,18 +166,28 @@ class Store:
                         max_body_bytes=s["max_body_bytes"])
 
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Snapshot:
-        """Persist a developer key's skills (merged over earlier runtime changes)."""
-        with self._lock:
-            written = time.perf_counter()
-            row = self._db.execute("SELECT skills FROM dev_key_skills WHERE key_sha256=?",
-                                   (key_sha256,)).fetchone()
-            merged = {**(json.loads(row[0]) if row else {}), **skills}
-            self._db.execute("INSERT OR REPLACE INTO dev_key_skills VALUES (?, ?, ?)",
-                             (key_sha256, json.dumps(merged, sort_keys=True), time.time()))
-            self.snapshot = self._build()
-            for callback in self._listeners:
-                callback(time.perf_counter() - written)
-            return self.snapshot
+        """Persist a developer key's skills (merged over earlier runtime changes); raises
+        ``StoreUnavailable`` when the database cannot take the write."""
+        self._apply(self._db.set_key_skills(key_sha256, skills))
+        return self.snapshot
+
+    def revoke_key(self, key_sha256: str, revoked: bool = True) -> Snapshot:
+        """Revoke a key (``revoked=False``: restore it); every replica stops accepting it."""
+        self._apply(self._db.set_revoked(key_sha256, revoked))
+        return self.snapshot
 
     def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
         self._db.close()
+
+
+def _redact(db: Path | str) -> str:
+    """A database URL without its password, for messages."""
+    text = str(db)
+    if is_postgres_url(db) and "@" in text:
+        scheme, _, rest = text.partition("://")
+        creds, _, host = rest.rpartition("@")
+        return f"{scheme}://{creds.split(':')[0]}:***@{host}" if ":" in creds else text
+    return text

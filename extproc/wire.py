@@ -10,6 +10,10 @@ from extproc.processor import Continue, Outcome, Reply, RequestHead
 __all__ = ["request_head", "head_from_attributes", "to_response", "serialize_response", "pb",
            "METADATA_NAMESPACE", "SERVICE", "NO_PHASE", "HEALTH_SERVICES"]
 
+# ImmediateResponse.details of every answer the gateway makes itself: Envoy's local-reply
+# mappers (envoy/envoy.template.yaml) leave those bodies alone (they are OpenAI JSON already)
+GATEWAY_REPLY_DETAILS = "ace_gateway_reply"
+
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"   # the gRPC service name
 #: gRPC health services every flavour answers: the server, ext_proc, and the endpoint picker
 #: protocol's ``liveness`` and ``readiness`` (SERVING once listening; NOT_SERVING when draining)
@@ -68,6 +72,7 @@ def to_response(phase: str, outcome: Outcome) -> pb.ProcessingResponse:
         resp = pb.ProcessingResponse()
         imm = resp.immediate_response
         imm.status.code = outcome.status
+        imm.details = GATEWAY_REPLY_DETAILS
         imm.body = outcome.body
         _set_headers(imm.headers, outcome.headers)
         return resp

@@ -198,3 +198,12 @@ def test_istio_gateway_runs_the_dropin_filters_settings_routes_and_clusters():
     stand_in = {v["name"]: v for v in hcm_of(ingress_gateway(port=DEFAULTS["listener_port"], admin_port=18091))[
         "route_config"]["virtual_hosts"]}
     assert vhosts[OTHER_VHOST] == stand_in[OTHER_VHOST]
+
+
+def test_the_gateway_image_can_reach_postgres():
+    """The Kubernetes gateway sets ACE_EXTPROC_DATABASE_URL: its image needs psycopg."""
+    dockerfile = (REPO / "docker" / "extproc.Dockerfile").read_text()
+    assert 'pip install --no-cache-dir ".[postgres]"' in dockerfile
+    import tomllib
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("psycopg[binary]") for d in extras["postgres"])

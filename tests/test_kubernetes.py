@@ -329,10 +329,13 @@ def test_gateway_env_names_are_settings_and_its_port_is_the_default(tmp_path, mo
     for name, e in env.items():
         if name.startswith("ACE_EXTPROC_"):
             value = {"ACE_EXTPROC_CONFIG": str(state), "ACE_EXTPROC_CATALOG": str(catalog),
-                     "ACE_EXTPROC_DB": str(tmp_path / "db.sqlite3")}.get(name, e["value"])
+                     "ACE_EXTPROC_DB": str(tmp_path / "db.sqlite3")}.get(name) or e.get("value") \
+                or one(objs, "Secret", e["valueFrom"]["secretKeyRef"]["name"])["stringData"][
+                    e["valueFrom"]["secretKeyRef"]["key"]]
             monkeypatch.setenv(name, value)
     s = Settings.from_args([])
     assert s.listen == listen and s.config == state and s.catalog == catalog
+    assert s.state_db() == s.database_url and s.database_url.startswith("postgresql://")
 
 
 def mounted_files(objs: list[dict], tmp: Path) -> tuple[Path, Path]:
@@ -440,12 +443,17 @@ def test_gateway_may_watch_pods_and_inferencepools_in_its_namespace():
                                     "namespace": sa["metadata"]["namespace"]}]
 
 
-def test_database_secret_is_shipped_but_read_by_nothing_yet():
-    """Issue 12 part 3 (PostgreSQL) is not built: no container may pretend to use it."""
+def test_the_gateway_replicas_share_the_database_of_the_ace_database_secret():
+    """Issue 12 part 3: every replica reads the PostgreSQL URL the same way, through the
+    setting that selects the shared state (extproc.settings.Settings.database_url)."""
     objs = rendered("base")
-    one(objs, "Secret", "ace-database")
-    text = json.dumps([o for o in objs if o["kind"] == "Deployment"])
-    assert "ace-database" not in text
+    secret = one(objs, "Secret", "ace-database")
+    assert secret["stringData"]["url"].startswith("postgresql://")
+    env = {e["name"]: e for e in container(objs, "ace-gateway", "extproc")["env"]}
+    assert env["ACE_EXTPROC_DATABASE_URL"]["valueFrom"] == {"secretKeyRef": {"name": "ace-database", "key": "url"}}
+    assert "database_url" in {f.name for f in fields(Settings)}
+    engine = json.dumps([o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] != "ace-gateway"])
+    assert "ace-database" not in engine
 
 
 # ---------- overlays/standalone: ace's own Envoy ----------

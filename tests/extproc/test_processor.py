@@ -6,6 +6,7 @@ import json
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.auth import hash_key
 from extproc.prefetch import PrefetchQueue, PrefetchSignal
 from extproc.processor import CONTINUE, Continue, Gateway, Reply, RequestHead
 from extproc.server import ExternalProcessor
@@ -86,6 +87,14 @@ def test_errors_become_replies_at_the_boundary(store):
     assert out.status == 400 and json.loads(out.body)["error"]["code"] == "invalid_json"
 
 
+def test_a_key_revoked_while_its_skills_post_is_in_flight_gets_401_not_500(store):
+    ex = Gateway(store).exchange()
+    assert ex.on_request_headers(_head("/api/v1/dev_key/skills")) is CONTINUE
+    store.revoke_key(hash_key(KEYS["bob"]))          # e.g. another replica's admin, via NOTIFY
+    out = ex.on_request_body(json.dumps({"skills": {"multi_lora": "off"}}).encode())
+    assert out.status == 401 and json.loads(out.body)["error"]["code"] == "invalid_api_key"
+
+
 def test_wire_responses():
     r = to_response("request_headers", CONTINUE)
     assert r.WhichOneof("response") == "request_headers"
@@ -98,6 +107,7 @@ def test_wire_responses():
     assert r.dynamic_metadata.fields["ace"].struct_value.fields["served_by"].string_value == "u"
     r = to_response("request_body", Reply(422, b"{}"))
     assert r.immediate_response.status.code == 422
+    assert r.immediate_response.details == "ace_gateway_reply"    # Envoy's 503 mapper skips it
 
 
 def _chat_messages(body: bytes):

@@ -17,10 +17,19 @@ def test_flags_beat_env_beat_file(tmp_path, state_file, monkeypatch):
 
 
 @pytest.mark.parametrize("args", [["--listen", "nope"], ["--server", "tornado"], ["--workers", "0"],
-                                  ["--workers", "x"], ["--h2-max-streams", "0"]])
+                                  ["--workers", "x"], ["--h2-max-streams", "0"],
+                                  ["--database-url", "mysql://db/ace"]])
 def test_invalid_settings_are_config_errors(state_file, args):
     with pytest.raises(ConfigError):
         Settings.from_args(["--config", str(state_file), *args])
+
+
+def test_the_state_database_is_the_postgres_url_when_set_else_the_sqlite_file(tmp_path, state_file, monkeypatch):
+    s = Settings.from_args(["--config", str(state_file), "--db", str(tmp_path / "gw.sqlite3")])
+    assert s.state_db() == tmp_path / "gw.sqlite3"
+    monkeypatch.setenv("ACE_EXTPROC_DATABASE_URL", "postgresql://ace@db:5432/ace")
+    s = Settings.from_args(["--config", str(state_file)])
+    assert s.state_db() == "postgresql://ace@db:5432/ace"
 
 
 def test_missing_config_file(tmp_path):

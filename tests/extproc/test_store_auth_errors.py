@@ -7,7 +7,8 @@ import yaml
 
 from extproc.auth import authenticate
 from extproc.errors import (BadRequest, ConfigError, Forbidden, GatewayError, InvalidField,
-                            MethodNotAllowed, NotFound, PayloadTooLarge, Unauthorized)
+                            MethodNotAllowed, NotFound, PayloadTooLarge, StoreUnavailable,
+                            Unauthorized)
 from extproc.store import Store
 from tests.extproc.builders import KEYS, sha, upstream, write_state
 
@@ -76,7 +77,8 @@ def test_auth(snapshot):
 
 @pytest.mark.parametrize("cls,status", [
     (BadRequest, 400), (Unauthorized, 401), (Forbidden, 403), (NotFound, 404),
-    (MethodNotAllowed, 405), (PayloadTooLarge, 413), (InvalidField, 422), (GatewayError, 500)])
+    (MethodNotAllowed, 405), (PayloadTooLarge, 413), (InvalidField, 422), (StoreUnavailable, 503),
+    (GatewayError, 500)])
 def test_errors_are_openai_shaped(cls, status):
     err = cls("boom", param="p")
     assert err.status == status

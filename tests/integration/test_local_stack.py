@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -27,6 +28,23 @@ def test_demo_shows_prefetched_and_cold_side_by_side(tmp_path_factory, capsys):
     assert "401" in out and "404" in out and "400" in out
     assert "dedicated instances" in out
     assert "curl it yourself" not in out  # the stack is gone by now: no hint to try it
+
+
+def test_demo_with_two_replicas_shows_a_change_on_one_enforced_by_the_other(tmp_path_factory, capsys):
+    """``make demo REPLICAS=2``: PostgreSQL and two ext_proc replicas, all stopped after."""
+    from tests.support.postgres import require_postgres
+    from tools import demo
+
+    require_postgres()
+    work = tmp_path_factory.mktemp("demo2")
+    assert demo.main(["--fixtures", str(fixtures_dir(tmp_path_factory)), "--work", str(work),
+                      "--replicas", "2"]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("== 5. two gateway replicas"):]
+    assert "-> 200" in section and "replica 2: now 'off'" in section, section
+    assert "replica 2 answers 401 invalid_api_key" in section and "restored: replica 1 answers 200" in section
+    home = re.search(r"data and log: (\S+)\)", out).group(1)
+    assert not Path(home).exists()          # the demo's PostgreSQL is stopped and deleted
 
 
 def _started_at(pid: int) -> str | None:
