@@ -7,7 +7,8 @@
     ├── NotFound                 404  unknown adapter, or another tenant's adapter
     ├── MethodNotAllowed         405  wrong HTTP method on a gateway route
     ├── PayloadTooLarge          413  body over the configured limit
-    └── InvalidField             422  a field with a value we cannot accept
+    ├── InvalidField             422  a field with a value we cannot accept
+    └── NoUpstream               503  no engine host is known (discovery found none)
 
 Errors are raised anywhere in the request path and turned into a response at exactly
 one boundary: ``processor.Exchange`` (via ``GatewayError.to_json``).
@@ -18,7 +19,7 @@ import json
 
 __all__ = [
     "BadRequest", "Forbidden", "GatewayError", "InvalidField", "MethodNotAllowed",
-    "NotFound", "PayloadTooLarge", "Unauthorized", "ConfigError",
+    "NoUpstream", "NotFound", "PayloadTooLarge", "Unauthorized", "ConfigError",
 ]
 
 
@@ -89,3 +90,9 @@ class InvalidField(GatewayError):
     status = 422
     type = "invalid_request_error"
     code = "invalid_value"
+
+
+class NoUpstream(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_upstream"

@@ -1,7 +1,8 @@
 """Gateway state: a YAML file (GitOps) plus an embedded SQLite database for runtime changes.
 
 The YAML file is the source of truth for adapters, tenants, keys and upstreams; it is
-read at start-up. Changes made at runtime (a developer key's skills, set through
+read at start-up. The upstreams may come from a discovery source instead
+(``extproc.discovery``, ``Store.set_upstreams``). Changes made at runtime (a developer key's skills, set through
 ``POST /api/v1/dev_key/skills``) are written to SQLite and overlay the file's values, so
 they survive a restart. Every change builds a new immutable ``Snapshot`` and swaps one
 reference: the request path only ever reads ``Store.snapshot``.
@@ -46,9 +47,10 @@ def _skills(raw: Mapping[str, str], source: Path, where: str) -> Mapping[str, st
         raise config_error(source, path, message) from None
 
 
-def load_state_file(path: Path, catalog: Path | None = None) -> dict[str, Any]:
+def load_state_file(path: Path, catalog: Path | None = None, *, upstreams_required: bool = True) -> dict[str, Any]:
     """Read the state file and its catalog(s) into plain values (validated: every error a
-    ``ConfigError`` naming the file and the field's path)."""
+    ``ConfigError`` naming the file and the field's path). ``upstreams_required``: False
+    when a discovery source gives the upstreams (``extproc.discovery``)."""
     state = read_state(path)
     adapters: dict[str, Adapter] = {}
     base_models: set[str] = set()
@@ -93,8 +95,9 @@ def load_state_file(path: Path, catalog: Path | None = None) -> dict[str, Any]:
                                       base_model=raw.base_model, hints=raw.hints, agent=raw.agent))
         except ConfigError as exc:
             raise config_error(path, f"upstreams[{i}].{exc.field}", str(exc)) from None
-    if not upstreams:
-        raise config_error(path, "upstreams", "at least one upstream is required")
+    if not upstreams and upstreams_required:
+        raise config_error(path, "upstreams", "at least one upstream is required "
+                           "(or a --discovery source to find them)")
     if state.limits.max_body_bytes <= 0:
         raise config_error(path, "limits.max_body_bytes", "must be positive")
     return dict(adapters=adapters, base_models=frozenset(base_models), tenants=tenants, keys=keys,
@@ -105,8 +108,10 @@ def load_state_file(path: Path, catalog: Path | None = None) -> dict[str, Any]:
 class Store:
     """Owns the SQLite database and publishes snapshots."""
 
-    def __init__(self, state_file: Path, db_path: Path | str, catalog: Path | None = None) -> None:
-        self._file_state = load_state_file(Path(state_file), catalog)
+    def __init__(self, state_file: Path, db_path: Path | str, catalog: Path | None = None, *,
+                 upstreams_required: bool = True) -> None:
+        self._file_state = load_state_file(Path(state_file), catalog, upstreams_required=upstreams_required)
+        self._upstreams: tuple[Upstream, ...] = self._file_state["upstreams"]
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -123,7 +128,7 @@ class Store:
         s = self._file_state
         return Snapshot(adapters=MappingProxyType(dict(s["adapters"])), base_models=s["base_models"],
                         tenants=MappingProxyType(dict(s["tenants"])), keys=MappingProxyType(keys),
-                        upstreams=s["upstreams"], default_skills=s["default_skills"],
+                        upstreams=self._upstreams, default_skills=s["default_skills"],
                         max_body_bytes=s["max_body_bytes"])
 
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Snapshot:
@@ -135,6 +140,14 @@ class Store:
             self._db.execute("INSERT OR REPLACE INTO dev_key_skills VALUES (?, ?, ?)",
                              (key_sha256, json.dumps(merged, sort_keys=True), time.time()))
             self.snapshot = self._build()
+            return self.snapshot
+
+    def set_upstreams(self, upstreams: tuple[Upstream, ...]) -> Snapshot:
+        """The engine hosts a discovery source found (``extproc.discovery``): a new snapshot;
+        requests in flight keep the one they read."""
+        with self._lock:
+            self._upstreams = tuple(upstreams)
+            self.snapshot = replace(self.snapshot, upstreams=self._upstreams)
             return self.snapshot
 
     def close(self) -> None:
