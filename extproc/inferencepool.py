@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -204,9 +205,10 @@ class InferencePoolSource:
             self._published = endpoints
             self._publish(endpoints)
 
-    def _watch(self):
+    def _watch(self, kind: str, selector: Mapping[str, str] | None = None):
         from kubernetes import watch
         w = watch.Watch()
+        w.ace_kind, w.ace_selector = kind, selector
         with self._lock:
             self._watches.append(w)
         return w
@@ -216,9 +218,8 @@ class InferencePoolSource:
             self._watches.remove(w)
 
     def _follow_pool(self) -> None:
-        from kubernetes.client.rest import ApiException
         while not self._stop.is_set():
-            w = self._watch()
+            w = self._watch("pool")
             try:
                 for event in w.stream(self._custom.list_namespaced_custom_object, GROUP, VERSION,
                                       self.namespace, PLURAL, field_selector=f"metadata.name={self.name}",
@@ -226,23 +227,36 @@ class InferencePoolSource:
                                       timeout_seconds=self.timeout_s, _request_timeout=self.timeout_s + 30):
                     with self._lock:
                         changed = self.state.apply_pool(event)
-                    if changed:   # list with the new selector now; the Pod watch restarts
-                        self._spec_changed.set()
-                        self._stop_pod_watch()
-                        if self.state.spec is not None:
-                            self._list_pods(self.state.spec)
-                    with self._lock:
                         self._emit()
-            except (ApiException, DiscoveryError, OSError, ValueError, KeyError) as exc:
+                    if changed:   # the Pod thread lists again with the new selector
+                        self._spec_changed.set()
+                        selector = self.state.spec.selector if self.state.spec else None
+                        self._interrupt(lambda w: w.ace_kind == "pods" and w.ace_selector != selector)
+            except Exception as exc:   # API errors, a dropped connection (urllib3), a bad object:
+                # the loop must outlive them all; the last hosts stay meanwhile
                 self._failed("InferencePool", exc, lambda: setattr(self.state, "pool_version", None))
             finally:
                 self._forget(w)
 
-    def _stop_pod_watch(self) -> None:
-        with self._lock:
-            for w in self._watches:
-                if getattr(w, "ace_kind", None) == "pods":
+    def _interrupt(self, stale, patience_s: float = 5.0) -> None:
+        """End the watches ``stale(w)`` names, even while blocked reading: the response is
+        shut down (urllib3 >= 2.3) besides the client's own stop flag. Again until they are
+        gone: a watch whose response has not begun yet cannot be shut down."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            with self._lock:
+                live = [w for w in self._watches if stale(w)]
+                for w in live:
                     w.stop()
+                    shutdown = getattr(getattr(w, "_resp", None), "shutdown", None)
+                    if shutdown is not None:
+                        try:
+                            shutdown()
+                        except (OSError, RuntimeError, ValueError):   # ended meanwhile, or released
+                            pass
+            if not live or time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
 
     def _list_pods(self, spec: PoolSpec) -> None:
         """List the Pods the selector matches (as JSON, the watch's shape) and replace them."""
@@ -254,11 +268,11 @@ class InferencePoolSource:
             self._emit()
 
     def _follow_pods(self) -> None:
-        from kubernetes.client.rest import ApiException
         relist = True
         while not self._stop.is_set():
             spec = self.state.spec
             if spec is None:
+                relist = True
                 self._spec_changed.wait(1.0)
                 continue
             try:
@@ -266,9 +280,10 @@ class InferencePoolSource:
                     self._spec_changed.clear()
                     self._list_pods(spec)
                     relist = False
-                w = self._watch()
-                w.ace_kind = "pods"
+                w = self._watch("pods", spec.selector)
                 try:
+                    if self._spec_changed.is_set():   # changed after the spec was read: the
+                        continue                      # pool thread may have missed this watch
                     for event in w.stream(self._core.list_namespaced_pod, self.namespace,
                                           label_selector=spec.label_selector,
                                           resource_version=self.state.pod_version, allow_watch_bookmarks=True,
@@ -280,9 +295,10 @@ class InferencePoolSource:
                             self._emit()
                 finally:
                     self._forget(w)
-            except (ApiException, DiscoveryError, OSError, ValueError, KeyError) as exc:
+            except Exception as exc:   # as in _follow_pool
                 relist = True
-                self._failed("Pods", exc, lambda: None)
+                if not (self._spec_changed.is_set() or self._stop.is_set()):   # else: interrupted on purpose
+                    self._failed("Pods", exc, lambda: None)
 
     def _failed(self, what: str, exc: Exception, reset) -> None:
         gone = isinstance(exc, WatchExpired) or getattr(exc, "status", None) == GONE
@@ -299,8 +315,6 @@ class InferencePoolSource:
     def close(self) -> None:
         self._stop.set()
         self._spec_changed.set()
-        with self._lock:
-            for w in self._watches:
-                w.stop()
+        self._interrupt(lambda w: True, patience_s=2.0)
         for t in self._threads:
             t.join(timeout=2)

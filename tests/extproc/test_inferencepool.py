@@ -118,3 +118,12 @@ def test_ipv6_pods_are_bracketed_and_a_malformed_pool_serves_nothing():
     replay(state, STREAM[1])
     assert state.apply_pool({"type": "MODIFIED", "object": {"metadata": {}, "spec": {}}}) is True
     assert state.endpoints == frozenset()
+
+
+def test_no_kubernetes_api_config_is_a_config_error(tmp_path, monkeypatch):
+    from extproc.errors import ConfigError
+    from extproc.inferencepool import InferencePoolSource
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="no Kubernetes API config"):
+        InferencePoolSource("ace-engine", "ace").start(lambda endpoints: None)
