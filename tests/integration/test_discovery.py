@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.extproc.builders import KEYS, write_state
 from tests.support.upstream import RecordingUpstream

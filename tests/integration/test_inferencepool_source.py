@@ -6,7 +6,6 @@ The events are the recorded ones of tests/extproc/fixtures/inferencepool_watch.j
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import threading
 from pathlib import Path
