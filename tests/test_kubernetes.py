@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from dataclasses import fields
 from importlib.metadata import version
 from pathlib import Path
@@ -398,6 +399,10 @@ def test_the_gateway_discovers_the_engine_pods_and_their_agents(tmp_path, monkey
     agent_port = AgentSettings.__dataclass_fields__["grpc_port"].default
     assert settings.discovery_agent_port == agent_port == port_number(container(objs, "ace-engine", "agent"),
                                                                       "agent-grpc")
+    # that source needs the kubernetes client: the gateway image installs the extra
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("kubernetes") for d in extras["kubernetes"])
+    assert 'pip install --no-cache-dir ".[kubernetes]"' in (REPO / "docker" / "extproc.Dockerfile").read_text()
     for overlay in GATEWAY_CLASSES:
         objs = rendered(f"overlays/{overlay}")
         value = env_of(container(objs, "ace-gateway", "extproc"))["ACE_EXTPROC_DISCOVERY"]["value"]
