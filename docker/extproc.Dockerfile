@@ -8,9 +8,14 @@ COPY extproc ./extproc
 COPY gpu_agent/__init__.py ./gpu_agent/__init__.py
 COPY gpu_agent/_proto ./gpu_agent/_proto
 COPY gpu_agent/catalog_schema.py ./gpu_agent/catalog_schema.py
+<<<<<<< HEAD
 # the postgres extra (psycopg): the replicas share their state through PostgreSQL
 # (--database-url; deploy/kubernetes sets it)
 RUN pip install --no-cache-dir ".[postgres]" && mkdir -p /var/lib/ace && chown 65534:65534 /var/lib/ace
+=======
+# the kubernetes extra: --discovery inferencepool (the InferencePool overlays use it)
+RUN pip install --no-cache-dir ".[kubernetes]" && mkdir -p /var/lib/ace && chown 65534:65534 /var/lib/ace
+>>>>>>> wt/discovery
 USER 65534:65534
 EXPOSE 50051
 ENTRYPOINT ["python", "-m", "extproc"]

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from extproc.discovery import HostDiscovery, make_source
 from extproc.errors import ConfigError
 from extproc.metrics import GatewayCollector, GatewayMetrics, propagation_histogram, serve_metrics
 from extproc.prefetch import NullPrefetchSink
@@ -50,11 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         metrics_server = None
-        store = Store(settings.config, settings.state_db(), settings.catalog)
+        store = Store(settings.config, settings.state_db(), settings.catalog,
+                      upstreams_required=not settings.discovers)
         agents = {u.name: u.agent for u in store.snapshot.upstreams if u.agent}
-        route = route_policy(settings.routing_policy, len(store.snapshot.upstreams))
-        link = speculation = None
-        if agents:  # upstreams with a GPU agent: prefetch to it, residency from it, speculate
+        # discovered hosts come and go: route as for several from the start
+        route = route_policy(settings.routing_policy, 2 if settings.discovers else len(store.snapshot.upstreams))
+        link = speculation = source = None
+        template = settings.upstream_template()
+        if agents or (settings.discovers and template.agent_port):
+            # upstreams with a GPU agent: prefetch to it, residency from it, speculate
             from extproc.agent_client import AgentLink
             from extproc.speculation import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
                                              route_by_policy)
@@ -74,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                    else self_signed())
         if settings.metrics_listen != "off":
             metrics_server = start_metrics(settings.metrics_listen, gateway, link, speculation)
+        source = make_source(settings.discovery, settings.discovery_interval_s)
+        if source is not None:
+            source.start(HostDiscovery(store, template, link).publish)
     except ConfigError as exc:
         print(f"extproc: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -86,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             serve(gateway, settings.listen, settings.workers, protocol=settings.protocol, tls=tls)
     finally:
+        if source is not None:
+            source.close()
         if metrics_server is not None:
             metrics_server.shutdown()
         if speculation is not None:

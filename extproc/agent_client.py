@@ -146,7 +146,8 @@ class _Agent:
         if self._call is not None:
             self._call.cancel()
         self.queue.close(timeout=0.5)
-        self._thread.join(timeout=2)
+        if self._thread.ident is not None:   # started (a link removed before start was not)
+            self._thread.join(timeout=2)
         self.channel.close()
 
 
@@ -174,13 +175,37 @@ class AgentLink:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loads, name="agent-load-expiry", daemon=True)
-        self.agents = {upstream: _Agent(self, upstream, target) for upstream, target in agents.items()}
+        # replaced whole, never mutated: ``submit`` reads it without a lock
+        self.agents: Mapping[str, _Agent] = {upstream: _Agent(self, upstream, target)
+                                             for upstream, target in agents.items()}
+        self._started = False
+        self._agents_lock = threading.Lock()
 
     def start(self) -> "AgentLink":
         for agent in self.agents.values():
             agent.start()
         self._expiry.start()
+        self._started = True
         return self
+
+    def set_agents(self, agents: Mapping[str, str]) -> None:
+        """The agents now (upstream -> address), as host discovery found them: a link
+        starts for each new one (or one whose address changed) and the link of each one
+        gone is closed and its residency dropped from the board, so routing stops seeing it."""
+        with self._agents_lock:
+            current = dict(self.agents)
+            gone = [a for name, a in current.items() if agents.get(name) != a.target]
+            for agent in gone:
+                del current[agent.upstream]
+            new = [_Agent(self, name, target) for name, target in agents.items() if name not in current]
+            current.update((agent.upstream, agent) for agent in new)
+            self.agents = current
+            for agent in gone:
+                agent.close()
+                self._publish(agent.upstream, None)
+            if self._started:
+                for agent in new:
+                    agent.start()
 
     def close(self) -> None:
         self._stop.set()

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from extproc.auth import Principal
 from extproc.catalog import Adapter, Upstream
+from extproc.errors import NoUpstream
 from extproc.prefetch import PrefetchSignal
 from extproc.residency import UNKNOWN, AdapterResidency, ResidencySnapshot
 from extproc.routing import RoutePolicy, choose_upstream
@@ -88,6 +89,8 @@ def decide(snapshot: Snapshot, residency: ResidencySnapshot, request: InferenceR
     selection = select_adapter(snapshot, principal.tenant, body)
     adapter = selection.adapter
     ml_mode = skills[MULTI_LORA]
+    if not snapshot.upstreams:   # discovery found no ready host (yet)
+        raise NoUpstream("no engine host is available")
     # Only prod may move the request; off and shadow go where the request would go anyway.
     upstream = route(snapshot.upstreams, adapter if ml_mode == PROD else None, residency)
     res = residency.of(upstream.name, adapter.name) if adapter is not None else UNKNOWN

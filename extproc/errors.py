@@ -8,6 +8,9 @@
     ├── MethodNotAllowed         405  wrong HTTP method on a gateway route
     ├── PayloadTooLarge          413  body over the configured limit
     ├── InvalidField             422  a field with a value we cannot accept
+    ├── TooManyRequests          429  every eligible engine host is over its load (endpoint picker)
+    ├── ServiceUnavailable       503  no eligible endpoint in the subset hint (endpoint picker)
+    ├── NoUpstream               503  no engine host is known (discovery found none)
     └── StoreUnavailable         503  a runtime change could not be stored (state database
                                       down): nothing was changed, retry
 
@@ -19,8 +22,9 @@ from __future__ import annotations
 import json
 
 __all__ = [
-    "BadRequest", "Forbidden", "GatewayError", "InvalidField", "MethodNotAllowed",
-    "NotFound", "PayloadTooLarge", "StoreUnavailable", "Unauthorized", "ConfigError",
+    "BadRequest", "Forbidden", "GatewayError", "InvalidField", "MethodNotAllowed", "NoUpstream",
+    "NotFound", "PayloadTooLarge", "ServiceUnavailable", "StoreUnavailable", "TooManyRequests",
+    "Unauthorized", "ConfigError",
 ]
 
 
@@ -103,6 +107,14 @@ class ServiceUnavailable(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_endpoint"
+
+
+class NoUpstream(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_upstream"
+
+
 class StoreUnavailable(GatewayError):
     status = 503
     type = "server_error"

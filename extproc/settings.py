@@ -12,6 +12,7 @@ import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
+from extproc.discovery import UpstreamTemplate, check_template, parse_discovery
 from extproc.errors import ConfigError
 
 __all__ = ["AgentTLS", "Settings"]
@@ -52,6 +53,16 @@ _HELP = {
                      "tries them in turn; Envoy's ORIGINAL_DST reads only one address: keep 0 there)",
     "agent_tls_server_name": "TLS towards the GPU agents: the name their certificates are checked "
                              "against, when not the host of the upstream's agent: address",
+    "discovery": "where the engine hosts come from (docs/gateway.md \"Host discovery\"): static (the "
+                 "state file's upstreams), dns:<name>:<port> (a headless Service's A/AAAA records), "
+                 "file:<path> (a JSON list of IP:port) or inferencepool:[<namespace>/]<name> (the "
+                 "ready Pods of an InferencePool, Kubernetes API watch; needs the kubernetes extra)",
+    "discovery_interval_s": "dns: and file: discovery: seconds between lookups",
+    "discovery_flavour": "discovered hosts: the engine flavour (vllm, sglang or builtin)",
+    "discovery_base_model": "discovered hosts: the base model they serve (required unless static)",
+    "discovery_hints": "discovered hosts: how adapter hints are sent (body, headers or off)",
+    "discovery_agent_port": "discovered hosts: the port of each host's GPU agent, on the host's IP "
+                            "(0: no agents)",
 }
 
 
@@ -91,6 +102,12 @@ class Settings:
     tls_key: Path | None = None
     shed_load: int = 0
     epp_fallbacks: int = 0
+    discovery: str = "static"
+    discovery_interval_s: float = 5.0
+    discovery_flavour: str = "vllm"
+    discovery_base_model: str | None = None
+    discovery_hints: str = "body"
+    discovery_agent_port: int = 0
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
@@ -132,6 +149,19 @@ class Settings:
             raise ConfigError("--shed-load and --epp-fallbacks must be 0 or more")
         if self.agent_tls_server_name and self.agent_tls() is None:
             raise ConfigError("--agent-tls-server-name needs --agent-tls-ca or --agent-tls-cert")
+        if parse_discovery(self.discovery).kind != "static":
+            check_template(self.upstream_template())
+        if not self.discovery_interval_s > 0:
+            raise ConfigError(f"--discovery-interval-s must be positive, got {self.discovery_interval_s}")
+
+    @property
+    def discovers(self) -> bool:
+        """True when a discovery source, not the state file, gives the upstreams."""
+        return parse_discovery(self.discovery).kind != "static"
+
+    def upstream_template(self) -> UpstreamTemplate:
+        return UpstreamTemplate(flavour=self.discovery_flavour, base_model=self.discovery_base_model or "",
+                                hints=self.discovery_hints, agent_port=self.discovery_agent_port or None)
 
     @property
     def serves_tls(self) -> bool:
@@ -183,7 +213,12 @@ class Settings:
                        protocol=str(ns["protocol"]), secure_serving=str(ns["secure_serving"]).lower(),
                        tls_cert=Path(ns["tls_cert"]) if ns["tls_cert"] else None,
                        tls_key=Path(ns["tls_key"]) if ns["tls_key"] else None,
-                       shed_load=int(ns["shed_load"]), epp_fallbacks=int(ns["epp_fallbacks"]))
+                       shed_load=int(ns["shed_load"]), epp_fallbacks=int(ns["epp_fallbacks"]),
+                       discovery=str(ns["discovery"]), discovery_interval_s=float(ns["discovery_interval_s"]),
+                       discovery_flavour=str(ns["discovery_flavour"]),
+                       discovery_base_model=ns["discovery_base_model"] or None,
+                       discovery_hints=str(ns["discovery_hints"]),
+                       discovery_agent_port=int(ns["discovery_agent_port"] or 0))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 

@@ -58,7 +58,7 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class StateFile:
-    upstreams: tuple[UpstreamEntry, ...]
+    upstreams: tuple[UpstreamEntry, ...] = ()   # required unless --discovery gives them
     include: str | tuple[str, ...] = ()
     base_model: CatalogBaseModel | str | None = None
     adapters: tuple[CatalogAdapter, ...] = ()

@@ -1,15 +1,16 @@
 """Gateway state: a YAML file (GitOps) plus a database of runtime changes.
 
 The YAML file is the source of truth for adapters, tenants, keys and upstreams; it is
-read at start-up. Changes made at runtime (a developer key's skills, set through
-``POST /api/v1/dev_key/skills``; a key revoked with ``python -m extproc.admin``) are
-written to the state database (``extproc.state_db``: SQLite for one node, PostgreSQL
-shared by several replicas) and overlay the file's values, so they survive a restart and
-reach every replica. Every change builds a new immutable ``Snapshot`` and swaps one
-reference: the request path only ever reads ``Store.snapshot``, never the database.
-``on_snapshot(callback)``: ``callback(seconds)`` after each swap a write caused, here or on
-another replica, with the time from the write's commit to the swap on this replica (the
-gateway's ``ace_gateway_store_propagation_seconds``).
+read at start-up. The upstreams may come from a discovery source instead
+(``extproc.discovery``, ``Store.set_upstreams``). Changes made at runtime (a developer
+key's skills, set through ``POST /api/v1/dev_key/skills``; a key revoked with
+``python -m extproc.admin``) are written to the state database (``extproc.state_db``:
+SQLite for one node, PostgreSQL shared by several replicas) and overlay the file's values,
+so they survive a restart and reach every replica. Every change builds a new immutable
+``Snapshot`` and swaps one reference: the request path only ever reads ``Store.snapshot``,
+never the database. ``on_snapshot(callback)``: ``callback(seconds)`` after each swap a
+write caused, here or on another replica, with the time from the write's commit to the
+swap on this replica (the gateway's ``ace_gateway_store_propagation_seconds``).
 """
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ def _skills(raw: Mapping[str, str], source: Path, where: str) -> Mapping[str, st
         raise config_error(source, path, message) from None
 
 
-def load_state_file(path: Path, catalog: Path | None = None) -> dict[str, Any]:
+def load_state_file(path: Path, catalog: Path | None = None, *, upstreams_required: bool = True) -> dict[str, Any]:
     """Read the state file and its catalog(s) into plain values (validated: every error a
-    ``ConfigError`` naming the file and the field's path)."""
+    ``ConfigError`` naming the file and the field's path). ``upstreams_required``: False
+    when a discovery source gives the upstreams (``extproc.discovery``)."""
     state = read_state(path)
     adapters: dict[str, Adapter] = {}
     base_models: set[str] = set()
@@ -97,8 +99,9 @@ def load_state_file(path: Path, catalog: Path | None = None) -> dict[str, Any]:
                                       base_model=raw.base_model, hints=raw.hints, agent=raw.agent))
         except ConfigError as exc:
             raise config_error(path, f"upstreams[{i}].{exc.field}", str(exc)) from None
-    if not upstreams:
-        raise config_error(path, "upstreams", "at least one upstream is required")
+    if not upstreams and upstreams_required:
+        raise config_error(path, "upstreams", "at least one upstream is required "
+                           "(or a --discovery source to find them)")
     if state.limits.max_body_bytes <= 0:
         raise config_error(path, "limits.max_body_bytes", "must be positive")
     return dict(adapters=adapters, base_models=frozenset(base_models), tenants=tenants, keys=keys,
@@ -111,11 +114,13 @@ class Store:
     file's values with the database's runtime changes over them."""
 
     def __init__(self, state_file: Path, db: Path | str, catalog: Path | None = None, *,
-                 poll_s: float = 2.0, watch: bool = True) -> None:
+                 poll_s: float = 2.0, watch: bool = True, upstreams_required: bool = True) -> None:
         """``db``: a SQLite path or a ``postgresql://`` URL. ``poll_s``: how often the
         watcher compares the database's version (PostgreSQL: the fallback behind NOTIFY).
-        Start-up needs the database: a replica never serves without its revocations."""
-        self._file_state = load_state_file(Path(state_file), catalog)
+        Start-up needs the database: a replica never serves without its revocations.
+        ``upstreams_required=False``: a discovery source gives the upstreams."""
+        self._file_state = load_state_file(Path(state_file), catalog, upstreams_required=upstreams_required)
+        self._upstreams: tuple[Upstream, ...] = self._file_state["upstreams"]
         self._lock = threading.Lock()
         self._listeners: list[Callable[[float], None]] = []
         try:
@@ -162,7 +167,7 @@ class Store:
         s = self._file_state
         return Snapshot(adapters=MappingProxyType(dict(s["adapters"])), base_models=s["base_models"],
                         tenants=MappingProxyType(dict(s["tenants"])), keys=MappingProxyType(keys),
-                        upstreams=s["upstreams"], default_skills=s["default_skills"],
+                        upstreams=self._upstreams, default_skills=s["default_skills"],
                         max_body_bytes=s["max_body_bytes"])
 
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Snapshot:
@@ -175,6 +180,14 @@ class Store:
         """Revoke a key (``revoked=False``: restore it); every replica stops accepting it."""
         self._apply(self._db.set_revoked(key_sha256, revoked))
         return self.snapshot
+
+    def set_upstreams(self, upstreams: tuple[Upstream, ...]) -> Snapshot:
+        """The engine hosts a discovery source found (``extproc.discovery``): a new snapshot;
+        requests in flight keep the one they read."""
+        with self._lock:
+            self._upstreams = tuple(upstreams)
+            self.snapshot = replace(self.snapshot, upstreams=self._upstreams)
+            return self.snapshot
 
     def close(self) -> None:
         self._stop.set()

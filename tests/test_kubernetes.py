@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from dataclasses import fields
 from importlib.metadata import version
 from pathlib import Path
@@ -24,6 +25,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError
 
+from extproc.discovery import parse_discovery
 from extproc.envoy_config import render
 from extproc.processor import ROUTES
 from extproc.settings import Settings
@@ -360,23 +362,57 @@ def mounted_files(objs: list[dict], tmp: Path) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
-def test_state_and_catalog_load_and_name_the_vllm_model(tmp_path):
+def discovery_settings(objs: list[dict], tmp: Path, monkeypatch) -> Settings:
+    """The gateway's settings as its container's env gives them (mounted files in tmp)."""
+    state, catalog = mounted_files(objs, tmp)
+    for name, e in env_of(container(objs, "ace-gateway", "extproc")).items():
+        if name.startswith("ACE_EXTPROC_") and "value" in e:     # not the Secret-fed DATABASE_URL
+            monkeypatch.setenv(name, {"ACE_EXTPROC_CONFIG": str(state), "ACE_EXTPROC_CATALOG": str(catalog),
+                                      "ACE_EXTPROC_DB": str(tmp / "db.sqlite3")}.get(name, e["value"]))
+    return Settings.from_args([])
+
+
+def test_state_and_catalog_load_and_name_the_vllm_model(tmp_path, monkeypatch):
     objs = rendered("base")
     state, catalog = mounted_files(objs, tmp_path)
-    data = load_state_file(state, catalog)
+    (tmp_path / "env").mkdir()
+    settings = discovery_settings(objs, tmp_path / "env", monkeypatch)
+    data = load_state_file(state, catalog, upstreams_required=not settings.discovers)
+    assert data["upstreams"] == ()            # the hosts are discovered
     vllm = args_of(container(objs, "ace-engine", "vllm"))
     served = vllm["served-model-name"]
-    assert {u.base_model for u in data["upstreams"]} == {served}
     assert {a.base_model for a in data["adapters"].values()} == {served}
     assert Catalog.from_yaml(catalog).base_model == served
+    template = settings.upstream_template()
+    assert (template.base_model, template.flavour) == (served, "vllm")
+
+
+def test_the_gateway_discovers_the_engine_pods_and_their_agents(tmp_path, monkeypatch):
+    """Base: the headless Service's records at vLLM's port, each pod's agent at the agent's
+    port; the InferencePool overlays: the pool they ship, in the gateway's namespace."""
+    objs = rendered("base")
+    settings = discovery_settings(objs, tmp_path, monkeypatch)
+    spec = parse_discovery(settings.discovery)
+    assert spec.kind == "dns"
+    svc = one(objs, "Service", spec.name)
+    assert svc["spec"]["clusterIP"] == "None", "one record per pod needs a headless Service"
+    engine = one(objs, "Deployment", "ace-engine")["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= engine.items()
+    assert spec.port == port_number(container(objs, "ace-engine", "vllm"), "http")
     agent_port = AgentSettings.__dataclass_fields__["grpc_port"].default
-    svc = one(objs, "Service", "ace-engine")
-    for u in data["upstreams"]:
-        assert u.flavour == "vllm"
-        assert int(u.address.rpartition(":")[2]) == port_number(container(objs, "ace-engine", "vllm"), "http")
-        host, _, port = u.agent.rpartition(":")
-        assert host == svc["metadata"]["name"] and int(port) == agent_port
-        assert agent_port in [p["port"] for p in svc["spec"]["ports"]]
+    assert settings.discovery_agent_port == agent_port == port_number(container(objs, "ace-engine", "agent"),
+                                                                      "agent-grpc")
+    # that source needs the kubernetes client: the gateway image installs the extra
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("kubernetes") for d in extras["kubernetes"])
+    assert 'pip install --no-cache-dir ".[kubernetes]"' in (REPO / "docker" / "extproc.Dockerfile").read_text()
+    for overlay in GATEWAY_CLASSES:
+        objs = rendered(f"overlays/{overlay}")
+        value = env_of(container(objs, "ace-gateway", "extproc"))["ACE_EXTPROC_DISCOVERY"]["value"]
+        spec = parse_discovery(value)
+        pool = one(objs, "InferencePool")
+        assert (spec.kind, spec.name, spec.namespace) == ("inferencepool", pool["metadata"]["name"], None)
+        assert pool["metadata"]["namespace"] == one(objs, "Deployment", "ace-gateway")["metadata"]["namespace"]
 
 
 def test_vllm_runs_with_runtime_lora_and_the_agent_mirrors_it(tmp_path, monkeypatch):
@@ -460,8 +496,8 @@ def test_the_gateway_replicas_share_the_database_of_the_ace_database_secret():
 
 def test_standalone_envoy_config_is_rendered_from_the_template_and_validates(tmp_path):
     objs = rendered("overlays/standalone")
-    state, _ = mounted_files(objs, tmp_path)
-    default_upstream = yaml.safe_load(state.read_text())["upstreams"][0]["address"]
+    # the ace-engine ClusterIP (a placeholder until the first apply): the paths ace passes through
+    default_upstream = re.search(r"--upstream (\S+)", (STANDALONE / "envoy.yaml").read_text()).group(1)
     headless = one(objs, "Service", "ace-gateway-pods")
     assert headless["spec"]["clusterIP"] == "None"
     extproc = f"{headless['metadata']['name']}:{headless['spec']['ports'][0]['port']}"

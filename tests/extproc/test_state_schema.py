@@ -18,7 +18,7 @@ from tests.gpu_agent.test_catalog_schema import WRONG_TYPES as CATALOG_WRONG_TYP
 from tests.gpu_agent.test_catalog_schema import mutated
 from tests.support.procs import REPO
 
-REQUIRED = ["tenants[1].id", "keys[0].sha256", "keys[0].tenant", "upstreams", "upstreams[0].name",
+REQUIRED = ["tenants[1].id", "keys[0].sha256", "keys[0].tenant", "upstreams[0].name",
             "upstreams[0].address", "upstreams[0].flavour", "upstreams[0].base_model"]
 
 ADAPTER = {"name": "extra", "base_model": "ace-tiny-llama", "rank": 4, "uri": "adapters/extra"}
@@ -128,6 +128,15 @@ def test_what_the_schema_cannot_say_is_named_alike(tmp_path, state, field, value
     _rewrite(state, mutated(yaml.safe_load(state.read_text()), field, value))
     err = _refused(tmp_path, state)
     assert str(err).startswith(f"{state}: {field}: {says}") and err.field == field
+
+
+def test_upstreams_may_be_left_out_only_when_discovery_gives_them(tmp_path, state):
+    _rewrite(state, mutated(yaml.safe_load(state.read_text()), "upstreams", delete=True))
+    err = _refused(tmp_path, state)
+    assert str(err).startswith(f"{state}: upstreams: at least one upstream is required")
+    s = Store(state, tmp_path / "db", upstreams_required=False)
+    assert s.snapshot.upstreams == ()
+    s.close()
 
 
 def test_python_m_extproc_exits_2_with_one_line_and_no_traceback(tmp_path, state):

@@ -393,3 +393,25 @@ def test_a_busy_agent_still_gets_the_warm_set_with_the_default_deadline():
         asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         th.join(5)
+
+
+def test_discovery_adds_and_removes_agent_links(agent):
+    """``set_agents`` (host discovery): a new host's link starts and its residency reaches
+    the board; a removed host's link stops and its residency leaves the board, so routing
+    no longer sees it; an unchanged host keeps its link."""
+    link = AgentLink({}, token=TOKEN).start()
+    try:
+        link.set_agents({"u1": f"127.0.0.1:{agent.port}"})
+        wait_until(lambda: link.board.current.of("u1", "a1").tier == "disk", what="u1's residency")
+        first = link.agents["u1"]
+        link.set_agents({"u1": f"127.0.0.1:{agent.port}"})
+        assert link.agents["u1"] is first
+        link.set_agents({})
+        assert "u1" not in link.agents and "u1" not in link.board.current.by_upstream
+        assert not first._thread.is_alive()
+        assert not link.submit(signal("a1"))
+        link.set_agents({"u1": f"127.0.0.1:{agent.port}"})          # back again: a new link
+        wait_until(lambda: link.connected("u1"), what="u1 reconnected")
+        assert link.agents["u1"] is not first
+    finally:
+        link.close()
