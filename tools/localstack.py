@@ -123,15 +123,9 @@ def run_envoy(tmp: Path, *, extproc: str | Sequence[str], default_upstream: str,
     one ext_proc ``host:port`` or several replicas; ``render_kw`` go to
     extproc.envoy_config.render (e.g. ``failure_mode_allow=True`` for fail-open)."""
     port, admin = free_port(), admin_port or free_port()
-    config = tmp / f"{name}.yaml"
-    config.write_text(render(listen_port=port, admin_port=admin, extproc=extproc,
-                             default_upstream=default_upstream, listen_address="127.0.0.1",
-                             **render_kw))
-    log = tmp / f"{name}.log"
-    cmd = [envoy_binary(), "-c", str(config), "--log-level", "warn", "--concurrency", "1",
-           "--base-id", str(port), "--disable-hot-restart"]
-    with running(cmd, log) as proc:
-        wait_http(f"http://127.0.0.1:{admin}/ready", timeout=30, proc=proc, log=log)
+    with _envoy(tmp, name, port, admin, render(listen_port=port, admin_port=admin, extproc=extproc,
+                                               default_upstream=default_upstream,
+                                               listen_address="127.0.0.1", **render_kw)):
         yield port
 
 
@@ -141,15 +135,22 @@ def run_epp_envoy(tmp: Path, *, extproc: str, name: str = "envoy-epp", **render_
     epp.template.yaml) in front of ``ace --protocol epp`` at ``extproc``; yields its port.
     Ready once its gRPC health check of the picker passed (the cluster's initialization)."""
     port, admin = free_port(), free_port()
+    with _envoy(tmp, name, port, admin, render_epp(listen_port=port, admin_port=admin, extproc=extproc,
+                                                   listen_address="127.0.0.1", **render_kw)):
+        yield port
+
+
+@contextlib.contextmanager
+def _envoy(tmp: Path, name: str, port: int, admin: int, config_text: str) -> Iterator[None]:
+    """Envoy with ``config_text`` (config and log under ``tmp/<name>.*``), until it is ready."""
     config = tmp / f"{name}.yaml"
-    config.write_text(render_epp(listen_port=port, admin_port=admin, extproc=extproc,
-                                 listen_address="127.0.0.1", **render_kw))
+    config.write_text(config_text)
     log = tmp / f"{name}.log"
     cmd = [envoy_binary(), "-c", str(config), "--log-level", "warn", "--concurrency", "1",
            "--base-id", str(port), "--disable-hot-restart"]
     with running(cmd, log) as proc:
         wait_http(f"http://127.0.0.1:{admin}/ready", timeout=30, proc=proc, log=log)
-        yield port
+        yield
 
 
 @contextlib.contextmanager

@@ -1,23 +1,10 @@
 """bench.replica_learning: R gateway replicas, each with its own learned state, one pool."""
 from bench import replica_learning, sim
-from tests.bench.test_sim import args, workload
+from tests.bench.test_sim import args, chains
 
 
 def _chains():
-    """Every session is 0 -> 1 -> 2; a one-off adapter between sessions churns the free slot."""
-    adapters, sessions, t = [], [], []
-    clock = 0.0
-    for s in range(60):
-        for a in (0, 1, 2):
-            adapters.append(a)
-            sessions.append(s)
-            t.append(clock)
-            clock += 2.0
-        adapters.append(3 + s)
-        sessions.append(1000 + s)
-        t.append(clock)
-        clock += 2.0
-    return workload(adapters, t, sessions)
+    return chains()
 
 
 def test_one_replica_is_bench_sims_speculative_policy():

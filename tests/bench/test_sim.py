@@ -50,11 +50,12 @@ def test_belady_beats_lru_on_a_classic_sequence():
     assert res["oracle"]["2"]["hit_ratio"] >= res["belady"]["2"]["hit_ratio"]
 
 
-def test_speculation_learns_a_chain_and_counts_predictions():
-    # every session is 0 -> 1 -> 2 (adapters 3.. are one-offs that churn the single free slot)
+def chains(n: int = 60):
+    """Every session is 0 -> 1 -> 2; a one-off adapter (3..) between sessions churns the
+    single free slot."""
     adapters, sessions, t = [], [], []
     clock = 0.0
-    for s in range(60):
+    for s in range(n):
         for a in (0, 1, 2):
             adapters.append(a)
             sessions.append(s)
@@ -64,7 +65,11 @@ def test_speculation_learns_a_chain_and_counts_predictions():
         sessions.append(1000 + s)
         t.append(clock)
         clock += 2.0
-    w = workload(adapters, t, sessions)
+    return workload(adapters, t, sessions)
+
+
+def test_speculation_learns_a_chain_and_counts_predictions():
+    w = chains()
     res = sim.simulate(w, [2], args(policies=["lru", "speculative"]))
     spec = res["speculative"]["2"]
     assert spec["hit_ratio"] > res["lru"]["2"]["hit_ratio"] + 0.3

@@ -8,6 +8,7 @@ the engine's load travelling into the gateway's snapshot (and leaving it when st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -132,6 +133,29 @@ def test_agent_down_signals_are_tried_and_counted_and_residency_is_unknown(tmp_p
         link.close()
 
 
+@contextlib.contextmanager
+def servicer_in_thread(servicer):
+    """A grpc.aio server of ``servicer`` on its own event loop thread: yields (loop, port)."""
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+
+    async def up():
+        server = grpc.aio.server()
+        pb_grpc.add_AgentServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(up(), loop).result(scaled(10))
+    try:
+        yield loop, port
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(scaled(10))
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(scaled(5))
+
+
 def test_a_stuck_agent_never_blocks_submit(tmp_path):
     """An agent whose Prefetch handler does not answer: the sender waits, the request path
     does not. Proved with the sender stuck in a call: submit returns at once, the bounded
@@ -146,43 +170,30 @@ def test_a_stuck_agent_never_blocks_submit(tmp_path):
             await gate.wait()
             return pb.PrefetchReply(outcome=pb.PrefetchReply.ACCEPTED)
 
-    loop = asyncio.new_event_loop()
-    th = threading.Thread(target=loop.run_forever, daemon=True)
-    th.start()
-
-    async def up():
-        server = grpc.aio.server()
-        pb_grpc.add_AgentServicer_to_server(Stuck(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port, asyncio.Event()
-
-    server, port, gate = asyncio.run_coroutine_threadsafe(up(), loop).result(scaled(10))
-    link = AgentLink({"u1": f"127.0.0.1:{port}"}, queue_size=4, send_timeout_s=scaled(60)).start()
-    quick = AgentLink({"u1": f"127.0.0.1:{port}"}, send_timeout_s=0.2).start()
-    try:
-        agent = link.agents["u1"]
-        assert link.submit(signal("first"))
-        wait_until(lambda: received == ["first"], what="the sender in its first call")
-        results: list[bool] = []
-        submitter = threading.Thread(target=lambda: results.extend(
-            link.submit(signal(f"a{i}")) for i in range(200)))
-        submitter.start()
-        wait_until(lambda: not submitter.is_alive(), what="200 submits returned while the sender is stuck")
-        assert results == [True] * 4 + [False] * 196 and agent.queue.dropped == 196
-        assert received == ["first"] and agent.sent == 0        # the sender was stuck throughout
-        loop.call_soon_threadsafe(gate.set)
-        wait_until(lambda: agent.sent == 5, what="the queue drained once the agent answers")
-        # the gateway's deadline (send_timeout_s) frees a sender the agent never answers
-        assert quick.submit(signal("never"))
-        wait_until(lambda: quick.agents["u1"].failed == 1, what="deadline exceeded, counted")
-        assert quick.agents["u1"].sent == 0
-    finally:
-        link.close()
-        quick.close()
-        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(scaled(10))
-        loop.call_soon_threadsafe(loop.stop)
-        th.join(5)
+    gate = asyncio.Event()      # set from the server's loop: call_soon_threadsafe
+    with servicer_in_thread(Stuck()) as (loop, port):
+        link = AgentLink({"u1": f"127.0.0.1:{port}"}, queue_size=4, send_timeout_s=scaled(60)).start()
+        quick = AgentLink({"u1": f"127.0.0.1:{port}"}, send_timeout_s=0.2).start()
+        try:
+            agent = link.agents["u1"]
+            assert link.submit(signal("first"))
+            wait_until(lambda: received == ["first"], what="the sender in its first call")
+            results: list[bool] = []
+            submitter = threading.Thread(target=lambda: results.extend(
+                link.submit(signal(f"a{i}")) for i in range(200)))
+            submitter.start()
+            wait_until(lambda: not submitter.is_alive(), what="200 submits returned while the sender is stuck")
+            assert results == [True] * 4 + [False] * 196 and agent.queue.dropped == 196
+            assert received == ["first"] and agent.sent == 0        # the sender was stuck throughout
+            loop.call_soon_threadsafe(gate.set)
+            wait_until(lambda: agent.sent == 5, what="the queue drained once the agent answers")
+            # the gateway's deadline (send_timeout_s) frees a sender the agent never answers
+            assert quick.submit(signal("never"))
+            wait_until(lambda: quick.agents["u1"].failed == 1, what="deadline exceeded, counted")
+            assert quick.agents["u1"].sent == 0
+        finally:
+            link.close()
+            quick.close()
 
 
 def test_link_reconnects_when_the_agent_comes_back(tmp_path):
@@ -370,29 +381,15 @@ def test_a_busy_agent_still_gets_the_warm_set_with_the_default_deadline():
             await asyncio.sleep(1.0)
             return pb.PrefetchReply(outcome=pb.PrefetchReply.ACCEPTED)
 
-    loop = asyncio.new_event_loop()
-    th = threading.Thread(target=loop.run_forever, daemon=True)
-    th.start()
-
-    async def up():
-        server = grpc.aio.server()
-        pb_grpc.add_AgentServicer_to_server(Busy(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    server, port = asyncio.run_coroutine_threadsafe(up(), loop).result(10)
-    link = AgentLink({"u1": f"127.0.0.1:{port}"}, queue_size=4).start()
-    try:
-        for name in ("a1", "a2"):
-            assert link.submit(signal(name))
-        wait_until(lambda: link.agents["u1"].sent + link.agents["u1"].failed >= 2)
-        assert (link.agents["u1"].sent, link.agents["u1"].failed) == (2, 0)
-    finally:
-        link.close()
-        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        th.join(5)
+    with servicer_in_thread(Busy()) as (_loop, port):
+        link = AgentLink({"u1": f"127.0.0.1:{port}"}, queue_size=4).start()
+        try:
+            for name in ("a1", "a2"):
+                assert link.submit(signal(name))
+            wait_until(lambda: link.agents["u1"].sent + link.agents["u1"].failed >= 2)
+            assert (link.agents["u1"].sent, link.agents["u1"].failed) == (2, 0)
+        finally:
+            link.close()
 
 
 def test_discovery_adds_and_removes_agent_links(agent):

@@ -7,6 +7,7 @@ side by side, in the gateway's trace headers and the engine's own tier header.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import httpx
@@ -24,9 +25,11 @@ from tests.support.wait import wait_until
 pytest.importorskip("torch")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("agent-e2e")
+@contextlib.contextmanager
+def builtin_agent(tmp_path_factory, name: str):
+    """An agent with its builtin engine on the fixtures, and a gateway state file naming it
+    (flavour builtin): yields (work dir, engine port, agent, state path)."""
+    tmp = tmp_path_factory.mktemp(name)
     fixtures = fixtures_dir(tmp_path_factory)
     engine_port = free_port()
     with agent_process(fixtures / "catalog.yaml", tmp, "builtin",
@@ -35,6 +38,12 @@ def stack(tmp_path_factory):
         state = write_state(tmp, fixtures / "catalog.yaml", f"127.0.0.1:{engine_port}", agent.target)
         state.write_text(state.read_text().replace("flavour: vllm", "flavour: builtin")
                          .replace("vllm-1", "builtin-1"))
+        yield tmp, engine_port, agent, state
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with builtin_agent(tmp_path_factory, "agent-e2e") as (tmp, engine_port, agent, state):
         with gateway_front(tmp, state, f"127.0.0.1:{engine_port}", env={"ACE_AGENT_TOKEN": TOKEN}) as port:
             yield {"agent": agent, "base": f"http://127.0.0.1:{port}"}
 

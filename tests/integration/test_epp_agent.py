@@ -6,11 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.test_vllm_e2e import HEADERS, trace, write_state
-from tests.support.agent import TOKEN, agent_process
+from tests.integration.test_agent_e2e import builtin_agent, through_gateway
+from tests.integration.test_vllm_e2e import HEADERS, trace
+from tests.support.agent import TOKEN
 from tests.support.envoy import run_epp_envoy
-from tests.support.procs import free_port, wait_http
-from tests.support.vllm import fixtures_dir
 from tests.support.wait import wait_until
 from tools.localstack import extproc_process
 
@@ -19,26 +18,11 @@ pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("epp-agent")
-    fixtures = fixtures_dir(tmp_path_factory)
-    engine_port = free_port()
-    with agent_process(fixtures / "catalog.yaml", tmp, "builtin",
-                       extra=["--engine-port", str(engine_port), "--reconcile-interval-s", "0.2"]) as agent:
-        wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=60)
-        state = write_state(tmp, fixtures / "catalog.yaml", f"127.0.0.1:{engine_port}", agent.target)
-        state.write_text(state.read_text().replace("flavour: vllm", "flavour: builtin")
-                         .replace("vllm-1", "builtin-1"))
+    with builtin_agent(tmp_path_factory, "epp-agent") as (tmp, engine_port, _agent, state):
         with extproc_process(tmp, state, env={"ACE_AGENT_TOKEN": TOKEN},
                              extproc_args=["--protocol", "epp"]) as (address, _):
             with run_epp_envoy(tmp, extproc=address) as port:
                 yield {"base": f"http://127.0.0.1:{port}", "engine": f"127.0.0.1:{engine_port}"}
-
-
-def through_gateway(stack, model):
-    r = httpx.post(stack["base"] + "/v1/completions", headers=HEADERS, timeout=60,
-                   json={"model": model, "prompt": "SELECT name FROM", "max_tokens": 4, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r
 
 
 def test_cold_adapter_is_prefetched_by_the_gateway_and_then_resident(stack):
