@@ -9,15 +9,9 @@ import pytest
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.connectors.builtin import BuiltinConnector
 from gpu_agent.residency import PrefetchOutcome, ResidencyBudgets, ResidencyManager, Tier
-from tests.support.vllm import fixtures_dir
 from tests.support.wait import async_wait_until
 
 pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    return fixtures_dir(tmp_path_factory)
 
 
 def run(coro):

@@ -11,18 +11,13 @@ import httpx
 import pytest
 import torch
 
-from tests.support.vllm import BASE_MODEL, VLLMServer, fixtures_dir, vllm_python
+from tests.support.vllm import BASE_MODEL, VLLMServer, vllm_python
 
 pytestmark = pytest.mark.vllm
 torch.set_num_threads(1)
 
 ADAPTERS = ["code-python", "tr-de-en", "legal-review", "med-notes"]  # r8, r16, r128 rsLoRA, r64
 PROMPTS = ["def fibonacci(n):", "Patient presents with chest pain", "The Supplier shall"]
-
-
-@pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    return fixtures_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,11 @@ import yaml
 
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from tests.gpu_agent.agent_support import static_server
-from tests.support.vllm import fixtures_dir
 from tests.support.wait import async_wait_until, scaled
 
 
 def run(coro):
     return asyncio.run(coro)
-
-
-@pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    pytest.importorskip("torch")
-    return fixtures_dir(tmp_path_factory)
 
 
 def _remote_catalog(fixtures: Path, tmp_path: Path, base: str) -> Path:

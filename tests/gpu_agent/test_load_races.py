@@ -25,7 +25,6 @@ from aiohttp import web
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.errors import AdapterBusy, PoolExhausted
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, write_adapter
-from tests.support.vllm import fixtures_dir
 from tests.support.wait import async_wait_until
 
 NAMES = ["a1", "a2", "a3"]
@@ -33,12 +32,6 @@ NAMES = ["a1", "a2", "a3"]
 
 def run(coro):
     return asyncio.run(coro)
-
-
-@pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    pytest.importorskip("torch")
-    return fixtures_dir(tmp_path_factory)
 
 
 @contextlib.asynccontextmanager

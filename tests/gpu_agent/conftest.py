@@ -1,0 +1,11 @@
+"""Fixtures shared by the agent's tests."""
+import pytest
+
+from tests.support.vllm import fixtures_dir
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    """The tiny model, tokenizer and PEFT adapters (``make fixtures``; torch needed)."""
+    pytest.importorskip("torch")
+    return fixtures_dir(tmp_path_factory)
