@@ -190,3 +190,15 @@ async def metrics_server(state: dict):
     app.router.add_get("/metrics", metrics)
     async with serve(app) as url:
         yield url
+
+
+def remote_catalog(fixtures: Path, tmp_path: Path, base: str) -> Path:
+    """The fixtures' catalog with every adapter's ``uri`` at ``base`` (an artifact store
+    over loopback HTTP) and the base model's path made absolute."""
+    doc = yaml.safe_load((fixtures / "catalog.yaml").read_text())
+    doc["base_model"]["path"] = str((fixtures / doc["base_model"]["path"]).resolve())
+    for a in doc["adapters"]:
+        a["uri"] = f"{base}/{a['name']}"
+    out = tmp_path / "remote-catalog.yaml"
+    out.write_text(yaml.safe_dump(doc))
+    return out

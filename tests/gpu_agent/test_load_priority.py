@@ -13,25 +13,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
-from tests.gpu_agent.agent_support import static_server
+from tests.gpu_agent.agent_support import remote_catalog, static_server
 from tests.support.wait import async_wait_until, scaled
 
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def _remote_catalog(fixtures: Path, tmp_path: Path, base: str) -> Path:
-    doc = yaml.safe_load((fixtures / "catalog.yaml").read_text())
-    doc["base_model"]["path"] = str((fixtures / doc["base_model"]["path"]).resolve())
-    for a in doc["adapters"]:
-        a["uri"] = f"{base}/{a['name']}"
-    out = tmp_path / "remote-catalog.yaml"
-    out.write_text(yaml.safe_dump(doc))
-    return out
 
 
 class LoadHook:
@@ -66,7 +55,7 @@ async def _builtin_agent(fixtures: Path, tmp_path: Path, base: str, max_adapters
     from gpu_agent.engine.core import EngineSettings
     from gpu_agent.residency import ResidencyBudgets, ResidencyManager
 
-    cat_path = _remote_catalog(fixtures, tmp_path, base)
+    cat_path = remote_catalog(fixtures, tmp_path, base)
     catalog = Catalog.from_yaml(cat_path)
     # make bench's cold setting: resident-only disk cache, no parsed host copies
     store = ArtifactStore(catalog, DiskCache(tmp_path / "cache", 0))

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from aiohttp import web
 
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.errors import AdapterBusy, PoolExhausted
-from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, write_adapter
+from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, remote_catalog, write_adapter
 from tests.support.wait import async_wait_until
 
 NAMES = ["a1", "a2", "a3"]
@@ -135,16 +134,6 @@ def test_manager_prefetch_and_a_second_fetch_path_of_one_digest_do_not_collide(t
     run(main())
 
 
-def _remote_catalog(fixtures: Path, tmp_path: Path, base: str) -> Path:
-    doc = yaml.safe_load((fixtures / "catalog.yaml").read_text())
-    doc["base_model"]["path"] = str((fixtures / doc["base_model"]["path"]).resolve())
-    for a in doc["adapters"]:
-        a["uri"] = f"{base}/{a['name']}"
-    out = tmp_path / "remote-catalog.yaml"
-    out.write_text(yaml.safe_dump(doc))
-    return out
-
-
 def test_request_and_prefetch_of_one_remote_adapter_at_once_both_succeed(fixtures, tmp_path):
     """Through the agent with the builtin engine: a request's on-demand load and a prefetch
     of the same remote adapter at the same moment; before the fix the request got a 500."""
@@ -154,7 +143,7 @@ def test_request_and_prefetch_of_one_remote_adapter_at_once_both_succeed(fixture
 
     async def main():
         async with slow_server(fixtures / "adapters", delay_s=0.3) as (base, hits):
-            cat_path = _remote_catalog(fixtures, tmp_path, base)
+            cat_path = remote_catalog(fixtures, tmp_path, base)
             catalog = Catalog.from_yaml(cat_path)
             store = ArtifactStore(catalog, DiskCache(tmp_path / "cache", 1 << 30))
             conn = BuiltinConnector(store, EngineSettings(catalog=cat_path, pool_bytes=16 << 20,
