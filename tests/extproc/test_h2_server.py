@@ -850,11 +850,12 @@ def test_a_peer_that_does_not_read_is_not_read_either(h2, no_errors_logged):
 # ---------------------------------------------------------------- SIGTERM through the CLI
 
 def _refused(address: str) -> bool:
-    """True once nothing accepts connections on ``address`` any more."""
+    """True once nothing accepts connections on ``address`` any more: refused, or reset
+    (a connect that reached the backlog of the listener as it closed)."""
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=1).close()
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
         return True
     return False
 
