@@ -41,21 +41,14 @@ from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
 from gpu_agent.eviction import hinted_victims
 from gpu_agent.load import LoadChange, LoadMonitor
 from gpu_agent.metrics import AgentMetrics, Gauge
+from gpu_agent.tiers import Tier
 
-__all__ = ["Tier", "AdapterView", "PrefetchOutcome", "PrefetchResult", "ResidencyManager",
+__all__ = ["AdapterView", "PrefetchOutcome", "PrefetchResult", "ResidencyManager",
            "ResidencyBudgets", "Subscription"]
 
 log = logging.getLogger(__name__)
 
 MAX_EVICT_HINTS = 16  # names read from one Prefetch's evict list (the gateway sends one)
-
-
-class Tier(str, Enum):
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-    REMOTE = "remote"
-    ABSENT = "absent"
 
 
 class PrefetchOutcome(str, Enum):

@@ -20,7 +20,8 @@ from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from gpu_agent.connectors.base import EngineLoad
 from gpu_agent.errors import AgentError
 from gpu_agent.load import LoadChange
-from gpu_agent.residency import AdapterView, PrefetchOutcome, ResidencyManager, Tier
+from gpu_agent.residency import AdapterView, PrefetchOutcome, ResidencyManager
+from gpu_agent.tiers import Tier
 
 __all__ = ["AgentService", "TokenAuth", "start_server", "view_to_pb", "load_to_pb", "SERVICE_NAME"]
 

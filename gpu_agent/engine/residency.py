@@ -27,7 +27,7 @@ Tiers: ``pool`` (in the paged device pool), ``host`` (a parsed copy in host memo
 budget of 0 keeps no parsed copy: an adapter that leaves the pool comes back from disk
 (or remote).
 
-The host and pool tiers are ``gpu_agent.tiers.AdapterTiers`` (host LRU + paged pool,
+The host and pool tiers are ``gpu_agent.staging.AdapterTiers`` (host LRU + paged pool,
 with per-tier timings); this module adds what an engine needs on top: names from the
 catalog, a pluggable source for the outer tiers, holds that keep an adapter in the pool
 while its sequences run, and async waits. Pool calls are thread-safe (the pool has its
@@ -143,7 +143,7 @@ class AdapterResidency:
     def __init__(self, pool: Any, spec: Any, entries: Mapping[str, CatalogEntry], *,
                  source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30,
                  room_timeout_s: float = 30.0):
-        from gpu_agent.tiers import AdapterTiers
+        from gpu_agent.staging import AdapterTiers
 
         self.pool = pool
         self.spec = spec

@@ -8,7 +8,8 @@ import pytest
 
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.connectors.builtin import BuiltinConnector
-from gpu_agent.residency import PrefetchOutcome, ResidencyBudgets, ResidencyManager, Tier
+from gpu_agent.residency import PrefetchOutcome, ResidencyBudgets, ResidencyManager
+from gpu_agent.tiers import Tier
 from tests.support.wait import async_wait_until
 
 pytest.importorskip("torch")

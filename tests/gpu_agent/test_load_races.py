@@ -139,7 +139,8 @@ def test_request_and_prefetch_of_one_remote_adapter_at_once_both_succeed(fixture
     of the same remote adapter at the same moment; before the fix the request got a 500."""
     from gpu_agent.connectors.builtin import BuiltinConnector
     from gpu_agent.engine.core import EngineSettings
-    from gpu_agent.residency import ResidencyBudgets, ResidencyManager, Tier
+    from gpu_agent.residency import ResidencyBudgets, ResidencyManager
+    from gpu_agent.tiers import Tier
 
     async def main():
         async with slow_server(fixtures / "adapters", delay_s=0.3) as (base, hits):

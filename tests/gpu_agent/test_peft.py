@@ -158,7 +158,7 @@ def test_core_modules_import_without_torch():
     import sys
 
     code = ("import sys, gpu_agent, gpu_agent.errors, gpu_agent.peft, gpu_agent.eviction, "
-            "gpu_agent.pool, gpu_agent.lora_ops, gpu_agent.tiers; print('torch' in sys.modules)")
+            "gpu_agent.pool, gpu_agent.lora_ops, gpu_agent.staging; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -6,7 +6,9 @@ import asyncio
 
 import yaml
 
-from gpu_agent.residency import PrefetchOutcome, Tier
+from gpu_agent.residency import PrefetchOutcome
+
+from gpu_agent.tiers import Tier
 
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, write_adapter
 from tests.support.wait import async_wait_until
