@@ -9,6 +9,7 @@ from pathlib import Path
 
 from extproc.discovery import HostDiscovery, make_source
 from extproc.errors import ConfigError
+from extproc.health_port import HealthPort
 from extproc.metrics import GatewayCollector, GatewayMetrics, propagation_histogram, serve_metrics
 from extproc.prefetch import NullPrefetchSink
 from extproc.processor import Gateway
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_args(argv)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        metrics_server = None
+        metrics_server = health = None
         store = Store(settings.config, settings.state_db(), settings.catalog,
                       upstreams_required=not settings.discovers)
         agents = {u.name: u.agent for u in store.snapshot.upstreams if u.agent}
@@ -82,18 +83,24 @@ def main(argv: list[str] | None = None) -> int:
         source = make_source(settings.discovery, settings.discovery_interval_s)
         if source is not None:
             source.start(HostDiscovery(store, template, link).publish)
+        if settings.health_address:   # plaintext, for the kubelet: told serving/draining by the server
+            health = HealthPort(settings.health_address).start()
     except ConfigError as exc:
         print(f"extproc: configuration error: {exc}", file=sys.stderr)
         return 2
     try:
         if settings.server == "aio":
-            asyncio.run(serve_aio(gateway, settings.listen, protocol=settings.protocol, tls=tls))
+            asyncio.run(serve_aio(gateway, settings.listen, protocol=settings.protocol, tls=tls,
+                                  lifecycle=health))
         elif settings.server == "h2":
             asyncio.run(serve_h2(gateway, settings.listen, max_streams=settings.h2_max_streams,
-                                 protocol=settings.protocol, tls=tls))
+                                 protocol=settings.protocol, tls=tls, lifecycle=health))
         else:
-            serve(gateway, settings.listen, settings.workers, protocol=settings.protocol, tls=tls)
+            serve(gateway, settings.listen, settings.workers, protocol=settings.protocol, tls=tls,
+                  lifecycle=health)
     finally:
+        if health is not None:
+            health.stop()
         if source is not None:
             source.close()
         if metrics_server is not None:

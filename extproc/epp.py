@@ -294,6 +294,7 @@ class EppStream:
             return None
         served = ns.fields[SERVED_KEY].string_value
         self.stats.served[served] += 1
+        self.gw.metrics.epp_served(served, self.picks[0].address if self.picks else None)   # /metrics
         if self.picks and served != self.picks[0].address:
             self.stats.served_by_fallback += 1
             log.info("served by %s, picked %s first", served, self.picks[0].address)

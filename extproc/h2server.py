@@ -34,6 +34,7 @@ from extproc.h2frames import (ACK, COMPRESSION_ERROR, CONT, DATA, END_HEADERS, E
                               PRIO_FLAG, PROTOCOL_ERROR, PUSH, REFUSED_STREAM, RST, SETTINGS,
                               STREAM_CLOSED, WINDOW, ProtocolError, RecvWindow, frame, hpack_int)
 from extproc.epp import EppStats
+from extproc.health_port import ServerLifecycle
 from extproc.processor import Gateway
 from extproc.serving_cert import ServingCert
 from extproc.wire import HEALTH_SERVICES, SERVICE
@@ -602,15 +603,21 @@ def server_ssl_context(tls: ServingCert) -> ssl.SSLContext:
 
 
 async def serve_h2(gateway: Gateway | None, listen: str, grace_s: float = 5.0, null: bool = False,
-                   max_streams: int = MAX_STREAMS, protocol: str = "ace", tls: ServingCert | None = None) -> None:
-    """``null=True``: the benchmark's do-nothing ext_proc on the same loop."""
+                   max_streams: int = MAX_STREAMS, protocol: str = "ace", tls: ServingCert | None = None,
+                   lifecycle: ServerLifecycle | None = None) -> None:
+    """``null=True``: the benchmark's do-nothing ext_proc on the same loop. ``lifecycle``
+    (extproc.health_port): told once listening, and when the drain starts."""
     h2 = H2Server(gateway, null=null, max_streams=max_streams, protocol=protocol, tls=tls)
     server = await h2.start(listen)
     log.info("ext_proc (h2) listening on %s", listen)
+    if lifecycle is not None:
+        lifecycle.serving()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if lifecycle is not None:
+        lifecycle.draining()
     await h2.shutdown(server, grace_s)
     log.info("ext_proc stopped")

@@ -8,7 +8,9 @@ elsewhere (the agent links, the speculation, the residency board), at scrape tim
 
 Labels are bounded: tenants come from the state file (an unauthenticated request counts
 as ``tenant=""``), adapters from the catalog (none selected or an error: ``""``), actions
-are ``decide``'s multi_lora actions or an error's code, modes the skill modes.
+are ``decide``'s multi_lora actions or an error's code, modes the skill modes; with
+``--protocol epp``, endpoints are the ``ip:port`` of the pool's pods the gateway says served
+a response (a pod that leaves keeps its series until the gateway restarts).
 """
 from __future__ import annotations
 
@@ -39,11 +41,12 @@ PROPAGATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 class _Shard:
     """One thread's counts; only that thread writes it."""
 
-    __slots__ = ("requests", "errors", "buckets", "decision_sum")
+    __slots__ = ("requests", "errors", "buckets", "decision_sum", "served")
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, str, str], int] = {}
         self.errors: dict[tuple[int, str], int] = {}
+        self.served: dict[tuple[str, str], int] = {}
         self.buckets = [0] * (len(DECISION_BUCKETS_S) + 1)
         self.decision_sum = 0.0
 
@@ -80,6 +83,24 @@ class GatewayMetrics:
         shard = self._shard()
         key = (status, code)
         shard.errors[key] = shard.errors.get(key, 0) + 1
+
+    def epp_served(self, endpoint: str, picked_first: str | None) -> None:
+        """Endpoint picker protocol: the gateway says ``endpoint`` served a response whose
+        request ace picked ``picked_first`` for (None: ace picked none on that stream)."""
+        pick = "unpicked" if picked_first is None else "primary" if endpoint == picked_first else "fallback"
+        shard = self._shard()
+        key = (endpoint, pick)
+        shard.served[key] = shard.served.get(key, 0) + 1
+
+    def served_totals(self) -> dict[tuple[str, str], int]:
+        """(endpoint, pick) -> responses, over all threads (``epp_served``)."""
+        out: dict = {}
+        with self._register:
+            shards = list(self._shards)
+        for shard in shards:
+            for key, n in shard.served.copy().items():
+                out[key] = out.get(key, 0) + n
+        return out
 
     def totals(self) -> tuple[dict, dict, list[int], float]:
         """(requests, errors, decision buckets (not cumulative), decision sum) over all threads."""
@@ -128,6 +149,13 @@ class GatewayCollector(Collector):
             cumulative.append((bound, acc))
         yield HistogramMetricFamily("ace_gateway_decision_seconds", "Time decide() took per inference request.",
                                     buckets=cumulative, sum_value=total)
+        fam = CounterMetricFamily("ace_gateway_epp_served", "Endpoint picker protocol: responses by the "
+                                  "endpoint the gateway says served them, and whether that was ace's pick "
+                                  "(primary), another endpoint (fallback: a fallback or a retry elsewhere), "
+                                  "or a request ace picked none for (unpicked).", labels=("endpoint", "pick"))
+        for key, n in sorted(self.metrics.served_totals().items()):
+            fam.add_metric(key, n)
+        yield fam
         if self.link is not None:
             yield from self._links()
         if self.speculation is not None:

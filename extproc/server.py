@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from extproc.epp import EppStats, EppStream
 from extproc.processor import CONTINUE, Gateway
 from extproc.h2server import H2Server, serve_h2
+from extproc.health_port import ServerLifecycle
 from extproc.serving_cert import ServingCert
 from extproc.wire import HEALTH_SERVICES, NO_PHASE, head_from_attributes, request_head, to_response
 
@@ -103,7 +104,7 @@ def _add_port(server, listen: str, tls: ServingCert | None) -> int:
 
 
 async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protocol: str = "ace",
-                    tls: ServingCert | None = None) -> None:
+                    tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(AioExternalProcessor(gateway, protocol), server)
     health_servicer = health.aio.HealthServicer()
@@ -113,11 +114,15 @@ async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protoco
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     log.info("ext_proc (aio) listening on %s (port %d)", listen, port)
+    if lifecycle is not None:
+        lifecycle.serving()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if lifecycle is not None:
+        lifecycle.draining()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
     log.info("ext_proc stopped")
@@ -137,10 +142,12 @@ def build_server(gateway: Gateway, listen: str, workers: int, protocol: str = "a
 
 
 def serve(gateway: Gateway, listen: str, workers: int, grace_s: float = 5.0, protocol: str = "ace",
-          tls: ServingCert | None = None) -> None:
+          tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None) -> None:
     server, health_servicer, port = build_server(gateway, listen, workers, protocol, tls)
     server.start()
     log.info("ext_proc listening on %s (port %d)", listen, port)
+    if lifecycle is not None:
+        lifecycle.serving()
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -149,6 +156,8 @@ def serve(gateway: Gateway, listen: str, workers: int, grace_s: float = 5.0, pro
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stop.wait()
+    if lifecycle is not None:
+        lifecycle.draining()
     health_servicer.enter_graceful_shutdown()
     server.stop(grace_s).wait()
     log.info("ext_proc stopped")

@@ -17,6 +17,8 @@ from extproc.errors import ConfigError
 
 __all__ = ["AgentTLS", "Settings"]
 
+HEALTH_PORT = 9003   # extproc.health_port.DEFAULT_PORT (not imported: it pulls in grpc)
+
 _HELP = {
     "config": "state YAML (GitOps): adapters/include, tenants, keys, upstreams, skills, limits",
     "catalog": "extra adapter catalog YAML in the docs/contracts.md format (optional)",
@@ -63,6 +65,9 @@ _HELP = {
     "discovery_hints": "discovered hosts: how adapter hints are sent (body, headers or off)",
     "discovery_agent_port": "discovered hosts: the port of each host's GPU agent, on the host's IP "
                             "(0: no agents)",
+    "health_listen": "host:port of a plaintext grpc.health.v1 port beside the ext_proc port, for "
+                     "the kubelet's grpc probes (services liveness, readiness; docs/epp.md \"Health\"), "
+                     "or off; auto: off with --protocol ace, --listen's host and port 9003 with epp",
 }
 
 
@@ -108,6 +113,7 @@ class Settings:
     discovery_base_model: str | None = None
     discovery_hints: str = "body"
     discovery_agent_port: int = 0
+    health_listen: str = "auto"
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
@@ -151,6 +157,12 @@ class Settings:
             raise ConfigError("--agent-tls-server-name needs --agent-tls-ca or --agent-tls-cert")
         if parse_discovery(self.discovery).kind != "static":
             check_template(self.upstream_template())
+        if self.health_listen not in ("auto", "off"):
+            host, _, port = self.health_listen.rpartition(":")
+            if not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"--health-listen must be host:port, auto or off, got {self.health_listen!r}")
+        if self.health_address == self.listen:
+            raise ConfigError(f"--health-listen {self.health_address} is --listen's address")
         if not self.discovery_interval_s > 0:
             raise ConfigError(f"--discovery-interval-s must be positive, got {self.discovery_interval_s}")
 
@@ -169,6 +181,13 @@ class Settings:
         if self.secure_serving == "auto":
             return self.protocol == "epp"
         return self.secure_serving == "true"
+
+    @property
+    def health_address(self) -> str | None:
+        """Where the plaintext health port binds (``--health-listen``), or None: off."""
+        if self.health_listen == "auto":
+            return f"{self.listen.rpartition(':')[0]}:{HEALTH_PORT}" if self.protocol == "epp" else None
+        return None if self.health_listen == "off" else self.health_listen
 
     def agent_tls(self) -> AgentTLS | None:
         """TLS towards the agents, or None (plaintext) when no agent TLS file is set."""
@@ -218,7 +237,8 @@ class Settings:
                        discovery_flavour=str(ns["discovery_flavour"]),
                        discovery_base_model=ns["discovery_base_model"] or None,
                        discovery_hints=str(ns["discovery_hints"]),
-                       discovery_agent_port=int(ns["discovery_agent_port"] or 0))
+                       discovery_agent_port=int(ns["discovery_agent_port"] or 0),
+                       health_listen=str(ns["health_listen"]).lower())
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 

@@ -159,12 +159,13 @@ def extproc_process(work: Path, state: Path, *, env: dict[str, str] | None = Non
                     metrics_port: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m extproc`` with ``state`` on an ephemeral loopback port (log
     ``work/extproc.log``, db ``work/gw.sqlite3``); yields its ``host:port`` and process
-    once it listens, stops it on exit. /metrics on ``metrics_port`` (default: a free one)."""
+    once it listens, stops it on exit. /metrics on ``metrics_port`` (default: a free one); no
+    plaintext health port unless ``extproc_args`` asks (``--health-listen``: the later flag wins)."""
     port = free_port()
     log = work / "extproc.log"
     cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(work / "gw.sqlite3"),
            "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics_port or free_port()}",
-           *extproc_args]
+           "--health-listen", "off", *extproc_args]
     with running(cmd, log, env=env) as proc:
         wait_port(port, timeout=60, proc=proc, log=log)
         yield f"127.0.0.1:{port}", proc

@@ -183,6 +183,7 @@ def test_served_endpoint_is_read_on_the_response_and_response_streams(gateway):
     answer = s.handle(resp)
     assert header_map(answer[0].response_headers.response)["x-ace-served-by"]
     assert stats.served[first[1]] == 1 and stats.served_by_fallback == 1
+    assert gateway.metrics.served_totals() == {(first[1], "fallback"): 1}   # /metrics
     chunk = pb.ProcessingRequest()
     chunk.response_body.body = b"data: {}\n\n"
     echoed = s.handle(chunk)[0].response_body.response.body_mutation.streamed_response

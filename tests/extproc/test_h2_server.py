@@ -931,7 +931,7 @@ def epp_servers(state):
             cmd = [python(), "-m", "extproc", "--server", flavour, "--protocol", "epp",
                    "--secure-serving", "false", "--config", str(path),
                    "--db", str(tmp / f"epp-{flavour}.sqlite3"), "--listen", f"127.0.0.1:{port}",
-                   "--metrics-listen", "off"]
+                   "--metrics-listen", "off", "--health-listen", "off"]
             addresses[flavour] = (port, stack.enter_context(running(cmd, log)), log)
         for port, proc, log in addresses.values():
             wait_port(port, timeout=30, proc=proc, log=log)

@@ -225,3 +225,14 @@ def test_metrics_listen_setting_is_validated(state_file, value, ok):
     else:
         with pytest.raises(ConfigError, match="metrics-listen"):
             Settings(config=state_file, metrics_listen=value)
+
+
+def test_epp_served_endpoints_are_counted_as_primary_fallback_or_unpicked(store):
+    gw = Gateway(store)
+    for served, first in [("10.0.0.1:8000", "10.0.0.1:8000"), ("10.0.0.1:8000", "10.0.0.1:8000"),
+                          ("10.0.0.2:8000", "10.0.0.1:8000"), ("10.0.0.3:8000", None)]:
+        gw.metrics.epp_served(served, first)
+    got = {k: v for k, v in _samples(_registry(gw)).items() if k[0] == "ace_gateway_epp_served_total"}
+    assert got == {("ace_gateway_epp_served_total", (("endpoint", "10.0.0.1:8000"), ("pick", "primary"))): 2,
+                   ("ace_gateway_epp_served_total", (("endpoint", "10.0.0.2:8000"), ("pick", "fallback"))): 1,
+                   ("ace_gateway_epp_served_total", (("endpoint", "10.0.0.3:8000"), ("pick", "unpicked"))): 1}
