@@ -27,6 +27,7 @@ from kubernetes_validate.utils import SchemaNotFoundError
 
 from extproc.discovery import parse_discovery
 from extproc.envoy_config import render
+from extproc.health_port import LIVENESS, READINESS
 from extproc.processor import ROUTES
 from extproc.settings import Settings
 from extproc.store import load_state_file
@@ -42,7 +43,7 @@ GATEWAY_CLASSES = {"envoy-gateway": "envoy-gateway", "kgateway": "kgateway", "is
 OVERLAYS = ["standalone", *GATEWAY_CLASSES]
 TARGETS = ["base", *(f"overlays/{o}" for o in OVERLAYS)]
 # Kinds defined by CRDs, which kubernetes-validate has no schema for; checked below.
-CRD_KINDS = {"InferencePool", "HTTPRoute", "Gateway", "GatewayClass"}
+CRD_KINDS = {"InferencePool", "HTTPRoute", "Gateway", "GatewayClass", "DestinationRule"}
 # The oldest Kubernetes these manifests claim (native gRPC probes: 1.27 GA) and the newest
 # that kubernetes-validate knows.
 K8S_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
@@ -477,6 +478,44 @@ def test_gateway_may_watch_pods_and_inferencepools_in_its_namespace():
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "ace-gateway"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                                     "namespace": sa["metadata"]["namespace"]}]
+
+
+@pytest.mark.parametrize("overlay", GATEWAY_CLASSES)
+def test_inferencepool_overlays_run_the_picker_with_plaintext_health_probes(overlay, tmp_path, monkeypatch):
+    """The pool's gateways call the endpoint-picker protocol over TLS; the kubelet's grpc
+    probes are plaintext: they go to the health port (extproc.health_port), by service."""
+    objs = rendered(f"overlays/{overlay}")
+    c = container(objs, "ace-gateway", "extproc")
+    s = discovery_settings(objs, tmp_path, monkeypatch)   # the real parser, on the container's env
+    assert (s.protocol, s.serves_tls) == ("epp", True)
+    host, _, port = s.health_address.rpartition(":")
+    assert host == "0.0.0.0", "the kubelet must reach it"
+    assert int(port) == port_number(c, "grpc-health") != port_number(c, "grpc")
+    assert c["readinessProbe"]["grpc"] == {"port": int(port), "service": READINESS}
+    assert c["livenessProbe"]["grpc"] == {"port": int(port), "service": LIVENESS}
+    # the picker port the pool names is the TLS ext_proc port, not declared as cleartext h2c
+    ref = one(objs, "InferencePool")["spec"]["endpointPickerRef"]
+    [svc_port] = [p for p in one(objs, "Service", ref["name"])["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    assert port_number(c, svc_port["targetPort"]) == int(s.listen.rpartition(":")[2])
+    assert "appProtocol" not in svc_port
+    if overlay == "istio":   # Istio originates TLS to the picker only when told to
+        rule = one(objs, "DestinationRule", ref["name"])
+        assert rule["spec"]["host"] == f"{ref['name']}.{rule['metadata']['namespace']}.svc.cluster.local"
+        assert rule["spec"]["trafficPolicy"]["tls"] == {"mode": "SIMPLE", "insecureSkipVerify": True}
+
+
+def test_standalone_runs_ace_protocol_in_plaintext_with_probes_on_the_ext_proc_port(tmp_path, monkeypatch):
+    """ace's own Envoy speaks ace's contract in cleartext h2c: no second port, the probes
+    ask the ext_proc port's health service for the whole server (service "")."""
+    objs = rendered("overlays/standalone")
+    c = container(objs, "ace-gateway", "extproc")
+    s = discovery_settings(objs, tmp_path, monkeypatch)
+    assert (s.protocol, s.serves_tls, s.health_address) == ("ace", False, None)
+    assert "grpc-health" not in container_ports(c)
+    grpc_port = port_number(c, "grpc")
+    assert c["readinessProbe"]["grpc"] == c["livenessProbe"]["grpc"] == {"port": grpc_port}
+    assert {p["appProtocol"] for p in one(objs, "Service", "ace-gateway")["spec"]["ports"]} == {"kubernetes.io/h2c"}
+    assert not [o for o in objs if o["kind"] == "DestinationRule"]
 
 
 def test_the_gateway_replicas_share_the_database_of_the_ace_database_secret():
