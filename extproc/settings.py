@@ -66,7 +66,7 @@ _HELP = {
     "discovery_agent_port": "discovered hosts: the port of each host's GPU agent, on the host's IP "
                             "(0: no agents)",
     "health_listen": "host:port of a plaintext grpc.health.v1 port beside the ext_proc port, for "
-                     "the kubelet's grpc probes (services liveness, readiness; docs/epp.md \"Health\"), "
+                     "the kubelet's grpc probes (services liveness, readiness; docs/epp.md \"The plaintext health port\"), "
                      "or off; auto: off with --protocol ace, --listen's host and port 9003 with epp",
 }
 
@@ -162,7 +162,8 @@ class Settings:
             if not host or not port.isdigit() or int(port) > 65535:
                 raise ConfigError(f"--health-listen must be host:port, auto or off, got {self.health_listen!r}")
         if self.health_address == self.listen:
-            raise ConfigError(f"--health-listen {self.health_address} is --listen's address")
+            raise ConfigError(f"--health-listen {self.health_address} is --listen's address: "
+                              "give it another port, or off")
         if not self.discovery_interval_s > 0:
             raise ConfigError(f"--discovery-interval-s must be positive, got {self.discovery_interval_s}")
 
