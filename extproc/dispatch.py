@@ -12,52 +12,39 @@ returns in order, and end the gRPC stream (status OK) once ``ended`` is true; an
 - protocol ``epp`` (``PickerStream``): ``extproc.epp.EppStream``'s zero or more answers;
   the stream ends when Envoy half-closes it.
 
-Answers are ``ProcessingResponse`` messages (``MESSAGES``, grpcio serializes them) or their
-bytes (``BYTES``, written by the h2 server; ``wire.serialize_response`` builds them
-without the message).
+Answers are ``ProcessingResponse`` messages (grpcio serializes them) or, ``as_bytes``, their
+bytes (written by the h2 server; ``wire.serialize_response`` builds them without the
+message).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from grpc_health.v1 import health, health_pb2
 
 from extproc.epp import EppStats, EppStream
 from extproc.errors import InvalidMessage
-from extproc.outcomes import CONTINUE, Outcome
+from extproc.outcomes import CONTINUE
 from extproc.wire import (HEALTH_SERVICES, NO_PHASE, head_from_attributes, pb, request_head,
                           serialize_response, to_response)
 
 if TYPE_CHECKING:
     from extproc.processor import Gateway
 
-__all__ = ["Dispatcher", "ExchangeStream", "PickerStream", "Encoding", "MESSAGES", "BYTES",
-           "ServingHealth", "SERVING", "NOT_SERVING"]
+__all__ = ["Dispatcher", "ExchangeStream", "PickerStream", "ServingHealth", "SERVING", "NOT_SERVING"]
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class Encoding(NamedTuple):
-    """How a server wants its answers: from an outcome (``phase, outcome -> answer``) and
-    from a ProcessingResponse."""
-
-    outcome: Callable[[str, Outcome], Any]
-    message: Callable[[pb.ProcessingResponse], Any] | None   # None: the message itself
-
-
-MESSAGES = Encoding(to_response, None)
-BYTES = Encoding(serialize_response, pb.ProcessingResponse.SerializeToString)
-
-
 class ExchangeStream:
     """One ext_proc stream in ace's protocol: each phase to the request's ``Exchange``."""
 
-    __slots__ = ("exchange", "encode", "ended")
+    __slots__ = ("exchange", "as_bytes", "ended")
 
-    def __init__(self, gateway: "Gateway", encode: Callable[[str, Outcome], Any]) -> None:
+    def __init__(self, gateway: "Gateway", as_bytes: bool) -> None:
         self.exchange = gateway.exchange()
-        self.encode = encode
+        self.as_bytes = as_bytes
         self.ended = False
 
     def answer(self, msg: pb.ProcessingRequest) -> Sequence[Any]:
@@ -76,41 +63,43 @@ class ExchangeStream:
             outcome = CONTINUE
         # the last answer ends the stream: Envoy needs us no more for this request
         self.ended = exchange.done_after(phase)
-        return (self.encode(phase, outcome),)
+        if self.as_bytes:
+            return (serialize_response(phase, outcome),)
+        return (to_response(phase, outcome),)
 
 
 class PickerStream:
     """One ext_proc stream in the endpoint picker protocol (``extproc.epp``)."""
 
-    __slots__ = ("stream", "encode")
+    __slots__ = ("stream", "as_bytes")
     ended = False   # Envoy half-closes it
 
-    def __init__(self, gateway: "Gateway", stats: EppStats,
-                 encode: Callable[[pb.ProcessingResponse], Any] | None) -> None:
+    def __init__(self, gateway: "Gateway", stats: EppStats, as_bytes: bool) -> None:
         self.stream = EppStream(gateway, stats)
-        self.encode = encode
+        self.as_bytes = as_bytes
 
     def answer(self, msg: pb.ProcessingRequest) -> Sequence[Any]:
         answers = self.stream.handle(msg)
-        return answers if self.encode is None else [self.encode(a) for a in answers]
+        return [a.SerializeToString() for a in answers] if self.as_bytes else answers
 
 
 class Dispatcher:
     """One per server: the streams its ``Process`` calls serve, in its protocol (``ace`` or
-    ``epp``) and encoding. ``epp_stats``: what the endpoint picker protocol counts."""
+    ``epp``); ``as_bytes``: answers as serialized bytes (the h2 server) rather than
+    messages (grpcio). ``epp_stats``: what the endpoint picker protocol counts."""
 
-    __slots__ = ("gateway", "protocol", "encoding", "epp_stats")
+    __slots__ = ("gateway", "protocol", "as_bytes", "epp_stats")
 
-    def __init__(self, gateway: "Gateway", protocol: str = "ace", encoding: Encoding = MESSAGES) -> None:
+    def __init__(self, gateway: "Gateway", protocol: str = "ace", *, as_bytes: bool = False) -> None:
         self.gateway = gateway
         self.protocol = "epp" if protocol == "epp" else "ace"
-        self.encoding = encoding
+        self.as_bytes = as_bytes
         self.epp_stats = EppStats()
 
     def open(self) -> ExchangeStream | PickerStream:
         if self.protocol == "epp":
-            return PickerStream(self.gateway, self.epp_stats, self.encoding.message)
-        return ExchangeStream(self.gateway, self.encoding.outcome)
+            return PickerStream(self.gateway, self.epp_stats, self.as_bytes)
+        return ExchangeStream(self.gateway, self.as_bytes)
 
 
 class ServingHealth:

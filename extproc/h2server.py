@@ -3,7 +3,7 @@
 Why: on this kind of VM every syscall and thread wake-up is expensive. grpc.aio spends
 ~50 syscalls and several thread hand-offs (C-core poller thread <-> event loop) per
 ext_proc stream; the loop below does one recv and one send per message on a single
-asyncio protocol, and calls the same Exchange. It speaks just the HTTP/2 + gRPC that
+asyncio protocol, and serves the same streams (extproc.dispatch). It speaks just the HTTP/2 + gRPC that
 Envoy's and grpc's clients use: h2c with prior knowledge, no compression, no server push.
 A peer that breaks the protocol gets GOAWAY and loses its connection, nothing else.
 What one connection may cost us is bounded: streams (SETTINGS_MAX_CONCURRENT_STREAMS),
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from google.protobuf.message import DecodeError
 from hpack import Decoder, HPACKError
 
-from extproc.dispatch import BYTES, Dispatcher, ServingHealth
+from extproc.dispatch import Dispatcher, ServingHealth
 from extproc.errors import ConfigError
 from extproc.h2calls import (INTERNAL, RESOURCE_EXHAUSTED, UNIMPLEMENTED, Call, HealthCheckCall,
                              NullProcessCall, ProcessCall, UnknownCall)
@@ -550,7 +550,7 @@ class H2Server:
         self.stream_window, self.connection_window = stream_window, connection_window
         self.gateway = gateway
         self.process_call = NullProcessCall if null else ProcessCall
-        self.dispatcher = Dispatcher(gateway, protocol, BYTES)
+        self.dispatcher = Dispatcher(gateway, protocol, as_bytes=True)
         self.tls = tls
         self.health = ServingHealth()
         self.connections: set[H2Connection] = set()

@@ -18,7 +18,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from extproc.dispatch import MESSAGES, Dispatcher, ServingHealth
+from extproc.dispatch import Dispatcher, ServingHealth
 from extproc.errors import InvalidMessage
 from extproc.h2server import H2Server, serve_h2
 from extproc.serving_cert import ServingCert
@@ -36,7 +36,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """``Process`` on grpcio's thread pool: a stream of ``extproc.dispatch`` per call."""
 
     def __init__(self, gateway: Gateway, protocol: str = "ace") -> None:
-        self.dispatcher = Dispatcher(gateway, protocol, MESSAGES)
+        self.dispatcher = Dispatcher(gateway, protocol)
 
     def Process(self, request_iterator, context):
         stream = self.dispatcher.open()
@@ -54,7 +54,7 @@ class AioExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The same on grpc.aio with the read/write API: one thread, no hand-offs."""
 
     def __init__(self, gateway: Gateway, protocol: str = "ace") -> None:
-        self.dispatcher = Dispatcher(gateway, protocol, MESSAGES)
+        self.dispatcher = Dispatcher(gateway, protocol)
 
     async def Process(self, request_iterator, context):
         read, write, eof = context.read, context.write, grpc.aio.EOF
