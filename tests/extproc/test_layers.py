@@ -104,3 +104,27 @@ def test_every_gateway_error_has_one_root():
                     and not issubclass(cls, AceError)):
                 strays.append(f"{name}.{cls.__name__}")
     assert not strays
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def test_gateway_header_names_are_spelled_once():
+    """Every ``x-ace-*`` header name in code comes from extproc.headers."""
+    spelled = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "headers.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        spelled += [f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and "x-ace-" in node.value and id(node) not in docs]
+    assert not spelled
