@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hpack import Encoder
 
+import extproc.dispatch as dispatch
 import extproc.h2calls as h2calls
 import extproc.processor as processor
 import extproc.rewrite as rewrite
@@ -139,7 +140,7 @@ def run(feed: Feed, message: bytes, n: int, cold: bool) -> dict:
 
 # (module, function, label): what --sections wraps, outermost last
 _SECTIONS = [
-    (h2calls, "head_from_attributes", "head from attributes"),
+    (dispatch, "head_from_attributes", "head from attributes"),
     (processor, "authenticate", "authenticate (SHA-256)"),
     (processor, "_parse_object", "JSON parse"),
     (processor, "decide", "decide"),
@@ -147,7 +148,7 @@ _SECTIONS = [
     (processor, "rewrite_request", "rewrite (with JSON encode)"),
     (processor, "trace_metadata", "trace metadata"),
     (processor.Exchange, "on_request_body", "Exchange.on_request_body (from authenticate to trace)"),
-    (h2calls, "serialize_response", "response bytes"),
+    (dispatch, "serialize_response", "response bytes"),
     (h2calls.Call, "send_message", "send_message (frames)"),
     (h2calls.ProcessCall, "on_message", "ProcessCall.on_message (parse to frames)"),
 ]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from extproc.catalog import DevKey, Tenant
 from extproc.errors import Forbidden, Unauthorized
+from extproc.headers import TENANT_HEADER
 from extproc.store import Snapshot
 
 try:   # CPython's own SHA-256: the same digest as OpenSSL's, and on a cold cache (one request
@@ -44,6 +45,6 @@ def authenticate(snapshot: Snapshot, authorization: str | None, tenant_header: s
         raise Unauthorized("invalid API key")
     tenant = snapshot.tenants[key.tenant]
     if tenant_header is not None and tenant_header.strip() != tenant.id:
-        raise Forbidden("x-ace-tenant-id does not match the tenant of this API key",
-                        param="x-ace-tenant-id")
+        raise Forbidden(f"{TENANT_HEADER} does not match the tenant of this API key",
+                        param=TENANT_HEADER)
     return Principal(key=key, tenant=tenant)

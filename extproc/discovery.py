@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 from extproc.catalog import FLAVOURS, HINT_MODES, Upstream
-from extproc.errors import ConfigError
+from extproc.errors import AceError, ConfigError
 
 __all__ = ["DiscoveryError", "Endpoint", "HostDiscovery", "HostSource", "PollingSource", "UpstreamTemplate",
            "dns_lookup", "file_lookup", "parse_discovery"]
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 Publish = Callable[[frozenset["Endpoint"]], None]
 
 
-class DiscoveryError(Exception):
+class DiscoveryError(AceError):
     """A source could not read the current hosts this time (DNS, file, Kubernetes API)."""
 
 

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import yaml
 
+from extproc.headers import hint_header
 from extproc.rewrite.hints import HINT_FIELDS
 
 __all__ = ["TEMPLATE", "decimal_at_most", "render"]
@@ -26,14 +27,14 @@ BODY_LIMIT_FILTERS = ("ace.body_drain", "ace.body_limit")   # Lua: an oversize b
 def _hint_headers() -> str:
     lines = []
     for f in HINT_FIELDS:
-        name = "x-ace-hint-" + f.replace("_", "-")
+        name = hint_header(f)
         lines.append(f'              - header: {{key: {name}, value: "%DYNAMIC_METADATA(ace:hint_{f})%"}}\n'
                      "                append_action: OVERWRITE_IF_EXISTS_OR_ADD")
     return "\n".join(lines)
 
 
 def _hint_names() -> str:
-    return ", ".join("x-ace-hint-" + f.replace("_", "-") for f in HINT_FIELDS)
+    return ", ".join(hint_header(f) for f in HINT_FIELDS)
 
 
 def decimal_at_most(limit: int) -> str:

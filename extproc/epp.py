@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
 from extproc.catalog import Upstream
-from extproc.errors import GatewayError, PayloadTooLarge, ServiceUnavailable, TooManyRequests
-from extproc.processor import TENANT_HEADER, Continue, Gateway, Reply
+from extproc.errors import GatewayError, NoUpstream, PayloadTooLarge, TooManyRequests
+from extproc.headers import SERVED_BY_HEADER, TENANT_HEADER, TRACE_METADATA_HEADERS, hint_header
+from extproc.outcomes import Continue, Reply
 from extproc.rewrite.hints import HINT_FIELDS
 from extproc.wire import METADATA_NAMESPACE, pb, request_head, to_response
+
+if TYPE_CHECKING:
+    from extproc.processor import Gateway
 
 __all__ = ["EppStream", "EppStats", "subset_hint", "eligible_upstreams", "pick_order",
            "ENDPOINT_HEADER", "LB_NAMESPACE", "SUBSET_NAMESPACE", "SUBSET_KEY", "SERVED_KEY", "CHUNK"]
@@ -44,16 +48,13 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
-SERVED_BY_HEADER = "x-ace-served-by"
 CHUNK = 62_000   # bytes per streamed body answer, as the reference picker splits them
 
 #: ace's dynamic metadata keys that ace's own Envoy config turns into headers (envoy/
 #: envoy.template.yaml); a gateway configured for the picker protocol does not, so they
 #: are set here, and removed when ace sets none, so a client or an engine cannot supply them
-_REQUEST_HEADERS = {"tenant": TENANT_HEADER,
-                    **{"hint_" + f: "x-ace-hint-" + f.replace("_", "-") for f in HINT_FIELDS}}
-_RESPONSE_HEADERS = {"trace_multi_lora": "x-ace-trace-multi-lora",
-                     "trace_dynamic_lora_prefetch": "x-ace-trace-dynamic-lora-prefetch"}
+_REQUEST_HEADERS = {"tenant": TENANT_HEADER, **{"hint_" + f: hint_header(f) for f in HINT_FIELDS}}
+_RESPONSE_HEADERS = TRACE_METADATA_HEADERS
 _DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -204,8 +205,8 @@ class EppStream:
         subset = subset_hint(msg)
         self.eligible = eligible_upstreams(self.gw.store.snapshot.upstreams, subset)
         if not self.eligible:
-            raise ServiceUnavailable("no eligible endpoint in the gateway's subset" if subset is not None
-                                     else "no endpoint is configured")
+            raise NoUpstream("no eligible endpoint in the gateway's subset" if subset is not None
+                             else "no endpoint is configured", code="no_endpoint")
         eligible, route = self.eligible, self.gw.route
         self.exchange = self.gw.exchange(lambda _ups, adapter, res: route(eligible, adapter, res))
         head = request_head(msg.request_headers)

@@ -1,34 +1,47 @@
-"""Every error a client can see, with its HTTP status and OpenAI-shaped JSON body.
+"""Every error of the gateway (one root, ``AceError``), and every error a client can see,
+with its HTTP status and OpenAI-shaped JSON body.
 
-    GatewayError                 (500, internal: never raised on purpose)
-    ├── BadRequest               400  malformed JSON, missing body
-    ├── Unauthorized             401  missing or unknown API key
-    ├── Forbidden                403  x-ace-tenant-id inconsistent with the key
-    ├── NotFound                 404  unknown adapter, or another tenant's adapter
-    ├── MethodNotAllowed         405  wrong HTTP method on a gateway route
-    ├── PayloadTooLarge          413  body over the configured limit
-    ├── InvalidField             422  a field with a value we cannot accept
-    ├── TooManyRequests          429  every eligible engine host is over its load (endpoint picker)
-    ├── ServiceUnavailable       503  no eligible endpoint in the subset hint (endpoint picker)
-    ├── NoUpstream               503  no engine host is known (discovery found none)
-    └── StoreUnavailable         503  a runtime change could not be stored (state database
-                                      down): nothing was changed, retry
+    AceError                         any error of extproc (catch this for "the gateway's own")
+    ├── ConfigError                  the gateway's configuration is invalid (start-up only)
+    ├── DiscoveryError               a discovery source failed (extproc.discovery)
+    ├── ProtocolError                an HTTP/2 peer broke the protocol (extproc.h2frames)
+    ├── InvalidMessage               an ext_proc message the protocol does not allow
+    │                                (the gRPC stream ends with INVALID_ARGUMENT)
+    └── GatewayError                 (500, internal: never raised on purpose)
+        ├── BadRequest               400  malformed JSON, missing body
+        ├── Unauthorized             401  missing or unknown API key
+        ├── Forbidden                403  x-ace-tenant-id inconsistent with the key
+        ├── NotFound                 404  unknown adapter, or another tenant's adapter
+        ├── MethodNotAllowed         405  wrong HTTP method on a gateway route
+        ├── PayloadTooLarge          413  body over the configured limit
+        ├── InvalidField             422  a field with a value we cannot accept
+        ├── TooManyRequests          429  every eligible engine host is over its load (endpoint picker)
+        ├── NoUpstream               503  no engine host to send the request to: none is known
+        │                                 (``no_upstream``: discovery found none), or none in
+        │                                 the endpoint picker's subset hint (``no_endpoint``)
+        └── StoreUnavailable         503  a runtime change could not be stored (state database
+                                          down): nothing was changed, retry
 
-Errors are raised anywhere in the request path and turned into a response at exactly
-one boundary: ``processor.Exchange`` (via ``GatewayError.to_json``).
+``GatewayError`` s are raised anywhere in the request path and turned into a response at
+exactly one boundary per protocol: ``processor.Exchange`` (via ``GatewayError.to_json``),
+and ``epp.EppStream`` for what the endpoint picker protocol refuses before a handler runs.
 """
 from __future__ import annotations
 
 import json
 
 __all__ = [
-    "BadRequest", "Forbidden", "GatewayError", "InvalidField", "MethodNotAllowed", "NoUpstream",
-    "NotFound", "PayloadTooLarge", "ServiceUnavailable", "StoreUnavailable", "TooManyRequests",
-    "Unauthorized", "ConfigError",
+    "AceError", "BadRequest", "ConfigError", "Forbidden", "GatewayError", "InvalidField",
+    "InvalidMessage", "MethodNotAllowed", "NoUpstream", "NotFound", "PayloadTooLarge",
+    "StoreUnavailable", "TooManyRequests", "Unauthorized",
 ]
 
 
-class ConfigError(Exception):
+class AceError(Exception):
+    """The root of every error the gateway raises on purpose."""
+
+
+class ConfigError(AceError):
     """The gateway's own configuration is invalid (start-up only, never per request).
 
     ``field``: the path of the value to blame in its file (``tenants[1].id``), when one is."""
@@ -38,7 +51,12 @@ class ConfigError(Exception):
         self.field = field
 
 
-class GatewayError(Exception):
+class InvalidMessage(AceError):
+    """An ext_proc message the protocol does not allow (no request phase): the servers end
+    the gRPC stream with INVALID_ARGUMENT and this message."""
+
+
+class GatewayError(AceError):
     status = 500
     type = "internal_error"
     code = "internal_error"
@@ -103,13 +121,10 @@ class TooManyRequests(GatewayError):
     code = "overloaded"
 
 
-class ServiceUnavailable(GatewayError):
-    status = 503
-    type = "service_unavailable"
-    code = "no_endpoint"
-
-
 class NoUpstream(GatewayError):
+    """No engine host to send the request to. ``code``: ``no_upstream`` (none is known),
+    ``no_endpoint`` (none in the endpoint picker's subset hint)."""
+
     status = 503
     type = "service_unavailable"
     code = "no_upstream"

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from grpc_health.v1 import health_pb2
 
+from extproc.errors import InvalidMessage
 from extproc.h2frames import (HEADERS, END_HEADERS, RESPONSE_HEADERS, TRAILERS_OK, RecvWindow, frame,
                               status_block)
-from extproc.epp import EppStream
-from extproc.processor import CONTINUE
-from extproc.wire import NO_PHASE, head_from_attributes, pb, request_head, serialize_response
+from extproc.wire import pb
 
-__all__ = ["Call", "ProcessCall", "EppProcessCall", "NullProcessCall", "HealthCheckCall", "UnknownCall"]
+__all__ = ["Call", "ProcessCall", "NullProcessCall", "HealthCheckCall", "UnknownCall"]
 
 # gRPC status codes used here
 OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 3, 5, 8, 12, 13
@@ -61,48 +60,26 @@ class Call:
 
 
 class ProcessCall(Call):
-    """``ExternalProcessor/Process``: the same Exchange loop as the grpcio flavours."""
-
-    __slots__ = ("exchange",)
-
-    def __init__(self, conn, sid: int) -> None:
-        super().__init__(conn, sid)
-        self.exchange = conn.gateway.exchange()
-
-    def on_message(self, data: bytes) -> None:
-        msg = pb.ProcessingRequest.FromString(data)
-        exchange = self.exchange
-        phase = msg.WhichOneof("request")
-        if phase == "request_body":
-            outcome = exchange.on_request_body(
-                msg.request_body.body, head_from_attributes(msg) if exchange.handler is None else None)
-        elif phase == "request_headers":
-            outcome = exchange.on_request_headers(request_head(msg.request_headers))
-        elif phase == "response_body":
-            outcome = exchange.on_response_body(msg.response_body.body)
-        elif phase is None:
-            self.finish(INVALID_ARGUMENT, NO_PHASE)
-            return
-        else:
-            outcome = CONTINUE
-        self.send_message(serialize_response(phase, outcome))
-        if exchange.done_after(phase):
-            self.finish(OK)   # trailers in the same write: Envoy needs us no more for this request
-
-
-class EppProcessCall(Call):
-    """``ExternalProcessor/Process`` in the endpoint picker protocol (``extproc.epp``): zero,
-    one or several answers per message; the stream ends when Envoy half-closes it."""
+    """``ExternalProcessor/Process``: a stream of ``extproc.dispatch`` (either protocol), the
+    same as the grpcio flavours serve."""
 
     __slots__ = ("stream",)
 
     def __init__(self, conn, sid: int) -> None:
         super().__init__(conn, sid)
-        self.stream = EppStream(conn.gateway, conn.server.epp_stats)
+        self.stream = conn.server.dispatcher.open()
 
     def on_message(self, data: bytes) -> None:
-        for answer in self.stream.handle(pb.ProcessingRequest.FromString(data)):
-            self.send_message(answer.SerializeToString())
+        stream = self.stream
+        try:
+            answers = stream.answer(pb.ProcessingRequest.FromString(data))
+        except InvalidMessage as exc:
+            self.finish(INVALID_ARGUMENT, str(exc))
+            return
+        for answer in answers:
+            self.send_message(answer)
+        if stream.ended:
+            self.finish(OK)   # trailers in the same write: Envoy needs us no more for this request
 
 
 class NullProcessCall(Call):
@@ -131,7 +108,7 @@ class HealthCheckCall(Call):
         self.service = health_pb2.HealthCheckRequest.FromString(data).service
 
     def on_half_close(self) -> None:
-        status = self.conn.server.health.get(self.service)
+        status = self.conn.server.health.check(self.service)
         if status is None:
             self.finish(NOT_FOUND, "unknown service")
             return

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
+from extproc.errors import AceError
+
 __all__ = ["ProtocolError", "RecvWindow", "frame", "hpack_int", "hpack_literal", "status_block",
            "PREFACE", "RESPONSE_HEADERS", "TRAILERS_OK", "MAX_FRAME"]
 
@@ -21,7 +23,7 @@ MAX_FRAME = 16384               # SETTINGS_MAX_FRAME_SIZE we accept (the default
 MAX_WINDOW = (1 << 31) - 1
 
 
-class ProtocolError(Exception):
+class ProtocolError(AceError):
     """A connection error (RFC 9113 5.4.1): the connection gets GOAWAY(``code``) and is closed."""
 
     def __init__(self, code: int, reason: str) -> None:

@@ -3,7 +3,7 @@
 Why: on this kind of VM every syscall and thread wake-up is expensive. grpc.aio spends
 ~50 syscalls and several thread hand-offs (C-core poller thread <-> event loop) per
 ext_proc stream; the loop below does one recv and one send per message on a single
-asyncio protocol, and calls the same Exchange. It speaks just the HTTP/2 + gRPC that
+asyncio protocol, and serves the same streams (extproc.dispatch). It speaks just the HTTP/2 + gRPC that
 Envoy's and grpc's clients use: h2c with prior knowledge, no compression, no server push.
 A peer that breaks the protocol gets GOAWAY and loses its connection, nothing else.
 What one connection may cost us is bounded: streams (SETTINGS_MAX_CONCURRENT_STREAMS),
@@ -21,23 +21,26 @@ import ssl
 import struct
 import tempfile
 
+from typing import TYPE_CHECKING
+
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2
 from hpack import Decoder, HPACKError
 
+from extproc.dispatch import Dispatcher, ServingHealth
 from extproc.errors import ConfigError
-from extproc.h2calls import (INTERNAL, RESOURCE_EXHAUSTED, UNIMPLEMENTED, Call, EppProcessCall, HealthCheckCall,
+from extproc.h2calls import (INTERNAL, RESOURCE_EXHAUSTED, UNIMPLEMENTED, Call, HealthCheckCall,
                              NullProcessCall, ProcessCall, UnknownCall)
 from extproc.h2frames import (ACK, COMPRESSION_ERROR, CONT, DATA, END_HEADERS, END_STREAM,
                               FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS,
                               INTERNAL_ERROR, MAX_FRAME, MAX_WINDOW, PADDED, PING, PREFACE,
                               PRIO_FLAG, PROTOCOL_ERROR, PUSH, REFUSED_STREAM, RST, SETTINGS,
                               STREAM_CLOSED, WINDOW, ProtocolError, RecvWindow, frame, hpack_int)
-from extproc.epp import EppStats
 from extproc.health_port import ServerLifecycle
-from extproc.processor import Gateway
 from extproc.serving_cert import ServingCert
-from extproc.wire import HEALTH_SERVICES, SERVICE
+from extproc.wire import SERVICE
+
+if TYPE_CHECKING:
+    from extproc.processor import Gateway
 
 __all__ = ["H2Server", "serve_h2", "MAX_MESSAGE", "MAX_STREAMS", "STREAM_WINDOW", "CONNECTION_WINDOW"]
 
@@ -81,7 +84,7 @@ def _setting(key: int, value: int) -> bytes:
 
 class H2Connection(asyncio.Protocol):
     def __init__(self, server: "H2Server") -> None:
-        self.server, self.gateway = server, server.gateway
+        self.server = server
         self.stream_window = server.stream_window
         self.max_message = min(MAX_MESSAGE, server.stream_window - 5)   # a bigger one could never arrive
         self.inflow = RecvWindow(server.connection_window)
@@ -547,10 +550,10 @@ class H2Server:
         self.max_streams = max_streams
         self.stream_window, self.connection_window = stream_window, connection_window
         self.gateway = gateway
-        self.process_call = NullProcessCall if null else EppProcessCall if protocol == "epp" else ProcessCall
-        self.epp_stats = EppStats()
+        self.process_call = NullProcessCall if null else ProcessCall
+        self.dispatcher = Dispatcher(gateway, protocol, as_bytes=True)
         self.tls = tls
-        self.health = {name: health_pb2.HealthCheckResponse.SERVING for name in HEALTH_SERVICES}
+        self.health = ServingHealth()
         self.connections: set[H2Connection] = set()
         self._idle: asyncio.Event | None = None
 
@@ -570,8 +573,7 @@ class H2Server:
 
     async def shutdown(self, server: asyncio.AbstractServer, grace_s: float) -> None:
         """NOT_SERVING, GOAWAY to every connection, wait up to ``grace_s`` for open streams."""
-        for name in self.health:
-            self.health[name] = health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.drain()
         server.close()
         self._idle = asyncio.Event()
         for conn in list(self.connections):

@@ -10,33 +10,32 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass
 from urllib.parse import unquote
-from typing import Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from extproc.auth import Principal, authenticate
 from extproc.decision import InferenceRequest, decide
 from extproc.errors import (BadRequest, Forbidden, GatewayError, InvalidField, MethodNotAllowed,
                             PayloadTooLarge, Unauthorized)
+from extproc.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER, session_of
 from extproc.metrics import GatewayMetrics
 from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
+from extproc.outcomes import CONTINUE, Continue, Outcome, Reply, RequestHead
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.residency import ResidencyBoard
 from extproc.rewrite import rewrite_request
 from extproc.rewrite.codec import decode
 from extproc.routing import RoutePolicy, choose_upstream
 from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve, validate_skills
-from extproc.speculation import SESSION_HEADER, RequestObserver, session_of
 from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
 
-__all__ = ["Continue", "Reply", "RequestHead", "Gateway", "Exchange", "CONTINUE",
-           "TENANT_HEADER", "ENGINE_ADMIN_PATHS", "OPEN_PATHS"]
+if TYPE_CHECKING:
+    from extproc.speculation import RequestObserver
+
+__all__ = ["Gateway", "Exchange", "ENGINE_ADMIN_PATHS", "OPEN_PATHS", "ROUTES"]
 
 log = logging.getLogger(__name__)
-
-TENANT_HEADER = "x-ace-tenant-id"
-SKILL_OVERRIDE_HEADER = "x-ace-skill-override"
 
 #: The engines' own administration (vLLM's and SGLang's runtime adapter, weight, cache and
 #: profiler endpoints). The gateway and the agents own what an engine loads: a client never
@@ -51,32 +50,6 @@ ENGINE_ADMIN_PATHS = frozenset({
 #: Open without a key, GET/HEAD only: liveness for load balancers; carries no tenant data.
 OPEN_PATHS = frozenset({"/health"})
 _SLASHES = re.compile(r"/{2,}")
-
-
-@dataclass(frozen=True, slots=True)
-class RequestHead:
-    method: str
-    path: str                      # without the query string
-    headers: Mapping[str, str]     # lower-case names
-    end_of_stream: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Continue:
-    headers: tuple[tuple[str, str], ...] = ()   # set with overwrite semantics (headers-first only)
-    body: bytes | None = None                   # None: leave the body as it is
-    metadata: tuple[tuple[str, str], ...] = ()  # dynamic metadata, namespace "ace" (see envoy/)
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    status: int
-    body: bytes
-    headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
-
-
-CONTINUE = Continue()
-Outcome = Continue | Reply
 
 
 class Gateway:

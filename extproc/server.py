@@ -1,8 +1,9 @@
-"""The gRPC loop: ext_proc stream <-> ``Exchange``, plus the standard health service.
+"""The grpcio servers: ext_proc streams (``extproc.dispatch``) and the standard health service.
 
-Knows nothing about OpenAI. Three flavours: ``h2`` (the default, ``extproc.h2server``) and
-two on grpcio (``aio``, ``threads``: the reference behaviour, slower here). ``serve(settings)`` blocks until SIGTERM/SIGINT, then marks
-the service NOT_SERVING and drains in-flight streams for a grace period.
+Transports only: they know nothing about OpenAI nor the phases. Three flavours: ``h2``
+(the default, ``extproc.h2server``) and two on grpcio (``aio``, ``threads``: the reference
+behaviour, slower here). ``serve(settings)`` blocks until SIGTERM/SIGINT, then marks the
+service NOT_SERVING and drains in-flight streams for a grace period.
 """
 from __future__ import annotations
 
@@ -11,89 +12,62 @@ import logging
 import signal
 import threading
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
-from extproc.epp import EppStats, EppStream
-from extproc.processor import CONTINUE, Gateway
+from extproc.dispatch import Dispatcher, ServingHealth
+from extproc.errors import InvalidMessage
 from extproc.h2server import H2Server, serve_h2
 from extproc.health_port import ServerLifecycle
 from extproc.serving_cert import ServingCert
-from extproc.wire import HEALTH_SERVICES, NO_PHASE, head_from_attributes, request_head, to_response
 
-__all__ = ["ExternalProcessor", "H2Server", "build_server", "serve", "serve_aio", "serve_h2"]
+if TYPE_CHECKING:
+    from extproc.processor import Gateway
+
+__all__ = ["ExternalProcessor", "AioExternalProcessor", "H2Server", "build_server", "serve",
+           "serve_aio", "serve_h2"]
 
 log = logging.getLogger(__name__)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """``Process`` on grpcio's thread pool: a stream of ``extproc.dispatch`` per call."""
+
     def __init__(self, gateway: Gateway, protocol: str = "ace") -> None:
-        self.gateway = gateway
-        self.epp = EppStats() if protocol == "epp" else None
+        self.dispatcher = Dispatcher(gateway, protocol)
 
     def Process(self, request_iterator, context):
-        if self.epp is not None:   # the endpoint picker protocol: extproc.epp answers
-            stream = EppStream(self.gateway, self.epp)
-            for msg in request_iterator:
-                yield from stream.handle(msg)
-            return
-        exchange = self.gateway.exchange()
+        stream = self.dispatcher.open()
         for msg in request_iterator:
-            phase = msg.WhichOneof("request")
-            if phase == "request_headers":
-                outcome = exchange.on_request_headers(request_head(msg.request_headers))
-            elif phase == "request_body":
-                outcome = exchange.on_request_body(
-                    msg.request_body.body,
-                    head_from_attributes(msg) if exchange.handler is None else None)
-            elif phase == "response_body":
-                outcome = exchange.on_response_body(msg.response_body.body)
-            elif phase is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, NO_PHASE)
-            else:
-                outcome = CONTINUE
-            yield to_response(phase, outcome)
-            if exchange.done_after(phase):
+            try:
+                answers = stream.answer(msg)
+            except InvalidMessage as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            yield from answers
+            if stream.ended:
                 return   # ends the stream: Envoy needs us no more for this request
 
 
 class AioExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """The same loop on grpc.aio with the read/write API: one thread, no hand-offs."""
+    """The same on grpc.aio with the read/write API: one thread, no hand-offs."""
 
     def __init__(self, gateway: Gateway, protocol: str = "ace") -> None:
-        self.gateway = gateway
-        self.epp = EppStats() if protocol == "epp" else None
+        self.dispatcher = Dispatcher(gateway, protocol)
 
     async def Process(self, request_iterator, context):
         read, write, eof = context.read, context.write, grpc.aio.EOF
-        if self.epp is not None:   # the endpoint picker protocol: extproc.epp answers
-            stream = EppStream(self.gateway, self.epp)
-            while (msg := await read()) is not eof:
-                for answer in stream.handle(msg):
-                    await write(answer)
-            return
-        exchange = self.gateway.exchange()
-        while True:
-            msg = await read()
-            if msg is eof:
-                return
-            phase = msg.WhichOneof("request")
-            if phase == "request_body":
-                outcome = exchange.on_request_body(
-                    msg.request_body.body,
-                    head_from_attributes(msg) if exchange.handler is None else None)
-            elif phase == "request_headers":
-                outcome = exchange.on_request_headers(request_head(msg.request_headers))
-            elif phase == "response_body":
-                outcome = exchange.on_response_body(msg.response_body.body)
-            elif phase is None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, NO_PHASE)
-            else:
-                outcome = CONTINUE
-            await write(to_response(phase, outcome))
-            if exchange.done_after(phase):
+        stream = self.dispatcher.open()
+        while (msg := await read()) is not eof:
+            try:
+                answers = stream.answer(msg)
+            except InvalidMessage as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            for answer in answers:
+                await write(answer)
+            if stream.ended:
                 return   # ends the stream: Envoy needs us no more for this request
 
 
@@ -107,11 +81,9 @@ async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protoco
                     tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(AioExternalProcessor(gateway, protocol), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = await ServingHealth().grpcio_aio_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = _add_port(server, listen, tls)
-    for name in HEALTH_SERVICES:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     log.info("ext_proc (aio) listening on %s (port %d)", listen, port)
     if lifecycle is not None:
@@ -133,11 +105,9 @@ def build_server(gateway: Gateway, listen: str, workers: int, protocol: str = "a
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, protocol), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = ServingHealth().grpcio_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = _add_port(server, listen, tls)
-    for name in HEALTH_SERVICES:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port
 
 

@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from extproc.errors import InvalidField
+from extproc.headers import SKILL_OVERRIDE_HEADER
 
 __all__ = ["SKILLS", "MODES", "MULTI_LORA", "DYNAMIC_LORA_PREFETCH", "OFF", "SHADOW", "PROD",
            "parse_override_header", "validate_skills", "resolve"]
@@ -70,10 +71,10 @@ def parse_override_header(value: str | None) -> Mapping[str, str]:
             continue
         skill, sep, mode = part.partition("=")
         if not sep:
-            raise InvalidField(f"x-ace-skill-override entry {part!r} is not skill=mode",
-                               param="x-ace-skill-override", code="invalid_skill_mode")
+            raise InvalidField(f"{SKILL_OVERRIDE_HEADER} entry {part!r} is not skill=mode",
+                               param=SKILL_OVERRIDE_HEADER, code="invalid_skill_mode")
         out[skill.strip()] = mode.strip()
-    return validate_skills(out, "x-ace-skill-override")
+    return validate_skills(out, SKILL_OVERRIDE_HEADER)
 
 
 def resolve(*layers: Mapping[str, str]) -> dict[str, str]:

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from extproc.decision import Decision
+from extproc.headers import SESSION_HEADER, session_of   # re-exported; defined in extproc.headers
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
 from extproc.policy.speculate import SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
@@ -69,24 +70,11 @@ __all__ = ["SESSION_HEADER", "GatewaySpeculation", "PopularityFile", "RequestObs
 
 log = logging.getLogger(__name__)
 
-SESSION_HEADER = "x-ace-session-id"
-_MAX_SESSION = 256
-
 
 class RequestObserver(Protocol):
     def observe(self, d: Decision, tenant: str, session: str | None) -> bool:
         """Take note of a decided request without blocking; False if not taken."""
         ...
-
-
-def session_of(header: str | None, body: Mapping[str, Any]) -> str | None:
-    """The session a request belongs to: the header, else the body's ``user``, else None."""
-    if header:
-        return header[:_MAX_SESSION]
-    user = body.get("user")
-    if isinstance(user, str) and user:
-        return user[:_MAX_SESSION]
-    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ import pytest
 from extproc.discovery import (DiscoveryError, Endpoint, HostDiscovery, PollingSource, UpstreamTemplate,
                                dns_lookup, file_lookup, make_source, parse_discovery)
 from extproc.errors import ConfigError
-from extproc.processor import Continue, Gateway, Reply, RequestHead
+from extproc.outcomes import Continue, Reply, RequestHead
+from extproc.processor import Gateway
 from extproc.settings import Settings
 from extproc.store import Store
 from tests.extproc.builders import KEYS, write_state

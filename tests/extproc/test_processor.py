@@ -7,8 +7,9 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.auth import hash_key
+from extproc.outcomes import CONTINUE, Continue, Reply, RequestHead
 from extproc.prefetch import PrefetchQueue, PrefetchSignal
-from extproc.processor import CONTINUE, Continue, Gateway, Reply, RequestHead
+from extproc.processor import Gateway
 from extproc.server import ExternalProcessor
 from extproc.wire import serialize_response, to_response
 from tests.extproc.builders import KEYS

@@ -1,0 +1,38 @@
+"""What a request phase comes to, as plain objects: the application layer
+(``extproc.processor``) returns them, the protocol layer (``extproc.wire``,
+``extproc.dispatch``, ``extproc.epp``) writes them as ext_proc messages.
+
+``Continue``: let the request go on, maybe changed; ``Reply``: answer the client now.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["RequestHead", "Continue", "Reply", "CONTINUE", "Outcome"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    method: str
+    path: str                      # without the query string
+    headers: Mapping[str, str]     # lower-case names
+    end_of_stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    headers: tuple[tuple[str, str], ...] = ()   # set with overwrite semantics (headers-first only)
+    body: bytes | None = None                   # None: leave the body as it is
+    metadata: tuple[tuple[str, str], ...] = ()  # dynamic metadata, namespace "ace" (see envoy/)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
+
+
+CONTINUE = Continue()
+Outcome = Continue | Reply
