@@ -222,7 +222,7 @@ def measure_decision(state: Path, db: Path, key: str, body: bytes, n: int = 2000
     from extproc.auth import authenticate
     from extproc.decision import InferenceRequest, decide
     from extproc.processor import Gateway, RequestHead
-    from extproc.residency import ResidencySnapshot
+    from extproc.residency_view import ResidencySnapshot
     from extproc.store import Store
     from extproc.wire import serialize_response
 

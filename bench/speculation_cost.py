@@ -19,8 +19,8 @@ import time
 
 from extproc.auth import Principal
 from extproc.decision import InferenceRequest, decide
-from extproc.residency import ResidencyBoard, ResidencySnapshot
-from extproc.speculation import GatewaySpeculation, SpeculationPlanner, session_of
+from extproc.residency_view import ResidencyBoard, ResidencySnapshot
+from extproc.prefetch_planner import GatewaySpeculation, SpeculationPlanner, session_of
 from extproc.store import Store
 from tests.extproc.builders import upstream, write_state
 

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if agents or (settings.discovers and template.agent_port):
             # upstreams with a GPU agent: prefetch to it, residency from it, speculate
             from extproc.agent_client import AgentLink
-            from extproc.speculation import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
+            from extproc.prefetch_planner import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
                                              route_by_policy)
             link = AgentLink(agents, token=os.environ.get("ACE_AGENT_TOKEN") or None,
                              tls=settings.agent_tls(), queue_size=settings.prefetch_queue).start()

@@ -39,7 +39,7 @@ from typing import Mapping
 import grpc
 
 from extproc.prefetch import PrefetchQueue, PrefetchSignal
-from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot, SentSince
+from extproc.residency_view import TierReport, ResidencyBoard, ResidencySnapshot, SentSince
 from extproc.settings import AgentTLS
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
@@ -52,8 +52,8 @@ _TIERS = {pb.TIER_DEVICE: "pool", pb.TIER_HOST: "host", pb.TIER_DISK: "disk",
           pb.TIER_REMOTE: "remote", pb.TIER_ABSENT: "none"}
 
 
-def to_residency(status: pb.AdapterStatus, base_model_bytes: int = 0) -> AdapterResidency:
-    return AdapterResidency(
+def to_residency(status: pb.AdapterStatus, base_model_bytes: int = 0) -> TierReport:
+    return TierReport(
         tier=_TIERS.get(status.tier, "unknown"),
         cold_load_ms=status.cold_load_ms if status.HasField("cold_load_ms") else None,
         bytes=status.bytes or None,
@@ -109,7 +109,7 @@ class _Agent:
     def _watch(self) -> None:
         backoff = self.link.backoff_min_s
         while not self._stop.is_set():
-            table: dict[str, AdapterResidency] = {}
+            table: dict[str, TierReport] = {}
             try:
                 self._call = self.stub.WatchResidency(pb.WatchRequest(), metadata=self.link.metadata)
                 for ev in self._call:
@@ -169,7 +169,7 @@ class AgentLink:
         self.send_timeout_s = send_timeout_s
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self.load_max_age_s = load_max_age_s
-        self._tables: dict[str, Mapping[str, AdapterResidency]] = {}  # frozen per upstream
+        self._tables: dict[str, Mapping[str, TierReport]] = {}  # frozen per upstream
         # upstream -> (requests, monotonic arrival, board.sent's value at the arrival)
         self._loads: dict[str, tuple[int, float, int]] = {}
         self._lock = threading.Lock()
@@ -223,7 +223,7 @@ class AgentLink:
         agent = self.agents.get(upstream)
         return agent is not None and agent.connected
 
-    def _publish(self, upstream: str, table: Mapping[str, AdapterResidency] | None,
+    def _publish(self, upstream: str, table: Mapping[str, TierReport] | None,
                  load: int | None = None) -> None:
         """The upstream's residency (None: unknown, the upstream leaves the view) and load."""
         with self._lock:

@@ -28,7 +28,7 @@ from extproc.auth import Principal
 from extproc.catalog import Adapter, Upstream
 from extproc.errors import NoUpstream
 from extproc.prefetch import PrefetchSignal
-from extproc.residency import UNKNOWN, AdapterResidency, ResidencySnapshot
+from extproc.residency_view import UNKNOWN, TierReport, ResidencySnapshot
 from extproc.routing import RoutePolicy, choose_upstream
 from extproc.selection import select_adapter
 from extproc.skills import (DYNAMIC_LORA_PREFETCH, MULTI_LORA, OFF, PROD, SHADOW, resolve,
@@ -53,7 +53,7 @@ class Decision:
     adapter: Adapter | None
     selected_by: str
     skills: Mapping[str, str]
-    residency: AdapterResidency
+    residency: TierReport
     multi_lora_action: str
     multi_lora_would: str | None
     prefetch_action: str
@@ -65,7 +65,7 @@ class Decision:
         return self.adapter is not None and self.skills[MULTI_LORA] == PROD
 
 
-def _applied_action(res: AdapterResidency, prefetching: bool = True) -> str:
+def _applied_action(res: TierReport, prefetching: bool = True) -> str:
     """``prefetching``: this request's ``dynamic_lora_prefetch`` is prod. Only then may the
     action claim a prefetch: with the skill off or in shadow this gateway signalled none,
     so an adapter the agent reports as ``loaded_by=prefetch`` (another key's prefetch, or

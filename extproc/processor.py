@@ -21,12 +21,12 @@ from extproc.errors import (BadRequest, Forbidden, GatewayError, InvalidField, M
 from extproc.metrics import GatewayMetrics
 from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
-from extproc.residency import ResidencyBoard
+from extproc.residency_view import ResidencyBoard
 from extproc.rewrite import rewrite_request
 from extproc.rewrite.codec import decode
 from extproc.routing import RoutePolicy, choose_upstream
 from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve, validate_skills
-from extproc.speculation import SESSION_HEADER, RequestObserver, session_of
+from extproc.prefetch_planner import SESSION_HEADER, RequestObserver, session_of
 from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
 
@@ -92,7 +92,7 @@ class Gateway:
         self.residency = residency or ResidencyBoard()
         self.prefetch = prefetch or NullPrefetchSink()
         self.route = route
-        self.speculation = speculation  # extproc.speculation.GatewaySpeculation: one append per request
+        self.speculation = speculation  # extproc.prefetch_planner.GatewaySpeculation: one append per request
         self.metrics = metrics or GatewayMetrics()
         self.shed_load = shed_load      # endpoint picker protocol: 429 when every host carries this many (0: never)
         self.epp_fallbacks = epp_fallbacks   # endpoint picker protocol: fallback hosts after the pick

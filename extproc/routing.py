@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 from extproc.catalog import Adapter, Upstream
 from extproc.errors import ConfigError
-from extproc.residency import ResidencySnapshot
+from extproc.residency_view import ResidencySnapshot
 
 __all__ = ["RoutePolicy", "choose_upstream", "load_policy"]
 

@@ -1,6 +1,6 @@
 """Adapter-affinity routing: which engine host serves a request for an adapter.
 
-A pure function over the agents' residency view (``extproc.residency.ResidencySnapshot``:
+A pure function over the agents' residency view (``extproc.residency_view.ResidencySnapshot``:
 upstream -> adapter -> residency with a ``tier``) and each host's load: the requests its
 engine runs and queues, as its agent last measured them (``ResidencySnapshot.loads``),
 plus the requests this gateway routed there since that measurement arrived

@@ -7,7 +7,7 @@ import pytest
 from extproc.auth import Principal
 from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
-from extproc.residency import AdapterResidency, ResidencySnapshot
+from extproc.residency_view import TierReport, ResidencySnapshot
 from extproc.trace import trace_metadata
 
 
@@ -19,7 +19,7 @@ def _decide(snapshot, residency, skills, body=None, route=None):
 
 
 def _res(tier, ms=None):
-    return ResidencySnapshot.build({"local-vllm": {"code-python": AdapterResidency(tier, ms, 1 << 20)}})
+    return ResidencySnapshot.build({"local-vllm": {"code-python": TierReport(tier, ms, 1 << 20)}})
 
 
 # tier, multi_lora action, swap_ms_saved, prefetch action (prod)

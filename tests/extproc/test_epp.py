@@ -9,7 +9,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from extproc.epp import CHUNK, ENDPOINT_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE, EppStats, EppStream
 from extproc.policy.routing import route
 from extproc.processor import Gateway
-from extproc.residency import ResidencySnapshot
+from extproc.residency_view import ResidencySnapshot
 from extproc.store import Store
 from extproc.wire import pb
 from tests.extproc.builders import KEYS, upstream, write_state

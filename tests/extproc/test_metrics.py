@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.errors import ConfigError
 from extproc.metrics import GatewayCollector, GatewayMetrics, propagation_histogram, serve_metrics
 from extproc.processor import Gateway, Reply, RequestHead
-from extproc.residency import ResidencyBoard, ResidencySnapshot
+from extproc.residency_view import ResidencyBoard, ResidencySnapshot
 from extproc.settings import Settings
 from tests.extproc.builders import KEYS, sha
 

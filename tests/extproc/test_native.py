@@ -9,7 +9,7 @@ from extproc.auth import Principal
 from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
 from extproc.native import new_execution_id, wrap_output
-from extproc.residency import AdapterResidency, ResidencySnapshot
+from extproc.residency_view import TierReport, ResidencySnapshot
 from extproc.trace import execute_trace, trace_entries
 
 BODY = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
@@ -50,7 +50,7 @@ def test_trace_unknown_residency_is_zero_and_named(snapshot):
 
 
 def test_trace_prefetch_hit_numbers_are_the_measured_ones(snapshot):
-    res = ResidencySnapshot.build({"u": {"code-python": AdapterResidency(
+    res = ResidencySnapshot.build({"u": {"code-python": TierReport(
         "pool", 40.5, 2 << 20, prefetched=True, base_model_bytes=300 << 20)}})
     d = _decision(snapshot, {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}, res)
     ml, pf = execute_trace(d, None)

@@ -115,7 +115,7 @@ def test_warm_set_replicates_the_hottest():
 
 def test_route_plugs_into_the_gateway_seam():
     from extproc.catalog import Adapter, Upstream
-    from extproc.residency import AdapterResidency, ResidencySnapshot
+    from extproc.residency_view import TierReport, ResidencySnapshot
     from extproc.policy.routing import route
     from extproc.routing import load_policy
 
@@ -123,7 +123,7 @@ def test_route_plugs_into_the_gateway_seam():
     ups = [Upstream(f"e{i}", f"127.0.0.1:{9000 + i}", "builtin", "tiny") for i in range(3)]
     other = Upstream("x", "127.0.0.1:9100", "builtin", "other-base")
     ad = Adapter("code-sql", "tiny", 32, ("q_proj",), 100, "public", "adapters/code-sql", "ab" * 32)
-    res = lambda tier: AdapterResidency(tier=tier, cold_load_ms=None)
+    res = lambda tier: TierReport(tier=tier, cold_load_ms=None)
     # resident on e2
     snap = ResidencySnapshot.build({"e0": {}, "e1": {}, "e2": {"code-sql": res("pool")}})
     assert route(ups + [other], ad, snap).name == "e2"
@@ -170,16 +170,16 @@ def test_min_bound_keeps_a_lightly_loaded_resident_host():
 
 def _route_fixture():
     from extproc.catalog import Adapter, Upstream
-    from extproc.residency import AdapterResidency
+    from extproc.residency_view import TierReport
 
     ups = [Upstream(f"e{i}", f"127.0.0.1:{9000 + i}", "builtin", "tiny") for i in range(3)]
     ad = Adapter("code-sql", "tiny", 32, ("q_proj",), 100, "public", "adapters/code-sql", "ab" * 32)
-    return ups, ad, lambda tier: AdapterResidency(tier=tier, cold_load_ms=None)
+    return ups, ad, lambda tier: TierReport(tier=tier, cold_load_ms=None)
 
 
 def test_route_reads_the_snapshots_loads():
     from extproc.policy.routing import route
-    from extproc.residency import ResidencySnapshot
+    from extproc.residency_view import ResidencySnapshot
 
     ups, ad, res = _route_fixture()
     table = {"e0": {"code-sql": res("pool")}, "e1": {"code-sql": res("pool")}, "e2": {}}
@@ -194,7 +194,7 @@ def test_route_reads_the_snapshots_loads():
 
 def test_route_with_unknown_loads_decides_as_before():
     from extproc.policy.routing import route
-    from extproc.residency import ResidencySnapshot
+    from extproc.residency_view import ResidencySnapshot
 
     ups, ad, res = _route_fixture()
     table = {"e0": {}, "e1": {}, "e2": {"code-sql": res("pool")}}
@@ -217,7 +217,7 @@ def _with_digest(ad, digest):
 
 def test_a_burst_spreads_once_the_sends_since_the_measurement_reach_the_floor():
     from extproc.policy.routing import LOAD_FLOOR, route
-    from extproc.residency import ResidencySnapshot
+    from extproc.residency_view import ResidencySnapshot
 
     ups, ad, res = _route_fixture()
     table = {"e0": {"code-sql": res("pool")}, "e1": {}}
@@ -239,7 +239,7 @@ def test_a_burst_spreads_once_the_sends_since_the_measurement_reach_the_floor():
 
 def test_sends_to_a_host_without_a_measured_load_are_not_counted():
     from extproc.policy.routing import route
-    from extproc.residency import ResidencySnapshot
+    from extproc.residency_view import ResidencySnapshot
 
     ups, ad, res = _route_fixture()
     table = {"e0": {"code-sql": res("pool")}, "e1": {}}
@@ -250,7 +250,7 @@ def test_sends_to_a_host_without_a_measured_load_are_not_counted():
 
 def test_a_new_measurement_resets_the_sends_since():
     from extproc.policy.routing import LOAD_FLOOR, route
-    from extproc.residency import ResidencySnapshot, SentCounter, SentSince
+    from extproc.residency_view import ResidencySnapshot, SentCounter, SentSince
 
     ups, ad, res = _route_fixture()
     table = {"e0": {"code-sql": res("pool")}, "e1": {}}
@@ -273,7 +273,7 @@ def test_sent_counter_loses_no_count_across_threads():
     import sys
     import threading
 
-    from extproc.residency import SentCounter
+    from extproc.residency_view import SentCounter
 
     sent, n, threads = SentCounter(), 20_000, 8
     before = sys.getswitchinterval()

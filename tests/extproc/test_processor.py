@@ -249,7 +249,7 @@ def test_a_burst_within_one_load_measurement_spreads_across_hosts(tmp_path):
     so the burst leaves the resident host at the floor; the next measurement resets."""
     from extproc.agent_client import AgentLink
     from extproc.policy.routing import LOAD_FLOOR, route
-    from extproc.residency import AdapterResidency
+    from extproc.residency_view import TierReport
     from extproc.store import Store
     from tests.extproc.builders import upstream, write_state
 
@@ -257,7 +257,7 @@ def test_a_burst_within_one_load_measurement_spreads_across_hosts(tmp_path):
     store = Store(state, tmp_path / "gw.sqlite3")
     link = AgentLink({})  # no agents to dial: fed below as its streams would feed it
     try:
-        link._publish("u0", {"code-python": AdapterResidency("pool", 12.0)}, 0)
+        link._publish("u0", {"code-python": TierReport("pool", 12.0)}, 0)
         link._publish("u1", {}, 0)
         gw = Gateway(store, residency=link.board, route=route)
 

@@ -5,12 +5,12 @@ import pytest
 
 from extproc.auth import Principal
 from extproc.decision import InferenceRequest, decide
-from extproc.residency import AdapterResidency, ResidencySnapshot
+from extproc.residency_view import TierReport, ResidencySnapshot
 from extproc.trace import trace_entries
 
 
 def _trace(snapshot, tier, prefetched, pf_mode, ml_mode="prod"):
-    res = ResidencySnapshot.build({"local-vllm": {"code-python": AdapterResidency(tier, 20.0, 1, prefetched)}})
+    res = ResidencySnapshot.build({"local-vllm": {"code-python": TierReport(tier, 20.0, 1, prefetched)}})
     key = next(k for k in snapshot.keys.values() if k.name == "alice")
     req = InferenceRequest(Principal(key=key, tenant=snapshot.tenants["acme"]), {"model": "code-python"},
                            {"multi_lora": ml_mode, "dynamic_lora_prefetch": pf_mode})

@@ -304,17 +304,17 @@ def _decision(res, mode="prod"):
     (dict(tier="unknown", cold_load_ms=None, bytes=None), "adapter_applied", "unknown", "unknown", "unknown"),
 ])
 def test_trace_reports_prefetch_hits_from_agent_residency(res, action, hit, saved, vram):
-    from extproc.residency import AdapterResidency
+    from extproc.residency_view import TierReport
     from extproc.trace import trace_entries
-    ml, _ = trace_entries(_decision(AdapterResidency(**res)), None)
+    ml, _ = trace_entries(_decision(TierReport(**res)), None)
     assert (ml["action"], ml["is_prefetch_hit"], ml["swap_ms_saved"], ml["vram_mb_saved"]) == (
         action, hit, saved, vram)
 
 
 def test_shadow_trace_says_what_prod_would_have_done():
-    from extproc.residency import AdapterResidency
+    from extproc.residency_view import TierReport
     from extproc.trace import trace_entries
-    res = AdapterResidency("pool", 12.0, 4096, prefetched=True, base_model_bytes=1 << 20)
+    res = TierReport("pool", 12.0, 4096, prefetched=True, base_model_bytes=1 << 20)
     ml, _ = trace_entries(_decision(res, mode="shadow"), None)
     assert (ml["action"], ml["would"], ml["swap_ms_saved"]) == ("shadow", "adapter_prefetched_applied", "12")
 
@@ -322,7 +322,7 @@ def test_shadow_trace_says_what_prod_would_have_done():
 def test_the_engines_load_travels_into_the_gateways_snapshot_while_fresh(tmp_path):
     from extproc.catalog import Adapter, Upstream
     from extproc.policy.routing import route
-    from extproc.residency import ResidencySnapshot
+    from extproc.residency_view import ResidencySnapshot
     from gpu_agent.connectors.base import EngineLoad
 
     agent = AgentThread(tmp_path, free_port(), load_interval_s=0.02)

@@ -57,10 +57,10 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from extproc.decision import Decision
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
-from extproc.policy.speculate import SpeculationSettings, Speculator
+from extproc.policy.speculator import SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.prefetch import PrefetchSignal, PrefetchSink
-from extproc.residency import ResidencySnapshot
+from extproc.residency_view import ResidencySnapshot
 from extproc.skills import DYNAMIC_LORA_PREFETCH, OFF, PROD
 from extproc.store import Snapshot
 

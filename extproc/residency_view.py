@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterator, Mapping
 
-__all__ = ["AdapterResidency", "ResidencySnapshot", "ResidencyBoard", "SentCounter", "SentSince",
+__all__ = ["TierReport", "ResidencySnapshot", "ResidencyBoard", "SentCounter", "SentSince",
            "UNKNOWN", "TIERS"]
 
 TIERS = ("pool", "host", "disk", "remote", "none")
 
 
 @dataclass(frozen=True, slots=True)
-class AdapterResidency:
+class TierReport:
     tier: str                      # pool | host | disk | remote | none | unknown
     cold_load_ms: float | None     # measured time to load from where it is; None = unknown
     bytes: int | None = None
@@ -38,7 +38,7 @@ class AdapterResidency:
         return self.tier != "unknown"
 
 
-UNKNOWN = AdapterResidency(tier="unknown", cold_load_ms=None, bytes=None)
+UNKNOWN = TierReport(tier="unknown", cold_load_ms=None, bytes=None)
 
 
 class SentCounter:
@@ -91,16 +91,16 @@ class SentSince(Mapping[str, int]):
 
 @dataclass(frozen=True, slots=True)
 class ResidencySnapshot:
-    by_upstream: Mapping[str, Mapping[str, AdapterResidency]] = field(
+    by_upstream: Mapping[str, Mapping[str, TierReport]] = field(
         default_factory=lambda: MappingProxyType({}))
     loads: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     sent_since: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
-    def of(self, upstream: str, adapter: str) -> AdapterResidency:
+    def of(self, upstream: str, adapter: str) -> TierReport:
         return self.by_upstream.get(upstream, {}).get(adapter, UNKNOWN)
 
     @classmethod
-    def build(cls, table: Mapping[str, Mapping[str, AdapterResidency]],
+    def build(cls, table: Mapping[str, Mapping[str, TierReport]],
               loads: Mapping[str, int] | None = None,
               sent_since: Mapping[str, int] | None = None) -> "ResidencySnapshot":
         return cls(MappingProxyType({u: MappingProxyType(dict(a)) for u, a in table.items()}),

@@ -10,8 +10,8 @@ from extproc.auth import Principal
 from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
 from extproc.processor import Gateway, RequestHead
-from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot
-from extproc.speculation import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, Step,
+from extproc.residency_view import TierReport, ResidencyBoard, ResidencySnapshot
+from extproc.prefetch_planner import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, Step,
                                  route_by_policy, session_of, warm_signals)
 from tests.extproc.builders import KEYS
 from tests.support.wait import wait_until
@@ -36,7 +36,7 @@ class FakeStore:
 
 
 def pool(upstream, *names, prefetched=False):
-    return ResidencySnapshot.build({upstream: {n: AdapterResidency("pool", 10.0, 1, prefetched) for n in names}})
+    return ResidencySnapshot.build({upstream: {n: TierReport("pool", 10.0, 1, prefetched) for n in names}})
 
 
 def decision(snapshot, adapter="code-python", skills=PROD, residency=ResidencySnapshot()):
@@ -434,7 +434,7 @@ def test_warm_set_waits_for_every_agent_host_and_follows_the_routing_placement(t
     now = [0.0]
     board, sink = ResidencyBoard(), Sink()
     gs = GatewaySpeculation(FakeStore(snap), board, sink, popularity=f, clock=lambda: now[0])
-    remote = {a: AdapterResidency("remote", None) for a in names}
+    remote = {a: TierReport("remote", None) for a in names}
     board.publish(ResidencySnapshot.build({"engine-1": remote}))
     gs._warm()
     assert sink.signals == []                       # engine-2's agent has not reported yet
