@@ -21,12 +21,12 @@ from extproc.errors import (BadRequest, Forbidden, GatewayError, InvalidField, M
 from extproc.metrics import GatewayMetrics
 from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
+from extproc.policy.routing import RoutePolicy, choose_upstream
+from extproc.prefetch_planner import SESSION_HEADER, RequestObserver, session_of
 from extproc.residency_view import ResidencyBoard
 from extproc.rewrite import rewrite_request
 from extproc.rewrite.codec import decode
-from extproc.routing import RoutePolicy, choose_upstream
 from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve, validate_skills
-from extproc.prefetch_planner import SESSION_HEADER, RequestObserver, session_of
 from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
 
@@ -216,7 +216,7 @@ class Inference(_Authenticated):
         chat = self.to_chat(_parse_object(body))
         snap = self.gw.store.snapshot
         started = time.perf_counter()
-        d = decide(snap, self.gw.residency.current,
+        d = decide(snap, self.gw.residency.current, self.gw.residency.sent,
                    InferenceRequest(self.principal, chat, self.header_skills), self.route)
         decided = time.perf_counter() - started
         queued = self.gw.prefetch.submit(d.prefetch_signal) if d.prefetch_signal else None

@@ -21,8 +21,9 @@ The gateway (``extproc.prefetch_planner.SpeculationPlanner.step``) and ``bench.s
 ``speculative`` policy and the fleet's ``ace`` arm) call this same ``step``, so the
 simulator measures the code the gateway runs. Time is passed in (``now``): no clock, no
 I/O, no threads. ``load(adapter, now) -> ready_at`` says when a load started now
-completes (the simulator models the load link; the gateway passes 0 for demand and its
-grace period for prefetches).
+completes (the simulator models the load link; the gateway leaves demand at the default,
+ready at ``now``: the engine loads it itself, and passes ``prefetch_load`` =
+``now + load_grace_s`` for prefetches).
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ class Speculator:
 
     def sync(self, resident: Iterable[Hashable], now: float, *, learn_capacity: bool = False) -> None:
         """Align the pool model with the agent's view (``ResidencySnapshot``: the adapters
-        in the pool). The engine evicts on its own, so the model drifts; call this when
+        on the device). The engine evicts on its own, so the model drifts; call this when
         the snapshot changes. A model entry the pool no longer holds is dropped (an unused
         prefetch counts as wasted); a pooled adapter the model lacks is added while
         there is room. Loads in flight (not yet resident) are kept.

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.errors import ConfigError
-from extproc.metrics import GatewayCollector, GatewayMetrics, propagation_histogram, serve_metrics
+from extproc.metrics import GatewayCollector, propagation_histogram, serve_metrics
 from extproc.processor import Gateway, Reply, RequestHead
 from extproc.residency_view import ResidencyBoard, ResidencySnapshot
 from extproc.settings import Settings
