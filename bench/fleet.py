@@ -8,7 +8,7 @@ Arms (one run each per budget, same trace, same lead and load times):
   ``extproc.policy.routing.choose_endpoint`` over the hosts' pools and loads), on-demand
   LRU loads, no prefetch.
 - ``ace``: the same routing plus the gateway's speculation loop
-  (``extproc.policy.speculate.Speculator.step``: one Speculator per host sharing the
+  (``extproc.policy.speculator.Speculator.step``: one Speculator per host sharing the
   transition model, ledger, pace, session demand and first-step model, as the gateway's
   ``SpeculationPlanner`` does), predictions offered to the host routing would pick.
 
@@ -35,7 +35,7 @@ from bench.workload import Workload
 from extproc.policy.cache import AdapterCache
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
 from extproc.policy.routing import LOAD_FLOOR, ring_walk
-from extproc.policy.speculate import SpeculationSettings, Speculator
+from extproc.policy.speculator import SpeculationSettings, Speculator
 
 __all__ = ["ARMS", "FleetRouter", "check_bounds", "run_fleet"]
 

@@ -221,8 +221,9 @@ def measure_decision(state: Path, db: Path, key: str, body: bytes, n: int = 2000
 
     from extproc.auth import authenticate
     from extproc.decision import InferenceRequest, decide
-    from extproc.processor import Gateway, RequestHead
-    from extproc.residency import ResidencySnapshot
+    from extproc.outcomes import RequestHead
+    from extproc.processor import Gateway
+    from extproc.residency_view import ResidencySnapshot, SentCounts
     from extproc.store import Store
     from extproc.wire import serialize_response
 
@@ -231,11 +232,11 @@ def measure_decision(state: Path, db: Path, key: str, body: bytes, n: int = 2000
     principal = authenticate(snap, f"Bearer {key}", None)
     parsed = json.loads(body)
     req = InferenceRequest(principal, parsed)
-    res = ResidencySnapshot()
+    res, sent = ResidencySnapshot(), SentCounts()
     dec = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
-        decide(snap, res, req)
+        decide(snap, res, sent, req)
         dec.append((time.perf_counter_ns() - t0) / 1e3)
     gw = Gateway(store)
     head = RequestHead("POST", "/v1/chat/completions",

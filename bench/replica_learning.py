@@ -5,7 +5,7 @@
 Each gateway replica learns from the traffic it sees (the shared PostgreSQL state holds
 keys and skills, not the prediction state: docs/gateway.md, "Shared state"). This replays
 the workload of ``bench.sim`` through its ``speculative`` policy (the gateway's
-``extproc.policy.speculate.Speculator``) with one engine pool (one ``AdapterCache`` the
+``extproc.policy.speculator.Speculator``) with one engine pool (one ``AdapterCache`` the
 replicas' Speculators share) and R replicas, each with its own transition model,
 popularity, session pace, session demand and prediction ledger. Requests reach the
 replicas round-robin (request i -> replica i mod R) or with session affinity (the
@@ -25,7 +25,7 @@ import numpy as np
 from bench.sim import LoadChannel, Result, load_times, parse_args as sim_args, run_lru
 from bench.workload import Workload, WorkloadSpec, synthetic
 from extproc.policy.cache import AdapterCache
-from extproc.policy.speculate import SpeculationSettings, Speculator
+from extproc.policy.speculator import SpeculationSettings, Speculator
 
 
 def columns(w: Workload, args) -> tuple:

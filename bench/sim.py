@@ -63,7 +63,7 @@ import numpy as np
 
 from bench.workload import Workload, WorkloadSpec, encode_trace, synthetic
 from extproc.policy.cache import AdapterCache
-from extproc.policy.speculate import SpeculationSettings, Speculator
+from extproc.policy.speculator import SpeculationSettings, Speculator
 
 POLICIES = ("lru", "ingress", "scored", "speculative", "belady", "belady_ingress", "oracle")
 ONLINE = ("lru", "ingress", "scored", "speculative")
@@ -210,7 +210,7 @@ def run_lru(cols, budget: int, channels: int, *, ingress: bool) -> dict:
 
 def run_speculative(cols, budget: int, channels: int, settings: SpeculationSettings, *,
                     max_backlog_s: float, speculate: bool = True) -> dict:
-    """``extproc.policy.speculate.Speculator`` (the gateway's code) over the trace:
+    """``extproc.policy.speculator.Speculator`` (the gateway's code) over the trace:
     ingress loads, score-aware eviction and, if ``speculate``, predicted prefetches."""
     t, s, ad, tn, ss, L, first = cols
     n = len(t)

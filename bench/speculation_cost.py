@@ -19,8 +19,9 @@ import time
 
 from extproc.auth import Principal
 from extproc.decision import InferenceRequest, decide
-from extproc.residency import ResidencyBoard, ResidencySnapshot
-from extproc.speculation import GatewaySpeculation, SpeculationPlanner, session_of
+from extproc.headers import session_of
+from extproc.prefetch_planner import GatewaySpeculation, SpeculationPlanner
+from extproc.residency_view import ResidencyBoard, ResidencySnapshot, SentCounts
 from extproc.store import Store
 from tests.extproc.builders import upstream, write_state
 
@@ -40,7 +41,7 @@ def measure(n: int, mode: str, rate: float = 0.0) -> dict[str, float]:
     if mode == "thread":
         gs.start()
     skills = {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
-    res = ResidencySnapshot()
+    res, sent = ResidencySnapshot(), SentCounts()
     alone, both = [], []
     interval = 1.0 / rate if rate > 0 else 0.0
     next_at = time.perf_counter()
@@ -53,7 +54,7 @@ def measure(n: int, mode: str, rate: float = 0.0) -> dict[str, float]:
                     time.sleep(pause)
             body = {"model": ("code-python", "acme-legal")[i % 2], "user": f"s{i // 2}"}
             t0 = time.perf_counter_ns()
-            d = decide(snap, res, InferenceRequest(principal, body, skills))
+            d = decide(snap, res, sent, InferenceRequest(principal, body, skills))
             t1 = time.perf_counter_ns()
             gs.observe(d, "acme", session_of(None, body))
             t2 = time.perf_counter_ns()

@@ -12,22 +12,12 @@ from extproc.errors import ConfigError
 from extproc.health_port import HealthPort
 from extproc.metrics import GatewayCollector, GatewayMetrics, propagation_histogram, serve_metrics
 from extproc.prefetch import NullPrefetchSink
+from extproc.policy.routing import load_policy
 from extproc.processor import Gateway
-from extproc.routing import choose_upstream, load_policy
 from extproc.server import serve, serve_aio, serve_h2
 from extproc.serving_cert import load_cert, self_signed
 from extproc.settings import Settings
 from extproc.store import Store
-
-DEFAULT_MULTI_HOST_POLICY = "extproc.policy.routing:route"
-
-
-def route_policy(spec: str | None, upstreams: int):
-    """``--routing-policy`` when given; else adapter-affinity routing when there are several
-    upstreams (``extproc.policy.routing:route``), the first matching upstream for one."""
-    if spec:
-        return load_policy(spec)
-    return load_policy(DEFAULT_MULTI_HOST_POLICY) if upstreams > 1 else choose_upstream
 
 
 def popularity_path(db: Path) -> Path:
@@ -56,14 +46,14 @@ def main(argv: list[str] | None = None) -> int:
                       upstreams_required=not settings.discovers)
         agents = {u.name: u.agent for u in store.snapshot.upstreams if u.agent}
         # discovered hosts come and go: route as for several from the start
-        route = route_policy(settings.routing_policy, 2 if settings.discovers else len(store.snapshot.upstreams))
+        route = load_policy(settings.routing_policy, 2 if settings.discovers else len(store.snapshot.upstreams))
         link = speculation = source = None
         template = settings.upstream_template()
         if agents or (settings.discovers and template.agent_port):
             # upstreams with a GPU agent: prefetch to it, residency from it, speculate
             from extproc.agent_client import AgentLink
-            from extproc.speculation import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
-                                             route_by_policy)
+            from extproc.prefetch_planner import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
+                                                  route_by_policy)
             link = AgentLink(agents, token=os.environ.get("ACE_AGENT_TOKEN") or None,
                              tls=settings.agent_tls(), queue_size=settings.prefetch_queue).start()
             popularity = PopularityFile(popularity_path(settings.db))

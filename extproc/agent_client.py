@@ -16,16 +16,17 @@ every measurement, every ``--load-interval-s`` <= 2 s) is dropped by a small exp
 thread, so the routing decision, which reads only the snapshot, treats it as unknown.
 Age is judged on this process's clock at arrival, not on the agent's ``measured_unix_ms``
 (host clocks differ). With each load the link keeps ``board.sent``'s value at the
-arrival, so the snapshot's ``sent_since`` (requests routed there since) starts again from
-0 at each measurement.
+arrival and publishes it beside the load (``ResidencySnapshot.sent_at_load``), so the
+requests counted as routed there since the measurement start again from 0 at each one.
 
 Every agent is reached in plaintext with the shared token (``$ACE_AGENT_TOKEN``), or over
 TLS when ``AgentTLS`` is given (``--agent-tls-ca/-cert/-key``: mTLS, what an agent started
 with ``--auth mtls`` requires). ``stream_errors``/``last_error`` per agent say why a link
 is not connected.
 
-Agent tiers map to the gateway's: device -> pool, host, disk, remote, absent -> none.
-Only the gRPC stubs are imported from gpu_agent (generated code, no torch).
+Agent tiers are the gateway's (``gpu_agent.tiers.Tier``): device, host, disk, remote;
+absent -> ``none`` (the gateway's word for it). Only the gRPC stubs and the tier
+vocabulary are imported from gpu_agent (no torch).
 """
 from __future__ import annotations
 
@@ -39,22 +40,23 @@ from typing import Mapping
 import grpc
 
 from extproc.prefetch import PrefetchQueue, PrefetchSignal
-from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot, SentSince
+from extproc.residency_view import NONE, UNKNOWN_TIER, ResidencyBoard, ResidencySnapshot, TierReport
 from extproc.settings import AgentTLS
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from gpu_agent.tiers import Tier
 
 __all__ = ["AgentLink", "AgentTLS", "event_load", "to_residency"]
 
 log = logging.getLogger(__name__)
 
-_TIERS = {pb.TIER_DEVICE: "pool", pb.TIER_HOST: "host", pb.TIER_DISK: "disk",
-          pb.TIER_REMOTE: "remote", pb.TIER_ABSENT: "none"}
+_TIERS = {pb.TIER_DEVICE: Tier.DEVICE.value, pb.TIER_HOST: Tier.HOST.value, pb.TIER_DISK: Tier.DISK.value,
+          pb.TIER_REMOTE: Tier.REMOTE.value, pb.TIER_ABSENT: NONE}
 
 
-def to_residency(status: pb.AdapterStatus, base_model_bytes: int = 0) -> AdapterResidency:
-    return AdapterResidency(
-        tier=_TIERS.get(status.tier, "unknown"),
+def to_residency(status: pb.AdapterStatus, base_model_bytes: int = 0) -> TierReport:
+    return TierReport(
+        tier=_TIERS.get(status.tier, UNKNOWN_TIER),
         cold_load_ms=status.cold_load_ms if status.HasField("cold_load_ms") else None,
         bytes=status.bytes or None,
         prefetched=status.tier == pb.TIER_DEVICE and status.loaded_by == "prefetch",
@@ -109,7 +111,7 @@ class _Agent:
     def _watch(self) -> None:
         backoff = self.link.backoff_min_s
         while not self._stop.is_set():
-            table: dict[str, AdapterResidency] = {}
+            table: dict[str, TierReport] = {}
             try:
                 self._call = self.stub.WatchResidency(pb.WatchRequest(), metadata=self.link.metadata)
                 for ev in self._call:
@@ -169,7 +171,7 @@ class AgentLink:
         self.send_timeout_s = send_timeout_s
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self.load_max_age_s = load_max_age_s
-        self._tables: dict[str, Mapping[str, AdapterResidency]] = {}  # frozen per upstream
+        self._tables: dict[str, Mapping[str, TierReport]] = {}  # frozen per upstream
         # upstream -> (requests, monotonic arrival, board.sent's value at the arrival)
         self._loads: dict[str, tuple[int, float, int]] = {}
         self._lock = threading.Lock()
@@ -223,7 +225,7 @@ class AgentLink:
         agent = self.agents.get(upstream)
         return agent is not None and agent.connected
 
-    def _publish(self, upstream: str, table: Mapping[str, AdapterResidency] | None,
+    def _publish(self, upstream: str, table: Mapping[str, TierReport] | None,
                  load: int | None = None) -> None:
         """The upstream's residency (None: unknown, the upstream leaves the view) and load."""
         with self._lock:
@@ -240,13 +242,14 @@ class AgentLink:
     def _publish_load(self, upstream: str, load: int | None) -> None:
         """Only the upstream's load; the snapshot is rebuilt only when what it shows changes:
         another load, or requests sent there since the last one (which this one resets).
-        The counter is read in ``_set_load`` first: if the current snapshot still shows 0
-        sent after that, the new base equals the old one."""
+        The counter is read in ``_set_load`` first: if the current snapshot's mark still
+        equals the counter after that, the new mark equals the old one."""
         with self._lock:
             self._set_load(upstream, load)
             current = self.board.current
-            if upstream in self._tables and (current.loads.get(upstream) != load
-                                             or current.sent_since.get(upstream, 0)):
+            mark = current.sent_at_load.get(upstream)
+            if upstream in self._tables and (current.loads.get(upstream) != load or (
+                    mark is not None and self.board.sent.value(upstream) != mark)):
                 self._swap()
 
     def _set_load(self, upstream: str, load: int | None) -> None:
@@ -257,13 +260,13 @@ class AgentLink:
 
     def _swap(self) -> None:
         """Build and publish a new snapshot (under the lock): the tables as they are (each
-        already frozen), the loads that are fresh, and the requests sent since each."""
+        already frozen), the loads that are fresh, and the sent count at each one's arrival."""
         now = time.monotonic()
         fresh = [(u, n, base) for u, (n, at, base) in self._loads.items()
                  if u in self._tables and now - at <= self.load_max_age_s]
         loads = MappingProxyType({u: n for u, n, _ in fresh})
-        sent = SentSince(self.board.sent, MappingProxyType({u: base for u, _, base in fresh}))
-        self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), loads, sent))
+        marks = MappingProxyType({u: base for u, _, base in fresh})
+        self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), loads, marks))
 
     def _expire_loads(self) -> None:
         """Drop loads not heard about for load_max_age_s (an agent gone silent without its

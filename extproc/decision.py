@@ -1,21 +1,24 @@
 """The gateway's decision for one inference request: a pure function, no I/O.
 
-``decide(snapshot, residency, request, route=choose_upstream) -> Decision``
+``decide(snapshot, residency, sent, request, route=choose_upstream) -> Decision``
 
-multi_lora actions (prod):
-- ``adapter_resident_applied``: the adapter is in the upstream's GPU pool,
-- ``adapter_prefetched_applied``: it is in the pool because a prefetch put it there
+``residency`` and ``sent`` are what the residency board holds (``ResidencyBoard.current``
+and ``.sent``): the routing policy reads the hosts' loads from both.
+
+multi_lora actions (prod), by the adapter's tier on the chosen upstream:
+- ``adapter_resident_applied``: the adapter is on the upstream's device (tier ``device``),
+- ``adapter_prefetched_applied``: it is there because a prefetch put it there
   (the agent's ``loaded_by=prefetch``), or it sits in host memory (a fast copy away);
   only when ``dynamic_lora_prefetch`` is prod for this request (nothing else claims a
   prefetch),
-- ``adapter_staged_applied``: in host memory, prefetch skill not prod (a host-to-pool copy),
+- ``adapter_staged_applied``: in host memory, prefetch skill not prod (a host-to-device copy),
 - ``adapter_cold_loaded``: on disk, remote or nowhere: the upstream loads it,
 - ``adapter_applied``: residency unknown (no agent data): applied, honest about it,
 - ``passthrough``: the skill is off, or no adapter is selected (base model).
 In ``shadow`` the action is ``shadow`` and ``would`` names what prod would have done.
 
 dynamic_lora_prefetch actions: ``prefetch_signalled`` (prod, adapter not known resident),
-``not_needed`` (in pool or host), ``not_applicable`` (no adapter), ``passthrough`` (off),
+``not_needed`` (on the device or in host memory), ``not_applicable`` (no adapter), ``passthrough`` (off),
 ``shadow`` (would signal). Whether the signal was queued is added by the caller.
 """
 from __future__ import annotations
@@ -28,16 +31,19 @@ from extproc.auth import Principal
 from extproc.catalog import Adapter, Upstream
 from extproc.errors import NoUpstream
 from extproc.prefetch import PrefetchSignal
-from extproc.residency import UNKNOWN, AdapterResidency, ResidencySnapshot
-from extproc.routing import RoutePolicy, choose_upstream
+from extproc.policy.routing import RoutePolicy, choose_upstream
+from extproc.residency_view import NONE, UNKNOWN, ResidencySnapshot, SentCounts, TierReport
 from extproc.selection import select_adapter
 from extproc.skills import (DYNAMIC_LORA_PREFETCH, MULTI_LORA, OFF, PROD, SHADOW, resolve,
                             validate_skills)
 from extproc.store import Snapshot
+from gpu_agent.tiers import Tier
 
 __all__ = ["InferenceRequest", "Decision", "decide"]
 
 _NO_FIELDS: Mapping[str, str] = MappingProxyType({})
+_WARM = frozenset((Tier.DEVICE.value, Tier.HOST.value))                  # no prefetch needed
+_COLD = frozenset((Tier.DISK.value, Tier.REMOTE.value, NONE))           # the upstream loads it
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +59,7 @@ class Decision:
     adapter: Adapter | None
     selected_by: str
     skills: Mapping[str, str]
-    residency: AdapterResidency
+    residency: TierReport
     multi_lora_action: str
     multi_lora_would: str | None
     prefetch_action: str
@@ -65,22 +71,22 @@ class Decision:
         return self.adapter is not None and self.skills[MULTI_LORA] == PROD
 
 
-def _applied_action(res: AdapterResidency, prefetching: bool = True) -> str:
+def _applied_action(res: TierReport, prefetching: bool = True) -> str:
     """``prefetching``: this request's ``dynamic_lora_prefetch`` is prod. Only then may the
     action claim a prefetch: with the skill off or in shadow this gateway signalled none,
     so an adapter the agent reports as ``loaded_by=prefetch`` (another key's prefetch, or
     an earlier prod setting) or staged in host memory is reported for what it is."""
-    if res.tier == "pool":
+    if res.tier == Tier.DEVICE:
         return "adapter_prefetched_applied" if prefetching and res.prefetched else "adapter_resident_applied"
-    if res.tier == "host":
+    if res.tier == Tier.HOST:
         return "adapter_prefetched_applied" if prefetching else "adapter_staged_applied"
-    if res.tier in ("disk", "remote", "none"):
+    if res.tier in _COLD:
         return "adapter_cold_loaded"
     return "adapter_applied"
 
 
-def decide(snapshot: Snapshot, residency: ResidencySnapshot, request: InferenceRequest,
-           route: RoutePolicy = choose_upstream) -> Decision:
+def decide(snapshot: Snapshot, residency: ResidencySnapshot, sent: SentCounts,
+           request: InferenceRequest, route: RoutePolicy = choose_upstream) -> Decision:
     body = request.body
     principal = request.principal
     body_skills = validate_skills(body.get("skill_overrides"), "skill_overrides")
@@ -92,7 +98,7 @@ def decide(snapshot: Snapshot, residency: ResidencySnapshot, request: InferenceR
     if not snapshot.upstreams:   # discovery found no ready host (yet)
         raise NoUpstream("no engine host is available")
     # Only prod may move the request; off and shadow go where the request would go anyway.
-    upstream = route(snapshot.upstreams, adapter if ml_mode == PROD else None, residency)
+    upstream = route(snapshot.upstreams, adapter if ml_mode == PROD else None, residency, sent)
     res = residency.of(upstream.name, adapter.name) if adapter is not None else UNKNOWN
 
     pf_mode = skills[DYNAMIC_LORA_PREFETCH]
@@ -110,7 +116,7 @@ def decide(snapshot: Snapshot, residency: ResidencySnapshot, request: InferenceR
         pf_action = "passthrough"
     elif adapter is None:
         pf_action = "not_applicable"
-    elif res.tier in ("pool", "host"):
+    elif res.tier in _WARM:
         pf_action = "not_needed"
     elif pf_mode == SHADOW:
         pf_action = "shadow"

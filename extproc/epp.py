@@ -32,6 +32,7 @@ from extproc.catalog import Upstream
 from extproc.errors import GatewayError, NoUpstream, PayloadTooLarge, TooManyRequests
 from extproc.headers import SERVED_BY_HEADER, TENANT_HEADER, TRACE_METADATA_HEADERS, hint_header
 from extproc.outcomes import Continue, Reply
+from extproc.residency_view import host_load
 from extproc.rewrite.hints import HINT_FIELDS
 from extproc.wire import METADATA_NAMESPACE, pb, request_head, to_response
 
@@ -92,14 +93,14 @@ def eligible_upstreams(upstreams: Sequence[Upstream], subset: tuple[str, ...] | 
     return [u for u in upstreams if u.address in allowed or u.address.rpartition(":")[0] in allowed]
 
 
-def pick_order(route, eligible: Sequence[Upstream], first: Upstream | None, adapter, residency,
+def pick_order(route, eligible: Sequence[Upstream], first: Upstream | None, adapter, residency, sent,
                count: int) -> list[Upstream]:
     """``first`` (the decision's upstream; None: ask ``route``), then the other eligible
     hosts as ``route`` would rank them once the earlier ones are gone; ``count`` at most."""
     left = list(eligible)
     order: list[Upstream] = []
     while left and len(order) < count:
-        nxt = first if first is not None and not order and first in left else route(left, adapter, residency)
+        nxt = first if first is not None and not order and first in left else route(left, adapter, residency, sent)
         if nxt not in left:   # a policy that answers outside the list: keep the list's order
             nxt = left[0]
         order.append(nxt)
@@ -208,7 +209,7 @@ class EppStream:
             raise NoUpstream("no eligible endpoint in the gateway's subset" if subset is not None
                              else "no endpoint is configured", code="no_endpoint")
         eligible, route = self.eligible, self.gw.route
-        self.exchange = self.gw.exchange(lambda _ups, adapter, res: route(eligible, adapter, res))
+        self.exchange = self.gw.exchange(lambda _ups, adapter, res, sent: route(eligible, adapter, res, sent))
         head = request_head(msg.request_headers)
         outcome = self.exchange.on_request_headers(head)
         if isinstance(outcome, Reply):
@@ -255,7 +256,7 @@ class EppStream:
         adapter = decision.adapter if decision is not None and decision.applies_adapter else None
         self.picks = pick_order(self.gw.route, self.eligible,
                                 decision.upstream if decision is not None else None, adapter, snap,
-                                1 + self.gw.epp_fallbacks)
+                                self.gw.residency.sent, 1 + self.gw.epp_fallbacks)
         return ",".join(u.address for u in self.picks)
 
     def _shed(self) -> None:
@@ -263,9 +264,8 @@ class EppStream:
         bound = self.gw.shed_load
         if not bound:
             return
-        snap = self.gw.residency.current
-        loads, sent = snap.loads, snap.sent_since
-        if all(loads.get(u.name, 0) + sent.get(u.name, 0) >= bound for u in self.eligible):
+        snap, sent = self.gw.residency.current, self.gw.residency.sent
+        if all((host_load(snap, sent, u.name) or 0) >= bound for u in self.eligible):
             raise TooManyRequests(f"every eligible endpoint has {bound} or more requests in flight")
 
     def _headers_answer(self, phase: str, outcome: Continue, pick: str) -> pb.ProcessingResponse:

@@ -27,8 +27,8 @@ from extproc.errors import ConfigError
 
 if TYPE_CHECKING:   # annotations only: the gateway without agents never imports grpc here
     from extproc.agent_client import AgentLink
-    from extproc.residency import ResidencyBoard
-    from extproc.speculation import GatewaySpeculation
+    from extproc.prefetch_planner import GatewaySpeculation
+    from extproc.residency_view import ResidencyBoard
 
 __all__ = ["DECISION_BUCKETS_S", "GatewayMetrics", "GatewayCollector", "serve_metrics"]
 

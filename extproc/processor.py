@@ -22,16 +22,16 @@ from extproc.metrics import GatewayMetrics
 from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
 from extproc.outcomes import CONTINUE, Continue, Outcome, Reply, RequestHead
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
-from extproc.residency import ResidencyBoard
+from extproc.policy.routing import RoutePolicy, choose_upstream
+from extproc.residency_view import ResidencyBoard
 from extproc.rewrite import rewrite_request
 from extproc.rewrite.codec import decode
-from extproc.routing import RoutePolicy, choose_upstream
 from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve, validate_skills
 from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
 
 if TYPE_CHECKING:
-    from extproc.speculation import RequestObserver
+    from extproc.prefetch_planner import RequestObserver
 
 __all__ = ["Gateway", "Exchange", "ENGINE_ADMIN_PATHS", "OPEN_PATHS", "ROUTES"]
 
@@ -65,7 +65,7 @@ class Gateway:
         self.residency = residency or ResidencyBoard()
         self.prefetch = prefetch or NullPrefetchSink()
         self.route = route
-        self.speculation = speculation  # extproc.speculation.GatewaySpeculation: one append per request
+        self.speculation = speculation  # extproc.prefetch_planner.GatewaySpeculation: one append per request
         self.metrics = metrics or GatewayMetrics()
         self.shed_load = shed_load      # endpoint picker protocol: 429 when every host carries this many (0: never)
         self.epp_fallbacks = epp_fallbacks   # endpoint picker protocol: fallback hosts after the pick
@@ -189,7 +189,7 @@ class Inference(_Authenticated):
         chat = self.to_chat(_parse_object(body))
         snap = self.gw.store.snapshot
         started = time.perf_counter()
-        d = decide(snap, self.gw.residency.current,
+        d = decide(snap, self.gw.residency.current, self.gw.residency.sent,
                    InferenceRequest(self.principal, chat, self.header_skills), self.route)
         decided = time.perf_counter() - started
         queued = self.gw.prefetch.submit(d.prefetch_signal) if d.prefetch_signal else None

@@ -31,7 +31,7 @@ _HELP = {
     "metrics_listen": "host:port of the Prometheus GET /metrics server (its own port, off the "
                       "request path; port 0: any free port, logged at start-up), or off",
     "workers": "gRPC worker threads; each in-flight HTTP request holds one stream",
-    "routing_policy": "module:function choosing the upstream (default extproc.routing.choose_upstream with one upstream, extproc.policy.routing:route with several)",
+    "routing_policy": "module:function choosing the upstream (default extproc.policy.routing:choose_upstream with one upstream, extproc.policy.routing:route with several)",
     "prefetch_queue": "bound of the out-of-band prefetch signal queue",
     "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
     "server": "gRPC server flavour: h2 (default: gRPC on a bare asyncio HTTP/2 loop, fewest "

@@ -13,6 +13,7 @@ from typing import Any
 
 from extproc.decision import Decision
 from extproc.skills import DYNAMIC_LORA_PREFETCH, MULTI_LORA
+from gpu_agent.tiers import Tier
 
 __all__ = ["trace_entries", "execute_trace", "trace_metadata"]
 
@@ -23,7 +24,7 @@ def _swap_ms_saved(d: Decision) -> float | None:
     """None: unknown (host tier, whose saving is not measured yet, or residency unknown)."""
     action = d.multi_lora_would or d.multi_lora_action
     if action == "adapter_resident_applied" or (action == "adapter_prefetched_applied"
-                                                and d.residency.tier == "pool"):
+                                                and d.residency.tier == Tier.DEVICE):
         return d.residency.cold_load_ms  # the agent's measured cold load of this adapter
     if action in ("adapter_cold_loaded", "passthrough"):
         return 0.0
@@ -31,14 +32,14 @@ def _swap_ms_saved(d: Decision) -> float | None:
 
 
 def _is_prefetch_hit(d: Decision) -> bool | None:
-    """True: the adapter was in the pool because a prefetch put it there before the request,
+    """True: the adapter was on the device because a prefetch put it there before the request,
     and the request's prefetch skill is prod (``decide`` claims no prefetch otherwise)."""
     if d.adapter is None or d.multi_lora_action == "passthrough":
         return False
     if not d.residency.known:
         return None
     action = d.multi_lora_would or d.multi_lora_action
-    return action == "adapter_prefetched_applied" and d.residency.tier == "pool"
+    return action == "adapter_prefetched_applied" and d.residency.tier == Tier.DEVICE
 
 
 def _vram_mb_saved(d: Decision) -> float | None:
@@ -89,7 +90,7 @@ def execute_trace(d: Decision, prefetch_queued: bool | None) -> list[dict[str, A
     """The ``/v1/execute`` form: the same facts as the headers, typed (docs/gateway.md).
 
     The two entries are two views of one request, not parts to add up: ``multi_lora``
-    saves the swap when the adapter was already in the pool (whoever put it there) and the
+    saves the swap when the adapter was already on the device (whoever put it there) and the
     base weights a dedicated instance would repeat; ``dynamic_lora_prefetch`` saves the
     swap only on a prefetch hit, and no memory."""
     adapter = d.adapter.name if d.adapter is not None else None

@@ -1,17 +1,25 @@
-"""Adapter-affinity routing: which engine host serves a request for an adapter.
+"""Which engine host serves a request: the gateway's routing policies, in one place.
 
-A pure function over the agents' residency view (``extproc.residency.ResidencySnapshot``:
-upstream -> adapter -> residency with a ``tier``) and each host's load: the requests its
-engine runs and queues, as its agent last measured them (``ResidencySnapshot.loads``),
-plus the requests this gateway routed there since that measurement arrived
-(``ResidencySnapshot.sent_since``); a host whose load is unknown counts as 0.
-Hosts absent from the snapshot do not exist for routing: the residency watcher drops a
-host whose agent stream is gone, and the next decision no longer sees it.
+A routing policy (``RoutePolicy``) is a function
+``(upstreams, adapter, residency, sent) -> Upstream``: the configured upstreams, the
+selected adapter (None: the base model, or the request may not move), the agents'
+residency view (``extproc.residency_view.ResidencySnapshot``) and the requests this
+gateway routed to each host (``SentCounts``, the board's, passed beside the snapshot).
+``load_policy`` picks one: ``--routing-policy module:function`` when given, else
+``route`` (adapter affinity) with several upstreams and ``choose_upstream`` (the first
+upstream serving the adapter's base model) with one.
+
+Adapter-affinity routing (``route``, ranked by ``choose_endpoint``) is a pure function
+over the residency view and each host's load (``residency_view.host_load``: the requests
+its engine runs and queues as its agent last measured them, plus the requests this
+gateway routed there since that measurement arrived); a host whose load is unknown
+counts as 0. Hosts absent from the snapshot do not exist for routing: the residency
+watcher drops a host whose agent stream is gone, and the next decision no longer sees it.
 
 Score tiers, best first (the first non-empty tier wins):
 
-1. ``resident``: hosts where the adapter is in the device pool (tier ``device``/``pool``)
-   and that are not overloaded; the least loaded of them.
+1. ``resident``: hosts where the adapter is on the device (tier ``device``) and that
+   are not overloaded; the least loaded of them.
 2. ``staged``: hosts holding it in host memory (tier ``host``), not overloaded: the
    load is a host-to-device copy; the least loaded of them.
 3. ``hashed``: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
@@ -45,17 +53,25 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import importlib
 import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping, Sequence
 
-__all__ = ["LOAD_FLOOR", "RoutingDecision", "choose_endpoint", "load_bound", "place", "ring_walk",
-           "round_robin", "route"]
+from extproc.catalog import Adapter, Upstream
+from extproc.errors import ConfigError
+from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport, host_load
+from gpu_agent.tiers import Tier
 
-RESIDENT_TIERS = frozenset({"device", "pool", "gpu", "vram"})
-STAGED_TIERS = frozenset({"host", "cpu"})
+__all__ = ["LOAD_FLOOR", "RoutePolicy", "RoundRobin", "RoutingDecision", "choose_endpoint",
+           "choose_upstream", "load_bound", "load_policy", "place", "ring_walk", "round_robin",
+           "route"]
+
+RoutePolicy = Callable[[Sequence[Upstream], "Adapter | None", ResidencySnapshot, SentCounts], Upstream]
+
 VNODES = 64
 LOAD_FLOOR = 16
 
@@ -140,30 +156,15 @@ def load_bound(loads: Mapping[str, int], hosts: tuple[str, ...], load_factor: fl
     return max(1, min_bound, math.ceil(load_factor * (total + 1) / len(hosts)))
 
 
-def _tier_name(residency: Any) -> str:
-    tier = getattr(residency, "tier", residency)
-    tier = getattr(tier, "value", tier)  # an Enum
-    if isinstance(tier, str):
-        return tier.lower()
-    name = getattr(tier, "name", None)  # an IntEnum from protobuf
-    return str(name or tier).lower()
-
-
-def _upstreams(snapshot: Any) -> Mapping[str, Mapping[Hashable, Any]]:
-    for attr in ("upstreams", "by_upstream", "hosts"):
-        view = getattr(snapshot, attr, None)
-        if isinstance(view, Mapping):
-            return view
-    if isinstance(snapshot, Mapping):
-        return snapshot
-    raise TypeError(f"not a residency snapshot: {type(snapshot).__name__}")
+_NO_TABLE: Mapping[str, TierReport] = MappingProxyType({})
 
 
 def choose_endpoint(
-    snapshot: Any,
-    adapter: Hashable,
+    residency: ResidencySnapshot,
+    adapter: str,
     digest: str,
     *,
+    hosts: Iterable[str] | None = None,
     loads: Mapping[str, int] | None = None,
     load_factor: float = 1.25,
     replicas: int = 1,
@@ -173,14 +174,14 @@ def choose_endpoint(
 ) -> RoutingDecision:
     """Pick the engine host for ``adapter`` (content ``digest``), by the tiers above.
 
-    ``snapshot``: upstream -> adapter -> residency (a mapping, or an object exposing one
-    as ``upstreams``); ``loads``: requests per upstream (missing = 0);
+    ``hosts``: the hosts to choose from (default: every upstream of ``residency``; one the
+    view does not know holds nothing); ``loads``: requests per host (missing = 0);
     ``replicas``: how many ring hosts a hot adapter may occupy; ``min_bound``: the load
     bound never goes below it; ``adapters``: every adapter of the fleet, for ``place``
     (with ``slots``: pool slots per host); without it the digest's ring walk decides.
     """
-    view = _upstreams(snapshot)
-    hosts = tuple(sorted(view))
+    view = residency.by_upstream
+    hosts = tuple(sorted(view if hosts is None else hosts))
     if not hosts:
         return RoutingDecision(None, "none")
     loads = loads or {}
@@ -192,13 +193,12 @@ def choose_endpoint(
     resident: list[str] = []
     staged: list[str] = []
     for h in hosts:
-        residency = view[h].get(adapter)
-        if residency is None or not ok(h):
+        report = view.get(h, _NO_TABLE).get(adapter)
+        if report is None or not ok(h):
             continue
-        tier = _tier_name(residency)
-        if tier in RESIDENT_TIERS:
+        if report.tier == Tier.DEVICE:
             resident.append(h)
-        elif tier in STAGED_TIERS:
+        elif report.tier == Tier.HOST:
             staged.append(h)
     if resident:
         return RoutingDecision(min(resident, key=lambda h: (loads.get(h, 0), h)), "resident")
@@ -207,8 +207,8 @@ def choose_endpoint(
 
     walk = ring_walk(hosts, digest)
     if adapters is not None:
-        owner = place([*adapters, str(adapter)], hosts, slots).get(str(adapter))
-        walk = [owner, *(h for h in ring_walk(hosts, str(adapter)) if h != owner)]
+        owner = place([*adapters, adapter], hosts, slots).get(adapter)
+        walk = [owner, *(h for h in ring_walk(hosts, adapter) if h != owner)]
     owners = [h for h in walk if ok(h)][: max(1, replicas)]
     if not owners:  # everyone at the bound (tiny totals): the ring's first choice
         return RoutingDecision(walk[0], "hashed")
@@ -216,40 +216,64 @@ def choose_endpoint(
     return RoutingDecision(min(owners, key=lambda h: (loads.get(h, 0), order[h])), "hashed")
 
 
-def route(upstreams: Sequence[Any], adapter: Any, residency: Any) -> Any:
-    """The gateway's ``RoutePolicy`` (``--routing-policy extproc.policy.routing:route``).
+def route(upstreams: Sequence[Upstream], adapter: Adapter | None, residency: ResidencySnapshot,
+          sent: SentCounts) -> Upstream:
+    """Adapter-affinity routing: the gateway's ``RoutePolicy`` with several upstreams
+    (``--routing-policy extproc.policy.routing:route``).
 
-    ``upstreams``: the configured ``extproc.catalog.Upstream`` list; ``adapter``: the
-    selected ``Adapter`` or None (base model); ``residency``: the current
-    ``ResidencySnapshot`` (keyed by upstream name). Candidates serve the adapter's base
-    model; those the agents' view knows are ranked by ``choose_endpoint``; when the view
-    knows none of them (no agent connected yet, or all down) it fails open to consistent
-    hashing over every candidate, so traffic never stops for want of residency data.
-    A host's load is its agent's last measurement (``residency.loads``: running + waiting
-    requests, only while fresh) plus the requests this gateway routed there since that
-    measurement arrived (``residency.sent_since``), so a burst shorter than the agent's
-    --load-interval-s spreads once the floor is reached instead of landing on one host. A
-    host without a measurement counts as 0 and its sends are not added either: without a
-    measurement to reset it the count would only grow, so with no loads at all the bound
-    is inert, as before agents published them.
+    Candidates serve the adapter's base model; those the agents' view knows are ranked by
+    ``choose_endpoint``; when the view knows none of them (no agent connected yet, or all
+    down) it fails open to consistent hashing over every candidate, so traffic never stops
+    for want of residency data. A host's load is ``host_load``: its agent's last
+    measurement (running + waiting requests, only while fresh) plus the requests this
+    gateway routed there since that measurement arrived (``sent``), so a burst shorter
+    than the agent's --load-interval-s spreads once the floor is reached instead of
+    landing on one host. A host without a measurement counts as 0 and its sends are not
+    added either: without a measurement to reset it the count would only grow, so with no
+    loads at all the bound is inert, as before agents published them.
     """
     if adapter is None:
         return upstreams[0]
     candidates = [u for u in upstreams if u.base_model == adapter.base_model] or list(upstreams)
-    view = _upstreams(residency)
+    view = residency.by_upstream
     known = {u.name: u for u in candidates if u.name in view}
-    if known:
-        snapshot = {name: view[name] for name in known}
-    else:
+    if not known:
         known = {u.name: u for u in candidates}
-        snapshot = {name: {} for name in known}
-    measured = getattr(residency, "loads", None) or {}
-    sent = getattr(residency, "sent_since", None) or {}
-    loads = {name: measured[name] + sent.get(name, 0) for name in snapshot if name in measured}
-    fleet = {name for adapters in snapshot.values() for name in adapters}
-    decision = choose_endpoint(snapshot, adapter.name, adapter.sha256 or adapter.name,
+    loads = {}
+    for name in known:
+        load = host_load(residency, sent, name)
+        if load is not None:
+            loads[name] = load
+    fleet = {a for name in known for a in view.get(name, _NO_TABLE)}
+    decision = choose_endpoint(residency, adapter.name, adapter.sha256 or adapter.name, hosts=known,
                                loads=loads, min_bound=LOAD_FLOOR, adapters=fleet)
     return known[decision.endpoint]
+
+
+def choose_upstream(upstreams: Sequence[Upstream], adapter: Adapter | None,
+                    residency: ResidencySnapshot, sent: SentCounts) -> Upstream:
+    """The policy with one upstream: the first upstream serving the adapter's base model
+    (or the first upstream)."""
+    if adapter is not None:
+        for upstream in upstreams:
+            if upstream.base_model == adapter.base_model:
+                return upstream
+    return upstreams[0]
+
+
+def load_policy(spec: str | None, upstreams: int = 1) -> RoutePolicy:
+    """The gateway's routing policy: ``spec`` (``"pkg.mod:func"``, ``--routing-policy``)
+    when given; else ``route`` with several upstreams (or discovered hosts, which come and
+    go), ``choose_upstream`` with one."""
+    if not spec:
+        return route if upstreams > 1 else choose_upstream
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ConfigError(f"routing policy must be module:function, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load routing policy {spec}: {exc}") from exc
 
 
 class RoundRobin:
@@ -260,7 +284,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = itertools.count()
 
-    def __call__(self, upstreams: Sequence[Any], adapter: Any, residency: Any) -> Any:
+    def __call__(self, upstreams: Sequence[Upstream], adapter: Adapter | None,
+                 residency: ResidencySnapshot, sent: SentCounts) -> Upstream:
         candidates = [u for u in upstreams if adapter is None or u.base_model == adapter.base_model]
         candidates = candidates or list(upstreams)
         return candidates[next(self._next) % len(candidates)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from extproc.decision import Decision
+from gpu_agent.tiers import Tier
 
 __all__ = ["HINT_FIELDS", "wire_hints", "client_copies"]
 
@@ -35,7 +36,7 @@ def wire_hints(d: Decision) -> dict[str, Any]:
                              "lora_prefetch": prefetch, "enable_lora_prefetch": prefetch}
     if prefetch:
         hints["prefetch_adapter_id"] = adapter.sha256
-    if d.residency.tier == "pool" and d.residency.bytes is not None:
+    if d.residency.tier == Tier.DEVICE and d.residency.bytes is not None:
         hints["vram_allocated_mb"] = round(d.residency.bytes / _MIB, 3)
     hints["prefetch_status"] = d.residency.tier
     return hints

@@ -1,10 +1,10 @@
 import random
 
-import numpy as np
-
 from bench import fleet, sim
 from bench.workload import WorkloadSpec, synthetic
 from extproc.policy.routing import LOAD_FLOOR, choose_endpoint
+from extproc.residency_view import ResidencySnapshot, TierReport
+from gpu_agent.tiers import Tier
 
 
 def test_fleet_router_agrees_with_choose_endpoint():
@@ -16,8 +16,9 @@ def test_fleet_router_agrees_with_choose_endpoint():
         router.load = [rng.randrange(0, 14) for _ in hosts]
         router.total = sum(router.load)
         a = rng.randrange(30)
-        snapshot = {h: {b: "pool" for b in pools[i]} for i, h in enumerate(hosts)}
-        want = choose_endpoint(snapshot, a, f"adapter-{a}", loads=dict(zip(hosts, router.load)),
+        device = TierReport(Tier.DEVICE.value, None)
+        snapshot = ResidencySnapshot.build({h: {str(b): device for b in pools[i]} for i, h in enumerate(hosts)})
+        want = choose_endpoint(snapshot, str(a), f"adapter-{a}", loads=dict(zip(hosts, router.load)),
                                min_bound=LOAD_FLOOR)
         assert hosts[router.choose(a)] == want.endpoint, (a, pools, router.load, want)
 

@@ -7,7 +7,7 @@ import pytest
 from extproc.auth import Principal
 from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
-from extproc.residency import AdapterResidency, ResidencySnapshot
+from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
 from extproc.trace import trace_metadata
 
 
@@ -15,17 +15,18 @@ def _decide(snapshot, residency, skills, body=None, route=None):
     key = next(k for k in snapshot.keys.values() if k.name == "alice")
     p = Principal(key=key, tenant=snapshot.tenants["acme"])
     req = InferenceRequest(p, body or {"model": "code-python"}, skills)
-    return decide(snapshot, residency, req, route) if route else decide(snapshot, residency, req)
+    sent = SentCounts()
+    return decide(snapshot, residency, sent, req, route) if route else decide(snapshot, residency, sent, req)
 
 
 def _res(tier, ms=None):
-    return ResidencySnapshot.build({"local-vllm": {"code-python": AdapterResidency(tier, ms, 1 << 20)}})
+    return ResidencySnapshot.build({"local-vllm": {"code-python": TierReport(tier, ms, 1 << 20)}})
 
 
 # tier, multi_lora action, swap_ms_saved, prefetch action (prod)
 TABLE = [
     (None, "adapter_applied", "unknown", "prefetch_signalled"),
-    ("pool", "adapter_resident_applied", "35", "not_needed"),
+    ("device", "adapter_resident_applied", "35", "not_needed"),
     ("host", "adapter_prefetched_applied", "unknown", "not_needed"),
     ("disk", "adapter_cold_loaded", "0", "prefetch_signalled"),
     ("remote", "adapter_cold_loaded", "0", "prefetch_signalled"),
@@ -39,6 +40,9 @@ def test_actions_from_residency(snapshot, tier, action, saved, pf):
     assert d.multi_lora_action == action and d.prefetch_action == pf
     meta = dict(trace_metadata(d, None))
     assert f"swap_ms_saved={saved}" in meta["trace_multi_lora"]
+    # the tier as the whole project names it (gpu_agent.tiers.Tier): the top one is "device"
+    assert f",residency={tier or 'unknown'}," in meta["trace_multi_lora"]
+    assert f",residency={tier or 'unknown'}" in meta["trace_dynamic_lora_prefetch"]
     assert meta["served_by"] == "local-vllm"
     assert (d.prefetch_signal is not None) == (pf == "prefetch_signalled")
     if d.prefetch_signal:
@@ -46,7 +50,7 @@ def test_actions_from_residency(snapshot, tier, action, saved, pf):
 
 
 def test_shadow_decides_but_does_not_apply(snapshot):
-    d = _decide(snapshot, _res("pool", 10.0), {"multi_lora": "shadow", "dynamic_lora_prefetch": "shadow"})
+    d = _decide(snapshot, _res("device", 10.0), {"multi_lora": "shadow", "dynamic_lora_prefetch": "shadow"})
     assert (d.multi_lora_action, d.multi_lora_would, d.applies_adapter) == (
         "shadow", "adapter_resident_applied", False)
     assert d.prefetch_action == "not_needed" and d.prefetch_signal is None
@@ -57,7 +61,7 @@ def test_route_policy_seam_gets_adapter_only_in_prod(snapshot):
     snap = replace(snapshot, upstreams=snapshot.upstreams + (other,))
     seen = []
 
-    def policy(upstreams, adapter, residency):
+    def policy(upstreams, adapter, residency, sent):
         seen.append(adapter.name if adapter else None)
         return upstreams[-1]
     d = _decide(snap, ResidencySnapshot(), {"multi_lora": "prod"}, route=policy)
@@ -71,7 +75,7 @@ def test_trace_metadata_is_the_entries_memoised(snapshot, queued):
     """The header values are the trace entries joined, on the first call and from the memo;
     residencies that compare equal but print differently (-0.0 / 0.0 ms) keep apart."""
     from extproc.trace import trace_entries
-    residencies = [ResidencySnapshot(), _res("pool", 35.0), _res("pool", -0.0), _res("pool", 0.0),
+    residencies = [ResidencySnapshot(), _res("device", 35.0), _res("device", -0.0), _res("device", 0.0),
                    _res("host"), _res("disk", 12.5)]
     skill_sets = [{"multi_lora": "prod", "dynamic_lora_prefetch": "prod"},
                   {"multi_lora": "shadow", "dynamic_lora_prefetch": "shadow"},
@@ -85,7 +89,7 @@ def test_trace_metadata_is_the_entries_memoised(snapshot, queued):
                                  for key, entry in (("trace_multi_lora", ml), ("trace_dynamic_lora_prefetch", pf)))
                 assert trace_metadata(d, queued) == (*expected, ("served_by", "local-vllm"))
     def multi_lora(ms):
-        d = _decide(snapshot, _res("pool", ms), skill_sets[0])
+        d = _decide(snapshot, _res("device", ms), skill_sets[0])
         return dict(trace_metadata(d, None))["trace_multi_lora"]
     assert "swap_ms_saved=-0," in multi_lora(-0.0)
     assert "swap_ms_saved=0," in multi_lora(0.0)

@@ -9,7 +9,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from extproc.epp import CHUNK, ENDPOINT_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE, EppStats, EppStream
 from extproc.policy.routing import route
 from extproc.processor import Gateway
-from extproc.residency import ResidencySnapshot
+from extproc.residency_view import ResidencySnapshot
 from extproc.store import Store
 from extproc.wire import pb
 from tests.extproc.builders import KEYS, upstream, write_state
@@ -157,6 +157,21 @@ def test_shedding_when_every_eligible_host_is_at_the_bound(gateway):
     assert run(s, body_msgs(chat()))[0].HasField("request_headers")
 
 
+def test_shedding_counts_the_requests_routed_since_each_measurement(gateway):
+    """The shedding bound reads a host's load as routing does: its agent's measurement plus
+    what this gateway routed there since that measurement arrived (residency_view.host_load)."""
+    gateway.shed_load = 4
+    for u in ("a", "b", "c"):
+        gateway.residency.sent.record(u)           # before the measurement: not counted
+    marks = {u: gateway.residency.sent.value(u) for u in ("a", "b", "c")}
+    gateway.residency.publish(ResidencySnapshot.build({}, {"a": 3, "b": 3, "c": 3}, marks))
+    assert not any(r.HasField("immediate_response") for r in EppStream(gateway).handle(headers_msg()))
+    for u in ("a", "b", "c"):
+        gateway.residency.sent.record(u)           # one more each since: 3 + 1 = the bound
+    out = EppStream(gateway).handle(headers_msg())
+    assert out[0].immediate_response.status.code == 429
+
+
 def test_no_fallbacks_by_default_one_address_as_envoy_reads_it(gateway):
     gateway.epp_fallbacks = 0
     s = EppStream(gateway)
@@ -218,7 +233,7 @@ def test_body_before_headers_is_a_clean_json_error(gateway):
 
 
 def test_a_failing_routing_policy_answers_json_not_a_hang(gateway):
-    def broken(upstreams, adapter, residency):
+    def broken(upstreams, adapter, residency, sent):
         raise RuntimeError("policy bug")
     gateway.route = broken
     s = EppStream(gateway)

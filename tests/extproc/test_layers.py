@@ -69,7 +69,7 @@ def test_shared_types_import_nothing_of_the_gateway(name):
 
 
 def test_processor_does_not_load_the_speculation_runtime():
-    assert not {m for m in _runtime("processor") if m.startswith("extproc.speculation")}
+    assert not {m for m in _runtime("processor") if m.startswith("extproc.prefetch_planner")}
 
 
 def test_phase_dispatch_is_written_once():

@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.errors import ConfigError
 from extproc.metrics import GatewayCollector, propagation_histogram, serve_metrics
-from extproc.processor import Gateway, Reply, RequestHead
-from extproc.residency import ResidencyBoard, ResidencySnapshot
+from extproc.outcomes import Reply, RequestHead
+from extproc.processor import Gateway
+from extproc.residency_view import ResidencyBoard, ResidencySnapshot
 from extproc.settings import Settings
 from tests.extproc.builders import KEYS, sha
 

@@ -9,7 +9,7 @@ from extproc.auth import Principal
 from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
 from extproc.native import new_execution_id, wrap_output
-from extproc.residency import AdapterResidency, ResidencySnapshot
+from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
 from extproc.trace import execute_trace, trace_entries
 
 BODY = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
@@ -21,7 +21,7 @@ def _decision(snapshot, skills, residency=None):
     snap = replace(snapshot, upstreams=(up,))
     key = snap.keys[next(iter(snap.keys))]
     p = Principal(key=replace(key, skills={}), tenant=snap.tenants["acme"])
-    return decide(snap, residency or ResidencySnapshot(), InferenceRequest(p, BODY, skills))
+    return decide(snap, residency or ResidencySnapshot(), SentCounts(), InferenceRequest(p, BODY, skills))
 
 
 def test_execution_id_in_output_and_top_level():
@@ -50,8 +50,8 @@ def test_trace_unknown_residency_is_zero_and_named(snapshot):
 
 
 def test_trace_prefetch_hit_numbers_are_the_measured_ones(snapshot):
-    res = ResidencySnapshot.build({"u": {"code-python": AdapterResidency(
-        "pool", 40.5, 2 << 20, prefetched=True, base_model_bytes=300 << 20)}})
+    res = ResidencySnapshot.build({"u": {"code-python": TierReport(
+        "device", 40.5, 2 << 20, prefetched=True, base_model_bytes=300 << 20)}})
     d = _decision(snapshot, {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}, res)
     ml, pf = execute_trace(d, None)
     assert ml["action"] == "adapter_prefetched_applied"
@@ -69,7 +69,7 @@ def test_trace_no_adapter_saves_nothing(snapshot):
     snap = replace(snapshot, upstreams=(up,))
     key = snap.keys[next(iter(snap.keys))]
     p = Principal(key=replace(key, skills={}), tenant=replace(snap.tenants["acme"], default_adapter=None))
-    d = decide(snap, ResidencySnapshot(), InferenceRequest(p, {"model": "ace-tiny-llama", "messages": []}, {}))
+    d = decide(snap, ResidencySnapshot(), SentCounts(), InferenceRequest(p, {"model": "ace-tiny-llama", "messages": []}, {}))
     for entry in execute_trace(d, None):
         assert entry["adapter_name"] is None
         assert (entry["is_prefetch_hit"], entry["swap_ms_saved"], entry["vram_mb_saved"]) == (False, 0, 0)

@@ -1,20 +1,19 @@
-from dataclasses import dataclass
-
 import pytest
 
 from extproc.catalog import Upstream
 from extproc.policy.routing import choose_endpoint, ring_walk
 from extproc.policy.warmset import warm_set
+from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport, host_load
 
 
-@dataclass(frozen=True)
-class Res:
-    tier: str
+def Res(tier: str) -> TierReport:
+    return TierReport(tier, None)
 
 
-def snap(**hosts):
-    """snap(h1={"a": "device"}) -> {"h1": {"a": Res("device")}}"""
-    return {h: {a: Res(t) for a, t in adapters.items()} for h, adapters in hosts.items()}
+def snap(**hosts) -> ResidencySnapshot:
+    """snap(h1={"a": "device"}) -> the snapshot where h1 reports adapter a on its device"""
+    return ResidencySnapshot.build({h: {a: Res(t) for a, t in adapters.items()}
+                                    for h, adapters in hosts.items()})
 
 
 HOSTS3 = dict(h1={}, h2={}, h3={})
@@ -32,13 +31,13 @@ HOSTS3 = dict(h1={}, h2={}, h3={})
         (snap(h1={"a": "host"}, h2={"a": "device"}), {}, ("h2", "resident")),
         # disk/remote tiers are not affinity: consistent hashing decides
         (snap(h1={"a": "disk"}, h2={"a": "remote"}), {}, (None, "hashed")),
-        ({}, {}, (None, "none")),
+        (snap(), {}, (None, "none")),
     ],
 )
 def test_tiers(snapshot, loads, expected):
     d = choose_endpoint(snapshot, "a", "digest-a", loads=loads)
     if expected[0] is None and expected[1] == "hashed":
-        assert d.reason == "hashed" and d.endpoint in snapshot
+        assert d.reason == "hashed" and d.endpoint in snapshot.by_upstream
     else:
         assert (d.endpoint, d.reason) == expected
 
@@ -82,16 +81,11 @@ def test_hot_adapter_replicas_pick_least_loaded_owner():
     assert pick(2) == walk[1]  # two owners: the less loaded
 
 
-def test_object_snapshot_with_enum_tiers():
-    import enum
-
-    class Tier(enum.Enum):
-        DEVICE = "device"
-
-    class Snapshot:
-        upstreams = {"h1": {}, "h2": {"a": Res(Tier.DEVICE)}}
-
-    assert choose_endpoint(Snapshot(), "a", "da").endpoint == "h2"
+def test_hosts_narrow_the_choice_and_an_unknown_host_holds_nothing():
+    s = snap(h1={"a": "device"}, h2={})
+    assert choose_endpoint(s, "a", "da").endpoint == "h1"
+    d = choose_endpoint(s, "a", "da", hosts=("h2", "h3"))
+    assert d.reason == "hashed" and d.endpoint in ("h2", "h3")
 
 
 def test_warm_set_follows_routing_and_fills_hosts():
@@ -115,24 +109,36 @@ def test_warm_set_replicates_the_hottest():
 
 def test_route_plugs_into_the_gateway_seam():
     from extproc.catalog import Adapter, Upstream
-    from extproc.residency import AdapterResidency, ResidencySnapshot
-    from extproc.policy.routing import route
-    from extproc.routing import load_policy
+    from extproc.policy.routing import load_policy, route
 
     assert load_policy("extproc.policy.routing:route") is route
     ups = [Upstream(f"e{i}", f"127.0.0.1:{9000 + i}", "builtin", "tiny") for i in range(3)]
     other = Upstream("x", "127.0.0.1:9100", "builtin", "other-base")
     ad = Adapter("code-sql", "tiny", 32, ("q_proj",), 100, "public", "adapters/code-sql", "ab" * 32)
-    res = lambda tier: AdapterResidency(tier=tier, cold_load_ms=None)
+    sent = SentCounts()
     # resident on e2
-    snap = ResidencySnapshot.build({"e0": {}, "e1": {}, "e2": {"code-sql": res("pool")}})
-    assert route(ups + [other], ad, snap).name == "e2"
+    snap = ResidencySnapshot.build({"e0": {}, "e1": {}, "e2": {"code-sql": Res("device")}})
+    assert route(ups + [other], ad, snap, sent).name == "e2"
     # e2's agent is gone: only e0/e1 are known, never e2
     snap = ResidencySnapshot.build({"e0": {}, "e1": {}})
-    assert route(ups, ad, snap).name in ("e0", "e1")
+    assert route(ups, ad, snap, sent).name in ("e0", "e1")
     # no residency at all: fail open to hashing over the base model's upstreams
-    assert route(ups + [other], ad, ResidencySnapshot()).name in ("e0", "e1", "e2")
-    assert route(ups, None, ResidencySnapshot()).name == "e0"
+    assert route(ups + [other], ad, ResidencySnapshot(), sent).name in ("e0", "e1", "e2")
+    assert route(ups, None, ResidencySnapshot(), sent).name == "e0"
+
+
+def test_load_policy_owns_the_default():
+    from extproc.errors import ConfigError
+    from extproc.policy.routing import choose_upstream, load_policy, round_robin, route
+
+    assert load_policy(None) is choose_upstream
+    assert load_policy(None, 1) is choose_upstream
+    assert load_policy(None, 3) is route             # several upstreams: adapter affinity
+    assert load_policy("extproc.policy.routing:round_robin", 3) is round_robin
+    assert load_policy("extproc.policy.routing:choose_upstream", 3) is choose_upstream
+    for bad in ("extproc.policy.routing", "extproc.policy.routing:nope", "no.such.module:f"):
+        with pytest.raises(ConfigError):
+            load_policy(bad)
 
 
 # ---- loads: the engines' own, published by the agents (ResidencySnapshot.loads) ----------
@@ -170,42 +176,40 @@ def test_min_bound_keeps_a_lightly_loaded_resident_host():
 
 def _route_fixture():
     from extproc.catalog import Adapter, Upstream
-    from extproc.residency import AdapterResidency
 
     ups = [Upstream(f"e{i}", f"127.0.0.1:{9000 + i}", "builtin", "tiny") for i in range(3)]
     ad = Adapter("code-sql", "tiny", 32, ("q_proj",), 100, "public", "adapters/code-sql", "ab" * 32)
-    return ups, ad, lambda tier: AdapterResidency(tier=tier, cold_load_ms=None)
+    return ups, ad, Res
 
 
 def test_route_reads_the_snapshots_loads():
     from extproc.policy.routing import route
-    from extproc.residency import ResidencySnapshot
 
     ups, ad, res = _route_fixture()
-    table = {"e0": {"code-sql": res("pool")}, "e1": {"code-sql": res("pool")}, "e2": {}}
+    table = {"e0": {"code-sql": res("device")}, "e1": {"code-sql": res("device")}, "e2": {}}
+    at = lambda loads: route(ups, ad, ResidencySnapshot.build(table, loads=loads), SentCounts()).name
     # both resident: the less loaded one, from the agents' measurements
-    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e0": 9, "e1": 2, "e2": 0})).name == "e1"
-    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e0": 2, "e1": 9, "e2": 0})).name == "e0"
+    assert at({"e0": 9, "e1": 2, "e2": 0}) == "e1"
+    assert at({"e0": 2, "e1": 9, "e2": 0}) == "e0"
     # both resident hosts overloaded: the adapter spreads to the third host
-    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e0": 40, "e1": 40, "e2": 0})).name == "e2"
+    assert at({"e0": 40, "e1": 40, "e2": 0}) == "e2"
     # light load never moves it off its resident hosts
-    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e0": 5, "e1": 5, "e2": 0})).name in ("e0", "e1")
+    assert at({"e0": 5, "e1": 5, "e2": 0}) in ("e0", "e1")
 
 
 def test_route_with_unknown_loads_decides_as_before():
     from extproc.policy.routing import route
-    from extproc.residency import ResidencySnapshot
 
     ups, ad, res = _route_fixture()
-    table = {"e0": {}, "e1": {}, "e2": {"code-sql": res("pool")}}
-    assert route(ups, ad, ResidencySnapshot.build(table)).name == "e2"
+    table = {"e0": {}, "e1": {}, "e2": {"code-sql": res("device")}}
+    assert route(ups, ad, ResidencySnapshot.build(table), SentCounts()).name == "e2"
     # a load for one host only: the others count as 0 and e2 is under the bound
-    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e2": 6})).name == "e2"
-    cold = {"e0": {}, "e1": {}, "e2": {}}
+    assert route(ups, ad, ResidencySnapshot.build(table, loads={"e2": 6}), SentCounts()).name == "e2"
+    cold = ResidencySnapshot.build({"e0": {}, "e1": {}, "e2": {}})
     for i in range(20):
         other = _with_digest(ad, f"d{i}")
-        assert (route(ups, other, ResidencySnapshot.build(cold)).name
-                == choose_endpoint({u: {} for u in cold}, other.name, other.sha256, adapters=()).endpoint)
+        assert (route(ups, other, cold, SentCounts()).name
+                == choose_endpoint(cold, other.name, other.sha256, adapters=()).endpoint)
 
 
 def _with_digest(ad, digest):
@@ -213,69 +217,66 @@ def _with_digest(ad, digest):
     return replace(ad, name=f"x-{digest}", sha256=digest)
 
 
-# ---- the gateway's own sends since a host's last measurement (ResidencySnapshot.sent_since)
+# ---- the gateway's own sends since a host's last measurement (SentCounts beside the snapshot)
 
 def test_a_burst_spreads_once_the_sends_since_the_measurement_reach_the_floor():
     from extproc.policy.routing import LOAD_FLOOR, route
-    from extproc.residency import ResidencySnapshot
 
     ups, ad, res = _route_fixture()
-    table = {"e0": {"code-sql": res("pool")}, "e1": {}}
+    table = {"e0": {"code-sql": res("device")}, "e1": {}}
     measured = {"e0": 0, "e1": 0}  # both idle when their agents last measured
-    at = lambda sent: route(ups[:2], ad, ResidencySnapshot.build(table, measured, sent)).name
+    at = lambda sent: route(ups[:2], ad, ResidencySnapshot.build(table, measured), SentCounts(sent)).name
     # the resident host keeps the burst until it carries LOAD_FLOOR requests ...
     assert [at({"e0": n, "e1": 0}) for n in range(LOAD_FLOOR)] == ["e0"] * LOAD_FLOOR
     # ... then the next one goes to the other host, not to the same host again
     assert at({"e0": LOAD_FLOOR, "e1": 0}) == "e1"
     # resident on both: the sends alone break the tie, the burst alternates
-    both = {"e0": {"code-sql": res("pool")}, "e1": {"code-sql": res("pool")}}
-    assert route(ups[:2], ad, ResidencySnapshot.build(both, measured, {"e0": 1, "e1": 0})).name == "e1"
-    assert route(ups[:2], ad, ResidencySnapshot.build(both, measured, {"e0": 1, "e1": 1})).name == "e0"
+    both = ResidencySnapshot.build({"e0": {"code-sql": res("device")}, "e1": {"code-sql": res("device")}},
+                                   measured)
+    assert route(ups[:2], ad, both, SentCounts({"e0": 1, "e1": 0})).name == "e1"
+    assert route(ups[:2], ad, both, SentCounts({"e0": 1, "e1": 1})).name == "e0"
     # the sends add to the measurement
     assert at({"e0": 3, "e1": 0}) == "e0"
-    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e0": LOAD_FLOOR - 3, "e1": 0},
-                                                        {"e0": 3, "e1": 0})).name == "e1"
+    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e0": LOAD_FLOOR - 3, "e1": 0}),
+                 SentCounts({"e0": 3, "e1": 0})).name == "e1"
 
 
 def test_sends_to_a_host_without_a_measured_load_are_not_counted():
     from extproc.policy.routing import route
-    from extproc.residency import ResidencySnapshot
 
     ups, ad, res = _route_fixture()
-    table = {"e0": {"code-sql": res("pool")}, "e1": {}}
+    table = {"e0": {"code-sql": res("device")}, "e1": {}}
     # no agent measurement for e0: its load is unknown (0) whatever the gateway sent there
-    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e1": 0}, {"e0": 50})).name == "e0"
-    assert route(ups[:2], ad, ResidencySnapshot.build(table, {}, {"e0": 50, "e1": 0})).name == "e0"
+    assert route(ups[:2], ad, ResidencySnapshot.build(table, {"e1": 0}), SentCounts({"e0": 50})).name == "e0"
+    assert route(ups[:2], ad, ResidencySnapshot.build(table, {}), SentCounts({"e0": 50, "e1": 0})).name == "e0"
 
 
 def test_a_new_measurement_resets_the_sends_since():
     from extproc.policy.routing import LOAD_FLOOR, route
-    from extproc.residency import ResidencySnapshot, SentCounter, SentSince
 
     ups, ad, res = _route_fixture()
-    table = {"e0": {"code-sql": res("pool")}, "e1": {}}
-    sent = SentCounter()
-    measured_at = lambda: SentSince(sent, {u: sent.value(u) for u in ("e0", "e1")})
-    snap = ResidencySnapshot.build(table, {"e0": 0, "e1": 0})
-    snap = ResidencySnapshot(snap.by_upstream, snap.loads, measured_at())
+    table = {"e0": {"code-sql": res("device")}, "e1": {}}
+    sent = SentCounts({"e0": 7})       # sends before the measurement do not count
+    measured_at = lambda: {u: sent.value(u) for u in ("e0", "e1")}
+    snap = ResidencySnapshot.build(table, {"e0": 0, "e1": 0}, measured_at())
+    loads = lambda s: [host_load(s, sent, u) for u in ("e0", "e1")]
+    assert loads(snap) == [0, 0]
     for _ in range(LOAD_FLOOR):
-        assert route(ups[:2], ad, snap).name == "e0"
+        assert route(ups[:2], ad, snap, sent).name == "e0"
         sent.record("e0")
-    assert dict(snap.sent_since) == {"e0": LOAD_FLOOR, "e1": 0}   # a live view
-    assert route(ups[:2], ad, snap).name == "e1"
+    assert loads(snap) == [LOAD_FLOOR, 0]   # the count moves, the snapshot stays as it was built
+    assert route(ups[:2], ad, snap, sent).name == "e1"
     # e0's agent measures again (its load, say, still 0): counting starts over
-    fresh = ResidencySnapshot(snap.by_upstream, snap.loads, measured_at())
-    assert dict(fresh.sent_since) == {"e0": 0, "e1": 0}
-    assert route(ups[:2], ad, fresh).name == "e0"
+    fresh = ResidencySnapshot.build(table, {"e0": 0, "e1": 0}, measured_at())
+    assert loads(fresh) == [0, 0]
+    assert route(ups[:2], ad, fresh, sent).name == "e0"
 
 
-def test_sent_counter_loses_no_count_across_threads():
+def test_sent_counts_lose_no_count_across_threads():
     import sys
     import threading
 
-    from extproc.residency import SentCounter
-
-    sent, n, threads = SentCounter(), 20_000, 8
+    sent, n, threads = SentCounts(), 20_000, 8
     before = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows
     try:
@@ -331,7 +332,7 @@ def test_place_moves_little_when_a_host_leaves_or_joins():
 
 def test_hashed_tier_follows_the_placement_not_the_plain_hash():
     from collections import Counter
-    s = {h: {} for h in FOUR}
+    s = snap(**{h: {} for h in FOUR})
     plain = Counter(choose_endpoint(s, a, a).endpoint for a in TEN)
     placed = Counter(choose_endpoint(s, a, a, adapters=TEN).endpoint for a in TEN)
     assert max(placed.values()) - min(placed.values()) <= 1 and len(placed) == 4
@@ -343,8 +344,8 @@ def test_route_places_over_the_adapters_the_agents_report():
 
     from extproc.policy.routing import route
     ups = [Upstream(h, "127.0.0.1:1", "builtin", "m") for h in FOUR]
-    view = {h: {a: Res("remote") for a in TEN} for h in FOUR}
-    picks = Counter(route(ups, lora(a), view).name for a in TEN)
+    view = snap(**{h: {a: "remote" for a in TEN} for h in FOUR})
+    picks = Counter(route(ups, lora(a), view, SentCounts()).name for a in TEN)
     assert sorted(picks.values()) == [2, 2, 3, 3]
 
 
@@ -352,7 +353,7 @@ def test_round_robin_cycles_hosts_whatever_the_adapter():
     from extproc.policy.routing import RoundRobin
     ups = [Upstream(h, "127.0.0.1:1", "builtin", "m") for h in FOUR]
     rr = RoundRobin()
-    assert [rr(ups, lora(f"a{i}"), {}).name for i in range(6)] == FOUR + FOUR[:2]
+    assert [rr(ups, lora(f"a{i}"), ResidencySnapshot(), SentCounts()).name for i in range(6)] == FOUR + FOUR[:2]
 
 
 def lora(name: str):

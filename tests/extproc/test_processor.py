@@ -250,7 +250,7 @@ def test_a_burst_within_one_load_measurement_spreads_across_hosts(tmp_path):
     so the burst leaves the resident host at the floor; the next measurement resets."""
     from extproc.agent_client import AgentLink
     from extproc.policy.routing import LOAD_FLOOR, route
-    from extproc.residency import AdapterResidency
+    from extproc.residency_view import TierReport, host_load
     from extproc.store import Store
     from tests.extproc.builders import upstream, write_state
 
@@ -258,7 +258,7 @@ def test_a_burst_within_one_load_measurement_spreads_across_hosts(tmp_path):
     store = Store(state, tmp_path / "gw.sqlite3")
     link = AgentLink({})  # no agents to dial: fed below as its streams would feed it
     try:
-        link._publish("u0", {"code-python": AdapterResidency("pool", 12.0)}, 0)
+        link._publish("u0", {"code-python": TierReport("device", 12.0)}, 0)
         link._publish("u1", {}, 0)
         gw = Gateway(store, residency=link.board, route=route)
 
@@ -271,10 +271,11 @@ def test_a_burst_within_one_load_measurement_spreads_across_hosts(tmp_path):
         burst = [send() for _ in range(LOAD_FLOOR + 4)]
         assert burst[:LOAD_FLOOR] == ["127.0.0.1:8000"] * LOAD_FLOOR
         assert set(burst[LOAD_FLOOR:]) == {"127.0.0.1:8001"}
-        assert dict(link.board.current.sent_since) == {"u0": LOAD_FLOOR, "u1": 4}
+        loads = lambda: [host_load(link.board.current, link.board.sent, u) for u in ("u0", "u1")]
+        assert loads() == [LOAD_FLOOR, 4]
         # u0's agent measures again, the same 0 (the burst finished): a new snapshot, reset
         link._publish_load("u0", 0)
-        assert dict(link.board.current.sent_since) == {"u0": 0, "u1": 4}
+        assert loads() == [0, 4]
         assert send() == "127.0.0.1:8000"
         # an unchanged measurement with nothing sent since changes nothing
         link._publish_load("u1", 0)

@@ -9,7 +9,7 @@ import pytest
 from extproc.auth import Principal
 from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
-from extproc.residency import AdapterResidency, ResidencySnapshot
+from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
 from extproc.rewrite import rewrite_request
 from extproc.rewrite.codec import decode, encode
 from tests.support.seeds import SEED_EXECUTE, SEED_HINTS
@@ -23,7 +23,7 @@ def _decision(snapshot, flavour, hints, skills=None, residency=None, body=BODY):
     snap = replace(snapshot, upstreams=(up,))
     key = snap.keys[next(iter(snap.keys))]
     p = Principal(key=replace(key, skills={}), tenant=snap.tenants["acme"])
-    return decide(snap, residency or ResidencySnapshot(), InferenceRequest(p, body, skills or {}))
+    return decide(snap, residency or ResidencySnapshot(), SentCounts(), InferenceRequest(p, body, skills or {}))
 
 
 # flavour -> the model the upstream must see
@@ -51,14 +51,14 @@ def test_hints_in_body(snapshot, flavour, model):
 
 
 def test_hints_in_headers(snapshot):
-    res = ResidencySnapshot.build({"u": {"code-python": AdapterResidency("pool", 40.0, 2 << 20)}})
+    res = ResidencySnapshot.build({"u": {"code-python": TierReport("device", 40.0, 2 << 20)}})
     d = _decision(snapshot, "vllm", "headers", residency=res)
     rw = rewrite_request(BODY, d)
     assert json.loads(rw.body) == {**BODY, "model": "code-python"}
     assert dict(rw.header_hints) == {
         "lora_name": "code-python", "lora_adapter": "code-python",
         "lora_prefetch": "false", "enable_lora_prefetch": "false",
-        "vram_allocated_mb": "2.0", "prefetch_status": "pool"}
+        "vram_allocated_mb": "2.0", "prefetch_status": "device"}
 
 
 def test_body_untouched_when_nothing_changes(snapshot):
@@ -78,7 +78,7 @@ PROD = {"multi_lora": "prod", "dynamic_lora_prefetch": "shadow"}
 
 def test_hint_fields_cover_wire_hints(snapshot):
     from extproc.rewrite.hints import HINT_FIELDS, wire_hints
-    res = ResidencySnapshot.build({"u": {"code-python": AdapterResidency("pool", 40.0, 2 << 20)}})
+    res = ResidencySnapshot.build({"u": {"code-python": TierReport("device", 40.0, 2 << 20)}})
     d = _decision(snapshot, "vllm", "body", {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"},
                   residency=res)
     assert set(wire_hints(d)) <= set(HINT_FIELDS)
@@ -100,14 +100,14 @@ def test_execute_seed_body_engine_sees_only_gateway_hints(snapshot):
 
 def test_sdk_top_level_client_hints_replaced(snapshot):
     body = {**BODY, **SEED_HINTS, "lora_adapter": "evil", "lora_prefetch": 1}
-    res = ResidencySnapshot.build({"u": {"code-python": AdapterResidency("pool", 40.0, 2 << 20)}})
+    res = ResidencySnapshot.build({"u": {"code-python": TierReport("device", 40.0, 2 << 20)}})
     d = _decision(snapshot, "vllm", "body", PROD, residency=res, body=body)
     sent = json.loads(rewrite_request(body, d).body)
     assert {k: sent.get(k) for k in SEED_HINTS} | {"lora_adapter": sent["lora_adapter"],
                                                      "lora_prefetch": sent["lora_prefetch"]} == {
         "lora_name": "code-python", "lora_adapter": "code-python", "lora_prefetch": False,
         "enable_lora_prefetch": False, "prefetch_adapter_id": None, "vram_allocated_mb": 2.0,
-        "prefetch_status": "pool"}
+        "prefetch_status": "device"}
 
 
 @pytest.mark.parametrize("hints", ["headers", "off"])

@@ -5,28 +5,28 @@ import pytest
 
 from extproc.auth import Principal
 from extproc.decision import InferenceRequest, decide
-from extproc.residency import AdapterResidency, ResidencySnapshot
+from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
 from extproc.trace import trace_entries
 
 
 def _trace(snapshot, tier, prefetched, pf_mode, ml_mode="prod"):
-    res = ResidencySnapshot.build({"local-vllm": {"code-python": AdapterResidency(tier, 20.0, 1, prefetched)}})
+    res = ResidencySnapshot.build({"local-vllm": {"code-python": TierReport(tier, 20.0, 1, prefetched)}})
     key = next(k for k in snapshot.keys.values() if k.name == "alice")
     req = InferenceRequest(Principal(key=key, tenant=snapshot.tenants["acme"]), {"model": "code-python"},
                            {"multi_lora": ml_mode, "dynamic_lora_prefetch": pf_mode})
-    ml, _ = trace_entries(decide(snapshot, res, req), None)
+    ml, _ = trace_entries(decide(snapshot, res, SentCounts(), req), None)
     return ml
 
 
 @pytest.mark.parametrize("tier,prefetched,pf_mode,action,hit", [
     # the bug: prefetch off, the agent says loaded_by=prefetch (or host memory) -> no prefetch claimed
-    ("pool", True, "off", "adapter_resident_applied", "false"),
+    ("device", True, "off", "adapter_resident_applied", "false"),
     ("host", False, "off", "adapter_staged_applied", "false"),
-    ("pool", True, "shadow", "adapter_resident_applied", "false"),
+    ("device", True, "shadow", "adapter_resident_applied", "false"),
     ("host", False, "shadow", "adapter_staged_applied", "false"),
     # prod: a prefetch put it there
-    ("pool", True, "prod", "adapter_prefetched_applied", "true"),
-    ("pool", False, "prod", "adapter_resident_applied", "false"),
+    ("device", True, "prod", "adapter_prefetched_applied", "true"),
+    ("device", False, "prod", "adapter_resident_applied", "false"),
     ("host", False, "prod", "adapter_prefetched_applied", "false"),
 ])
 def test_prefetch_claims_need_prod(snapshot, tier, prefetched, pf_mode, action, hit):
@@ -35,7 +35,7 @@ def test_prefetch_claims_need_prod(snapshot, tier, prefetched, pf_mode, action, 
 
 
 def test_shadow_multi_lora_would_follows_the_same_rule(snapshot):
-    ml = _trace(snapshot, "pool", True, "off", ml_mode="shadow")
+    ml = _trace(snapshot, "device", True, "off", ml_mode="shadow")
     assert (ml["action"], ml["would"], ml["is_prefetch_hit"]) == ("shadow", "adapter_resident_applied", "false")
-    ml = _trace(snapshot, "pool", True, "prod", ml_mode="shadow")
+    ml = _trace(snapshot, "device", True, "prod", ml_mode="shadow")
     assert (ml["would"], ml["is_prefetch_hit"]) == ("adapter_prefetched_applied", "true")

@@ -85,13 +85,13 @@ def signal(adapter: str, upstream: str = "u1") -> PrefetchSignal:
     return PrefetchSignal(upstream=upstream, adapter=adapter, digest="", priority=1, reason="test")
 
 
-def test_prefetch_through_the_link_shows_up_as_prefetched_pool_residency(agent):
+def test_prefetch_through_the_link_shows_up_as_prefetched_device_residency(agent):
     link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
     try:
         wait_until(lambda: link.board.current.of("u1", "a1").tier == "disk")
         assert link.board.current.of("u1", "a1").cold_load_ms is None
         assert link.submit(signal("a1"))
-        wait_until(lambda: link.board.current.of("u1", "a1").tier == "pool")
+        wait_until(lambda: link.board.current.of("u1", "a1").tier == "device")
         res = link.board.current.of("u1", "a1")
         assert res.prefetched and res.cold_load_ms > 0 and res.bytes == 4096
         assert not link.submit(signal("a1", upstream="no-such-upstream"))
@@ -107,12 +107,12 @@ def test_a_signals_evict_list_travels_to_the_agent(tmp_path):
     try:
         for name in ("a1", "a2"):                                   # a1 least recently used
             assert link.submit(signal(name))
-            wait_until(lambda n=name: link.board.current.of("u1", n).tier == "pool")
+            wait_until(lambda n=name: link.board.current.of("u1", n).tier == "device")
         assert link.submit(PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=0,
                                           reason="predicted", evict=("a2",)))
-        wait_until(lambda: link.board.current.of("u1", "a3").tier == "pool")
+        wait_until(lambda: link.board.current.of("u1", "a3").tier == "device")
         wait_until(lambda: link.board.current.of("u1", "a2").tier == "disk")
-        assert link.board.current.of("u1", "a1").tier == "pool"
+        assert link.board.current.of("u1", "a1").tier == "device"
         assert set(agent.engine.held) == {"a1", "a3"}
     finally:
         link.close()
@@ -210,7 +210,7 @@ def test_link_reconnects_when_the_agent_comes_back(tmp_path):
         agent.start()                                                 # and comes back
         wait_until(lambda: link.board.current.of("u1", "a2").tier == "disk")
         assert link.submit(signal("a2"))
-        wait_until(lambda: link.board.current.of("u1", "a2").tier == "pool")
+        wait_until(lambda: link.board.current.of("u1", "a2").tier == "device")
     finally:
         link.close()
         agent.close()
@@ -260,7 +260,7 @@ def test_link_over_mtls_gets_residency_and_one_without_a_client_certificate_is_r
     try:
         wait_until(lambda: link.board.current.of("u1", "a1").tier == "disk", what="residency over mTLS")
         assert link.submit(signal("a1"))                    # prefetch over the same channel
-        wait_until(lambda: link.board.current.of("u1", "a1").tier == "pool", what="prefetched over mTLS")
+        wait_until(lambda: link.board.current.of("u1", "a1").tier == "device", what="prefetched over mTLS")
         for refused in (anonymous, plaintext):
             wait_until(lambda r=refused: r.agents["u1"].stream_errors >= 2, what="handshakes refused")
             assert refused.agents["u1"].last_error == grpc.StatusCode.UNAVAILABLE
@@ -295,26 +295,26 @@ def _decision(res, mode="prod"):
 
 
 @pytest.mark.parametrize("res,action,hit,saved,vram", [
-    (dict(tier="pool", cold_load_ms=27.5, bytes=4096, prefetched=True, base_model_bytes=3 << 20),
+    (dict(tier="device", cold_load_ms=27.5, bytes=4096, prefetched=True, base_model_bytes=3 << 20),
      "adapter_prefetched_applied", "true", "27.5", "3"),
-    (dict(tier="pool", cold_load_ms=27.5, bytes=4096, prefetched=False, base_model_bytes=3 << 20),
+    (dict(tier="device", cold_load_ms=27.5, bytes=4096, prefetched=False, base_model_bytes=3 << 20),
      "adapter_resident_applied", "false", "27.5", "3"),
     (dict(tier="disk", cold_load_ms=None, bytes=4096, base_model_bytes=3 << 20),
      "adapter_cold_loaded", "false", "0", "3"),
     (dict(tier="unknown", cold_load_ms=None, bytes=None), "adapter_applied", "unknown", "unknown", "unknown"),
 ])
 def test_trace_reports_prefetch_hits_from_agent_residency(res, action, hit, saved, vram):
-    from extproc.residency import AdapterResidency
+    from extproc.residency_view import TierReport
     from extproc.trace import trace_entries
-    ml, _ = trace_entries(_decision(AdapterResidency(**res)), None)
+    ml, _ = trace_entries(_decision(TierReport(**res)), None)
     assert (ml["action"], ml["is_prefetch_hit"], ml["swap_ms_saved"], ml["vram_mb_saved"]) == (
         action, hit, saved, vram)
 
 
 def test_shadow_trace_says_what_prod_would_have_done():
-    from extproc.residency import AdapterResidency
+    from extproc.residency_view import TierReport
     from extproc.trace import trace_entries
-    res = AdapterResidency("pool", 12.0, 4096, prefetched=True, base_model_bytes=1 << 20)
+    res = TierReport("device", 12.0, 4096, prefetched=True, base_model_bytes=1 << 20)
     ml, _ = trace_entries(_decision(res, mode="shadow"), None)
     assert (ml["action"], ml["would"], ml["swap_ms_saved"]) == ("shadow", "adapter_prefetched_applied", "12")
 
@@ -322,7 +322,7 @@ def test_shadow_trace_says_what_prod_would_have_done():
 def test_the_engines_load_travels_into_the_gateways_snapshot_while_fresh(tmp_path):
     from extproc.catalog import Adapter, Upstream
     from extproc.policy.routing import route
-    from extproc.residency import ResidencySnapshot
+    from extproc.residency_view import ResidencySnapshot, SentCounts
     from gpu_agent.connectors.base import EngineLoad
 
     agent = AgentThread(tmp_path, free_port(), load_interval_s=0.02)
@@ -338,7 +338,7 @@ def test_the_engines_load_travels_into_the_gateways_snapshot_while_fresh(tmp_pat
         # the routing decision reads it from the snapshot: u1 holds a2 but is overloaded
         # next to an idle host whose agent measured 0
         assert link.submit(signal("a2"))
-        wait_until(lambda: link.board.current.of("u1", "a2").tier == "pool")
+        wait_until(lambda: link.board.current.of("u1", "a2").tier == "device")
         agent.engine.engine_load_value = EngineLoad(running=40, waiting=10)
         wait_until(lambda: link.board.current.loads.get("u1") == 50)
         ups = [Upstream("u1", "127.0.0.1:1", "builtin", "ace-tiny-llama"),
@@ -346,13 +346,13 @@ def test_the_engines_load_travels_into_the_gateways_snapshot_while_fresh(tmp_pat
         ad = Adapter("a2", "ace-tiny-llama", 8, ("q_proj",), 4096, "public", "adapters/a2", "")
         seen = link.board.current  # plus a second host, idle by its own agent's measurement
         both = ResidencySnapshot.build({**seen.by_upstream, "u2": {}}, {**seen.loads, "u2": 0})
-        assert route(ups, ad, both).name == "u2"
+        assert route(ups, ad, both, SentCounts()).name == "u2"
         unknown = ResidencySnapshot.build(both.by_upstream)   # no loads: residency wins, as before
-        assert route(ups, ad, unknown).name == "u1"
+        assert route(ups, ad, unknown, SentCounts()).name == "u1"
         # the engine's load becomes unknown: it leaves the snapshot, residency stays
         agent.engine.engine_load_value = None
         wait_until(lambda: "u1" not in link.board.current.loads)
-        assert link.board.current.of("u1", "a2").tier == "pool"
+        assert link.board.current.of("u1", "a2").tier == "device"
         # an agent that goes silent (no heartbeat): the load expires after load_max_age_s
         agent.manager.load_monitor.heartbeat_s = 60.0
         before = time.monotonic()            # the load below arrives after this
@@ -360,7 +360,7 @@ def test_the_engines_load_travels_into_the_gateways_snapshot_while_fresh(tmp_pat
         wait_until(lambda: link.board.current.loads.get("u1") == 2)
         wait_until(lambda: "u1" not in link.board.current.loads)
         assert time.monotonic() - before >= 0.5      # not before load_max_age_s
-        assert link.board.current.of("u1", "a2").tier == "pool"
+        assert link.board.current.of("u1", "a2").tier == "device"
         # the agent goes away: host and load leave the view together
         agent.manager.load_monitor.heartbeat_s = 0.0  # the default: every measurement
         agent.engine.engine_load_value = EngineLoad(running=5, waiting=0)

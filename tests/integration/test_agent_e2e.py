@@ -80,5 +80,5 @@ def test_prefetched_and_cold_side_by_side_through_envoy(stack):
     assert t_cold["action"] == "adapter_cold_loaded" and t_cold["is_prefetch_hit"] == "false"
     assert cold.headers["x-ace-adapter-tier"] in ("disk", "host")
     # the engine's own load made it resident for the next request
-    wait_until(lambda: trace(through_gateway(stack, "legal-review"))["residency"] == "pool",
+    wait_until(lambda: trace(through_gateway(stack, "legal-review"))["residency"] == "device",
                interval=0.05, what="the gateway sees legal-review in the pool")

@@ -157,4 +157,4 @@ def test_agent_down_requests_flow_and_gateway_reconnects(stack):
     finally:
         agent.start()
     # the gateway's link reconnects (backoff <= 5 s) and residency is known again
-    wait_until(lambda: trace(through_gateway(stack, "tr-de-en"))["residency"] == "pool", timeout=30)
+    wait_until(lambda: trace(through_gateway(stack, "tr-de-en"))["residency"] == "device", timeout=30)

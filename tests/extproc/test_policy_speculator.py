@@ -1,4 +1,4 @@
-from extproc.policy.speculate import SpeculationSettings, Speculator
+from extproc.policy.speculator import SpeculationSettings, Speculator
 
 
 def run_sessions(spec, n, chain=("code", "review", "sql"), start=0.0, tenant="acme"):

@@ -9,10 +9,12 @@ import pytest
 from extproc.auth import Principal
 from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
-from extproc.processor import Gateway, RequestHead
-from extproc.residency import AdapterResidency, ResidencyBoard, ResidencySnapshot
-from extproc.speculation import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, Step,
-                                 route_by_policy, session_of, warm_signals)
+from extproc.headers import session_of
+from extproc.outcomes import RequestHead
+from extproc.processor import Gateway
+from extproc.residency_view import ResidencyBoard, ResidencySnapshot, SentCounts, TierReport
+from extproc.prefetch_planner import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, Step,
+                                      route_by_policy, warm_signals)
 from tests.extproc.builders import KEYS
 from tests.support.wait import wait_until
 
@@ -36,20 +38,20 @@ class FakeStore:
 
 
 def pool(upstream, *names, prefetched=False):
-    return ResidencySnapshot.build({upstream: {n: AdapterResidency("pool", 10.0, 1, prefetched) for n in names}})
+    return ResidencySnapshot.build({upstream: {n: TierReport("device", 10.0, 1, prefetched) for n in names}})
 
 
 def decision(snapshot, adapter="code-python", skills=PROD, residency=ResidencySnapshot()):
     key = next(k for k in snapshot.keys.values() if k.name == "alice")
     p = Principal(key=key, tenant=snapshot.tenants["acme"])
-    return decide(snapshot, residency, InferenceRequest(p, {"model": adapter}, skills))
+    return decide(snapshot, residency, SentCounts(), InferenceRequest(p, {"model": adapter}, skills))
 
 
 def teach(planner, snapshot, steps, *, upstream="local-vllm", residency=ResidencySnapshot(), start=0.0):
     """Run (session, adapter) steps through the planner; returns all signals and the clock."""
     out, now = [], start
     for session, adapter in steps:
-        out += planner.step(Step(upstream, "acme", session, adapter, "prod"), snapshot, residency, now)
+        out += planner.step(Step(upstream, "acme", session, adapter, "prod"), snapshot, residency, SentCounts(), now)
         now += 1.0
     return out, now
 
@@ -95,7 +97,7 @@ def test_planner_without_session_counts_demand_but_learns_nothing(snapshot):
     planner = SpeculationPlanner()
     for _ in range(5):
         for a in ("code-python", "acme-legal"):
-            assert planner.step(Step("local-vllm", "acme", None, a, "prod"), snapshot, ResidencySnapshot(), 0.0) == []
+            assert planner.step(Step("local-vllm", "acme", None, a, "prod"), snapshot, ResidencySnapshot(), SentCounts(), 0.0) == []
     assert planner.model.predict_next("acme", "code-python") == []
     assert "code-python" in planner.speculator("local-vllm").cache
 
@@ -105,15 +107,15 @@ def test_planner_never_predicts_an_adapter_the_tenant_cannot_see(snapshot):
     # another tenant's habit code-python -> globex-secret, learned from globex's traffic
     for i in range(5):
         for a in ("code-python", "globex-secret"):
-            planner.step(Step("local-vllm", "globex", f"g{i}", a, "prod"), snapshot, ResidencySnapshot(), i)
-    got = planner.step(Step("local-vllm", "acme", "a1", "code-python", "prod"), snapshot, ResidencySnapshot(), 9.0)
+            planner.step(Step("local-vllm", "globex", f"g{i}", a, "prod"), snapshot, ResidencySnapshot(), SentCounts(), i)
+    got = planner.step(Step("local-vllm", "acme", "a1", "code-python", "prod"), snapshot, ResidencySnapshot(), SentCounts(), 9.0)
     assert got == []
 
 
 def test_planner_offers_the_prediction_to_the_host_routing_picks(snapshot):
     other = Upstream("other", "127.0.0.1:2", "vllm", "ace-tiny-llama")
     snap = replace(snapshot, upstreams=snapshot.upstreams + (other,))
-    planner = SpeculationPlanner(initial_slots=1, route=lambda s, name, r: "other" if name == "acme-legal" else "local-vllm")
+    planner = SpeculationPlanner(initial_slots=1, route=lambda s, name, r, sent: "other" if name == "acme-legal" else "local-vllm")
     got, _ = teach(planner, snap, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
     assert got and {s.upstream for s in got} == {"other"}
 
@@ -121,12 +123,13 @@ def test_planner_offers_the_prediction_to_the_host_routing_picks(snapshot):
 def test_route_by_policy_adapts_the_gateway_seam(snapshot):
     seen = []
 
-    def policy(upstreams, adapter, residency):
-        seen.append(adapter.name)
+    def policy(upstreams, adapter, residency, sent):
+        seen.append((adapter.name, sent))
         return upstreams[0]
-    assert route_by_policy(policy)(snapshot, "acme-legal", ResidencySnapshot()) == "local-vllm"
-    assert route_by_policy(policy)(snapshot, "nope", ResidencySnapshot()) is None
-    assert seen == ["acme-legal"]
+    sent = SentCounts()
+    assert route_by_policy(policy)(snapshot, "acme-legal", ResidencySnapshot(), sent) == "local-vllm"
+    assert route_by_policy(policy)(snapshot, "nope", ResidencySnapshot(), sent) is None
+    assert seen == [("acme-legal", sent)]
 
 
 def test_horizon_follows_the_sessions_pace(snapshot):
@@ -134,8 +137,8 @@ def test_horizon_follows_the_sessions_pace(snapshot):
     assert planner.speculator("local-vllm").horizon_s == 10.0
     now = 0.0
     for i in range(40):          # 40 sessions, 2 steps 0.5 s apart
-        planner.step(Step("local-vllm", "acme", f"s{i}", "code-python", "prod"), snapshot, ResidencySnapshot(), now)
-        planner.step(Step("local-vllm", "acme", f"s{i}", "acme-legal", "prod"), snapshot, ResidencySnapshot(), now + 0.5)
+        planner.step(Step("local-vllm", "acme", f"s{i}", "code-python", "prod"), snapshot, ResidencySnapshot(), SentCounts(), now)
+        planner.step(Step("local-vllm", "acme", f"s{i}", "acme-legal", "prod"), snapshot, ResidencySnapshot(), SentCounts(), now + 0.5)
         now += 3.0
     assert planner.pace.horizon_s == 1.0 and planner.speculator("local-vllm").horizon_s == 1.0
     assert planner.speculator("other").horizon_s == 1.0
@@ -411,12 +414,11 @@ def test_no_warm_set_where_prefetch_is_off_everywhere(tmp_path, snapshot):
 # -- start-up wiring
 
 def test_routing_policy_defaults_to_affinity_with_several_upstreams():
-    from extproc.__main__ import popularity_path, route_policy
-    from extproc.policy.routing import route
-    from extproc.routing import choose_upstream
-    assert route_policy(None, 1) is choose_upstream
-    assert route_policy(None, 3) is route
-    assert route_policy("extproc.routing:choose_upstream", 3) is choose_upstream
+    from extproc.__main__ import popularity_path
+    from extproc.policy.routing import choose_upstream, load_policy, route
+    assert load_policy(None, 1) is choose_upstream
+    assert load_policy(None, 3) is route
+    assert load_policy("extproc.policy.routing:choose_upstream", 3) is choose_upstream
     assert popularity_path("x/gw.sqlite3").name == "gw.popularity.json"
 
 
@@ -434,7 +436,7 @@ def test_warm_set_waits_for_every_agent_host_and_follows_the_routing_placement(t
     now = [0.0]
     board, sink = ResidencyBoard(), Sink()
     gs = GatewaySpeculation(FakeStore(snap), board, sink, popularity=f, clock=lambda: now[0])
-    remote = {a: AdapterResidency("remote", None) for a in names}
+    remote = {a: TierReport("remote", None) for a in names}
     board.publish(ResidencySnapshot.build({"engine-1": remote}))
     gs._warm()
     assert sink.signals == []                       # engine-2's agent has not reported yet

@@ -17,12 +17,13 @@ a fleet. ``step`` is the loop, per request:
    ``should_speculate`` says it is likelier to be used within ``horizon_s`` than the
    victim it would evict.
 
-The gateway (``extproc.speculation.SpeculationPlanner.step``) and ``bench.sim`` (the
+The gateway (``extproc.prefetch_planner.SpeculationPlanner.step``) and ``bench.sim`` (the
 ``speculative`` policy and the fleet's ``ace`` arm) call this same ``step``, so the
 simulator measures the code the gateway runs. Time is passed in (``now``): no clock, no
 I/O, no threads. ``load(adapter, now) -> ready_at`` says when a load started now
-completes (the simulator models the load link; the gateway passes 0 for demand and its
-grace period for prefetches).
+completes (the simulator models the load link; the gateway leaves demand at the default,
+ready at ``now``: the engine loads it itself, and passes ``prefetch_load`` =
+``now + load_grace_s`` for prefetches).
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class Speculator:
              load: LoadFn = _now_load, engine_at: float | None = None, may_load: bool = True,
              place: Place | None = None, prefetch_load: LoadFn | None = None) -> StepResult:
         """One request served by this host: the speculation loop, the one implementation
-        the gateway (``extproc.speculation.SpeculationPlanner``) and ``bench.sim`` run.
+        the gateway (``extproc.prefetch_planner.SpeculationPlanner``) and ``bench.sim`` run.
 
         1. ``demand``: the adapter enters this host's pool model;
         2. without a session, nothing else (it teaches no transition);
@@ -266,7 +267,7 @@ class Speculator:
 
     def sync(self, resident: Iterable[Hashable], now: float, *, learn_capacity: bool = False) -> None:
         """Align the pool model with the agent's view (``ResidencySnapshot``: the adapters
-        in the pool). The engine evicts on its own, so the model drifts; call this when
+        on the device). The engine evicts on its own, so the model drifts; call this when
         the snapshot changes. A model entry the pool no longer holds is dropped (an unused
         prefetch counts as wasted); a pooled adapter the model lacks is added while
         there is room. Loads in flight (not yet resident) are kept.

@@ -1,4 +1,5 @@
-"""Speculative prefetch in the gateway: learn each request's session step, prefetch the next.
+"""Speculative prefetch in the gateway (the runtime around ``extproc.policy.speculator``):
+learn each request's session step, prefetch the next.
 
 ```
  request path (ext_proc)                      background thread "speculation"
@@ -32,7 +33,7 @@ p99 for ``decide``) is not spent on it.
   observed (last 256 gaps, clamped to 0.25-60 s; the settings' 10 s until 32 gaps are
   seen), so "likely to be used soon" means "before the sessions' next steps", whatever
   the traffic's pace. The simulator's ``speculative`` policy runs the same rule.
-- **Pool model**: synced from the residency snapshot (the adapters in ``pool``) whenever
+- **Pool model**: synced from the residency snapshot (the adapters on the ``device``) whenever
   the snapshot changes; its capacity is learned as the most adapters seen in one pool
   (the agents do not publish the pool's size).
 - **Warm set**: at start-up, ``extproc.policy.warmset.warm_set`` over the request counts
@@ -56,17 +57,18 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from extproc.decision import Decision
-from extproc.headers import SESSION_HEADER, session_of   # re-exported; defined in extproc.headers
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
-from extproc.policy.speculate import SpeculationSettings, Speculator
+from extproc.policy.routing import RoutePolicy
+from extproc.policy.speculator import SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.prefetch import PrefetchSignal, PrefetchSink
-from extproc.residency import ResidencySnapshot
+from extproc.residency_view import ResidencySnapshot, SentCounts
 from extproc.skills import DYNAMIC_LORA_PREFETCH, OFF, PROD
 from extproc.store import Snapshot
+from gpu_agent.tiers import Tier
 
-__all__ = ["SESSION_HEADER", "GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
-           "SpeculationPlanner", "Step", "route_by_policy", "session_of", "warm_signals"]
+__all__ = ["GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
+           "SpeculationPlanner", "Step", "route_by_policy", "warm_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +90,16 @@ class Step:
     mode: str  # off: counted only; shadow: planned, not sent; prod: planned and sent
 
 
+#: ``(snapshot, adapter name, residency, sent) -> upstream name`` (None: no such adapter)
+PlannerRoute = Callable[[Snapshot, str, ResidencySnapshot, SentCounts], "str | None"]
+
+
 class SpeculationPlanner:
     """The decisions, without threads or clocks: per-upstream ``Speculator`` s over a shared
-    transition model. ``route(snapshot, adapter_name, residency) -> upstream name``."""
+    transition model. ``route(snapshot, adapter_name, residency, sent) -> upstream name``."""
 
     def __init__(self, settings: SpeculationSettings = SpeculationSettings(), *,
-                 route: Callable[[Snapshot, str, ResidencySnapshot], str | None] | None = None,
+                 route: PlannerRoute | None = None,
                  initial_slots: int = 2, load_grace_s: float = 2.0,
                  slots: Mapping[str, int] | None = None) -> None:
         self.settings = settings
@@ -121,14 +127,16 @@ class SpeculationPlanner:
     def sync(self, residency: ResidencySnapshot, now: float) -> None:
         """Align every known host's pool model with the agents' view."""
         for upstream, table in residency.by_upstream.items():
-            pooled = [a for a, r in table.items() if r.tier == "pool"]
+            pooled = [a for a, r in table.items() if r.tier == Tier.DEVICE]
             self.speculator(upstream).sync(pooled, now, learn_capacity=True)
 
-    def step(self, step: Step, snapshot: Snapshot, residency: ResidencySnapshot, now: float) -> list[PrefetchSignal]:
+    def step(self, step: Step, snapshot: Snapshot, residency: ResidencySnapshot, sent: SentCounts,
+             now: float) -> list[PrefetchSignal]:
         """``Speculator.step`` on the serving host (the one speculation loop), wrapped with
         the gateway's parts: a predicted adapter must exist and be visible to the tenant,
-        and is offered to the host the routing policy would send it to; each prefetch
-        becomes a ``PrefetchSignal`` naming the victim the pool model chose."""
+        and is offered to the host the routing policy would send it to (over ``residency``
+        and ``sent``, the board's); each prefetch becomes a ``PrefetchSignal`` naming the
+        victim the pool model chose."""
         grace = self.load_grace_s
         multi = self.route is not None and len(snapshot.upstreams) > 1
 
@@ -136,7 +144,7 @@ class SpeculationPlanner:
             adapter = snapshot.adapters.get(name)
             if adapter is None or not adapter.visible_to(step.tenant):
                 return None
-            target = (self.route(snapshot, name, residency) if multi else None) or step.upstream
+            target = (self.route(snapshot, name, residency, sent) if multi else None) or step.upstream
             return self.speculator(target)
 
         got = self.speculator(step.upstream).step(step.tenant, step.session, step.adapter, now,
@@ -162,11 +170,11 @@ class SpeculationPlanner:
         return total
 
 
-def route_by_policy(policy) -> Callable[[Snapshot, str, ResidencySnapshot], str | None]:
+def route_by_policy(policy: RoutePolicy) -> PlannerRoute:
     """Adapt a gateway ``RoutePolicy`` to the planner: where would a request for it go?"""
-    def route(snapshot: Snapshot, name: str, residency: ResidencySnapshot) -> str | None:
+    def route(snapshot: Snapshot, name: str, residency: ResidencySnapshot, sent: SentCounts) -> str | None:
         adapter = snapshot.adapters.get(name)
-        return policy(snapshot.upstreams, adapter, residency).name if adapter is not None else None
+        return policy(snapshot.upstreams, adapter, residency, sent).name if adapter is not None else None
     return route
 
 
@@ -340,7 +348,7 @@ class GatewaySpeculation:
             if step.session is not None:
                 self.planner.model.observe(step.tenant, step.session, step.adapter)
             return
-        for signal in self.planner.step(step, self.store.snapshot, residency, now):
+        for signal in self.planner.step(step, self.store.snapshot, residency, self.board.sent, now):
             if step.mode != PROD:
                 self.shadow_prefetches += 1
                 log.debug("shadow: would prefetch %s on %s", signal.adapter, signal.upstream)

@@ -1,0 +1,128 @@
+"""The gateway's view of where each adapter lives on each upstream, as the agents report it.
+
+``ResidencySnapshot`` is immutable data: a background task (``extproc.agent_client``)
+builds a new one and swaps the reference (``ResidencyBoard.publish``); a request reads
+``ResidencyBoard.current`` once. Unknown is a value (``UNKNOWN``), so the trace can say
+``unknown`` instead of inventing a number.
+
+Tiers are ``gpu_agent.tiers.Tier`` values (``device``, ``host``, ``disk``, ``remote``),
+plus two states only the gateway has: ``NONE`` (the agent does not have the adapter in
+its catalog: its ``absent``) and ``UNKNOWN_TIER`` (no agent report).
+
+A host's load, as routing sees it (``host_load``), is the engine's load (running +
+waiting requests) as its agent last measured it (``ResidencySnapshot.loads``, only while
+fresh) plus the requests this gateway routed there since that measurement arrived. The
+request path counts what it routes in the board's ``SentCounts`` (the one thing it
+writes); each snapshot records, as data, where that count stood for the upstream when
+its measurement arrived (``sent_at_load``), so a load and its starting point are swapped
+in together, and the count moves between snapshots without a new one being built.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from gpu_agent.tiers import Tier
+
+__all__ = ["NONE", "TIERS", "UNKNOWN", "UNKNOWN_TIER", "ResidencyBoard", "ResidencySnapshot",
+           "SentCounts", "TierReport", "host_load"]
+
+NONE = "none"              # the agent reports the adapter absent (not in its catalog)
+UNKNOWN_TIER = "unknown"   # no report from the upstream's agent
+TIERS = (Tier.DEVICE.value, Tier.HOST.value, Tier.DISK.value, Tier.REMOTE.value, NONE)
+
+
+@dataclass(frozen=True, slots=True)
+class TierReport:
+    """One adapter on one upstream, as the upstream's agent last reported it."""
+
+    tier: str                      # a Tier value, NONE or UNKNOWN_TIER
+    cold_load_ms: float | None     # measured time to load from where it is; None = unknown
+    bytes: int | None = None
+    prefetched: bool = False       # on the device because a prefetch put it there (agent's loaded_by)
+    base_model_bytes: int | None = None  # the upstream's base weights: what a dedicated instance repeats
+
+    @property
+    def known(self) -> bool:
+        return self.tier != UNKNOWN_TIER
+
+
+UNKNOWN = TierReport(tier=UNKNOWN_TIER, cold_load_ms=None, bytes=None)
+_EMPTY: Mapping[str, TierReport] = MappingProxyType({})
+
+
+class SentCounts:
+    """Requests this gateway routed to each upstream since it started.
+
+    ``record`` is called once per routed request, from any request thread (``--server
+    threads`` runs several): the increment holds a lock, so no count is lost. ``value`` is
+    one dict read, no lock."""
+
+    __slots__ = ("_counts", "_lock")
+
+    def __init__(self, initial: Mapping[str, int] | None = None) -> None:
+        self._counts: dict[str, int] = dict(initial or {})
+        self._lock = threading.Lock()
+
+    def record(self, upstream: str) -> None:
+        with self._lock:
+            self._counts[upstream] = self._counts.get(upstream, 0) + 1
+
+    def value(self, upstream: str) -> int:
+        return self._counts.get(upstream, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencySnapshot:
+    """``by_upstream``: upstream -> adapter -> ``TierReport``; an upstream missing there
+    has no agent view (unknown). ``loads``: the engine's load per upstream as its agent
+    last measured it, only while fresh. ``sent_at_load``: for the same upstreams, the
+    board's ``SentCounts.value`` when that measurement arrived (missing: 0)."""
+
+    by_upstream: Mapping[str, Mapping[str, TierReport]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    loads: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    sent_at_load: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def of(self, upstream: str, adapter: str) -> TierReport:
+        return self.by_upstream.get(upstream, _EMPTY).get(adapter, UNKNOWN)
+
+    @classmethod
+    def build(cls, table: Mapping[str, Mapping[str, TierReport]],
+              loads: Mapping[str, int] | None = None,
+              sent_at_load: Mapping[str, int] | None = None) -> "ResidencySnapshot":
+        return cls(MappingProxyType({u: MappingProxyType(dict(a)) for u, a in table.items()}),
+                   MappingProxyType(dict(loads or {})), MappingProxyType(dict(sent_at_load or {})))
+
+
+def host_load(residency: ResidencySnapshot, sent: SentCounts, upstream: str) -> int | None:
+    """The upstream's requests as routing counts them: its agent's last measurement plus
+    the requests routed there since it arrived; None without a fresh measurement (its
+    sends are not counted then: without a measurement to start from, they only grow)."""
+    load = residency.loads.get(upstream)
+    if load is None:
+        return None
+    return load + sent.value(upstream) - residency.sent_at_load.get(upstream, 0)
+
+
+EMPTY = ResidencySnapshot()
+
+
+class ResidencyBoard:
+    """Holds the current snapshot; one reference swap per update, no locks on read.
+
+    ``sent``: the requests the gateway routed to each upstream (``record`` on the request
+    path), read beside ``current`` by the routing decision. ``published_at``: when
+    ``current`` was published (``time.monotonic``), for its age on /metrics."""
+
+    def __init__(self, initial: ResidencySnapshot = EMPTY) -> None:
+        self.current = initial
+        self.sent = SentCounts()
+        self.published_at = time.monotonic()
+
+    def publish(self, snapshot: ResidencySnapshot) -> None:
+        self.current = snapshot
+        self.published_at = time.monotonic()
