@@ -15,12 +15,16 @@ import yaml
 
 from extproc.rewrite.hints import HINT_FIELDS
 
-__all__ = ["TEMPLATE", "decimal_at_most", "render"]
+__all__ = ["API_PATHS", "TEMPLATE", "decimal_at_most", "render"]
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.template.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
 BUFFER = "envoy.filters.http.buffer"
 BODY_LIMIT_FILTERS = ("ace.body_drain", "ace.body_limit")   # Lua: an oversize body is read, then 413
+#: the gateway's own API, answered by ext_proc (extproc.processor and extproc.console
+#: register their handlers for exactly these; tests/extproc/test_envoy_config.py checks)
+API_PATHS = ("/api/v1/dev_key/skills", "/api/v1/me", "/api/v1/me/skills", "/api/v1/tenant/skills",
+             "/api/v1/tenant/keys", "/api/v1/adapters", "/api/v1/usage")
 
 
 def _hint_headers() -> str:
@@ -81,7 +85,7 @@ def render(*, listen_port: int = 8080, admin_port: int = 9901,
         failure_mode_allow="true" if failure_mode_allow else "false",
         message_timeout=message_timeout, buffer_limit=buffer_limit,
         length_within_buffer=decimal_at_most(buffer_limit),
-        hint_headers=_hint_headers(), hint_names=_hint_names())
+        hint_headers=_hint_headers(), hint_names=_hint_names(), api_paths="|".join(API_PATHS))
     if with_extproc:
         return text
     config = yaml.safe_load(text)

@@ -7,6 +7,7 @@
     ├── NotFound                 404  unknown adapter, or another tenant's adapter
     ├── MethodNotAllowed         405  wrong HTTP method on a gateway route
     ├── PayloadTooLarge          413  body over the configured limit
+    ├── UnsupportedMediaType     415  a settings write without Content-Type: application/json
     ├── InvalidField             422  a field with a value we cannot accept
     ├── TooManyRequests          429  every eligible engine host is over its load (endpoint picker)
     ├── ServiceUnavailable       503  no eligible endpoint in the subset hint (endpoint picker)
@@ -24,7 +25,7 @@ import json
 __all__ = [
     "BadRequest", "Forbidden", "GatewayError", "InvalidField", "MethodNotAllowed", "NoUpstream",
     "NotFound", "PayloadTooLarge", "ServiceUnavailable", "StoreUnavailable", "TooManyRequests",
-    "Unauthorized", "ConfigError",
+    "Unauthorized", "UnsupportedMediaType", "ConfigError",
 ]
 
 
@@ -89,6 +90,12 @@ class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class InvalidField(GatewayError):

@@ -29,6 +29,7 @@ from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve, v
 from extproc.speculation import SESSION_HEADER, RequestObserver, session_of
 from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
+from extproc.usage import UsageRing
 
 __all__ = ["Continue", "Reply", "RequestHead", "Gateway", "Exchange", "CONTINUE",
            "TENANT_HEADER", "ENGINE_ADMIN_PATHS", "OPEN_PATHS"]
@@ -96,6 +97,7 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.shed_load = shed_load      # endpoint picker protocol: 429 when every host carries this many (0: never)
         self.epp_fallbacks = epp_fallbacks   # endpoint picker protocol: fallback hosts after the pick
+        self.usage = UsageRing()        # the settings page's last hour per (tenant, adapter)
 
     def exchange(self, route: RoutePolicy | None = None) -> "Exchange":
         """``route``: this request's routing policy when not the gateway's (the endpoint
@@ -236,6 +238,7 @@ class Inference(_Authenticated):
         # counted once it cannot fail any more (a refusal is counted as its error instead)
         self.gw.metrics.request(self.principal.tenant.id, d.adapter.name if d.adapter else "",
                                 d.multi_lora_action, d.skills[MULTI_LORA], decided)
+        self.gw.usage.record(self.principal.tenant.id, d, queued)
         self.uncounted = False
         return Continue(headers, rw.body, metadata)
 
@@ -286,7 +289,7 @@ class DevKeySkills(_Authenticated):
         return Reply(200, json.dumps(out).encode())
 
 
-ROUTES: Mapping[str, type] = {
+ROUTES: dict[str, type] = {   # extproc.console adds the settings page's routes
     "/v1/chat/completions": Inference,
     "/v1/completions": Inference,
     "/v1/execute": Execute,
@@ -361,3 +364,6 @@ class Exchange:
         if phase == "request_headers":
             return getattr(self.handler, "headers_only", False)
         return phase == "request_body" and (self.handler is None or not self.handler.response_body_phase)
+
+
+import extproc.console  # noqa: E402,F401  registers the settings page's routes in ROUTES
