@@ -45,8 +45,8 @@ class Overlay:
     version: int = 0
     key_skills: Mapping[str, Mapping[str, str]] = field(default_factory=dict)   # sha256 -> skills
     revoked: frozenset[str] = frozenset()                                       # sha256 of revoked keys
-    tenant_skills: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # tenant id -> skills
     changed_at: float = 0.0    # wall time (epoch s) of the write that made this version; 0: unknown
+    tenant_skills: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # tenant id -> skills
 
 
 class StateDB(Protocol):
