@@ -366,4 +366,7 @@ class Exchange:
         return phase == "request_body" and (self.handler is None or not self.handler.response_body_phase)
 
 
-import extproc.console  # noqa: E402,F401  registers the settings page's routes in ROUTES
+# extproc.console builds on this module's handlers and adds the settings page's routes to
+# ROUTES when it is imported (either module may be imported first)
+import extproc.console as _console  # noqa: E402
+del _console
