@@ -55,7 +55,8 @@ function showError(e) {
   if (!e) { box.hidden = true; box.textContent = ""; box.removeAttribute("data-status"); return; }
   let text;
   if (e.status === 401) text = "401: this key was refused (revoked or unknown). Sign in again with a valid key.";
-  else if (e.status === 503) text = "503: the gateway's state store is unavailable; nothing was changed. Try again shortly.";
+  else if (e.status === 503 && e.code === "store_unavailable") text = "503: the gateway's state store is unavailable; nothing was changed. Try again shortly.";
+  else if (e.status === 503) text = "503: the gateway is unavailable (" + e.message + ").";
   else if (e.status === 403) text = "403: not allowed for this key (" + e.message + ").";
   else if (e.status === 0) text = "The gateway did not answer.";
   else text = e.status + ": " + e.message;
