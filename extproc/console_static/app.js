@@ -8,6 +8,7 @@ const SKILLS = ["multi_lora", "dynamic_lora_prefetch"];
 const MODES = ["off", "shadow", "prod"];
 const REFRESH_MS = 2000;
 let timer = null;
+let writeError = null;   // the last write's failure: shown until a write succeeds or sign-out
 
 const $ = (id) => document.getElementById(id);
 
@@ -161,9 +162,9 @@ function renderAdapters(ad, usage) {
 async function write(path, skill, mode) {
   try {
     await api(path, { skills: { [skill]: mode } });
-    showError(null);
+    writeError = null;
   } catch (e) {
-    showError(e);
+    writeError = e;
   }
   await load();
 }
@@ -183,7 +184,7 @@ async function load() {
       admin ? api("/api/v1/tenant/skills") : null, admin ? api("/api/v1/tenant/keys") : null]);
     if (admin) renderTenant(tenant, keys);
     renderAdapters(ad, usage);
-    showError(null);
+    showError(writeError);
   } catch (e) {
     showError(e);
     if (e.status === 401) stop(false);
@@ -198,6 +199,7 @@ function start() {
 function stop(clearError) {
   if (timer !== null) { clearInterval(timer); timer = null; }
   sessionStorage.removeItem(STORE);
+  writeError = null;
   $("app").hidden = true;
   $("who").hidden = true;
   $("signout").hidden = true;

@@ -173,3 +173,30 @@ def test_sign_in_switch_prefetch_see_the_hit_and_nothing_of_it_as_another_tenant
                "the page shows the revoked key's 401")
         assert "revoked" in _text(driver, "#error")
         assert _text(driver, "#signin-section h2") == "Sign in"
+
+
+def test_error_states_store_down_503_and_no_agent_unknown(tmp_path):
+    """No agent for the host: residency ``unknown``; the shared state store (PostgreSQL)
+    down: a write on the page shows the 503, and nothing changed."""
+    from tests.extproc.builders import KEYS as BUILDER_KEYS
+    from tests.extproc.builders import upstream, write_state as builder_state
+    from tests.support.postgres import real_postgres
+    from tests.support.upstream import RecordingUpstream
+    from tools.localstack import gateway_front
+
+    with real_postgres() as pg, RecordingUpstream() as up, chromium() as driver:
+        state = builder_state(tmp_path, [upstream("local-vllm", up.address, "vllm", "body")])
+        with gateway_front(tmp_path, state, up.address, extproc_args=["--database-url", pg.url]) as port:
+            base = f"http://127.0.0.1:{port}"
+            _sign_in(driver, base, BUILDER_KEYS["alice"])            # acme's admin
+            _until(driver, lambda d: "tenant acme · admin" in _text(d, "#who"), "signed in as acme's admin")
+            _until(driver, lambda d: _text(d, '#adapters td[data-adapter="code-python"][data-field="residency"]')
+                   == "local-vllm: unknown", "residency unknown without an agent")
+            pg.stop()
+            try:
+                _choose(driver, "set-tenant-multi_lora", "shadow")
+                _until(driver, lambda d: _attrs(d, "#error", "data-status") == ["503"], "the page shows the 503")
+                assert "state store is unavailable" in _text(driver, "#error")
+                assert _text(driver, "#tenant-multi_lora-effective") == "prod"           # nothing changed
+            finally:
+                pg.start()
