@@ -31,7 +31,7 @@ from extproc.errors import Forbidden, InvalidField, MethodNotAllowed, Unauthoriz
 from extproc.processor import (ROUTES, TENANT_HEADER, Gateway, Outcome, Reply, RequestHead,
                                _Authenticated, _parse_object)
 from extproc.routing import RoutePolicy
-from extproc.skills import SKILLS, resolve, validate_skills
+from extproc.skills import SKILLS, resolve, resolve_sources, validate_skills
 from extproc.store import Snapshot
 
 __all__ = ["CONSOLE_ROUTES", "skill_sources"]
@@ -88,14 +88,9 @@ def skill_sources(snap: Snapshot, p: Principal) -> dict[str, dict[str, Any]]:
     """Per skill: the effective mode for a request without header or body overrides, where
     it comes from (``key`` > ``tenant`` > ``default``; ``off`` when set nowhere: ``unset``),
     and each layer's own value (None: not set there)."""
-    effective = resolve(p.key.skills, p.tenant.skills, snap.default_skills)
-    out = {}
-    for skill in SKILLS:
-        layers = {"key": p.key.skills.get(skill), "tenant": p.tenant.skills.get(skill),
-                  "default": snap.default_skills.get(skill)}
-        source = next((name for name, mode in layers.items() if mode is not None), "unset")
-        out[skill] = {"effective": effective[skill], "source": source, **layers}
-    return out
+    layers = (("key", p.key.skills), ("tenant", p.tenant.skills), ("default", snap.default_skills))
+    return {skill: {"effective": mode, "source": source, **{name: layer.get(skill) for name, layer in layers}}
+            for skill, (mode, source) in resolve_sources(layers).items()}
 
 
 def _key_view(snap: Snapshot, p: Principal) -> dict[str, Any]:
