@@ -50,7 +50,7 @@ ENGINE_ADMIN_PATHS = frozenset({
     "/stop_profile", "/sleep", "/wake_up", "/collective_rpc", "/pause", "/resume", "/abort_request",
 })
 #: Open without a key, GET/HEAD only: liveness for load balancers; carries no tenant data.
-#: (The settings page's static files, /settings*, are open too: extproc.console answers them.)
+#: (The settings page's static files, /settings and its files, are open too: extproc.console answers them.)
 OPEN_PATHS = frozenset({"/health"})
 _SLASHES = re.compile(r"/{2,}")
 

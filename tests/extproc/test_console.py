@@ -170,5 +170,7 @@ def test_usage_counts_this_tenants_requests_only(store):
 
 
 def test_envoy_sends_exactly_the_gateway_api_paths_to_ext_proc_with_their_bodies():
-    from extproc.envoy_config import API_PATHS
+    from extproc.console import CONSOLE_ROUTES, SettingsPage
+    from extproc.envoy_config import API_PATHS, SETTINGS_PATHS
     assert set(API_PATHS) == {p for p in ROUTES if p.startswith("/api/v1/")}
+    assert set(SETTINGS_PATHS) == {p for p, handler in CONSOLE_ROUTES.items() if handler is SettingsPage}

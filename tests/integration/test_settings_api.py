@@ -43,6 +43,7 @@ def test_the_page_and_its_assets_are_served_without_a_key(gw):
     assert '<script src="/settings/app.js"' in r.text
     assert gw.get("/settings/app.js").headers["content-type"].startswith("text/javascript")
     assert gw.get("/settings/app.css").status_code == 200
+    _err(gw.get("/settings/other"), 401, "missing_api_key")     # only the page's files are open
     assert len(gw.up.requests) == seen            # answered by ext_proc, never forwarded
 
 
