@@ -12,7 +12,7 @@ FIXTURES := .fixtures
 TRACE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv fixtures test test-unit test-vllm demo bench bench-gateway bench-agent sim protos gpu-check clean
+.PHONY: venv fixtures browser test test-unit test-vllm demo bench bench-gateway bench-agent sim protos gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,7 +36,20 @@ $(VLLM_STAMP):
 	-$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
 
-test-unit: $(STAMP) $(FIXTURES)/.done
+# The settings page's browser tests (tests/integration/test_settings_browser.py) drive
+# Debian's chromium + chromium-driver: installed here when missing and running as root
+# with apt-get (CI); elsewhere those tests skip and say why.
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	      chromium chromium-driver; \
+	  else \
+	    echo "chromium/chromium-driver missing and not root with apt-get: the browser tests will skip"; \
+	  fi; \
+	fi
+
+test-unit: $(STAMP) $(FIXTURES)/.done browser
 	$(BIN)/python -m pytest -q -m "not vllm" $(PYTEST_ARGS) tests
 
 test-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP)

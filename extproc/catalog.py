@@ -15,11 +15,16 @@ from extproc.errors import ConfigError
 if TYPE_CHECKING:
     from gpu_agent.catalog_schema import CatalogAdapter
 
-__all__ = ["Adapter", "Tenant", "DevKey", "Upstream", "PUBLIC", "FLAVOURS", "HINT_MODES"]
+__all__ = ["Adapter", "Tenant", "DevKey", "Upstream", "PUBLIC", "FLAVOURS", "HINT_MODES", "ROLES",
+           "DEVELOPER", "ADMIN"]
 
 PUBLIC = "public"
 FLAVOURS = ("builtin", "vllm", "sglang")
 HINT_MODES = ("body", "headers", "off")
+#: a key's role: a developer sets its own skills; a tenant admin also its tenant's defaults
+#: and reads its tenant's keys (the settings page, docs/gateway.md)
+DEVELOPER, ADMIN = "developer", "admin"
+ROLES = (DEVELOPER, ADMIN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,11 @@ class DevKey:
     tenant: str
     name: str = ""
     skills: Mapping[str, str] = field(default_factory=dict)
+    role: str = DEVELOPER
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == ADMIN
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,12 +16,24 @@ import yaml
 from extproc.headers import hint_header
 from extproc.rewrite.hints import HINT_FIELDS
 
-__all__ = ["TEMPLATE", "decimal_at_most", "render"]
+__all__ = ["API_PATHS", "SETTINGS_PATHS", "TEMPLATE", "decimal_at_most", "render"]
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.template.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
 BUFFER = "envoy.filters.http.buffer"
 BODY_LIMIT_FILTERS = ("ace.body_drain", "ace.body_limit")   # Lua: an oversize body is read, then 413
+#: the gateway's own API, answered by ext_proc (extproc.processor and extproc.console
+#: register their handlers for exactly these; tests/extproc/test_envoy_config.py checks)
+API_PATHS = ("/api/v1/dev_key/skills", "/api/v1/me", "/api/v1/me/skills", "/api/v1/tenant/skills",
+             "/api/v1/tenant/keys", "/api/v1/adapters", "/api/v1/usage")
+#: the settings page's files (extproc.console), answered by ext_proc without a key
+SETTINGS_PATHS = ("/settings", "/settings/", "/settings/app.js", "/settings/app.css")
+
+
+def _exact_paths(paths) -> str:
+    """An RE2 pattern (Envoy matches it against the whole path) for exactly ``paths``, as a
+    YAML double-quoted string (its backslashes doubled)."""
+    return "|".join(p.replace(".", "\\\\.") for p in paths)
 
 
 def _hint_headers() -> str:
@@ -82,7 +94,8 @@ def render(*, listen_port: int = 8080, admin_port: int = 9901,
         failure_mode_allow="true" if failure_mode_allow else "false",
         message_timeout=message_timeout, buffer_limit=buffer_limit,
         length_within_buffer=decimal_at_most(buffer_limit),
-        hint_headers=_hint_headers(), hint_names=_hint_names())
+        hint_headers=_hint_headers(), hint_names=_hint_names(), api_paths=_exact_paths(API_PATHS),
+        settings_paths=_exact_paths(SETTINGS_PATHS))
     if with_extproc:
         return text
     config = yaml.safe_load(text)

@@ -14,6 +14,7 @@ with its HTTP status and OpenAI-shaped JSON body.
         ├── NotFound                 404  unknown adapter, or another tenant's adapter
         ├── MethodNotAllowed         405  wrong HTTP method on a gateway route
         ├── PayloadTooLarge          413  body over the configured limit
+        ├── UnsupportedMediaType     415  a settings write without Content-Type: application/json
         ├── InvalidField             422  a field with a value we cannot accept
         ├── TooManyRequests          429  every eligible engine host is over its load (endpoint picker)
         ├── NoUpstream               503  no engine host to send the request to: none is known
@@ -33,7 +34,7 @@ import json
 __all__ = [
     "AceError", "BadRequest", "ConfigError", "Forbidden", "GatewayError", "InvalidField",
     "InvalidMessage", "MethodNotAllowed", "NoUpstream", "NotFound", "PayloadTooLarge",
-    "StoreUnavailable", "TooManyRequests", "Unauthorized",
+    "StoreUnavailable", "TooManyRequests", "Unauthorized", "UnsupportedMediaType",
 ]
 
 
@@ -107,6 +108,12 @@ class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class InvalidField(GatewayError):

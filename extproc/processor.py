@@ -11,7 +11,7 @@ import logging
 import re
 import time
 from urllib.parse import unquote
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc.auth import Principal, authenticate
 from extproc.decision import InferenceRequest, decide
@@ -29,6 +29,7 @@ from extproc.rewrite.codec import decode
 from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve, validate_skills
 from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
+from extproc.usage import UsageRing
 
 if TYPE_CHECKING:
     from extproc.prefetch_planner import RequestObserver
@@ -48,6 +49,7 @@ ENGINE_ADMIN_PATHS = frozenset({
     "/stop_profile", "/sleep", "/wake_up", "/collective_rpc", "/pause", "/resume", "/abort_request",
 })
 #: Open without a key, GET/HEAD only: liveness for load balancers; carries no tenant data.
+#: (The settings page's static files, /settings and its files, are open too: extproc.console answers them.)
 OPEN_PATHS = frozenset({"/health"})
 _SLASHES = re.compile(r"/{2,}")
 
@@ -69,6 +71,7 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.shed_load = shed_load      # endpoint picker protocol: 429 when every host carries this many (0: never)
         self.epp_fallbacks = epp_fallbacks   # endpoint picker protocol: fallback hosts after the pick
+        self.usage = UsageRing()        # the settings page's last hour per (tenant, adapter)
 
     def exchange(self, route: RoutePolicy | None = None) -> "Exchange":
         """``route``: this request's routing policy when not the gateway's (the endpoint
@@ -209,6 +212,7 @@ class Inference(_Authenticated):
         # counted once it cannot fail any more (a refusal is counted as its error instead)
         self.gw.metrics.request(self.principal.tenant.id, d.adapter.name if d.adapter else "",
                                 d.multi_lora_action, d.skills[MULTI_LORA], decided)
+        self.gw.usage.record(self.principal.tenant.id, d, queued)
         self.uncounted = False
         return Continue(headers, rw.body, metadata)
 
@@ -259,7 +263,7 @@ class DevKeySkills(_Authenticated):
         return Reply(200, json.dumps(out).encode())
 
 
-ROUTES: Mapping[str, type] = {
+ROUTES: dict[str, type] = {   # extproc.console adds the settings page's routes
     "/v1/chat/completions": Inference,
     "/v1/completions": Inference,
     "/v1/execute": Execute,
@@ -334,3 +338,9 @@ class Exchange:
         if phase == "request_headers":
             return getattr(self.handler, "headers_only", False)
         return phase == "request_body" and (self.handler is None or not self.handler.response_body_phase)
+
+
+# extproc.console builds on this module's handlers and adds the settings page's routes to
+# ROUTES when it is imported (either module may be imported first)
+import extproc.console as _console  # noqa: E402
+del _console

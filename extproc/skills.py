@@ -8,13 +8,13 @@ Resolution, first that sets a skill wins: header ``x-ace-skill-override``, body
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from extproc.errors import InvalidField
 from extproc.headers import SKILL_OVERRIDE_HEADER
 
 __all__ = ["SKILLS", "MODES", "MULTI_LORA", "DYNAMIC_LORA_PREFETCH", "OFF", "SHADOW", "PROD",
-           "parse_override_header", "validate_skills", "resolve"]
+           "parse_override_header", "validate_skills", "resolve", "resolve_sources"]
 
 MULTI_LORA = "multi_lora"
 DYNAMIC_LORA_PREFETCH = "dynamic_lora_prefetch"
@@ -90,3 +90,12 @@ def resolve(*layers: Mapping[str, str]) -> dict[str, str]:
             out[skill] = OFF
     return out
 
+
+def resolve_sources(layers: Sequence[tuple[str, Mapping[str, str]]]) -> dict[str, tuple[str, str]]:
+    """``resolve`` that also names the layer each mode came from: ``[(name, layer), ...]``
+    most specific first -> ``{skill: (mode, name)}``; ``(off, "unset")`` when none sets it."""
+    out = {}
+    for skill in SKILLS:
+        out[skill] = next(((layer[skill], name) for name, layer in layers if layer.get(skill) is not None),
+                          (OFF, "unset"))
+    return out

@@ -1,8 +1,9 @@
 """Where the gateway's runtime changes live: SQLite (one node, the default) or PostgreSQL
 (several replicas sharing them).
 
-A runtime change is a developer key's skills (``POST /api/v1/dev_key/skills``) or a key
-revocation (``python -m extproc.admin revoke-key``). Both backends keep the same three
+A runtime change is a developer key's skills (``POST /api/v1/dev_key/skills``), a
+tenant's default skills (``POST /api/v1/tenant/skills``, a tenant admin's key) or a key
+revocation (``python -m extproc.admin revoke-key``). Both backends keep the same four
 tables and one version counter that every write increments in the write's own
 transaction; ``read`` returns an ``Overlay``, the tables at one version.
 
@@ -45,12 +46,14 @@ class Overlay:
     key_skills: Mapping[str, Mapping[str, str]] = field(default_factory=dict)   # sha256 -> skills
     revoked: frozenset[str] = frozenset()                                       # sha256 of revoked keys
     changed_at: float = 0.0    # wall time (epoch s) of the write that made this version; 0: unknown
+    tenant_skills: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # tenant id -> skills
 
 
 class StateDB(Protocol):
     def read(self) -> Overlay: ...
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Overlay: ...
     def set_revoked(self, key_sha256: str, revoked: bool) -> Overlay: ...
+    def set_tenant_skills(self, tenant: str, skills: Mapping[str, str]) -> Overlay: ...
     def watch(self, apply: Callable[[Overlay], None], current: Callable[[], int],
               stop: threading.Event, poll_s: float) -> None: ...
     def close(self) -> None: ...
@@ -78,6 +81,8 @@ class SQLiteStateDB:
                              " key_sha256 TEXT PRIMARY KEY, skills TEXT NOT NULL, updated_at REAL NOT NULL)")
             self._db.execute("CREATE TABLE IF NOT EXISTS revoked_keys ("
                              " key_sha256 TEXT PRIMARY KEY, revoked_at REAL NOT NULL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS tenant_skills ("
+                             " tenant TEXT PRIMARY KEY, skills TEXT NOT NULL, updated_at REAL NOT NULL)")
             self._db.execute("CREATE TABLE IF NOT EXISTS state_version ("
                              " id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL)")
             self._db.execute("INSERT OR IGNORE INTO state_version (id, version) VALUES (1, 0)")
@@ -88,7 +93,8 @@ class SQLiteStateDB:
         version, changed_at = self._db.execute("SELECT version, changed_at FROM state_version").fetchone()
         skills = {k: json.loads(v) for k, v in self._db.execute("SELECT key_sha256, skills FROM dev_key_skills")}
         revoked = frozenset(k for (k,) in self._db.execute("SELECT key_sha256 FROM revoked_keys"))
-        return Overlay(version, skills, revoked, float(changed_at))
+        tenants = {t: json.loads(v) for t, v in self._db.execute("SELECT tenant, skills FROM tenant_skills")}
+        return Overlay(version, skills, revoked, float(changed_at), tenants)
 
     def read(self) -> Overlay:
         with self._lock:
@@ -122,6 +128,14 @@ class SQLiteStateDB:
                              (key_sha256, json.dumps(merged, sort_keys=True), time.time()))
         return self._write(change)
 
+    def set_tenant_skills(self, tenant: str, skills: Mapping[str, str]) -> Overlay:
+        def change() -> None:
+            row = self._db.execute("SELECT skills FROM tenant_skills WHERE tenant=?", (tenant,)).fetchone()
+            merged = {**(json.loads(row[0]) if row else {}), **skills}
+            self._db.execute("INSERT OR REPLACE INTO tenant_skills VALUES (?, ?, ?)",
+                             (tenant, json.dumps(merged, sort_keys=True), time.time()))
+        return self._write(change)
+
     def set_revoked(self, key_sha256: str, revoked: bool) -> Overlay:
         def change() -> None:
             if revoked:
@@ -150,6 +164,8 @@ CREATE TABLE IF NOT EXISTS ace_dev_key_skills (
   key_sha256 text PRIMARY KEY, skills jsonb NOT NULL, updated_at timestamptz NOT NULL DEFAULT now());
 CREATE TABLE IF NOT EXISTS ace_revoked_keys (
   key_sha256 text PRIMARY KEY, revoked_at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE IF NOT EXISTS ace_tenant_skills (
+  tenant text PRIMARY KEY, skills jsonb NOT NULL, updated_at timestamptz NOT NULL DEFAULT now());
 CREATE TABLE IF NOT EXISTS ace_state_version (
   id int PRIMARY KEY CHECK (id = 1), version bigint NOT NULL);
 INSERT INTO ace_state_version (id, version) VALUES (1, 0) ON CONFLICT DO NOTHING;
@@ -192,7 +208,8 @@ class PostgresStateDB:
         version, changed_at = conn.execute("SELECT version, changed_at FROM ace_state_version").fetchone()
         skills = dict(conn.execute("SELECT key_sha256, skills FROM ace_dev_key_skills").fetchall())
         revoked = frozenset(k for (k,) in conn.execute("SELECT key_sha256 FROM ace_revoked_keys"))
-        return Overlay(int(version), skills, revoked, float(changed_at))
+        tenants = dict(conn.execute("SELECT tenant, skills FROM ace_tenant_skills").fetchall())
+        return Overlay(int(version), skills, revoked, float(changed_at), tenants)
 
     def _snapshot_read(self, conn) -> Overlay:
         with conn.transaction():
@@ -226,6 +243,12 @@ class PostgresStateDB:
             "INSERT INTO ace_dev_key_skills (key_sha256, skills) VALUES (%s, %s::jsonb) "
             "ON CONFLICT (key_sha256) DO UPDATE SET skills = ace_dev_key_skills.skills || EXCLUDED.skills, "
             "updated_at = now()", (key_sha256, json.dumps(dict(skills))))
+
+    def set_tenant_skills(self, tenant: str, skills: Mapping[str, str]) -> Overlay:
+        return self._write(
+            "INSERT INTO ace_tenant_skills (tenant, skills) VALUES (%s, %s::jsonb) "
+            "ON CONFLICT (tenant) DO UPDATE SET skills = ace_tenant_skills.skills || EXCLUDED.skills, "
+            "updated_at = now()", (tenant, json.dumps(dict(skills))))
 
     def set_revoked(self, key_sha256: str, revoked: bool) -> Overlay:
         if revoked:

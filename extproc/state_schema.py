@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
-from extproc.catalog import FLAVOURS, HINT_MODES
+from extproc.catalog import DEVELOPER, FLAVOURS, HINT_MODES, ROLES
 from extproc.errors import ConfigError
 from gpu_agent.catalog_schema import (CatalogAdapter, CatalogBaseModel, CatalogFile, SchemaError, parse,
                                       read_catalog_file, read_yaml_mapping)
@@ -39,6 +39,7 @@ class KeyEntry:
     tenant: str
     name: str = ""
     skills: Mapping[str, str] = field(default_factory=lambda: _NO_SKILLS)
+    role: Literal[ROLES] = DEVELOPER  # admin: also its tenant's default skills (settings page)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 The YAML file is the source of truth for adapters, tenants, keys and upstreams; it is
 read at start-up. The upstreams may come from a discovery source instead
 (``extproc.discovery``, ``Store.set_upstreams``). Changes made at runtime (a developer
-key's skills, set through ``POST /api/v1/dev_key/skills``; a key revoked with
+key's skills, set through ``POST /api/v1/dev_key/skills``; a tenant's default skills, set
+by its admin key through ``POST /api/v1/tenant/skills``; a key revoked with
 ``python -m extproc.admin``) are written to the state database (``extproc.state_db``:
 SQLite for one node, PostgreSQL shared by several replicas) and overlay the file's values,
 so they survive a restart and reach every replica. Every change builds a new immutable
@@ -91,7 +92,7 @@ def load_state_file(path: Path, catalog: Path | None = None, *, upstreams_requir
         if raw.tenant not in tenants:
             raise config_error(path, f"keys[{i}].tenant", f"unknown tenant {raw.tenant}")
         keys[digest] = DevKey(sha256=digest, tenant=raw.tenant, name=raw.name,
-                              skills=_skills(raw.skills, path, f"keys[{i}].skills"))
+                              skills=_skills(raw.skills, path, f"keys[{i}].skills"), role=raw.role)
     upstreams = []
     for i, raw in enumerate(state.upstreams):
         try:
@@ -165,8 +166,13 @@ class Store:
             if digest in keys:
                 keys[digest] = replace(keys[digest], skills=MappingProxyType({**keys[digest].skills, **skills}))
         s = self._file_state
+        tenants = dict(s["tenants"])
+        for tenant_id, skills in overlay.tenant_skills.items():
+            if tenant_id in tenants:
+                t = tenants[tenant_id]
+                tenants[tenant_id] = replace(t, skills=MappingProxyType({**t.skills, **skills}))
         return Snapshot(adapters=MappingProxyType(dict(s["adapters"])), base_models=s["base_models"],
-                        tenants=MappingProxyType(dict(s["tenants"])), keys=MappingProxyType(keys),
+                        tenants=MappingProxyType(tenants), keys=MappingProxyType(keys),
                         upstreams=self._upstreams, default_skills=s["default_skills"],
                         max_body_bytes=s["max_body_bytes"])
 
@@ -174,6 +180,12 @@ class Store:
         """Persist a developer key's skills (merged over earlier runtime changes); raises
         ``StoreUnavailable`` when the database cannot take the write."""
         self._apply(self._db.set_key_skills(key_sha256, skills))
+        return self.snapshot
+
+    def set_tenant_skills(self, tenant_id: str, skills: Mapping[str, str]) -> Snapshot:
+        """Persist a tenant's default skills (merged over earlier runtime changes, over the
+        file's); raises ``StoreUnavailable`` when the database cannot take the write."""
+        self._apply(self._db.set_tenant_skills(tenant_id, skills))
         return self.snapshot
 
     def revoke_key(self, key_sha256: str, revoked: bool = True) -> Snapshot:

@@ -15,6 +15,8 @@ the three, at any point, stops every process it started and waits for it). What 
 3. errors the gateway answers itself (bad key, another tenant's adapter);
 4. memory: one base model + the paged pool vs one dedicated instance per adapter, from
    the engine's real tensor sizes;
+   and the settings page's URL (``/settings`` on Envoy's port) with the key to sign in
+   with (``sk-ace-demo-acme``, acme's tenant admin); with ``--keep`` it stays usable;
 5. with ``--replicas 2`` (``make demo REPLICAS=2``): two ext_proc replicas sharing a
    PostgreSQL (started by the demo as the ``postgres`` user in a temp dir), behind one
    Envoy and each behind its own: a skills change POSTed to one and a key revoked with
@@ -84,8 +86,9 @@ def write_state(path: Path, catalog: Path, engine: str, agent: str) -> None:
         "include": [str(catalog.resolve())],
         "tenants": [{"id": "acme", "default_adapter": "code-python"},
                     {"id": "medco", "default_adapter": "med-triage"}],
-        "keys": [{"name": f"{t}-demo", "sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": t}
-                 for t, k in KEYS.items()],
+        # acme's key is its tenant admin (the settings page shows and sets acme's defaults too)
+        "keys": [{"name": f"{t}-demo", "sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": t,
+                  "role": "admin" if t == "acme" else "developer"} for t, k in KEYS.items()],
         "upstreams": [{"name": "agent-0", "address": engine, "flavour": "builtin",
                        "base_model": "ace-tiny-llama", "hints": "body", "agent": agent}],
         "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"},
@@ -282,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stop_on_signals(), local_stack(a.fixtures, a.work, a.replicas) as st:
             say(f"gateway: {st['gateway']}  (engine {st['engine']}, agent gRPC {st['agent']})")
+            say_settings_page(st["gateway"])
             show_sdk(st["gateway"])
             show_prefetch(st)
             show_errors(st["gateway"])
@@ -296,12 +300,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def say_settings_page(gateway: str) -> None:
+    say(f"settings page: {gateway}/settings  (sign in with {KEYS['acme']}: acme's tenant admin; "
+        f"{KEYS['medco']}: a medco developer)")
+
+
 def hold(gateway: str) -> None:
     """Keep the stack up until a stop signal (``Stopped`` propagates to ``main``)."""
     say("\ncurl it yourself:\n  curl -si " + gateway + "/v1/chat/completions "
         f"-H 'Authorization: Bearer {KEYS['acme']}' -H 'content-type: application/json' "
         "-d '{\"model\": \"ace-tiny-llama\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
         "\"extra_body\": {\"lora_name\": \"code-sql\"}, \"max_tokens\": 8}'")
+    say("\nthe settings page stays usable while the stack is up:")
+    say_settings_page(gateway)
     say("\nstack is up; Ctrl-C (or SIGTERM, SIGHUP) stops it")
     try:
         while True:

@@ -39,7 +39,7 @@ def write_state(tmp: Path, upstreams: list[dict], *, max_body_bytes: int = 65536
             {"id": "globex", "skills": {}},
         ],
         "keys": [
-            {"name": "alice", "sha256": sha(KEYS["alice"]), "tenant": "acme", "skills": {}},
+            {"name": "alice", "sha256": sha(KEYS["alice"]), "tenant": "acme", "skills": {}, "role": "admin"},
             {"name": "bob", "sha256": sha(KEYS["bob"]), "tenant": "globex",
              "skills": {"multi_lora": "prod"}},
             {"name": "carol", "sha256": sha(KEYS["carol"]), "tenant": "acme",

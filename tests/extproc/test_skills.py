@@ -60,3 +60,11 @@ def test_object_form_errors_name_the_field(raw, param):
         validate_skills(raw, "skill_overrides")
     assert exc.value.param == param
     assert exc.value.status == 422
+
+
+def test_resolve_sources_names_the_layer_each_mode_came_from():
+    from extproc.skills import resolve_sources
+    layers = (("key", {"multi_lora": "shadow"}), ("tenant", {"dynamic_lora_prefetch": "prod", "multi_lora": "off"}),
+              ("default", {}))
+    assert resolve_sources(layers) == {"multi_lora": ("shadow", "key"), "dynamic_lora_prefetch": ("prod", "tenant")}
+    assert resolve_sources((("default", {}),)) == {"multi_lora": ("off", "unset"), "dynamic_lora_prefetch": ("off", "unset")}

@@ -57,3 +57,17 @@ def test_an_older_overlay_never_replaces_a_newer_snapshot(tmp_path, state_file):
     s._apply(Overlay(version=0))       # a slow reader's result arriving late
     assert s.snapshot is newer
     s.close()
+
+
+def test_tenant_default_skills_are_merged_over_the_file_and_survive_a_restart(tmp_path, state_file):
+    db = tmp_path / "gw.sqlite3"
+    s = Store(state_file, db, watch=False)
+    assert dict(s.snapshot.tenants["acme"].skills) == {"multi_lora": "prod", "dynamic_lora_prefetch": "shadow"}
+    s.set_tenant_skills("acme", {"dynamic_lora_prefetch": "prod"})
+    s.set_tenant_skills("acme", {"multi_lora": "shadow"})          # merged, not replaced
+    assert dict(s.snapshot.tenants["acme"].skills) == {"multi_lora": "shadow", "dynamic_lora_prefetch": "prod"}
+    assert dict(s.snapshot.tenants["globex"].skills) == {}
+    s.close()
+    s2 = Store(state_file, db, watch=False)
+    assert dict(s2.snapshot.tenants["acme"].skills) == {"multi_lora": "shadow", "dynamic_lora_prefetch": "prod"}
+    s2.close()

@@ -125,3 +125,15 @@ def test_postgres_down_serves_the_snapshot_refuses_writes_then_recovers(pg, url,
 def test_a_replica_does_not_start_without_its_database(pg, state_file):
     with pytest.raises(ConfigError, match="state database postgresql://postgres@127.0.0.1"):
         Store(state_file, f"postgresql://postgres@127.0.0.1:{pg.port + 1}/postgres")
+
+
+def test_a_tenant_default_change_on_one_replica_is_applied_by_the_other(replicas, url):
+    a, b = replicas
+    wait_until(lambda: _listening(url, 2), timeout=10, what="both replicas LISTEN")
+    a.set_tenant_skills("acme", {"dynamic_lora_prefetch": "prod"})
+    assert a.snapshot.tenants["acme"].skills["dynamic_lora_prefetch"] == "prod"
+    wait_until(lambda: b.snapshot.tenants["acme"].skills.get("dynamic_lora_prefetch") == "prod", timeout=10,
+               what="replica B applies A's tenant default")
+    b.set_tenant_skills("acme", {"multi_lora": "off"})
+    wait_until(lambda: a.version == 2, timeout=10, what="replica A applies B's change")
+    assert dict(a.snapshot.tenants["acme"].skills) == {"multi_lora": "off", "dynamic_lora_prefetch": "prod"}

@@ -41,6 +41,7 @@ WRONG_TYPES = [
     ("keys[0].tenant", ["acme"], "expected a string, got a list"),
     ("keys[0].name", 7, "expected a string, got 7"),
     ("keys[0].skills", ["prod"], "expected a mapping, got a list"),
+    ("keys[0].role", "root", "expected one of developer, admin, got 'root'"),
     ("upstreams", {"name": "local"}, "expected a list, got a mapping"),
     ("upstreams[0].name", 1, "expected a string, got 1"),
     ("upstreams[0].address", 8000, "expected a string, got 8000"),

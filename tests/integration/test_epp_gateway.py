@@ -126,6 +126,20 @@ def test_bad_key_is_401_json_and_nothing_goes_upstream(stack):
     assert not any(up.requests for up in stack["ups"].values())
 
 
+def test_settings_page_and_api_are_answered_by_the_picker(stack):
+    """deploy/kubernetes/components/inference-pool/httproute.yaml sends them to the pool:
+    the picker answers them itself, nothing goes upstream."""
+    http = stack["http"]
+    page = http.get("/settings")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), page.text
+    me = http.get("/api/v1/me", headers=ALICE)
+    assert me.status_code == 200 and me.json()["key"]["role"] == "admin", me.text
+    r = http.post("/api/v1/me/skills", content=json.dumps({"skills": {"multi_lora": "prod"}}), headers=ALICE)
+    assert r.status_code == 200, r.text
+    assert http.get("/api/v1/usage").status_code == 401
+    assert not any(up.requests for up in stack["ups"].values())
+
+
 def test_stream_passes_through(stack):
     body = json.loads(chat())
     body["stream"] = True

@@ -159,6 +159,19 @@ def test_dev_key_api_is_answered_by_ext_proc(gw):
     assert r.json()["tenant"] == "acme"
 
 
+def test_settings_page_and_api_are_answered_by_ext_proc(gw):
+    """The settings page (no key) and its API, including a write with its body, in both
+    configs: the mesh gets the routes from the drop-in."""
+    r = gw.http.get("/settings")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), r.text
+    me = gw.http.get("/api/v1/me", headers=ALICE)
+    assert me.status_code == 200 and me.json()["tenant"] == "acme", me.text
+    r = gw.http.post("/api/v1/me/skills", content=json.dumps({"skills": {"multi_lora": "prod"}}),
+                     headers={**ALICE, "content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["key"]["skills"]["multi_lora"]["source"] == "key", r.text
+    assert gw.http.get("/api/v1/adapters").status_code == 401
+
+
 def test_other_paths(gw):
     """The drop-in's catch-all checks the key (one headers message) and goes to the default
     upstream; in the mesh, the ace host's own VirtualService route (after ace's routes) goes

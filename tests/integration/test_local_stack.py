@@ -9,6 +9,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support.procs import REPO, python
@@ -27,6 +28,7 @@ def test_demo_shows_prefetched_and_cold_side_by_side(tmp_path_factory, capsys):
     assert "adapter_prefetched_applied" in out and "adapter_cold_loaded" in out
     assert "401" in out and "404" in out and "400" in out
     assert "dedicated instances" in out
+    assert re.search(r"settings page: http://127\.0\.0\.1:\d+/settings  \(sign in with sk-ace-demo-acme", out)
     assert "curl it yourself" not in out  # the stack is gone by now: no hint to try it
 
 
@@ -91,6 +93,12 @@ def test_demo_keep_stops_its_whole_stack_on_a_stop_signal(signum, tmp_path_facto
                    interval=0.2, what="the demo holds its stack up")
         assert demo.poll() is None, out.read_text()[-4000:]
         assert "curl it yourself" in out.read_text()
+        # the settings page stays usable while the stack is held up, with the key it names
+        page = re.findall(r"settings page: (\S+)", out.read_text())[-1]
+        assert httpx.get(page, timeout=10).status_code == 200
+        me = httpx.get(page.replace("/settings", "/api/v1/me"), timeout=10,
+                       headers={"Authorization": "Bearer sk-ace-demo-acme"}).json()
+        assert (me["tenant"], me["key"]["role"]) == ("acme", "admin")
         children = _descendants(demo.pid)
         assert len(children) >= 3, children     # the agent, the ext_proc and Envoy
         demo.send_signal(signum)
