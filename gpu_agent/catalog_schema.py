@@ -11,7 +11,7 @@ Every problem is a ``SchemaError`` naming the field's path::
     tenants[1].id: required field missing
 
 The catalog is read by the gateway (``extproc.store``), the agent
-(``gpu_agent.artifacts``) and the builtin engine (``gpu_agent.engine.residency``), all
+(``gpu_agent.artifacts``) and the builtin engine (``gpu_agent.engine.adapters``), all
 through ``read_catalog_file``; the gateway's state file (``extproc.state_schema``) uses
 the same language. It lives here, with no dependency but ``yaml``, because the gateway
 already depends on the agent's published contracts (``gpu_agent._proto``) while the agent

@@ -36,7 +36,7 @@ class _Text:
 
 def render_metrics(engine: Any, http_stats: Any) -> str:
     st = engine.batcher.stats
-    res = engine.residency
+    res = engine.adapters
     pool = engine.pool.stats()
     t = _Text()
     t.metric("ace_engine_forward_passes_total", "counter", "Forward passes (batched steps) run",

@@ -1,11 +1,12 @@
-"""Where each adapter lives (remote → disk → host → pool) and how it moves up.
+"""The builtin engine's adapters: where each lives (remote → disk → host → device) and how
+it moves up.
 
-:class:`AdapterResidency` is the seam the agent service drives in-process:
+:class:`EngineAdapters` is the seam the agent service drives in-process:
 
 - ``await ensure_resident(name, hold=False) -> (tier_before, wait_ms)``: make the adapter
   usable by a batch; ``hold=True`` also keeps it in the pool until :meth:`release`
   (the engine holds an adapter for as long as one of its sequences runs).
-- ``await prefetch(name, tier="pool") -> tier_before``: move it up ahead of a request.
+- ``await prefetch(name, tier="device") -> tier_before``: move it up ahead of a request.
   A prefetch's load yields to every request's load (:mod:`gpu_agent.engine.load_order`):
   it starts only while none is in flight, pauses at its checkpoints when one arrives,
   and gives up rather than wait for room.
@@ -13,7 +14,7 @@
   the request) until :meth:`release` (or the failed load), the adapter is *claimed*:
   neither the pool's LRU nor :meth:`evict` takes it, so nothing (a prefetch, the agent's
   eviction hint, another request's load) can evict it between its load and its use.
-- ``evict(name, tier="pool")``: drop it from the pool (and from host memory with
+- ``evict(name, tier="device")``: drop it from the pool (and from host memory with
   ``tier="host"``); refused (AdapterBusy) while a sequence holds it or a request claims it.
 - ``pin`` / ``unpin``: keep an adapter in the pool regardless of LRU.
 - ``register`` / ``unregister``: adapters added at run time (vLLM-style load endpoint).
@@ -22,12 +23,12 @@
   loaded again (the agent drops its disk copy there when the disk tier keeps only what
   is resident).
 
-Tiers: ``pool`` (in the paged device pool), ``host`` (a parsed copy in host memory),
+Tiers (``gpu_agent.tiers.Tier`` values): ``device`` (its pages in the paged pool), ``host`` (a parsed copy in host memory),
 ``disk`` (a local directory), ``remote`` (an http(s) uri the source must fetch). A host
 budget of 0 keeps no parsed copy: an adapter that leaves the pool comes back from disk
 (or remote).
 
-The host and pool tiers are ``gpu_agent.staging.AdapterTiers`` (host LRU + paged pool,
+The host and device tiers are ``gpu_agent.staging.AdapterTiers`` (host LRU + paged pool,
 with per-tier timings); this module adds what an engine needs on top: names from the
 catalog, a pluggable source for the outer tiers, holds that keep an adapter in the pool
 while its sequences run, and async waits. Pool calls are thread-safe (the pool has its
@@ -47,11 +48,13 @@ from urllib.parse import unquote, urlparse
 from gpu_agent import errors as core
 from gpu_agent.engine.errors import AdapterUnavailable, EngineError, ModelNotFound
 from gpu_agent.engine.load_order import LoadOrder, LoadTicket
+from gpu_agent.tiers import ORDER, Tier
 
-__all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "AdapterResidency",
+__all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "EngineAdapters",
            "TIERS"]
 
-TIERS = ("pool", "host", "disk", "remote")
+DEVICE, HOST = Tier.DEVICE.value, Tier.HOST.value
+TIERS = tuple(t.value for t in ORDER)  # device, host, disk, remote
 # host -> pool copies up to this size run inline on the event loop (CPU pool only)
 INLINE_SWAP_BYTES = 4 << 20
 
@@ -139,7 +142,7 @@ class LoadRecord:
     at: float
 
 
-class AdapterResidency:
+class EngineAdapters:
     def __init__(self, pool: Any, spec: Any, entries: Mapping[str, CatalogEntry], *,
                  source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30,
                  room_timeout_s: float = 30.0):
@@ -226,8 +229,8 @@ class AdapterResidency:
             if hold and self._holds.get(name, 0) > 0:
                 self._holds[name] += 1  # pinned already by an earlier holder
                 self.pool.touch(name)
-                return "pool", (time.perf_counter() - t0) * 1e3
-            if tier_before == "pool":
+                return DEVICE, (time.perf_counter() - t0) * 1e3
+            if tier_before == DEVICE:
                 try:
                     if hold:
                         self.pool.pin(name)
@@ -238,7 +241,7 @@ class AdapterResidency:
                 else:
                     if hold:
                         self._holds[name] = 1
-                    return "pool", (time.perf_counter() - t0) * 1e3
+                    return DEVICE, (time.perf_counter() - t0) * 1e3
             await self._load_when_room(name, pin=hold, prefetch=prefetch and not hold)
         except BaseException:
             if hold:
@@ -277,18 +280,18 @@ class AdapterResidency:
                 pass
         self._unclaim(name)
 
-    async def prefetch(self, name: str, tier: str = "pool") -> str:
-        """Move ``name`` up to ``tier`` (``pool`` or ``host``); returns where it was."""
-        if tier not in ("pool", "host"):
-            raise ValueError(f"prefetch tier must be pool or host, got {tier!r}")
+    async def prefetch(self, name: str, tier: str = DEVICE) -> str:
+        """Move ``name`` up to ``tier`` (``device`` or ``host``); returns where it was."""
+        if tier not in (DEVICE, HOST):
+            raise ValueError(f"prefetch tier must be device or host, got {tier!r}")
         before = self.tier(name)
-        if tier == "pool":
+        if tier == DEVICE:
             await self.ensure_resident(name, prefetch=True)
-        elif before not in ("pool", "host"):
+        elif before not in (DEVICE, HOST):
             await self._to_host(name)
         return before
 
-    def evict(self, name: str, tier: str = "pool") -> bool:
+    def evict(self, name: str, tier: str = DEVICE) -> bool:
         """Drop ``name`` from the pool (``tier="host"``: from host memory too).
 
         AdapterBusy while a running sequence holds it or it is pinned.
@@ -504,7 +507,7 @@ class AdapterResidency:
             break
         if digest:
             self._verified.add(digest)
-        if tier != "pool":
+        if tier != DEVICE:
             self.loads[tier] = self.loads.get(tier, 0) + 1
 
     async def _to_host(self, name: str) -> None:
