@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import AdapterNotFound, AdapterNotResident, LoadYielded
+from .eviction import Shortfall, ordered, plan_evictions
 from .peft import LoraAdapter, load_peft_dir
 from .pool import AdapterPool, PoolEntry
 from .tiers import Tier
@@ -44,7 +45,7 @@ class LoadTimings:
 
 
 class HostCache:
-    """LRU of host-resident adapters bounded by bytes."""
+    """LRU of host-resident adapters bounded by bytes (what goes: ``gpu_agent.eviction``)."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = int(budget_bytes)
@@ -66,10 +67,10 @@ class HostCache:
         old = self._items.pop(adapter.name, None)
         if old is not None:
             self.used_bytes -= old.nbytes
-        while self.used_bytes + size > self.budget_bytes:
-            _, victim = self._items.popitem(last=False)
-            self.used_bytes -= victim.nbytes
-            self.evictions += 1
+        short = Shortfall(size=self.used_bytes + size - self.budget_bytes)
+        for name in plan_evictions(ordered(self._items, lambda n: self._items[n].nbytes), short):
+            self.used_bytes -= self._items.pop(name).nbytes
+            self.evictions += 1   # reason: budget (the only one that evicts here)
         self._items[adapter.name] = adapter
         self.used_bytes += size
         return True

@@ -17,14 +17,18 @@ it moves up.
 - ``evict(name, tier="device")``: drop it from the pool (and from host memory with
   ``tier="host"``); refused (AdapterBusy) while a sequence holds it or a request claims it.
 - ``pin`` / ``unpin``: keep an adapter in the pool regardless of LRU.
+- What leaves the pool is decided here, once: the pool asks ``_choose_victims``
+  (``gpu_agent.eviction.plan_evictions`` over the pool's LRU order, never a claimed
+  adapter) and frees exactly those pages. Every eviction is counted by tier and reason
+  (``evictions_by()``: ``ace_engine_adapter_evictions_total``).
 - ``register`` / ``unregister``: adapters added at run time (vLLM-style load endpoint).
 - ``left_pool_listeners``: called on the event loop with the name of every adapter that
   left the pool (its LRU, its count cap, or :meth:`evict`) and is neither back nor being
   loaded again (the agent drops its disk copy there when the disk tier keeps only what
   is resident).
 
-Tiers (``gpu_agent.tiers.Tier`` values): ``device`` (its pages in the paged pool), ``host`` (a parsed copy in host memory),
-``disk`` (a local directory), ``remote`` (an http(s) uri the source must fetch). A host
+Tiers (``gpu_agent.tiers.Tier`` values): ``device`` (its pages in the paged pool), ``host``
+(a parsed copy in host memory), ``disk`` (a local directory), ``remote`` (an http(s) uri the source must fetch). A host
 budget of 0 keeps no parsed copy: an adapter that leaves the pool comes back from disk
 (or remote).
 
@@ -40,14 +44,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 from urllib.parse import unquote, urlparse
 
 from gpu_agent import errors as core
 from gpu_agent.engine.errors import AdapterUnavailable, EngineError, ModelNotFound
 from gpu_agent.engine.load_order import LoadOrder, LoadTicket
+from gpu_agent.eviction import Candidate, EvictReason, Shortfall, plan_evictions
 from gpu_agent.tiers import ORDER, Tier
 
 __all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "EngineAdapters",
@@ -169,8 +174,11 @@ class EngineAdapters:
         self.room_waits = 0  # times a load found the pool full of held adapters and waited
         self.left_pool_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # evictions by (tier, reason): the pool's (its owner's choice below, or evict) and the
+        # host copies' (their byte budget)
+        self.evictions: dict[tuple[str, str], int] = {}
         pool.release_listeners.append(self._pool_released)
-        pool.claimed = self.claimed
+        pool.choose_victims = self._choose_victims  # this store decides what leaves the pool
 
     # -- names and tiers ---------------------------------------------------------------
 
@@ -211,6 +219,20 @@ class EngineAdapters:
 
     def claimed_names(self) -> set[str]:
         return {n for n, c in list(self._claims.items()) if c > 0}
+
+    def _choose_victims(self, loading: str, short: Shortfall, order: Sequence[Candidate]) -> list[str]:
+        """What leaves the pool for ``loading`` (pool lock held, on the loading thread): the
+        pool's policy order, never an adapter a request the engine accepted is about to use."""
+        return plan_evictions((c if c.evictable and not self.claimed(c.name) else replace(c, evictable=False)
+                               for c in order), short)
+
+    def evictions_by(self) -> dict[tuple[str, str], int]:
+        """Evictions so far by ``(tier, reason)``, the host copies' budget included."""
+        out = dict(self.evictions)
+        if self.tiers.host.evictions:
+            key = (HOST, EvictReason.BUDGET.value)
+            out[key] = out.get(key, 0) + self.tiers.host.evictions
+        return out
 
     # -- moving up ---------------------------------------------------------------------
 
@@ -307,8 +329,9 @@ class EngineAdapters:
                 removed = True
             except core.AdapterNotResident:
                 pass
-        if tier == "host" and name in self.tiers.host:
+        if tier == HOST and name in self.tiers.host:
             self.tiers.host.drop(name)
+            self._count_eviction(HOST, EvictReason.OPERATOR)
             removed = True
         return removed
 
@@ -369,8 +392,13 @@ class EngineAdapters:
         except RuntimeError:  # called outside a loop (tests): listeners hear nothing
             pass
 
-    def _pool_released(self, name: str) -> None:
-        """Pool release hook (pool lock held, any thread): hand the name to the loop."""
+    def _count_eviction(self, tier: str, reason: EvictReason) -> None:
+        key = (tier, reason.value)
+        self.evictions[key] = self.evictions.get(key, 0) + 1
+
+    def _pool_released(self, name: str, reason: EvictReason) -> None:
+        """Pool release hook (pool lock held, any thread): count it, hand the name to the loop."""
+        self._count_eviction(DEVICE, reason)
         loop = self._loop
         if loop is None or not self.left_pool_listeners:
             return

@@ -259,7 +259,7 @@ def test_eviction_never_takes_an_adapter_a_request_was_accepted_for(fixtures):
     run(main())
 
 
-def test_pool_lru_skips_claimed_adapters(fixtures):
+def test_engine_choice_of_pool_victims_skips_claimed_adapters(fixtures):
     from gpu_agent.errors import AdapterBusy
 
     async def main():
@@ -268,13 +268,13 @@ def test_pool_lru_skips_claimed_adapters(fixtures):
         try:
             await res.ensure_resident(SMALL)
             await res.ensure_resident(OTHER)
-            claimed = {SMALL}
-            pool.claimed = lambda name: name in claimed      # SMALL is the LRU, but claimed
+            res._claims[SMALL] = 1                           # SMALL is the LRU, but claimed
             await res.ensure_resident(BIG)
             assert set(pool.resident()) == {SMALL, BIG}
             with pytest.raises(AdapterBusy):
-                pool.evict(SMALL)
+                res.evict(SMALL)
             pool.check_invariants()
+            assert res.evictions_by() == {("device", "budget"): 1}
         finally:
             await engine.close()
     run(main())
