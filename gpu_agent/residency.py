@@ -38,7 +38,7 @@ from typing import Callable, Iterable
 from gpu_agent.artifacts import WEIGHTS, AdapterSpec, ArtifactStore, Catalog
 from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineLoad, EngineUnavailable
 from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
-from gpu_agent.eviction import hinted_victims
+from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, plan_evictions
 from gpu_agent.load import LoadChange, LoadMonitor
 from gpu_agent.metrics import AgentMetrics, Gauge
 from gpu_agent.tiers import Tier
@@ -162,6 +162,7 @@ class ResidencyManager:
         self.metrics.add_collector(self._collect_engine_counters)
         # every disk-cache eviction (the engine's own fetches included) spares what we protect
         store.protect_providers.append(self._protected_digests)
+        store.eviction_listeners.append(lambda spec, reason: self._evicted(spec.name, Tier.DISK, reason))
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -420,26 +421,30 @@ class ResidencyManager:
         if len(blob) > budget:
             return  # larger than the whole tier: skip it rather than evict everything
         used = sum(len(b) for b in self._host.values())
-        for victim in list(self._host):
-            if used + len(blob) <= budget:
-                break
-            if self._states[victim].pinned or victim in self._inflight:
-                continue
+        short = Shortfall(size=used + len(blob) - budget)
+        for victim in plan_evictions(ordered(self._host, lambda n: len(self._host[n]),
+                                             lambda n: not self._states[n].pinned and n not in self._inflight),
+                                     short):
             used -= len(self._host.pop(victim))
-            self.metrics.inc("ace_agent_evictions_total", tier="host")
-            self._publish(victim)
+            self._evicted(victim, Tier.HOST, EvictReason.BUDGET)
         if used + len(blob) <= budget:
             self._host[name] = blob
 
     def host_bytes(self, name: str) -> bytes | None:
         return self._host.get(name)
 
+    def _device_shortfall(self, incoming: int | None) -> Shortfall:
+        """How far the device tier is over its budgets with an adapter of `incoming` bytes
+        (None: none incoming, the budgets as they are)."""
+        extra = 0 if incoming is None else 1
+        count = 0 if self.device_count is None else len(self._device) + extra - self.device_count
+        nbytes = (0 if self.budgets.device_bytes is None
+                  else sum(self._device.values()) + (incoming or 0) - self.budgets.device_bytes)
+        return Shortfall(count=count, size=nbytes)
+
     async def _make_device_room(self, spec: AdapterSpec, hints: tuple[str, ...] = ()) -> None:
         def over() -> bool:
-            count = self.device_count is not None and len(self._device) + 1 > self.device_count
-            nbytes = (self.budgets.device_bytes is not None
-                      and sum(self._device.values()) + spec.size_bytes > self.budgets.device_bytes)
-            return count or nbytes
+            return not self._device_shortfall(spec.size_bytes).met
 
         if hints:
             await self._evict_hinted(spec, hints, over)
@@ -450,17 +455,26 @@ class ResidencyManager:
             if not over():
                 return
         busy = await self.connector.busy()
-        for victim in list(self._device):
-            if not over():
-                break
-            if self._states[victim].pinned or victim in busy:
-                continue
-            await self.connector.unload(victim)
-            self._device.pop(victim, None)
-            self.metrics.inc("ace_agent_evictions_total", tier="device")
-            self._publish(victim)
+        victims = plan_evictions(
+            ordered(self._device, self._device.__getitem__,
+                    lambda n: not self._states[n].pinned and n not in busy),
+            self._device_shortfall(spec.size_bytes))
+        for victim in victims:
+            await self._unload(victim, EvictReason.BUDGET)
         if over():
             raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
+
+    async def _unload(self, name: str, reason: EvictReason) -> None:
+        """Take `name` off the device (the engine unloads it) and count why."""
+        await self.connector.unload(name)
+        self._device.pop(name, None)
+        self._evicted(name, Tier.DEVICE, reason)
+
+    def _evicted(self, name: str, tier: Tier, reason: EvictReason, publish: bool = True) -> None:
+        """Every eviction of every tier is counted here, with its reason."""
+        self.metrics.inc("ace_agent_evictions_total", tier=tier.value, reason=reason.value)
+        if publish:
+            self._publish(name)
 
     async def _forget_gone(self) -> None:
         """The engine evicts by itself (builtin pool): count only what it still holds,
@@ -469,9 +483,7 @@ class ResidencyManager:
         gone = [n for n in self._device if n not in loaded]
         for n in gone:
             self._device.pop(n, None)
-            self._publish(n)
-        if gone:
-            self.metrics.inc("ace_agent_evictions_total", float(len(gone)), tier="device")
+            self._evicted(n, Tier.DEVICE, EvictReason.ENGINE_GONE)
 
     async def _evict_hinted(self, spec: AdapterSpec, hints: tuple[str, ...],
                             over: Callable[[], bool]) -> None:
@@ -494,16 +506,13 @@ class ResidencyManager:
             if not over() and not await self.connector.needs_room(spec):
                 return
             try:
-                await self.connector.unload(victim)
+                await self._unload(victim, EvictReason.HINT)
             except EngineUnavailable:
                 raise
             except ConnectorError as exc:  # it became busy meanwhile: the next hint, or LRU
                 log.info("hinted eviction of %s for %s refused: %s", victim, spec.name, exc)
                 self.metrics.inc("ace_agent_prefetch_victims_skipped_total", reason="in_use")
                 continue
-            self._device.pop(victim, None)
-            self.metrics.inc("ace_agent_evictions_total", tier="device", reason="hint")
-            self._publish(victim)
 
     # ---- operator actions ------------------------------------------------------------
     async def evict(self, name: str, down_to: Tier = Tier.DISK) -> tuple[bool, str]:
@@ -523,13 +532,13 @@ class ResidencyManager:
                     return False, "busy"
                 await self.connector.unload(name)
                 self._device.pop(name, None)
-                self.metrics.inc("ace_agent_evictions_total", tier="device")
+                self._evicted(name, Tier.DEVICE, EvictReason.OPERATOR, publish=False)
                 evicted = True
         if down_to in (Tier.DISK, Tier.REMOTE) and self._host.pop(name, None) is not None:
-            self.metrics.inc("ace_agent_evictions_total", tier="host")
+            self._evicted(name, Tier.HOST, EvictReason.OPERATOR, publish=False)
             evicted = True
         if down_to is Tier.REMOTE and self.store.forget_local(spec):
-            self.metrics.inc("ace_agent_evictions_total", tier="disk")
+            self._evicted(name, Tier.DISK, EvictReason.OPERATOR, publish=False)
             evicted = True
         self._publish(name)
         return evicted, "" if evicted else "not_resident"
@@ -602,7 +611,8 @@ class ResidencyManager:
             if not was_up:
                 self._publish_all()
         if lost and self.connector.self_managed:
-            self.metrics.inc("ace_agent_evictions_total", float(len(lost)), tier="device")
+            for name in lost:  # published above
+                self._evicted(name, Tier.DEVICE, EvictReason.ENGINE_GONE, publish=False)
         elif lost:
             self.metrics.inc("ace_agent_engine_resets_total")
             log.warning("engine lost %d adapters (%s); reloading them", len(lost), ", ".join(lost))
@@ -617,15 +627,10 @@ class ResidencyManager:
         if self.device_count is None or len(self._device) <= self.device_count:
             return
         busy = await self.connector.busy()
-        for victim in list(self._device):
-            if len(self._device) <= self.device_count:
-                break
-            if self._states[victim].pinned or victim in busy or victim in self._inflight:
-                continue
-            await self.connector.unload(victim)
-            self._device.pop(victim, None)
-            self.metrics.inc("ace_agent_evictions_total", tier="device")
-            self._publish(victim)
+        short = Shortfall(count=len(self._device) - self.device_count)
+        evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._inflight  # noqa: E731
+        for victim in plan_evictions(ordered(self._device, self._device.__getitem__, evictable), short):
+            await self._unload(victim, EvictReason.BUDGET)
 
     def _publish_all(self) -> None:
         for name in self._states:

@@ -70,7 +70,8 @@ def test_pool_self_eviction_drops_a_tier_without_reload_storm(fixtures, tmp_path
             assert conn.engine.adapters.tier("legal-review") != "device"
             # the reconcile that sees it gone counts a device eviction (the pool's own),
             # where an engine that lost it would count a reset and prefetch it back
-            await async_wait_until(lambda: mgr.metrics.counter("ace_agent_evictions_total", tier="device") >= 1,
+            await async_wait_until(lambda: mgr.metrics.counter("ace_agent_evictions_total", tier="device",
+                                                               reason="engine_gone") >= 1,
                                    what="the reconcile counted the pool's eviction")
             assert mgr.view("legal-review").tier in (Tier.HOST, Tier.DISK)
             assert mgr.metrics.counter("ace_agent_engine_resets_total") == 0

@@ -193,6 +193,9 @@ def test_residency_seam_and_runtime_adapters(fx):
         assert tier == "host" and ms >= 0 and res.tier("fin-risk") == "device"
         assert res.evict("fin-risk") and res.tier("fin-risk") == "host"
         assert res.evict("fin-risk", tier="host") and res.tier("fin-risk") == "disk"
+        m = (await c.get("/metrics")).text
+        assert 'ace_engine_adapter_evictions_total{reason="operator",tier="device"} 1.0' in m
+        assert 'ace_engine_adapter_evictions_total{reason="operator",tier="host"} 1.0' in m
         r = await c.post("/v1/completions", json={"model": "fin-risk", "prompt": "risk", "max_tokens": 2})
         assert r.headers["x-ace-adapter-tier"] == "disk"
         # vLLM-style runtime registration of a directory under a new name

@@ -116,7 +116,7 @@ def test_device_count_budget_evicts_lru_but_never_pinned_or_busy(tmp_path):
             mgr.unpin("a1")
             await mgr.ensure_resident("a4")           # now LRU a1 goes
             assert set(eng.held) == {"a3", "a4"}
-            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device") == 2
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="budget") == 2
         finally:
             await mgr.close()
     run(main())
@@ -137,6 +137,9 @@ def test_evict_refuses_pinned_and_drops_tiers(tmp_path):
             assert await mgr.evict("a1", Tier.DISK) == (True, "")
             assert mgr.view("a1").tier is Tier.DISK
             assert "a1" not in eng.held
+            count = mgr.metrics.counter
+            assert (count("ace_agent_evictions_total", tier="device", reason="operator"),
+                    count("ace_agent_evictions_total", tier="host", reason="operator")) == (1, 1)
         finally:
             await mgr.close()
     run(main())
@@ -153,7 +156,7 @@ def test_host_tier_budget_is_lru(tmp_path):
             assert mgr.view("a3").tier is Tier.DEVICE
             assert mgr.view("a2").tier is Tier.HOST
             assert mgr.view("a1").tier is Tier.DISK    # fell out of host (2 x 4 KiB budget)
-            assert mgr.metrics.counter("ace_agent_evictions_total", tier="host") == 1
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="host", reason="budget") == 1
         finally:
             await mgr.close()
     run(main())
@@ -229,6 +232,7 @@ def test_disk_cache_budget_evicts_lru_remote_copies(tmp_path):
                 tiers = {n: mgr.view(n).tier for n in ("a1", "a2", "a3")}
                 assert tiers == {"a1": Tier.REMOTE, "a2": Tier.DISK, "a3": Tier.DEVICE}
                 assert mgr.store.cache.used_bytes <= 2 * 4096
+                assert mgr.metrics.counter("ace_agent_evictions_total", tier="disk", reason="budget") == 1
             finally:
                 await mgr.close()
     run(main())
@@ -252,6 +256,7 @@ def test_disk_budget_zero_keeps_only_resident_files(tmp_path):
                 await mgr.ensure_resident("a1")
                 assert hits["a1/adapter_model.safetensors"] == 2       # the whole way again
                 assert {n: mgr.view(n).tier for n in ("a2", "a3")} == {"a2": Tier.REMOTE, "a3": Tier.DISK}
+                assert mgr.metrics.counter("ace_agent_evictions_total", tier="disk", reason="left_device") == 2
             finally:
                 await mgr.close()
     run(main())

@@ -45,7 +45,7 @@ def test_a_full_pool_evicts_the_hinted_adapter_not_the_lru(tmp_path):
             assert mgr.view("a3").tier is Tier.DISK
             m = mgr.metrics
             assert m.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
-            assert m.counter("ace_agent_evictions_total", tier="device") == 0  # no LRU eviction
+            assert m.counter("ace_agent_evictions_total", tier="device", reason="budget") == 0  # no LRU eviction
             assert 'ace_agent_evictions_total{reason="hint",tier="device"} 1' in m.render()
         finally:
             await mgr.close()
@@ -66,7 +66,7 @@ def test_hints_that_may_not_go_fall_back_to_the_lru(tmp_path):
             assert unloads(eng) == ["a1"]          # the LRU, as without hints
             assert set(eng.held) == {"a2", "a3", "a4"}
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 0
-            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device") == 1
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="budget") == 1
             # the one a request was about to use is counted as skipped (pinned ones are not)
             assert mgr.metrics.counter("ace_agent_prefetch_victims_skipped_total", reason="in_use") == 1
         finally:
