@@ -43,7 +43,7 @@ from gpu_agent.load import LoadChange, LoadMonitor
 from gpu_agent.metrics import AgentMetrics, Gauge
 from gpu_agent.tiers import Tier
 
-__all__ = ["AdapterView", "PrefetchOutcome", "PrefetchResult", "ResidencyManager",
+__all__ = ["AdapterView", "ResidencyOutcome", "ResidencyResult", "ResidencyManager",
            "ResidencyBudgets", "Subscription"]
 
 log = logging.getLogger(__name__)
@@ -51,16 +51,34 @@ log = logging.getLogger(__name__)
 MAX_EVICT_HINTS = 16  # names read from one Prefetch's evict list (the gateway sends one)
 
 
-class PrefetchOutcome(str, Enum):
-    ACCEPTED = "accepted"
-    ALREADY_RESIDENT = "already_resident"
-    REJECTED = "rejected"
+class ResidencyOutcome(str, Enum):
+    """What a prefetch, evict, pin or unpin did. Refusals are outcomes (REJECTED with a
+    reason), never exceptions: exceptions are errors (the engine failed, a bug)."""
+
+    ACCEPTED = "accepted"                  # prefetch: queued, or joined a queued/running load
+    ALREADY_RESIDENT = "already_resident"  # prefetch: on the device already
+    DONE = "done"                          # evict / pin / unpin: done as asked
+    REJECTED = "rejected"                  # nothing done; ``reason`` says why
 
 
 @dataclass(frozen=True)
-class PrefetchResult:
-    outcome: PrefetchOutcome
-    reason: str = ""
+class ResidencyResult:
+    """The one way the manager reports an operation's outcome."""
+
+    outcome: ResidencyOutcome
+    reason: str = ""   # REJECTED: unknown_adapter, digest_mismatch, queue_full, pinned, busy,
+                       # loading, not_resident; ACCEPTED: coalesced when it joined a load
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is not ResidencyOutcome.REJECTED
+
+
+def _rejected(reason: str) -> ResidencyResult:
+    return ResidencyResult(ResidencyOutcome.REJECTED, reason)
+
+
+_DONE = ResidencyResult(ResidencyOutcome.DONE)
 
 
 @dataclass(frozen=True)
@@ -230,7 +248,7 @@ class ResidencyManager:
 
     # ---- prefetch --------------------------------------------------------------------
     def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
-                 evict: Iterable[str] = ()) -> PrefetchResult:
+                 evict: Iterable[str] = ()) -> ResidencyResult:
         """Decide at once; the load itself runs in the background.
 
         ``evict``: adapters to evict first should the load need device room (catalog
@@ -239,23 +257,23 @@ class ResidencyManager:
         spec = self.catalog.get(name)
         if spec is None:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_unknown")
-            return PrefetchResult(PrefetchOutcome.REJECTED, "unknown_adapter")
+            return _rejected("unknown_adapter")
         if digest and digest.lower() != spec.sha256:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_digest")
-            return PrefetchResult(PrefetchOutcome.REJECTED, "digest_mismatch")
+            return _rejected("digest_mismatch")
         if name in self._device:
             self._device.move_to_end(name)
             self.metrics.inc("ace_agent_prefetch_total", outcome="already_resident")
-            return PrefetchResult(PrefetchOutcome.ALREADY_RESIDENT)
+            return ResidencyResult(ResidencyOutcome.ALREADY_RESIDENT)
         hints = self._known_hints(name, evict)
         if name in self._inflight or name in self._queued:
             if hints and name not in self._inflight:
                 self._states[name].pending_evict = hints
             self.metrics.inc("ace_agent_prefetch_total", outcome="coalesced")
-            return PrefetchResult(PrefetchOutcome.ACCEPTED, "coalesced")
+            return ResidencyResult(ResidencyOutcome.ACCEPTED, "coalesced")
         if len(self._queued) >= self.budgets.queue_size:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_queue_full")
-            return PrefetchResult(PrefetchOutcome.REJECTED, "queue_full")
+            return _rejected("queue_full")
         heapq.heappush(self._queue, (-priority, next(self._seq), name))
         self._queued.add(name)
         self._states[name].pending_reason = reason
@@ -263,7 +281,7 @@ class ResidencyManager:
         self._wakeup.set()
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
-        return PrefetchResult(PrefetchOutcome.ACCEPTED)
+        return ResidencyResult(ResidencyOutcome.ACCEPTED)
 
     def _known_hints(self, name: str, evict: Iterable[str]) -> tuple[str, ...]:
         """The hinted names that are catalog adapters (looked up, never used as paths)."""
@@ -515,21 +533,22 @@ class ResidencyManager:
                 continue
 
     # ---- operator actions ------------------------------------------------------------
-    async def evict(self, name: str, down_to: Tier = Tier.DISK) -> tuple[bool, str]:
-        """Drop `name` from every tier above `down_to`. Pinned adapters are refused."""
+    async def evict(self, name: str, down_to: Tier = Tier.DISK) -> ResidencyResult:
+        """Drop `name` from every tier above `down_to`. Pinned adapters are refused.
+        Raises only when the engine fails the unload (ConnectorError)."""
         spec = self.catalog.get(name)
         if spec is None:
-            return False, "unknown_adapter"
+            return _rejected("unknown_adapter")
         state = self._states[name]
         if state.pinned:
-            return False, "pinned"
+            return _rejected("pinned")
         if name in self._inflight:
-            return False, "loading"
+            return _rejected("loading")
         evicted = False
         async with self._device_lock:
             if name in self._device:
                 if name in await self.connector.busy():
-                    return False, "busy"
+                    return _rejected("busy")
                 await self.connector.unload(name)
                 self._device.pop(name, None)
                 self._evicted(name, Tier.DEVICE, EvictReason.OPERATOR, publish=False)
@@ -541,12 +560,12 @@ class ResidencyManager:
             self._evicted(name, Tier.DISK, EvictReason.OPERATOR, publish=False)
             evicted = True
         self._publish(name)
-        return evicted, "" if evicted else "not_resident"
+        return _DONE if evicted else _rejected("not_resident")
 
-    def pin(self, name: str) -> tuple[bool, str]:
+    def pin(self, name: str) -> ResidencyResult:
         """Never evict `name`; it is also loaded (at top priority) if it is not resident."""
         if self.catalog.get(name) is None:
-            return False, "unknown_adapter"
+            return _rejected("unknown_adapter")
         self._states[name].pinned = True
         if name in self._device:
             try:  # an engine that evicts by itself must know too (builtin pool)
@@ -555,15 +574,15 @@ class ResidencyManager:
                 self._device.pop(name, None)
         if name not in self._device:
             result = self.prefetch(name, priority=1 << 30, reason="pin")
-            if result.outcome is PrefetchOutcome.REJECTED:
+            if not result.ok:
                 self._states[name].pinned = False
-                return False, result.reason
+                return result
         self._publish(name)
-        return True, ""
+        return _DONE
 
-    def unpin(self, name: str) -> tuple[bool, str]:
+    def unpin(self, name: str) -> ResidencyResult:
         if self.catalog.get(name) is None:
-            return False, "unknown_adapter"
+            return _rejected("unknown_adapter")
         self._states[name].pinned = False
         if name in self._device:
             try:
@@ -571,7 +590,7 @@ class ResidencyManager:
             except AgentError:
                 pass  # not resident any more: nothing to unpin
         self._publish(name)
-        return True, ""
+        return _DONE
 
     # ---- engine reconciliation -------------------------------------------------------
     async def _reconcile_loop(self) -> None:

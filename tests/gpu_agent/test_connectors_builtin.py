@@ -8,9 +8,11 @@ import pytest
 
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.connectors.builtin import BuiltinConnector
-from gpu_agent.residency import PrefetchOutcome, ResidencyBudgets, ResidencyManager
+from gpu_agent.residency import ResidencyBudgets, ResidencyManager, ResidencyOutcome, ResidencyResult
 from gpu_agent.tiers import Tier
 from tests.support.wait import async_wait_until
+
+DONE = ResidencyResult(ResidencyOutcome.DONE)
 
 pytest.importorskip("torch")
 
@@ -36,7 +38,7 @@ def test_prefetch_loads_into_the_pool_and_requests_find_it_there(fixtures, tmp_p
         mgr, conn = await make(fixtures, tmp_path, http_port=0)
         try:
             assert mgr.view("code-sql").tier is Tier.DISK
-            assert mgr.prefetch("code-sql").outcome is PrefetchOutcome.ACCEPTED
+            assert mgr.prefetch("code-sql").outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view("code-sql").tier is Tier.DEVICE, timeout=30)
             assert conn.engine.adapters.tier("code-sql") == "device"
             assert mgr.view("code-sql").cold_load_ms > 0
@@ -52,7 +54,7 @@ def test_prefetch_loads_into_the_pool_and_requests_find_it_there(fixtures, tmp_p
             assert cold.status_code == 200 and cold.headers["x-ace-adapter-tier"] in ("disk", "host")
             # the engine's on-demand load is picked up by the agent's reconcile
             await async_wait_until(lambda: mgr.view("legal-review").tier is Tier.DEVICE, timeout=5)
-            evicted, _ = await mgr.evict("code-sql")
+            evicted = (await mgr.evict("code-sql")).ok
             assert evicted and conn.engine.adapters.tier("code-sql") != "device"
             assert mgr.view("code-sql").tier in (Tier.HOST, Tier.DISK)
         finally:
@@ -89,10 +91,10 @@ def test_pinning_a_resident_adapter_pins_it_in_the_engine_pool(fixtures, tmp_pat
         mgr, conn = await make(fixtures, tmp_path)
         try:
             await mgr.ensure_resident("code-sql")
-            assert mgr.pin("code-sql") == (True, "")
+            assert mgr.pin("code-sql") == DONE
             res = conn.engine.adapters
             assert res.snapshot()["code-sql"]["pinned"] and conn.engine.pool.entry("code-sql").pinned
-            assert mgr.unpin("code-sql") == (True, "")
+            assert mgr.unpin("code-sql") == DONE
             assert not conn.engine.pool.entry("code-sql").pinned
         finally:
             await mgr.close()
@@ -110,7 +112,7 @@ def test_a_prefetch_hint_chooses_what_the_engine_pool_evicts(fixtures, tmp_path)
             await mgr.ensure_resident("med-triage")      # LRU
             await mgr.ensure_resident("tr-de-en")
             assert pool.stats()["pages_free"] < 112
-            assert mgr.prefetch("code-python", evict=["tr-de-en"]).outcome is PrefetchOutcome.ACCEPTED
+            assert mgr.prefetch("code-python", evict=["tr-de-en"]).outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view("code-python").tier is Tier.DEVICE, timeout=30)
             assert set(pool.resident()) == {"med-triage", "code-python"}
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
