@@ -8,6 +8,13 @@ one, one being loaded, or one the engine reports busy. A budget that cannot be m
 without evicting those fails the load; nothing grows past its budget. A prefetch may
 name adapters to evict first (``evict``: the victim the gateway's model of this pool
 chose): when its load needs device room, those go before the LRU (``hinted_victims``).
+This manager is the one owner of what leaves the agent's tiers: the plan comes from
+``gpu_agent.eviction`` (``plan_evictions``), and every eviction is counted with its
+tier and reason (``ace_agent_evictions_total{tier, reason}``, see ``EvictReason``).
+The builtin engine's pool also evicts by itself (its owner, the engine's
+``EngineAdapters``, decides with the same functions, for request loads that never pass
+through the agent); an adapter it dropped is forgotten here (``_forget_gone``, and the
+reconcile of a ``self_managed`` connector) with reason ``engine_gone``.
 
 Prefetches go into a bounded priority queue (duplicates coalesce with the queued or
 running load) and are worked off by background tasks; `ensure_resident` is the same
