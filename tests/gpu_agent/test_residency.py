@@ -312,11 +312,16 @@ def test_engine_restart_is_noticed_and_residency_rebuilt(tmp_path):
             await async_wait_until(lambda: set(eng.held) == {"a1", "a2"})
             assert mgr.view("a1").tier is Tier.DEVICE
             seen = []
-            while not sub.queue.empty():
-                seen.append(sub.queue.get_nowait())
-            # observers saw a1 leave the device and come back
-            a1 = [v.tier for v in seen if v and v.name == "a1"]
-            assert Tier.DISK in a1 and a1[-1] is Tier.DEVICE
+
+            def a1_left_and_came_back() -> bool:
+                # the DEVICE change is published when the load task ends, a moment after
+                # the manager's view says so: read the queue until it arrives
+                while not sub.queue.empty():
+                    seen.append(sub.queue.get_nowait())
+                a1 = [v.tier for v in seen if v and v.name == "a1"]
+                return Tier.DISK in a1 and a1[-1] is Tier.DEVICE
+
+            await async_wait_until(a1_left_and_came_back, what="observers saw a1 leave the device and come back")
         finally:
             sub.close()
             await mgr.close()
