@@ -12,7 +12,7 @@ it moves up.
   and gives up rather than wait for room.
 - Claims: from the moment ``ensure_resident(hold=True)`` is called (the engine accepted
   the request) until :meth:`release` (or the failed load), the adapter is *claimed*:
-  neither the pool's LRU nor :meth:`evict` takes it, so nothing (a prefetch, the agent's
+  neither the pool's eviction (this store's choice) nor :meth:`evict` takes it, so nothing (a prefetch, the agent's
   eviction hint, another request's load) can evict it between its load and its use.
 - ``evict(name, tier="device")``: drop it from the pool (and from host memory with
   ``tier="host"``); refused (AdapterBusy) while a sequence holds it or a request claims it.
@@ -28,9 +28,9 @@ it moves up.
   is resident).
 
 Tiers (``gpu_agent.tiers.Tier`` values): ``device`` (its pages in the paged pool), ``host``
-(a parsed copy in host memory), ``disk`` (a local directory), ``remote`` (an http(s) uri the source must fetch). A host
-budget of 0 keeps no parsed copy: an adapter that leaves the pool comes back from disk
-(or remote).
+(a parsed copy in host memory), ``disk`` (a local directory), ``remote`` (an http(s) uri
+the source must fetch). A host budget of 0 keeps no parsed copy: an adapter that leaves
+the pool comes back from disk (or remote).
 
 The host and device tiers are ``gpu_agent.staging.AdapterTiers`` (host LRU + paged pool,
 with per-tier timings); this module adds what an engine needs on top: names from the
