@@ -2,7 +2,7 @@
 
 A *row* is one replayed request as measured through the stack::
 
-    {"domain": "coding", "adapter": "code-sql", "tier": "pool", "wait_ms": 0.4, "ttft_ms": 12.3}
+    {"domain": "coding", "adapter": "code-sql", "tier": "device", "wait_ms": 0.4, "ttft_ms": 12.3}
 
 ``tier`` and ``wait_ms`` come from the builtin engine's ``x-ace-adapter-tier`` and
 ``x-ace-adapter-wait-ms`` headers (where the adapter was when the request arrived, and
@@ -11,7 +11,8 @@ invents a number: every field is computed from rows and measured samples.
 
 Definitions:
 
-- ``resident_hits``: requests whose adapter was already in the device pool (tier ``pool``).
+- ``resident_hits``: requests whose adapter was already on the device (tier ``device``;
+  rows recorded before the tier rename say ``pool``, read the same).
 - ``effective_hits``: requests that did not wait for their adapter (``wait_ms`` at most
   ``stall_eps_ms``): resident, or made resident by a prefetch before the engine needed it.
 - ``cold_swap_ms`` / ``warm_swap_ms``: median load time of an adapter that was not on
@@ -54,6 +55,10 @@ __all__ = [
     "vram_savings_pct",
 ]
 
+# The engine's `x-ace-adapter-tier` for an adapter already on the device; "pool" is the
+# name it had before the tier vocabulary was unified (rows in reports/ recorded then).
+RESIDENT_TIERS = ("device", "pool")
+
 QUANTILES = (50, 90, 95, 99)
 NOISE_FACTOR, NOISE_MS = 1.05, 1.0
 # the seeds' figures for 4 hosts, 800 items: ace's effective / resident hit ratios, and
@@ -79,7 +84,7 @@ def percentiles(values: Iterable[float], qs: Sequence[int] = QUANTILES) -> dict[
 
 def hit_counts(rows: Sequence[Mapping], stall_eps_ms: float = 1.0) -> dict[str, float]:
     total = len(rows)
-    resident = sum(1 for r in rows if r["tier"] == "pool")
+    resident = sum(1 for r in rows if r["tier"] in RESIDENT_TIERS)
     effective = sum(1 for r in rows if r["wait_ms"] <= stall_eps_ms)
     return {
         "total": total,

@@ -25,13 +25,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 from urllib.parse import unquote, urlparse
 
 import httpx
 
 from gpu_agent.catalog_schema import CatalogBaseModel, SchemaError, read_catalog_file
 from gpu_agent.errors import AdapterNotFound, AgentError, DigestMismatch
+from gpu_agent.eviction import EvictReason, Shortfall, ordered, plan_evictions
 
 log = logging.getLogger(__name__)
 
@@ -197,14 +198,10 @@ class DiskCache:
             return evicted
         if nbytes > self.budget_bytes:
             raise FetchError(f"adapter of {nbytes} bytes exceeds the disk budget {self.budget_bytes}")
-        evicted = []
-        for digest in list(self._lru):
-            if self.used_bytes + nbytes <= self.budget_bytes:
-                break
-            if digest in protected:
-                continue
+        short = Shortfall(size=self.used_bytes + nbytes - self.budget_bytes)
+        evicted = plan_evictions(ordered(self._lru, self._lru.__getitem__, lambda d: d not in protected), short)
+        for digest in evicted:
             self.remove(digest)
-            evicted.append(digest)
         if self.used_bytes + nbytes > self.budget_bytes:
             raise FetchError("disk cache full of pinned or resident adapters")
         return evicted
@@ -263,6 +260,19 @@ class ArtifactStore:
         # Extra digests no disk eviction may remove (set by the residency manager and the
         # builtin connector: adapters being loaded, pinned or on a higher tier).
         self.protect_providers: list = []
+        # Told of every disk eviction the store decides itself: (spec, reason) with reason
+        # BUDGET (room for a fetch) or LEFT_DEVICE (a resident-only cache); the residency
+        # manager counts them. An operator's `forget_local` is counted by its caller.
+        self.eviction_listeners: list[Callable[[AdapterSpec, EvictReason], None]] = []
+
+    def _evicted(self, digests: Iterable[str], reason: EvictReason) -> None:
+        by_digest = {spec.sha256: spec for spec in self.catalog}
+        for digest in digests:
+            spec = by_digest.get(digest)
+            if spec is None:
+                continue
+            for listener in self.eviction_listeners:
+                listener(spec, reason)
 
     def protected(self, extra: set[str] = frozenset()) -> set[str]:
         """Digests the disk tier must keep now: `extra`, every provider's, and in-flight fetches."""
@@ -343,13 +353,17 @@ class ArtifactStore:
             return False
         if spec.sha256 in keep or spec.sha256 in self._inflight:
             return False
-        return self.cache.remove(spec.sha256)
+        if not self.cache.remove(spec.sha256):
+            return False
+        self._evicted([spec.sha256], EvictReason.LEFT_DEVICE)
+        return True
 
     async def _fetch(self, spec: AdapterSpec, protected: set[str]) -> Path:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._timeout, follow_redirects=False)
         base = spec.uri.rstrip("/") + "/"
-        self.cache.make_room(max(spec.size_bytes, 1), self.protected(protected))
+        evicted = self.cache.make_room(max(spec.size_bytes, 1), self.protected(protected))
+        self._evicted(evicted, EvictReason.LEFT_DEVICE if self.cache.resident_only else EvictReason.BUDGET)
         staged = self.cache.root / f".partial-{spec.sha256}-{time.monotonic_ns()}"
         staged.mkdir()
         try:

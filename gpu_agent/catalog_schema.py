@@ -11,7 +11,7 @@ Every problem is a ``SchemaError`` naming the field's path::
     tenants[1].id: required field missing
 
 The catalog is read by the gateway (``extproc.store``), the agent
-(``gpu_agent.artifacts``) and the builtin engine (``gpu_agent.engine.residency``), all
+(``gpu_agent.artifacts``) and the builtin engine (``gpu_agent.engine.adapters``), all
 through ``read_catalog_file``; the gateway's state file (``extproc.state_schema``) uses
 the same language. It lives here, with no dependency but ``yaml``, because the gateway
 already depends on the agent's published contracts (``gpu_agent._proto``) while the agent
@@ -26,15 +26,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from gpu_agent.errors import AgentError  # standard library only: the gateway imports this module
+
 __all__ = ["CatalogAdapter", "CatalogBaseModel", "CatalogFile", "SchemaError", "parse", "read_catalog_file",
            "read_yaml_mapping"]
 
 T = TypeVar("T")
 
 
-class SchemaError(ValueError):
+class SchemaError(AgentError, ValueError):
     """A YAML file does not match its schema: ``field`` is the path (``keys[2].tenant``),
-    ``source`` the file when known."""
+    ``source`` the file when known. A ``ValueError`` too: the gateway and the engine's
+    catalog reader catch it as one."""
 
     def __init__(self, field: str, problem: str, source: str | Path | None = None):
         super().__init__(": ".join(str(part) for part in (source, field, problem) if part))

@@ -1,19 +1,91 @@
-"""Pluggable eviction policies for :class:`gpu_agent.pool.AdapterPool`, and the
-caller's eviction hints for the agent's device tier.
+"""What leaves a tier, and why: the eviction policy of every tier, as pure functions.
 
-A policy only orders candidates; the pool decides who may go (never an adapter that is
-pinned or in use by a running batch) and stops as soon as enough pages are free. That
-split keeps policies pure and testable with plain access sequences. ``hinted_victims``
-is the same split for a Prefetch's ``evict`` list: it only says which named adapters
-may go, in the caller's order; the residency manager evicts them while room is needed.
+One place decides; the owners of the tiers ask it and carry the plan out:
+
+- the agent's device and host tiers: :class:`gpu_agent.residency.ResidencyManager`;
+- the builtin engine's pool and host copies: :class:`gpu_agent.engine.adapters.EngineAdapters`
+  (it installs :func:`plan_evictions` as its pool's ``choose_victims``; the pool itself is
+  mechanism: it frees the pages of the names it is given, never picks them);
+- the host copies of :class:`gpu_agent.staging.HostCache` and the agent's disk cache
+  (:class:`gpu_agent.artifacts.DiskCache`).
+
+A policy object (:class:`LRUPolicy`, :class:`FIFOPolicy`) is the record of use that orders
+candidates, first to go first; :func:`plan_evictions` takes that order, skips what may not
+go (pinned, in use, claimed, being loaded) and stops as soon as the shortfall is met; that
+split keeps the decision testable with plain access sequences. :func:`hinted_victims` is
+the same split for a Prefetch's ``evict`` list: it only says which named adapters may go,
+in the caller's order; the residency manager evicts them while room is needed.
+
+Every eviction has a :class:`EvictReason`; the agent counts them in
+``ace_agent_evictions_total{tier, reason}``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Container, Iterable, Iterator, Protocol
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Container, Iterable, Iterator, Protocol
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "FIFOPolicy", "make_policy", "hinted_victims"]
+__all__ = ["EvictReason", "Shortfall", "Candidate", "plan_evictions", "ordered", "EvictionPolicy", "LRUPolicy",
+           "FIFOPolicy", "make_policy", "hinted_victims"]
+
+
+class EvictReason(str, Enum):
+    """Why an adapter left a tier (the ``reason`` label of ``ace_agent_evictions_total``)."""
+
+    BUDGET = "budget"              # the tier's budget needed room for another adapter (policy order)
+    HINT = "hint"                  # named by a Prefetch's ``evict`` list (the gateway's choice)
+    OPERATOR = "operator"          # an explicit Evict (gRPC) / unload (engine HTTP) call
+    ENGINE_GONE = "engine_gone"    # the engine no longer holds it: its own pool evicted it
+    LEFT_DEVICE = "left_device"    # a resident-only disk tier drops what left the device
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """How far a tier is over its budget with the incoming adapter: ``count`` adapters and
+    ``size`` units (bytes, or pool pages) too many. Nothing is short at <= 0."""
+
+    count: int = 0
+    size: int = 0
+
+    @property
+    def met(self) -> bool:
+        return self.count <= 0 and self.size <= 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A resident adapter as the policy sees it: its size in the shortfall's unit, and
+    whether it may go at all (not pinned, in use, claimed by a request, being loaded)."""
+
+    name: str
+    size: int = 0
+    evictable: bool = True
+
+
+def plan_evictions(order: Iterable[Candidate], short: Shortfall) -> list[str]:
+    """The adapters to evict, first to go first: the evictable candidates in ``order``
+    until ``short`` is met. When it never is, every evictable candidate (the caller then
+    fails its load, as it would have after evicting them one by one)."""
+    count, size = short.count, short.size
+    out: list[str] = []
+    for cand in order:
+        if count <= 0 and size <= 0:
+            break
+        if not cand.evictable:
+            continue
+        out.append(cand.name)
+        count -= 1
+        size -= cand.size
+    return out
+
+
+def ordered(names: Iterable[str], size: Callable[[str], int],
+            evictable: Callable[[str], bool] = lambda name: True) -> Iterator[Candidate]:
+    """Candidates for :func:`plan_evictions` from names already in policy order."""
+    for name in names:
+        yield Candidate(name, size(name), evictable(name))
 
 
 class EvictionPolicy(Protocol):

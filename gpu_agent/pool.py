@@ -34,10 +34,14 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
-from .eviction import EvictionPolicy, LRUPolicy
+from .eviction import Candidate, EvictionPolicy, EvictReason, LRUPolicy, Shortfall, plan_evictions
 from .peft import BaseModelSpec, LoraAdapter
 
-__all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT"]
+__all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT", "VictimChooser"]
+
+#: ``choose(loading, shortfall, candidates in policy order) -> names to evict``: the
+#: owner's decision (``gpu_agent.eviction.plan_evictions`` and its own protections).
+VictimChooser = Callable[[str, Shortfall, Sequence[Candidate]], Sequence[str]]
 
 EMPTY_SLOT = -1  # row_slots value of a row without adapter
 
@@ -112,20 +116,24 @@ class LoraBatch:
 
 
 class AdapterPool:
-    """Paged pool of LoRA adapters for one base model.
+    """Paged pool of LoRA adapters for one base model: the mechanism (pages, slots,
+    batches), never the eviction decision.
 
-    ``budget_bytes`` is the size of the single page tensor; ``eviction`` orders
-    victims (LRU default); pinned and in-use adapters are never evicted.
-    ``max_adapters`` (optional) also bounds how many adapters are resident at once (the
-    agent's device count budget): every load, whoever asks for it, evicts by the same
-    policy to stay within it, or fails with PoolExhausted.
+    ``budget_bytes`` is the size of the single page tensor; ``eviction`` is the record of
+    use that orders candidates (LRU default). ``max_adapters`` (optional) also bounds how
+    many adapters are resident at once: every load, whoever asks for it, makes room to
+    stay within it, or fails with PoolExhausted.
 
-    ``claimed(name)`` (set by the owner) names adapters that requests are about to use:
-    eviction skips them as it skips pinned and in-use ones.
+    When a load needs room (pages, or the count), the pool asks ``choose_victims`` (set by
+    its owner, the engine's adapter store; default ``gpu_agent.eviction.plan_evictions``)
+    which adapters go, and frees exactly those. Pinned and in-use adapters are never
+    candidates (the pool refuses to free pages a batch reads); the owner adds its own
+    protections (adapters that requests are about to use).
 
     ``release_listeners`` are called with the name of every adapter that leaves the pool
-    (LRU/count eviction or :meth:`evict`), with the pool lock held and on the thread
-    that released it: they must only hand the name off (no blocking, no pool calls).
+    and why (``EvictReason.BUDGET``: room for a load; ``OPERATOR``: :meth:`evict`), with
+    the pool lock held and on the thread that released it: they must only hand the name
+    off (no blocking, no pool calls).
     """
 
     def __init__(self, spec: BaseModelSpec, budget_bytes: int, *, dtype: Any = None,
@@ -162,10 +170,9 @@ class AdapterPool:
         self.load_ms_total = 0.0
         self.scattered_loads = 0
         self.gathered_matrices = 0
-        self.release_listeners: list[Callable[[str], None]] = []
-        # Adapters a request accepted by the engine is about to use (set by the engine's
-        # residency; read from any thread): never evicted, as pinned and in-use ones.
-        self.claimed: Callable[[str], bool] = lambda name: False
+        self.release_listeners: list[Callable[[str, EvictReason], None]] = []
+        # The owner's eviction decision (called with the pool lock held, on the loading thread).
+        self.choose_victims: VictimChooser = _plan
 
     # ---- layout ---------------------------------------------------------------------
     def _plan(self, adapter: LoraAdapter) -> tuple[dict[tuple[int, str], list[int]], int, bool]:
@@ -248,7 +255,7 @@ class AdapterPool:
         self._num_free -= n
         return ids, contiguous
 
-    def _release(self, entry: PoolEntry) -> None:
+    def _release(self, entry: PoolEntry, reason: EvictReason) -> None:
         ids = entry.page_ids
         if entry.contiguous:
             self._free[ids[0]: ids[0] + len(ids)] = True
@@ -261,39 +268,38 @@ class AdapterPool:
         del self._entries[entry.name]
         self.policy.on_remove(entry.name)
         for listener in self.release_listeners:
-            listener(entry.name)
+            listener(entry.name, reason)
+
+    def _evict_for(self, loading: str, short: Shortfall) -> None:
+        """Free what the owner chooses for ``short``; never a pinned or in-use adapter."""
+        if short.met:
+            return
+        order = [Candidate(e.name, len(e.page_ids), not (e.pinned or e.in_use))
+                 for e in (self._entries.get(n) for n in list(self.policy.candidates())) if e is not None]
+        for name in self.choose_victims(loading, short, order):
+            entry = self._entries.get(name)
+            if entry is None or entry.pinned or entry.in_use:
+                continue  # mechanism guard: the pages of a batch are never freed
+            self._release(entry, EvictReason.BUDGET)
+            self.evictions += 1
 
     def _make_room(self, n: int, loading: str) -> None:
         if n > self.num_pages:
             raise PoolExhausted(f"{loading}: needs {n} pages, pool has {self.num_pages}")
-        if self._num_free >= n:
-            return
-        for name in self.policy.candidates():
-            entry = self._entries.get(name)
-            if entry is None or entry.pinned or entry.in_use or self.claimed(name):
-                continue
-            self._release(entry)
-            self.evictions += 1
-            if self._num_free >= n:
-                return
-        raise PoolExhausted(
-            f"{loading}: needs {n} pages, {self._num_free} free and the rest pinned or in use")
+        self._evict_for(loading, Shortfall(size=n - self._num_free))
+        if self._num_free < n:
+            raise PoolExhausted(
+                f"{loading}: needs {n} pages, {self._num_free} free and the rest pinned or in use")
 
     def _make_count_room(self, loading: str) -> None:
-        """Evict (policy order, never pinned or in use) until one more adapter fits the count."""
+        """Make room (the owner's choice) until one more adapter fits the count."""
         limit = self.max_adapters
-        if limit is None or len(self._entries) < limit:
+        if limit is None:
             return
-        for name in list(self.policy.candidates()):
-            entry = self._entries.get(name)
-            if entry is None or entry.pinned or entry.in_use or self.claimed(name):
-                continue
-            self._release(entry)
-            self.evictions += 1
-            if len(self._entries) < limit:
-                return
-        raise PoolExhausted(
-            f"{loading}: {len(self._entries)} adapters resident (max {limit}), all pinned or in use")
+        self._evict_for(loading, Shortfall(count=len(self._entries) + 1 - limit))
+        if len(self._entries) >= limit:
+            raise PoolExhausted(
+                f"{loading}: {len(self._entries)} adapters resident (max {limit}), all pinned or in use")
 
     def _take_slot(self) -> int:
         if self._free_slots:
@@ -481,13 +487,13 @@ class AdapterPool:
     def resident(self) -> list[str]:
         return list(self._entries)
 
-    def evict(self, name: str) -> None:
+    def evict(self, name: str, reason: EvictReason = EvictReason.OPERATOR) -> None:
         """Remove ``name``; AdapterBusy if pinned or in use, AdapterNotResident if absent."""
         with self._lock:
             entry = self.entry(name)
-            if entry.pinned or entry.in_use or self.claimed(name):
+            if entry.pinned or entry.in_use:
                 raise AdapterBusy(f"adapter {name!r} is {'pinned' if entry.pinned else 'in use'}")
-            self._release(entry)
+            self._release(entry, reason)
 
     def pin(self, name: str) -> None:
         with self._lock:
@@ -642,6 +648,11 @@ def _pread_into(fd: int, dst: Any, offset: int, name: str) -> None:
     finally:
         for f in futs:
             f.result()
+
+
+def _plan(loading: str, short: Shortfall, order: Sequence[Candidate]) -> list[str]:
+    """The default owner's choice: the policy order, first to go first."""
+    return plan_evictions(order, short)
 
 
 def _consecutive(run: np.ndarray) -> bool:

@@ -8,6 +8,13 @@ one, one being loaded, or one the engine reports busy. A budget that cannot be m
 without evicting those fails the load; nothing grows past its budget. A prefetch may
 name adapters to evict first (``evict``: the victim the gateway's model of this pool
 chose): when its load needs device room, those go before the LRU (``hinted_victims``).
+This manager is the one owner of what leaves the agent's tiers: the plan comes from
+``gpu_agent.eviction`` (``plan_evictions``), and every eviction is counted with its
+tier and reason (``ace_agent_evictions_total{tier, reason}``, see ``EvictReason``).
+The builtin engine's pool also evicts by itself (its owner, the engine's
+``EngineAdapters``, decides with the same functions, for request loads that never pass
+through the agent); an adapter it dropped is forgotten here (``_forget_gone``, and the
+reconcile of a ``self_managed`` connector) with reason ``engine_gone``.
 
 Prefetches go into a bounded priority queue (duplicates coalesce with the queued or
 running load) and are worked off by background tasks; `ensure_resident` is the same
@@ -38,12 +45,12 @@ from typing import Callable, Iterable
 from gpu_agent.artifacts import WEIGHTS, AdapterSpec, ArtifactStore, Catalog
 from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineLoad, EngineUnavailable
 from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
-from gpu_agent.eviction import hinted_victims
+from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, plan_evictions
 from gpu_agent.load import LoadChange, LoadMonitor
 from gpu_agent.metrics import AgentMetrics, Gauge
 from gpu_agent.tiers import Tier
 
-__all__ = ["AdapterView", "PrefetchOutcome", "PrefetchResult", "ResidencyManager",
+__all__ = ["AdapterView", "ResidencyOutcome", "ResidencyResult", "ResidencyManager",
            "ResidencyBudgets", "Subscription"]
 
 log = logging.getLogger(__name__)
@@ -51,16 +58,34 @@ log = logging.getLogger(__name__)
 MAX_EVICT_HINTS = 16  # names read from one Prefetch's evict list (the gateway sends one)
 
 
-class PrefetchOutcome(str, Enum):
-    ACCEPTED = "accepted"
-    ALREADY_RESIDENT = "already_resident"
-    REJECTED = "rejected"
+class ResidencyOutcome(str, Enum):
+    """What a prefetch, evict, pin or unpin did. Refusals are outcomes (REJECTED with a
+    reason), never exceptions: exceptions are errors (the engine failed, a bug)."""
+
+    ACCEPTED = "accepted"                  # prefetch: queued, or joined a queued/running load
+    ALREADY_RESIDENT = "already_resident"  # prefetch: on the device already
+    DONE = "done"                          # evict / pin / unpin: done as asked
+    REJECTED = "rejected"                  # nothing done; ``reason`` says why
 
 
 @dataclass(frozen=True)
-class PrefetchResult:
-    outcome: PrefetchOutcome
-    reason: str = ""
+class ResidencyResult:
+    """The one way the manager reports an operation's outcome."""
+
+    outcome: ResidencyOutcome
+    reason: str = ""   # REJECTED: unknown_adapter, digest_mismatch, queue_full, pinned, busy,
+                       # loading, not_resident; ACCEPTED: coalesced when it joined a load
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is not ResidencyOutcome.REJECTED
+
+
+def _rejected(reason: str) -> ResidencyResult:
+    return ResidencyResult(ResidencyOutcome.REJECTED, reason)
+
+
+_DONE = ResidencyResult(ResidencyOutcome.DONE)
 
 
 @dataclass(frozen=True)
@@ -162,6 +187,7 @@ class ResidencyManager:
         self.metrics.add_collector(self._collect_engine_counters)
         # every disk-cache eviction (the engine's own fetches included) spares what we protect
         store.protect_providers.append(self._protected_digests)
+        store.eviction_listeners.append(lambda spec, reason: self._evicted(spec.name, Tier.DISK, reason))
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -229,7 +255,7 @@ class ResidencyManager:
 
     # ---- prefetch --------------------------------------------------------------------
     def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
-                 evict: Iterable[str] = ()) -> PrefetchResult:
+                 evict: Iterable[str] = ()) -> ResidencyResult:
         """Decide at once; the load itself runs in the background.
 
         ``evict``: adapters to evict first should the load need device room (catalog
@@ -238,23 +264,23 @@ class ResidencyManager:
         spec = self.catalog.get(name)
         if spec is None:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_unknown")
-            return PrefetchResult(PrefetchOutcome.REJECTED, "unknown_adapter")
+            return _rejected("unknown_adapter")
         if digest and digest.lower() != spec.sha256:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_digest")
-            return PrefetchResult(PrefetchOutcome.REJECTED, "digest_mismatch")
+            return _rejected("digest_mismatch")
         if name in self._device:
             self._device.move_to_end(name)
             self.metrics.inc("ace_agent_prefetch_total", outcome="already_resident")
-            return PrefetchResult(PrefetchOutcome.ALREADY_RESIDENT)
+            return ResidencyResult(ResidencyOutcome.ALREADY_RESIDENT)
         hints = self._known_hints(name, evict)
         if name in self._inflight or name in self._queued:
             if hints and name not in self._inflight:
                 self._states[name].pending_evict = hints
             self.metrics.inc("ace_agent_prefetch_total", outcome="coalesced")
-            return PrefetchResult(PrefetchOutcome.ACCEPTED, "coalesced")
+            return ResidencyResult(ResidencyOutcome.ACCEPTED, "coalesced")
         if len(self._queued) >= self.budgets.queue_size:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_queue_full")
-            return PrefetchResult(PrefetchOutcome.REJECTED, "queue_full")
+            return _rejected("queue_full")
         heapq.heappush(self._queue, (-priority, next(self._seq), name))
         self._queued.add(name)
         self._states[name].pending_reason = reason
@@ -262,7 +288,7 @@ class ResidencyManager:
         self._wakeup.set()
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
-        return PrefetchResult(PrefetchOutcome.ACCEPTED)
+        return ResidencyResult(ResidencyOutcome.ACCEPTED)
 
     def _known_hints(self, name: str, evict: Iterable[str]) -> tuple[str, ...]:
         """The hinted names that are catalog adapters (looked up, never used as paths)."""
@@ -420,26 +446,30 @@ class ResidencyManager:
         if len(blob) > budget:
             return  # larger than the whole tier: skip it rather than evict everything
         used = sum(len(b) for b in self._host.values())
-        for victim in list(self._host):
-            if used + len(blob) <= budget:
-                break
-            if self._states[victim].pinned or victim in self._inflight:
-                continue
+        short = Shortfall(size=used + len(blob) - budget)
+        for victim in plan_evictions(ordered(self._host, lambda n: len(self._host[n]),
+                                             lambda n: not self._states[n].pinned and n not in self._inflight),
+                                     short):
             used -= len(self._host.pop(victim))
-            self.metrics.inc("ace_agent_evictions_total", tier="host")
-            self._publish(victim)
+            self._evicted(victim, Tier.HOST, EvictReason.BUDGET)
         if used + len(blob) <= budget:
             self._host[name] = blob
 
     def host_bytes(self, name: str) -> bytes | None:
         return self._host.get(name)
 
+    def _device_shortfall(self, incoming: int | None) -> Shortfall:
+        """How far the device tier is over its budgets with an adapter of `incoming` bytes
+        (None: none incoming, the budgets as they are)."""
+        extra = 0 if incoming is None else 1
+        count = 0 if self.device_count is None else len(self._device) + extra - self.device_count
+        nbytes = (0 if self.budgets.device_bytes is None
+                  else sum(self._device.values()) + (incoming or 0) - self.budgets.device_bytes)
+        return Shortfall(count=count, size=nbytes)
+
     async def _make_device_room(self, spec: AdapterSpec, hints: tuple[str, ...] = ()) -> None:
         def over() -> bool:
-            count = self.device_count is not None and len(self._device) + 1 > self.device_count
-            nbytes = (self.budgets.device_bytes is not None
-                      and sum(self._device.values()) + spec.size_bytes > self.budgets.device_bytes)
-            return count or nbytes
+            return not self._device_shortfall(spec.size_bytes).met
 
         if hints:
             await self._evict_hinted(spec, hints, over)
@@ -450,17 +480,26 @@ class ResidencyManager:
             if not over():
                 return
         busy = await self.connector.busy()
-        for victim in list(self._device):
-            if not over():
-                break
-            if self._states[victim].pinned or victim in busy:
-                continue
-            await self.connector.unload(victim)
-            self._device.pop(victim, None)
-            self.metrics.inc("ace_agent_evictions_total", tier="device")
-            self._publish(victim)
+        victims = plan_evictions(
+            ordered(self._device, self._device.__getitem__,
+                    lambda n: not self._states[n].pinned and n not in busy),
+            self._device_shortfall(spec.size_bytes))
+        for victim in victims:
+            await self._unload(victim, EvictReason.BUDGET)
         if over():
             raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
+
+    async def _unload(self, name: str, reason: EvictReason) -> None:
+        """Take `name` off the device (the engine unloads it) and count why."""
+        await self.connector.unload(name)
+        self._device.pop(name, None)
+        self._evicted(name, Tier.DEVICE, reason)
+
+    def _evicted(self, name: str, tier: Tier, reason: EvictReason, publish: bool = True) -> None:
+        """Every eviction of every tier is counted here, with its reason."""
+        self.metrics.inc("ace_agent_evictions_total", tier=tier.value, reason=reason.value)
+        if publish:
+            self._publish(name)
 
     async def _forget_gone(self) -> None:
         """The engine evicts by itself (builtin pool): count only what it still holds,
@@ -469,9 +508,7 @@ class ResidencyManager:
         gone = [n for n in self._device if n not in loaded]
         for n in gone:
             self._device.pop(n, None)
-            self._publish(n)
-        if gone:
-            self.metrics.inc("ace_agent_evictions_total", float(len(gone)), tier="device")
+            self._evicted(n, Tier.DEVICE, EvictReason.ENGINE_GONE)
 
     async def _evict_hinted(self, spec: AdapterSpec, hints: tuple[str, ...],
                             over: Callable[[], bool]) -> None:
@@ -494,50 +531,48 @@ class ResidencyManager:
             if not over() and not await self.connector.needs_room(spec):
                 return
             try:
-                await self.connector.unload(victim)
+                await self._unload(victim, EvictReason.HINT)
             except EngineUnavailable:
                 raise
             except ConnectorError as exc:  # it became busy meanwhile: the next hint, or LRU
                 log.info("hinted eviction of %s for %s refused: %s", victim, spec.name, exc)
                 self.metrics.inc("ace_agent_prefetch_victims_skipped_total", reason="in_use")
                 continue
-            self._device.pop(victim, None)
-            self.metrics.inc("ace_agent_evictions_total", tier="device", reason="hint")
-            self._publish(victim)
 
     # ---- operator actions ------------------------------------------------------------
-    async def evict(self, name: str, down_to: Tier = Tier.DISK) -> tuple[bool, str]:
-        """Drop `name` from every tier above `down_to`. Pinned adapters are refused."""
+    async def evict(self, name: str, down_to: Tier = Tier.DISK) -> ResidencyResult:
+        """Drop `name` from every tier above `down_to`. Pinned adapters are refused.
+        Raises only when the engine fails the unload (ConnectorError)."""
         spec = self.catalog.get(name)
         if spec is None:
-            return False, "unknown_adapter"
+            return _rejected("unknown_adapter")
         state = self._states[name]
         if state.pinned:
-            return False, "pinned"
+            return _rejected("pinned")
         if name in self._inflight:
-            return False, "loading"
+            return _rejected("loading")
         evicted = False
         async with self._device_lock:
             if name in self._device:
                 if name in await self.connector.busy():
-                    return False, "busy"
+                    return _rejected("busy")
                 await self.connector.unload(name)
                 self._device.pop(name, None)
-                self.metrics.inc("ace_agent_evictions_total", tier="device")
+                self._evicted(name, Tier.DEVICE, EvictReason.OPERATOR, publish=False)
                 evicted = True
         if down_to in (Tier.DISK, Tier.REMOTE) and self._host.pop(name, None) is not None:
-            self.metrics.inc("ace_agent_evictions_total", tier="host")
+            self._evicted(name, Tier.HOST, EvictReason.OPERATOR, publish=False)
             evicted = True
         if down_to is Tier.REMOTE and self.store.forget_local(spec):
-            self.metrics.inc("ace_agent_evictions_total", tier="disk")
+            self._evicted(name, Tier.DISK, EvictReason.OPERATOR, publish=False)
             evicted = True
         self._publish(name)
-        return evicted, "" if evicted else "not_resident"
+        return _DONE if evicted else _rejected("not_resident")
 
-    def pin(self, name: str) -> tuple[bool, str]:
+    def pin(self, name: str) -> ResidencyResult:
         """Never evict `name`; it is also loaded (at top priority) if it is not resident."""
         if self.catalog.get(name) is None:
-            return False, "unknown_adapter"
+            return _rejected("unknown_adapter")
         self._states[name].pinned = True
         if name in self._device:
             try:  # an engine that evicts by itself must know too (builtin pool)
@@ -546,15 +581,15 @@ class ResidencyManager:
                 self._device.pop(name, None)
         if name not in self._device:
             result = self.prefetch(name, priority=1 << 30, reason="pin")
-            if result.outcome is PrefetchOutcome.REJECTED:
+            if not result.ok:
                 self._states[name].pinned = False
-                return False, result.reason
+                return result
         self._publish(name)
-        return True, ""
+        return _DONE
 
-    def unpin(self, name: str) -> tuple[bool, str]:
+    def unpin(self, name: str) -> ResidencyResult:
         if self.catalog.get(name) is None:
-            return False, "unknown_adapter"
+            return _rejected("unknown_adapter")
         self._states[name].pinned = False
         if name in self._device:
             try:
@@ -562,7 +597,7 @@ class ResidencyManager:
             except AgentError:
                 pass  # not resident any more: nothing to unpin
         self._publish(name)
-        return True, ""
+        return _DONE
 
     # ---- engine reconciliation -------------------------------------------------------
     async def _reconcile_loop(self) -> None:
@@ -602,7 +637,8 @@ class ResidencyManager:
             if not was_up:
                 self._publish_all()
         if lost and self.connector.self_managed:
-            self.metrics.inc("ace_agent_evictions_total", float(len(lost)), tier="device")
+            for name in lost:  # published above
+                self._evicted(name, Tier.DEVICE, EvictReason.ENGINE_GONE, publish=False)
         elif lost:
             self.metrics.inc("ace_agent_engine_resets_total")
             log.warning("engine lost %d adapters (%s); reloading them", len(lost), ", ".join(lost))
@@ -617,15 +653,10 @@ class ResidencyManager:
         if self.device_count is None or len(self._device) <= self.device_count:
             return
         busy = await self.connector.busy()
-        for victim in list(self._device):
-            if len(self._device) <= self.device_count:
-                break
-            if self._states[victim].pinned or victim in busy or victim in self._inflight:
-                continue
-            await self.connector.unload(victim)
-            self._device.pop(victim, None)
-            self.metrics.inc("ace_agent_evictions_total", tier="device")
-            self._publish(victim)
+        short = Shortfall(count=len(self._device) - self.device_count)
+        evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._inflight  # noqa: E731
+        for victim in plan_evictions(ordered(self._device, self._device.__getitem__, evictable), short):
+            await self._unload(victim, EvictReason.BUDGET)
 
     def _publish_all(self) -> None:
         for name in self._states:

@@ -20,7 +20,7 @@ from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from gpu_agent.connectors.base import EngineLoad
 from gpu_agent.errors import AgentError
 from gpu_agent.load import LoadChange
-from gpu_agent.residency import AdapterView, PrefetchOutcome, ResidencyManager
+from gpu_agent.residency import AdapterView, ResidencyManager, ResidencyOutcome, ResidencyResult
 from gpu_agent.tiers import Tier
 
 __all__ = ["AgentService", "TokenAuth", "start_server", "view_to_pb", "load_to_pb", "SERVICE_NAME"]
@@ -31,9 +31,9 @@ SERVICE_NAME = "ace.agent.v1.Agent"
 _TIER_TO_PB = {Tier.DEVICE: pb.TIER_DEVICE, Tier.HOST: pb.TIER_HOST, Tier.DISK: pb.TIER_DISK,
                Tier.REMOTE: pb.TIER_REMOTE, Tier.ABSENT: pb.TIER_ABSENT}
 _PB_TO_TIER = {v: k for k, v in _TIER_TO_PB.items()}
-_OUTCOME = {PrefetchOutcome.ACCEPTED: pb.PrefetchReply.ACCEPTED,
-            PrefetchOutcome.ALREADY_RESIDENT: pb.PrefetchReply.ALREADY_RESIDENT,
-            PrefetchOutcome.REJECTED: pb.PrefetchReply.REJECTED}
+_PREFETCH_OUTCOME = {ResidencyOutcome.ACCEPTED: pb.PrefetchReply.ACCEPTED,
+                     ResidencyOutcome.ALREADY_RESIDENT: pb.PrefetchReply.ALREADY_RESIDENT,
+                     ResidencyOutcome.REJECTED: pb.PrefetchReply.REJECTED}
 
 
 def view_to_pb(view: AdapterView) -> pb.AdapterStatus:
@@ -58,7 +58,7 @@ class AgentService(pb_grpc.AgentServicer):
     async def Prefetch(self, request, context):
         result = self.manager.prefetch(request.adapter, request.digest, request.priority, request.reason,
                                        evict=request.evict)
-        return pb.PrefetchReply(outcome=_OUTCOME[result.outcome], reason=result.reason)
+        return pb.PrefetchReply(outcome=_PREFETCH_OUTCOME[result.outcome], reason=result.reason)
 
     async def Status(self, request, context):
         return view_to_pb(self.manager.view(request.adapter))
@@ -95,18 +95,19 @@ class AgentService(pb_grpc.AgentServicer):
     async def Evict(self, request, context):
         down_to = _PB_TO_TIER.get(request.down_to, Tier.DISK)
         try:
-            evicted, reason = await self.manager.evict(request.adapter, down_to)
-        except AgentError as exc:
-            evicted, reason = False, f"engine_error: {exc}"
-        return pb.EvictReply(evicted=evicted, reason=reason, status=view_to_pb(self.manager.view(request.adapter)))
+            result = await self.manager.evict(request.adapter, down_to)
+        except AgentError as exc:  # the engine failed the unload: an error, answered as a refusal
+            result = ResidencyResult(ResidencyOutcome.REJECTED, f"engine_error: {exc}")
+        return pb.EvictReply(evicted=result.ok, reason=result.reason,
+                             status=view_to_pb(self.manager.view(request.adapter)))
 
     async def Pin(self, request, context):
-        ok, reason = self.manager.pin(request.adapter)
-        return pb.PinReply(ok=ok, reason=reason, status=view_to_pb(self.manager.view(request.adapter)))
+        result = self.manager.pin(request.adapter)
+        return pb.PinReply(ok=result.ok, reason=result.reason, status=view_to_pb(self.manager.view(request.adapter)))
 
     async def Unpin(self, request, context):
-        ok, reason = self.manager.unpin(request.adapter)
-        return pb.PinReply(ok=ok, reason=reason, status=view_to_pb(self.manager.view(request.adapter)))
+        result = self.manager.unpin(request.adapter)
+        return pb.PinReply(ok=result.ok, reason=result.reason, status=view_to_pb(self.manager.view(request.adapter)))
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):

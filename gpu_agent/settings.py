@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
+from gpu_agent.errors import AgentError
+
 __all__ = ["AgentSettings", "SettingsError", "parse_args"]
 
 ENGINES = ("builtin", "vllm", "sglang")
@@ -21,8 +23,9 @@ ENGINES = ("builtin", "vllm", "sglang")
 MAX_LOAD_INTERVAL_S = 2.0
 
 
-class SettingsError(ValueError):
-    """A setting is missing or inconsistent (reported before anything starts)."""
+class SettingsError(AgentError, ValueError):
+    """A setting is missing or inconsistent (reported before anything starts). A
+    ``ValueError`` too, as before it joined the agent's one hierarchy."""
 
 
 def _f(default, help: str, **kw):

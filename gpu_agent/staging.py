@@ -1,7 +1,7 @@
-"""Adapter tiers: disk -> host memory -> pool, with the measured time of every step.
+"""Adapter staging: disk -> host memory -> device (the paged pool), with the measured time of every step.
 
 ``AdapterTiers.ensure(name, path, sha256)`` makes an adapter resident in the pool and
-says where it came from (``pool``, ``host`` or ``disk``) and how long each tier took
+says where it came from (``device``, ``host`` or ``disk``: ``gpu_agent.tiers.Tier`` values) and how long each tier took
 (:class:`LoadTimings`). The host tier is an LRU of parsed adapters with a byte budget;
 its buffers are pinned when the pool lives on CUDA so the H2D copy (on the pool's side
 stream) runs at full PCIe speed. Remote fetching is the agent service's job: it puts the
@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import AdapterNotFound, AdapterNotResident, LoadYielded
+from .eviction import Shortfall, ordered, plan_evictions
 from .peft import LoraAdapter, load_peft_dir
 from .pool import AdapterPool, PoolEntry
+from .tiers import Tier
 
 __all__ = ["LoadTimings", "HostCache", "AdapterTiers", "TIERS"]
 
-TIERS = ("pool", "host", "disk")
+TIERS = (Tier.DEVICE.value, Tier.HOST.value, Tier.DISK.value)
 
 
 @dataclass
@@ -31,7 +33,7 @@ class LoadTimings:
     """Where an adapter was when asked for, and the measured milliseconds per tier."""
 
     name: str
-    tier: str                  # pool | host | disk (the agent service adds remote)
+    tier: str                  # device | host | disk (the agent service adds remote)
     read_ms: float = 0.0       # open + map the file (CPU: pages come in during the pool
                                # copy) or the copy into pinned memory (CUDA)
     verify_ms: float = 0.0     # SHA-256, only when a digest was given
@@ -43,7 +45,7 @@ class LoadTimings:
 
 
 class HostCache:
-    """LRU of host-resident adapters bounded by bytes."""
+    """LRU of host-resident adapters bounded by bytes (what goes: ``gpu_agent.eviction``)."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = int(budget_bytes)
@@ -65,10 +67,10 @@ class HostCache:
         old = self._items.pop(adapter.name, None)
         if old is not None:
             self.used_bytes -= old.nbytes
-        while self.used_bytes + size > self.budget_bytes:
-            _, victim = self._items.popitem(last=False)
-            self.used_bytes -= victim.nbytes
-            self.evictions += 1
+        short = Shortfall(size=self.used_bytes + size - self.budget_bytes)
+        for name in plan_evictions(ordered(self._items, lambda n: self._items[n].nbytes), short):
+            self.used_bytes -= self._items.pop(name).nbytes
+            self.evictions += 1   # reason: budget (the only one that evicts here)
         self._items[adapter.name] = adapter
         self.used_bytes += size
         return True
@@ -101,11 +103,11 @@ class AdapterTiers:
         return self._lock
 
     def where(self, name: str) -> str | None:
-        """The fastest tier holding ``name`` (``pool``/``host``), None if neither."""
+        """The fastest tier holding ``name`` (``device``/``host``), None if neither."""
         if self.pool.contains(name):
-            return "pool"
+            return Tier.DEVICE.value
         if name in self.host:
-            return "host"
+            return Tier.HOST.value
         return None
 
     def ensure(self, name: str, path: str | Path | None = None, sha256: str | None = None,
@@ -129,7 +131,7 @@ class AdapterTiers:
             except AdapterNotResident:            # another thread's load evicted it just now
                 pass                              # load it again below
             else:
-                return entry, LoadTimings(name, "pool", total_ms=(time.perf_counter() - t0) * 1e3,
+                return entry, LoadTimings(name, Tier.DEVICE.value, total_ms=(time.perf_counter() - t0) * 1e3,
                                           nbytes=entry.nbytes)
         with self._lock:
             adapter = self.host.get(name)

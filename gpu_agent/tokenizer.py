@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from gpu_agent.errors import AgentError
 
-class ChatTemplateError(ValueError):
+
+class ChatTemplateError(AgentError, ValueError):
     """The messages cannot be rendered with the model's chat template."""
 
 

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class StoreSource:
-    """`gpu_agent.engine.residency.AdapterSource` over the agent's artifact store."""
+    """`gpu_agent.engine.adapters.AdapterSource` over the agent's artifact store."""
 
     def __init__(self, store: ArtifactStore):
         self.store = store
@@ -65,7 +65,7 @@ class BuiltinConnector(EngineConnector):
             self.engine = Engine.create(self._settings, source=StoreSource(self.store))
         # the disk tier never evicts the files of an adapter the engine holds or is loading
         self.store.protect_providers.append(self._engine_digests)
-        self.engine.residency.left_pool_listeners.append(self._left_pool)
+        self.engine.adapters.left_pool_listeners.append(self._left_pool)
         host, port = self._http
         if port is not None and self._runner is None:
             from gpu_agent.engine import server as engine_server
@@ -88,7 +88,7 @@ class BuiltinConnector(EngineConnector):
         if self.engine is None:
             return set()
         out = set()
-        for name in self.engine.residency.loading() | set(self.engine.pool.resident()):
+        for name in self.engine.adapters.loading() | set(self.engine.pool.resident()):
             spec = self.store.catalog.get(name)
             if spec is not None:
                 out.add(spec.sha256)
@@ -105,14 +105,14 @@ class BuiltinConnector(EngineConnector):
         loads (`gpu_agent.engine.load_order`); it fails rather than wait for room."""
         try:
             if pinned:  # load and pin atomically: the pool's LRU may not take it in between
-                await self.engine.residency.ensure_pinned(spec.name, prefetch=not demand)
+                await self.engine.adapters.ensure_pinned(spec.name, prefetch=not demand)
             else:
-                await self.engine.residency.ensure_resident(spec.name, prefetch=not demand)
+                await self.engine.adapters.ensure_resident(spec.name, prefetch=not demand)
         except Exception as exc:
             raise ConnectorError(f"builtin load {spec.name}: {exc}") from exc
 
     def set_pinned(self, name: str, pinned: bool) -> None:
-        res = self.engine.residency
+        res = self.engine.adapters
         try:
             if pinned:
                 res.pin(name)
@@ -123,7 +123,7 @@ class BuiltinConnector(EngineConnector):
 
     async def unload(self, name: str) -> None:
         try:
-            self.engine.residency.evict(name)
+            self.engine.adapters.evict(name)
         except AdapterBusy as exc:
             raise ConnectorError(str(exc)) from exc
 
@@ -132,7 +132,7 @@ class BuiltinConnector(EngineConnector):
         Pages are counted on the parsed adapter: the engine's host copy, else the verified
         local files read for it (mapped, not copied). Not readable: False (the load that
         follows reports why, and the pool's own LRU makes any room as before)."""
-        res, pool = self.engine.residency, self.engine.pool
+        res, pool = self.engine.adapters, self.engine.pool
         if pool.contains(spec.name):
             return False
         if pool.max_adapters is not None and len(pool.resident()) >= pool.max_adapters:
@@ -150,25 +150,25 @@ class BuiltinConnector(EngineConnector):
         return pool.pages_for(adapter) > pool.stats()["pages_free"]
 
     async def loaded(self) -> set[str]:
-        res = self.engine.residency
-        return {n for n in res.names() if res.tier(n) == "pool"}
+        res = self.engine.adapters
+        return {n for n in res.names() if res.tier(n) == "device"}
 
     async def busy(self) -> set[str]:
         """Held, claimed (a request the engine accepted is about to use it), loading, or
         named by the batcher's running/waiting sequences."""
-        res, batcher = self.engine.residency, self.engine.batcher
+        res, batcher = self.engine.adapters, self.engine.batcher
         return ({n for n in res.names() if res.held(n)} | res.claimed_names() | res.loading()
                 | set(batcher.running_adapters()) | set(batcher.waiting_adapters()))
 
     async def prefetch_turn(self) -> bool:
         if self.engine is None:
             return False
-        return await self.engine.residency.order.idle()
+        return await self.engine.adapters.order.idle()
 
     def load_order_stats(self) -> dict[str, dict[str, int]]:
         if self.engine is None:
             return {}
-        order = self.engine.residency.order
+        order = self.engine.adapters.order
         return {"preemptions": dict(order.preemptions), "cancelled": dict(order.cancelled)}
 
     async def engine_load(self) -> EngineLoad | None:
@@ -180,7 +180,7 @@ class BuiltinConnector(EngineConnector):
         return EngineLoad(running=batcher.num_running, waiting=batcher.num_waiting)
 
     def in_host(self, name: str) -> bool:
-        res = self.engine.residency
+        res = self.engine.adapters
         return res.knows(name) and res.tier(name) == "host"
 
     def pool_stats(self) -> dict[str, int]:

@@ -6,7 +6,7 @@ Public API (torch is imported only when an engine is created)::
     from gpu_agent.engine import Engine, EngineSettings, serve
     engine = Engine.create(EngineSettings(catalog=Path(".fixtures/catalog.yaml")))
     runner, port = await serve(engine, "127.0.0.1", 0)
-    await engine.residency.prefetch("code-sql")   # tiers: disk -> host -> pool
+    await engine.adapters.prefetch("code-sql")   # tiers: disk -> host -> device
     ...
     await runner.cleanup()
 
@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Engine", "EngineSettings", "AdapterResidency", "Batcher", "build_app", "serve"]
+__all__ = ["Engine", "EngineSettings", "EngineAdapters", "Batcher", "build_app", "serve"]
 
 if TYPE_CHECKING:
     from gpu_agent.engine.batcher import Batcher
     from gpu_agent.engine.core import Engine, EngineSettings
-    from gpu_agent.engine.residency import AdapterResidency
+    from gpu_agent.engine.adapters import EngineAdapters
     from gpu_agent.engine.server import build_app, serve
 
-_WHERE = {"Engine": "core", "EngineSettings": "core", "AdapterResidency": "residency",
+_WHERE = {"Engine": "core", "EngineSettings": "core", "EngineAdapters": "adapters",
           "Batcher": "batcher", "build_app": "server", "serve": "server"}
 
 

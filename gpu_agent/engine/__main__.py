@@ -57,7 +57,7 @@ async def _main(settings: EngineSettings, host: str, port: int) -> None:
     runner, bound = await serve(engine, host, port)
     logging.getLogger("gpu_agent.engine").info(
         "serving %s with %d adapters on http://%s:%d", engine.model_name,
-        len(engine.residency.names()), host, bound)
+        len(engine.adapters.names()), host, bound)
     print(f"ace engine listening on http://{host}:{bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -4,7 +4,7 @@ Embed it in-process (the agent service does)::
 
     settings = EngineSettings(model=Path(".fixtures/model"), catalog=Path(".fixtures/catalog.yaml"))
     engine = Engine.create(settings)            # loads the model, allocates the pool
-    await engine.residency.prefetch("code-sql")  # drive residency directly
+    await engine.adapters.prefetch("code-sql")  # drive residency directly
     async for ev in engine.generate("code-sql", prompt_ids, max_tokens=8): ...
     await engine.close()
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
+from gpu_agent.engine.adapters import AdapterSource, EngineAdapters, read_catalog
 from gpu_agent.engine.batcher import Batcher, GenerationRequest, TokenEvent
 from gpu_agent.engine.errors import InvalidRequest, ModelNotFound
-from gpu_agent.engine.residency import AdapterResidency, AdapterSource, read_catalog
 
 __all__ = ["EngineSettings", "Engine"]
 
@@ -76,12 +76,12 @@ class EngineSettings:
 
 class Engine:
     def __init__(self, settings: EngineSettings, *, model: Any, tokenizer: Any, pool: Any,
-                 residency: AdapterResidency, model_name: str, model_dir: Path):
+                 adapters: EngineAdapters, model_name: str, model_dir: Path):
         self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
-        self.residency = residency
+        self.adapters = adapters
         self.model_name = model_name
         self.model_dir = model_dir
         self.batcher = Batcher(model, pool, max_batch_sequences=settings.max_batch_sequences,
@@ -122,10 +122,10 @@ class Engine:
                              hidden_size=model.cfg.hidden_size, modules=model.cfg.module_shapes())
         pool = AdapterPool(spec, settings.pool_bytes, dtype=dtype, device=device,
                            max_adapters=settings.max_adapters)
-        residency = AdapterResidency(pool, spec, entries, source=source,
-                                     host_budget_bytes=settings.host_cache_bytes)
+        adapters = EngineAdapters(pool, spec, entries, source=source,
+                                  host_budget_bytes=settings.host_cache_bytes)
         return cls(settings, model=model, tokenizer=ModelTokenizer(model_dir), pool=pool,
-                   residency=residency, model_name=name, model_dir=model_dir)
+                   adapters=adapters, model_name=name, model_dir=model_dir)
 
     @property
     def max_model_len(self) -> int:
@@ -135,7 +135,7 @@ class Engine:
         """The adapter a request's ``model`` selects (None: the base model)."""
         if model == self.model_name:
             return None
-        if not isinstance(model, str) or not self.residency.knows(model):
+        if not isinstance(model, str) or not self.adapters.knows(model):
             raise ModelNotFound(str(model))
         return model
 
@@ -144,7 +144,7 @@ class Engine:
                  ignore_eos: bool = False) -> AsyncIterator[TokenEvent]:
         """Tokens for ``prompt`` through ``adapter`` (an async generator; close it with
         ``contextlib.aclosing`` to drop the sequence early). The adapter must be held
-        resident: ``await residency.ensure_resident(adapter, hold=True)``, then ``release``."""
+        resident: ``await adapters.ensure_resident(adapter, hold=True)``, then ``release``."""
         if len(prompt) + max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens; the request "
@@ -160,5 +160,5 @@ class Engine:
     def memory(self, n_instances: int | None = None):
         from gpu_agent.memory import account
 
-        sizes = {n: e.size_bytes for n, e in self.residency._entries.items()}
+        sizes = {n: e.size_bytes for n, e in self.adapters._entries.items()}
         return account(self.model.nbytes, self.pool.stats()["pool_bytes"], sizes, n_instances)

@@ -1,10 +1,11 @@
 """Errors of the builtin engine and their one mapping to HTTP.
 
-    EngineError                  (status, OpenAI error type)
-    ├── InvalidRequest           400 invalid_request_error   malformed body / params
-    ├── ModelNotFound            404 not_found_error         `model` names nothing served
-    ├── AdapterUnavailable       503 service_unavailable     cannot be made resident now
-    └── ContextTooLong           400 invalid_request_error   prompt + max_tokens > max_model_len
+    AgentError                       (gpu_agent.errors: the package's one base)
+    └── EngineError                  (status, OpenAI error type)
+        ├── InvalidRequest           400 invalid_request_error   malformed body / params
+        │   └── ContextTooLong       400 invalid_request_error   prompt + max_tokens > max_model_len
+        ├── ModelNotFound            404 not_found_error         `model` names nothing served
+        └── AdapterUnavailable       503 service_unavailable     cannot be made resident now
 
 Errors of the agent core (`gpu_agent.errors.AgentError`) are translated here too, so the
 server has exactly one place that turns an exception into a status and a JSON body.
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpu_agent.errors import AgentError
+
 __all__ = ["EngineError", "InvalidRequest", "ModelNotFound", "AdapterUnavailable",
            "ContextTooLong", "error_body", "http_error"]
 
 
-class EngineError(Exception):
+class EngineError(AgentError):
     status = 500
     type = "internal_error"
 

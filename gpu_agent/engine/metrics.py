@@ -36,7 +36,7 @@ class _Text:
 
 def render_metrics(engine: Any, http_stats: Any) -> str:
     st = engine.batcher.stats
-    res = engine.residency
+    res = engine.adapters
     pool = engine.pool.stats()
     t = _Text()
     t.metric("ace_engine_forward_passes_total", "counter", "Forward passes (batched steps) run",
@@ -68,6 +68,9 @@ def render_metrics(engine: Any, http_stats: Any) -> str:
     t.metric("ace_engine_prefetch_cancelled_total", "counter",
              "Prefetch loads given up (no_room: room only by evicting what requests use)",
              [({"reason": k}, v) for k, v in sorted(res.order.cancelled.items())])
+    t.metric("ace_engine_adapter_evictions_total", "counter",
+             "Adapters evicted by tier and reason (budget: room for a load; operator: an unload call)",
+             [({"tier": tier, "reason": reason}, v) for (tier, reason), v in sorted(res.evictions_by().items())])
     snap = res.snapshot()
     t.metric("ace_engine_adapter_tier", "gauge", "1 for the tier each known adapter is in",
              [({"adapter": n, "tier": s["tier"]}, 1) for n, s in sorted(snap.items())])

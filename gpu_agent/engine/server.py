@@ -184,13 +184,13 @@ class _Completion:
 
     async def acquire(self) -> None:
         if self.adapter is not None:
-            self.tier, self.wait_ms = await self.engine.residency.ensure_resident(self.adapter, hold=True)
+            self.tier, self.wait_ms = await self.engine.adapters.ensure_resident(self.adapter, hold=True)
             self.held = True
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            self.engine.residency.release(self.adapter)
+            self.engine.adapters.release(self.adapter)
 
     def headers(self) -> dict[str, str]:
         return {TIER_HEADER: self.tier, WAIT_HEADER: f"{self.wait_ms:.3f}"}
@@ -340,7 +340,7 @@ async def models(request: web.Request) -> web.Response:
     now = int(time.time())
     data = [{"id": engine.model_name, "object": "model", "created": now, "owned_by": "ace",
              "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len}]
-    res = engine.residency
+    res = engine.adapters
     for name in res.names():
         e = res.entry(name)
         data.append({"id": name, "object": "model", "created": now, "owned_by": e.owner,
@@ -367,12 +367,12 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise InvalidRequest("`lora_name` and `lora_path` are required")
-        if engine.residency.knows(name) and engine.residency.tier(name) == "pool":
+        if engine.adapters.knows(name) and engine.adapters.tier(name) == "device":
             # vLLM answers 400 for an adapter already loaded; callers treat it as success.
             raise InvalidRequest(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-        if not engine.residency.knows(name):
-            engine.residency.register(name, path)
-        await engine.residency.ensure_resident(name)
+        if not engine.adapters.knows(name):
+            engine.adapters.register(name, path)
+        await engine.adapters.ensure_resident(name)
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
@@ -383,10 +383,10 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     try:
         body = await _json_body(request)
         name = body.get("lora_name")
-        if not isinstance(name, str) or not engine.residency.knows(name):
+        if not isinstance(name, str) or not engine.adapters.knows(name):
             return web.json_response(error_body(404, f"The lora adapter '{name}' cannot be found.",
                                                 "not_found_error", "lora_name"), status=404)
-        engine.residency.evict(name, tier="host")
+        engine.adapters.evict(name, tier="host")
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc)
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")

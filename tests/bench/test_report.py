@@ -11,7 +11,7 @@ from bench.report import (
 )
 
 
-def row(domain="coding", tier="pool", wait=0.0, ttft=10.0):
+def row(domain="coding", tier="device", wait=0.0, ttft=10.0):
     return {"domain": domain, "adapter": "a", "tier": tier, "wait_ms": wait, "ttft_ms": ttft}
 
 
@@ -58,8 +58,8 @@ def test_vram_savings():
 
 
 def test_by_domain_and_report():
-    base = [row("coding", "remote", 50, 70), row("legal", "remote", 100, 120), row("legal", "pool", 0, 10)]
-    pre = [row("coding", "pool", 0, 11), row("legal", "host", 0.2, 12), row("legal", "pool", 0, 10)]
+    base = [row("coding", "remote", 50, 70), row("legal", "remote", 100, 120), row("legal", "device", 0, 10)]
+    pre = [row("coding", "device", 0, 11), row("legal", "host", 0.2, 12), row("legal", "device", 0, 10)]
     d = by_domain(pre)
     assert list(d) == ["coding", "legal"] and d["legal"]["total"] == 2
     r = build_report(
@@ -89,9 +89,9 @@ def test_unknown_values_print_as_unknown():
 def test_by_step_splits_first_steps_from_later_ones():
     from bench.report import by_step
 
-    rows = [dict(row("coding", "remote", 12, 20), step=0), dict(row("coding", "pool", 0, 5), step=0),
-            dict(row("coding", "pool", 0, 5), step=1), dict(row("coding", "remote", 9, 15), step=3),
-            dict(row("coding", "pool", 0, 5), step=2), row("coding", "pool", 0, 5)]  # no step: left out
+    rows = [dict(row("coding", "remote", 12, 20), step=0), dict(row("coding", "device", 0, 5), step=0),
+            dict(row("coding", "device", 0, 5), step=1), dict(row("coding", "remote", 9, 15), step=3),
+            dict(row("coding", "device", 0, 5), step=2), row("coding", "device", 0, 5)]  # no step: left out
     s = by_step(rows)
     assert (s["first"]["total"], s["first"]["effective_hits"]) == (2, 1)
     assert (s["later"]["total"], s["later"]["effective_hits"]) == (3, 2)
@@ -104,7 +104,7 @@ def test_by_step_splits_first_steps_from_later_ones():
 
 def arm(wait, ttft, errors=0, step=None):
     from bench.report import fleet_entry
-    rows = [dict(row(tier="pool" if w == 0 else "remote", wait=w, ttft=t), step=s)
+    rows = [dict(row(tier="device" if w == 0 else "remote", wait=w, ttft=t), step=s)
             for w, t, s in zip(wait, ttft, step or [1] * len(wait))]
     return fleet_entry(rows, errors=errors, requests_per_host={"engine-2": 1, "engine-1": len(rows) - 1},
                        loads_by_tier={"remote": 1}, prefetch={"sent": 3, "used": 2, "wasted": 1, "preempted": None})
@@ -147,10 +147,16 @@ def test_by_step_derives_steps_from_session_order_when_the_trace_has_no_step_fie
 
     # rows as the replay records them for a trace without "step" (the field is optional)
     rows = [dict(row("coding", "remote", 12, 20), tenant="a", session="s1", step=None),
-            dict(row("coding", "pool", 0, 5), tenant="b", session="s1", step=None),   # other tenant: a first step
-            dict(row("coding", "pool", 0, 5), tenant="a", session="s1", step=None),
+            dict(row("coding", "device", 0, 5), tenant="b", session="s1", step=None),   # other tenant: a first step
+            dict(row("coding", "device", 0, 5), tenant="a", session="s1", step=None),
             dict(row("coding", "remote", 9, 15), tenant="a", session="s2", step=None),
-            dict(row("coding", "pool", 0, 5), tenant="a", session="s2", step=None)]
+            dict(row("coding", "device", 0, 5), tenant="a", session="s2", step=None)]
     s = by_step(rows)
     assert (s["first"]["total"], s["first"]["effective_hits"]) == (3, 1)
     assert (s["later"]["total"], s["later"]["effective_hits"]) == (2, 2)
+
+
+def test_rows_recorded_before_the_tier_rename_count_as_resident():
+    # reports/ keeps rows whose engine header said "pool" for the device tier
+    counts = hit_counts([row(tier="device"), row(tier="pool"), row(tier="host", wait=0.3)])
+    assert counts["resident_hits"] == 2

@@ -31,7 +31,7 @@ def test_each_instance_has_its_own_registry():
 
 def test_counters_histograms_gauges_and_collected_counters():
     m = AgentMetrics()
-    m.inc("ace_agent_evictions_total", tier="device")
+    m.inc("ace_agent_evictions_total", tier="device", reason="budget")
     m.inc("ace_agent_evictions_total", tier="device", reason="hint")
     m.observe("ace_agent_load_seconds", 0.003, stage="cold")
     engine = {"copy": 2}
@@ -39,7 +39,7 @@ def test_counters_histograms_gauges_and_collected_counters():
     m.add_gauges(lambda: [("ace_agent_tier_adapters", "Adapters resident per tier.", {"tier": "device"}, 3),
                           ("ace_agent_engine_up", "1 when the engine answered.", {}, 1.0)])
     got = _samples(m.render())
-    assert got[("ace_agent_evictions_total", (("tier", "device"),))] == 1
+    assert got[("ace_agent_evictions_total", (("reason", "budget"), ("tier", "device")))] == 1
     assert got[("ace_agent_evictions_total", (("reason", "hint"), ("tier", "device")))] == 1
     assert got[("ace_agent_load_seconds_bucket", (("le", "0.0025"), ("stage", "cold")))] == 0
     assert got[("ace_agent_load_seconds_bucket", (("le", "0.005"), ("stage", "cold")))] == 1

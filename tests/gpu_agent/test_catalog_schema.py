@@ -12,7 +12,7 @@ import yaml
 
 from gpu_agent.artifacts import Catalog, CatalogError
 from gpu_agent.catalog_schema import SchemaError, read_catalog_file
-from gpu_agent.engine.residency import read_catalog
+from gpu_agent.engine.adapters import read_catalog
 
 CATALOG = {
     "base_model": {"name": "ace-tiny-llama", "path": "model"},

@@ -8,9 +8,11 @@ import pytest
 
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.connectors.builtin import BuiltinConnector
-from gpu_agent.residency import PrefetchOutcome, ResidencyBudgets, ResidencyManager
+from gpu_agent.residency import ResidencyBudgets, ResidencyManager, ResidencyOutcome, ResidencyResult
 from gpu_agent.tiers import Tier
 from tests.support.wait import async_wait_until
+
+DONE = ResidencyResult(ResidencyOutcome.DONE)
 
 pytest.importorskip("torch")
 
@@ -36,9 +38,9 @@ def test_prefetch_loads_into_the_pool_and_requests_find_it_there(fixtures, tmp_p
         mgr, conn = await make(fixtures, tmp_path, http_port=0)
         try:
             assert mgr.view("code-sql").tier is Tier.DISK
-            assert mgr.prefetch("code-sql").outcome is PrefetchOutcome.ACCEPTED
+            assert mgr.prefetch("code-sql").outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view("code-sql").tier is Tier.DEVICE, timeout=30)
-            assert conn.engine.residency.tier("code-sql") == "pool"
+            assert conn.engine.adapters.tier("code-sql") == "device"
             assert mgr.view("code-sql").cold_load_ms > 0
             stats = conn.pool_stats()
             assert stats["pages_used"] > 0 and stats["pages_free"] >= 0
@@ -48,12 +50,12 @@ def test_prefetch_loads_into_the_pool_and_requests_find_it_there(fixtures, tmp_p
                 body = {"prompt": "SELECT", "max_tokens": 2, "temperature": 0}
                 hot = await client.post("/v1/completions", json={**body, "model": "code-sql"})
                 cold = await client.post("/v1/completions", json={**body, "model": "legal-review"})
-            assert hot.status_code == 200 and hot.headers["x-ace-adapter-tier"] == "pool"
+            assert hot.status_code == 200 and hot.headers["x-ace-adapter-tier"] == "device"
             assert cold.status_code == 200 and cold.headers["x-ace-adapter-tier"] in ("disk", "host")
             # the engine's on-demand load is picked up by the agent's reconcile
             await async_wait_until(lambda: mgr.view("legal-review").tier is Tier.DEVICE, timeout=5)
-            evicted, _ = await mgr.evict("code-sql")
-            assert evicted and conn.engine.residency.tier("code-sql") != "pool"
+            evicted = (await mgr.evict("code-sql")).ok
+            assert evicted and conn.engine.adapters.tier("code-sql") != "device"
             assert mgr.view("code-sql").tier in (Tier.HOST, Tier.DISK)
         finally:
             await mgr.close()
@@ -67,15 +69,16 @@ def test_pool_self_eviction_drops_a_tier_without_reload_storm(fixtures, tmp_path
         try:
             await mgr.ensure_resident("legal-review")   # rank 128
             await mgr.ensure_resident("tr-fr-en")       # rank 128: pool evicts legal-review
-            assert conn.engine.residency.tier("legal-review") != "pool"
+            assert conn.engine.adapters.tier("legal-review") != "device"
             # the reconcile that sees it gone counts a device eviction (the pool's own),
             # where an engine that lost it would count a reset and prefetch it back
-            await async_wait_until(lambda: mgr.metrics.counter("ace_agent_evictions_total", tier="device") >= 1,
+            await async_wait_until(lambda: mgr.metrics.counter("ace_agent_evictions_total", tier="device",
+                                                               reason="engine_gone") >= 1,
                                    what="the reconcile counted the pool's eviction")
             assert mgr.view("legal-review").tier in (Tier.HOST, Tier.DISK)
             assert mgr.metrics.counter("ace_agent_engine_resets_total") == 0
             assert mgr.metrics.counter("ace_agent_prefetch_total", outcome="accepted") == 0   # no reload
-            assert conn.engine.residency.tier("tr-fr-en") == "pool"
+            assert conn.engine.adapters.tier("tr-fr-en") == "device"
         finally:
             await mgr.close()
     run(main())
@@ -88,10 +91,10 @@ def test_pinning_a_resident_adapter_pins_it_in_the_engine_pool(fixtures, tmp_pat
         mgr, conn = await make(fixtures, tmp_path)
         try:
             await mgr.ensure_resident("code-sql")
-            assert mgr.pin("code-sql") == (True, "")
-            res = conn.engine.residency
+            assert mgr.pin("code-sql") == DONE
+            res = conn.engine.adapters
             assert res.snapshot()["code-sql"]["pinned"] and conn.engine.pool.entry("code-sql").pinned
-            assert mgr.unpin("code-sql") == (True, "")
+            assert mgr.unpin("code-sql") == DONE
             assert not conn.engine.pool.entry("code-sql").pinned
         finally:
             await mgr.close()
@@ -109,7 +112,7 @@ def test_a_prefetch_hint_chooses_what_the_engine_pool_evicts(fixtures, tmp_path)
             await mgr.ensure_resident("med-triage")      # LRU
             await mgr.ensure_resident("tr-de-en")
             assert pool.stats()["pages_free"] < 112
-            assert mgr.prefetch("code-python", evict=["tr-de-en"]).outcome is PrefetchOutcome.ACCEPTED
+            assert mgr.prefetch("code-python", evict=["tr-de-en"]).outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view("code-python").tier is Tier.DEVICE, timeout=30)
             assert set(pool.resident()) == {"med-triage", "code-python"}
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
@@ -154,12 +157,12 @@ def test_cold_settings_every_reload_goes_the_whole_way(fixtures, tmp_path):
                         assert r.status_code == 200, r.text
                         return r.headers["x-ace-adapter-tier"]
 
-                    assert [await ask(m) for m in ("code-sql", "code-sql", "med-notes")] == ["remote", "pool", "remote"]
+                    assert [await ask(m) for m in ("code-sql", "code-sql", "med-notes")] == ["remote", "device", "remote"]
                     await async_wait_until(lambda: store.local_path(catalog.get("code-sql")) is None, timeout=5)
                     assert [p.name for p in (tmp_path / "cache").iterdir()] == [catalog.get("med-notes").sha256]
                     assert await ask("code-sql") == "remote"
                 assert hits["code-sql/adapter_model.safetensors"] == 2
-                res = conn.engine.residency
+                res = conn.engine.adapters
                 assert res.loads["remote"] == 3 and res.loads["host"] == res.loads["disk"] == 0
                 assert res.tiers.host.names() == []
                 await async_wait_until(lambda: mgr.view("med-notes").tier is Tier.REMOTE, timeout=5)

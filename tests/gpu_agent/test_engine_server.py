@@ -65,7 +65,7 @@ def test_completion_chat_usage_and_adapter_headers(fx):
         r2 = await c.post("/v1/completions", json={"model": "code-sql", "prompt": "SELECT name FROM",
                                                    "max_tokens": 5, "lora_prefetch": True,
                                                    "prefetch_adapter_id": "x", "vram_allocated_mb": 3})
-        assert r2.headers["x-ace-adapter-tier"] == "pool"
+        assert r2.headers["x-ace-adapter-tier"] == "device"
         assert float(r2.headers["x-ace-adapter-wait-ms"]) < cold_ms
         assert r2.json()["choices"][0]["text"] == body["choices"][0]["text"]  # greedy is deterministic
         base = await c.post("/v1/completions", json={"model": "ace-tiny-llama", "prompt": "SELECT name FROM",
@@ -93,7 +93,7 @@ def test_streaming_chat_and_completion(fx):
         r = await c.post("/v1/completions", json={"model": "tr-fr-en", "prompt": "Bonjour", "max_tokens": 6,
                                                   "stream": True, "stream_options": {"include_usage": True}})
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        assert r.headers["x-ace-adapter-tier"] == "pool"
+        assert r.headers["x-ace-adapter-tier"] == "device"
         ev = sse_events(r.text)
         assert ev[-1] == "[DONE]"
         assert ev[-2]["usage"]["completion_tokens"] == 6 and ev[-2]["choices"] == []
@@ -133,12 +133,12 @@ def test_concurrent_requests_with_different_adapters_share_forward_passes(fx):
 
     async def scenario(c, engine):
         for n in names[:-1]:
-            await engine.residency.prefetch(n)
+            await engine.adapters.prefetch(n)
         before = engine.batcher.stats.forward_passes
         rs = await asyncio.gather(*[c.post("/v1/completions", json={
             "model": n, "prompt": f"Hello {n}", "max_tokens": 4}) for n in names])
         assert all(r.status_code == 200 for r in rs)
-        assert all(r.headers["x-ace-adapter-tier"] in ("pool", "none") for r in rs)
+        assert all(r.headers["x-ace-adapter-tier"] in ("device", "none") for r in rs)
         passes = engine.batcher.stats.forward_passes - before
         # alone: 4 passes per request (24 in all); batched: far fewer
         assert passes < len(names) * 4
@@ -185,14 +185,17 @@ def test_models_health_and_errors(fx):
 
 def test_residency_seam_and_runtime_adapters(fx):
     async def scenario(c, engine):
-        res = engine.residency
+        res = engine.adapters
         assert res.tier("fin-risk") == "disk"
         assert await res.prefetch("fin-risk", tier="host") == "disk"
         assert res.tier("fin-risk") == "host"
         tier, ms = await res.ensure_resident("fin-risk")
-        assert tier == "host" and ms >= 0 and res.tier("fin-risk") == "pool"
+        assert tier == "host" and ms >= 0 and res.tier("fin-risk") == "device"
         assert res.evict("fin-risk") and res.tier("fin-risk") == "host"
         assert res.evict("fin-risk", tier="host") and res.tier("fin-risk") == "disk"
+        m = (await c.get("/metrics")).text
+        assert 'ace_engine_adapter_evictions_total{reason="operator",tier="device"} 1.0' in m
+        assert 'ace_engine_adapter_evictions_total{reason="operator",tier="host"} 1.0' in m
         r = await c.post("/v1/completions", json={"model": "fin-risk", "prompt": "risk", "max_tokens": 2})
         assert r.headers["x-ace-adapter-tier"] == "disk"
         # vLLM-style runtime registration of a directory under a new name
@@ -260,7 +263,7 @@ def test_stop_strings_sampling_seed_and_client_disconnect(fx):
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     break
-        await async_wait_until(lambda: engine.batcher.num_running == 0 and engine.residency.held("fin-risk") == 0,
+        await async_wait_until(lambda: engine.batcher.num_running == 0 and engine.adapters.held("fin-risk") == 0,
                                what="the abandoned sequence freed")
         assert engine.batcher.stats.generated_tokens < 200 + 60
     run_with_server(fx, scenario)
@@ -276,7 +279,7 @@ def test_cold_load_waits_for_room_when_the_pool_is_full_of_running_adapters(fx):
         assert waits[1] > waits[0]
         assert engine.pool.stats()["evictions"] >= 1
         # directly: a held adapter makes the next cold load wait until it is released
-        res = engine.residency
+        res = engine.adapters
         await res.ensure_resident("legal-review", hold=True)
         waits = res.room_waits
         waiting = asyncio.ensure_future(res.ensure_resident("tr-fr-en"))
@@ -289,7 +292,7 @@ def test_cold_load_waits_for_room_when_the_pool_is_full_of_running_adapters(fx):
         res.release("legal-review")
         tier, ms = await asyncio.wait_for(waiting, scaled(10))
         # its wait began before we saw it waiting and ended after the release
-        assert tier in ("host", "disk") and ms >= (released - seen) * 1e3 and res.tier("legal-review") != "pool"
+        assert tier in ("host", "disk") and ms >= (released - seen) * 1e3 and res.tier("legal-review") != "device"
     run_with_server(fx, scenario, pool_bytes=3 << 19)
 
 
@@ -299,10 +302,10 @@ def test_small_host_to_pool_swap_runs_on_the_loop_unless_a_load_holds_the_tiers(
     takes the worker thread as before. Both count as loads from ``host``."""
     import threading
 
-    from gpu_agent.engine import residency as engine_residency
+    from gpu_agent.engine import adapters as engine_adapters
 
     async def scenario(c, engine):
-        res = engine.residency
+        res = engine.adapters
         await res.ensure_resident("code-sql")
         res.evict("code-sql")
         assert res.tier("code-sql") == "host"
@@ -336,5 +339,5 @@ def test_small_host_to_pool_swap_runs_on_the_loop_unless_a_load_holds_the_tiers(
         assert (await waiter)[0] == "host"
         t.join()
         assert threads == [True, False] and res.loads["host"] == 2
-        assert engine_residency.INLINE_SWAP_BYTES >= 1 << 20
+        assert engine_adapters.INLINE_SWAP_BYTES >= 1 << 20
     run_with_server(fx, scenario)

@@ -79,3 +79,35 @@ def test_in_use_skipped_by_policy():
 def test_hinted_victims(hints, resident, protected, victims):
     from gpu_agent.eviction import hinted_victims
     assert hinted_victims(hints, "x", resident=set(resident), protected=set(protected)) == victims
+
+
+@pytest.mark.parametrize("order, short, victims", [
+    ([("a", 1), ("b", 1), ("c", 1)], dict(count=1), ["a"]),
+    ([("a", 1), ("b", 1), ("c", 1)], dict(count=0), []),                 # nothing short: nothing goes
+    ([("a", 2), ("b", 5), ("c", 1)], dict(size=6), ["a", "b"]),           # sizes add up in order
+    ([("a", 2, False), ("b", 5), ("c", 1)], dict(size=6), ["b", "c"]),     # not evictable: skipped
+    ([("a", 1), ("b", 1)], dict(size=5), ["a", "b"]),                     # never met: every evictable one
+    ([("a", 9), ("b", 1), ("c", 1)], dict(count=2, size=1), ["a", "b"]),   # both budgets
+])
+def test_plan_evictions(order, short, victims):
+    from gpu_agent.eviction import Candidate, Shortfall, plan_evictions
+
+    assert plan_evictions([Candidate(*c) for c in order], Shortfall(**short)) == victims
+
+
+def test_pool_frees_what_its_owner_chooses_never_an_adapter_in_use():
+    pool = AdapterPool(SPEC, 2 * PAGES_R8 * 32 * 4)
+    pool.load(make_adapter("a", 8))
+    pool.load(make_adapter("b", 8))
+    asked = []
+
+    def owner(loading, short, order):
+        asked.append((loading, short.size > 0, [(c.name, c.evictable) for c in order]))
+        return ["a", "b"]            # "a" is in use: the pool frees only "b"
+
+    pool.choose_victims = owner
+    with pool.batch(["a"]):
+        pool.load(make_adapter("c", 8))
+    assert asked == [("c", True, [("b", True), ("a", False)])]   # the batch used "a" last
+    assert sorted(pool.resident()) == ["a", "c"]
+    pool.check_invariants()

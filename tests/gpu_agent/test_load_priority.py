@@ -82,7 +82,7 @@ def test_a_prefetch_hint_never_evicts_the_adapter_a_request_is_loading_regressio
     async def main():
         async with static_server(fixtures / "adapters") as (base, _hits):
             mgr, conn = await _builtin_agent(fixtures, tmp_path, base, max_adapters=2)
-            hook = LoadHook(conn.engine.residency.tiers, X)
+            hook = LoadHook(conn.engine.adapters.tiers, X)
             try:
                 await mgr.ensure_resident(A)
                 async with httpx.AsyncClient(base_url=conn.url, timeout=scaled(60)) as client:
@@ -94,7 +94,7 @@ def test_a_prefetch_hint_never_evicts_the_adapter_a_request_is_loading_regressio
 
                     def hint_decided_or_waiting():
                         m = mgr.metrics
-                        order = getattr(conn.engine.residency, "order", None)  # (None before the fix)
+                        order = getattr(conn.engine.adapters, "order", None)  # (None before the fix)
                         return (m.counter("ace_agent_evictions_total", tier="device", reason="hint")
                                 + m.counter("ace_agent_prefetch_victims_skipped_total", reason="in_use")
                                 + (order.idle_waiters if order is not None else 0))
@@ -156,7 +156,7 @@ def _preempted_by_a_request(fixtures, stage: str, hold_at: int):
     prefetch is queued and a request for SMALL arrives; then the prefetch is let go."""
     async def main():
         engine = _engine(fixtures)
-        res = engine.residency
+        res = engine.adapters
         hook = Checkpoints(res.order, stage, hold_at)
         events = hook.seen  # checkpoints (name, stage) and finished loads ("done", label)
 
@@ -178,7 +178,7 @@ def _preempted_by_a_request(fixtures, stage: str, hold_at: int):
             assert after[0] == ("done", "request"), after
             assert [e for e in after if e[0] == "done"] == [("done", "request"), ("done", "prefetch"),
                                                            ("done", "queued prefetch")]
-            assert res.tier(BIG) == "pool" and res.tier(OTHER) == "pool"
+            assert res.tier(BIG) == "device" and res.tier(OTHER) == "device"
             assert res.order.preemptions == {stage: 1}
             assert res.order.demand_in_flight == 0
             res.release(SMALL)
@@ -212,7 +212,7 @@ def test_a_request_joining_a_prefetch_of_its_adapter_promotes_it(fixtures):
     no longer yields (it would wait for itself)."""
     async def main():
         engine = _engine(fixtures)
-        res = engine.residency
+        res = engine.adapters
         hook = Checkpoints(res.order, "read")
         try:
             first = asyncio.ensure_future(res.prefetch(BIG))
@@ -240,7 +240,7 @@ def test_eviction_never_takes_an_adapter_a_request_was_accepted_for(fixtures):
 
     async def main():
         engine = _engine(fixtures, max_adapters=1)
-        res = engine.residency
+        res = engine.adapters
         try:
             await res.ensure_resident(SMALL, hold=True)    # accepted and running ...
             res.release(SMALL)
@@ -250,31 +250,31 @@ def test_eviction_never_takes_an_adapter_a_request_was_accepted_for(fixtures):
             assert SMALL in await BuiltinConnector(None, engine=engine).busy()  # the agent skips it
             with pytest.raises(PoolExhausted):
                 await asyncio.wait_for(res.prefetch(OTHER), scaled(30))
-            assert res.tier(SMALL) == "pool" and res.order.cancelled == {"no_room": 1}
+            assert res.tier(SMALL) == "device" and res.order.cancelled == {"no_room": 1}
             res._unclaim(SMALL)
             await res.prefetch(OTHER)                       # unclaimed: the LRU may take it now
-            assert res.tier(SMALL) != "pool" and res.tier(OTHER) == "pool"
+            assert res.tier(SMALL) != "device" and res.tier(OTHER) == "device"
         finally:
             await engine.close()
     run(main())
 
 
-def test_pool_lru_skips_claimed_adapters(fixtures):
+def test_engine_choice_of_pool_victims_skips_claimed_adapters(fixtures):
     from gpu_agent.errors import AdapterBusy
 
     async def main():
         engine = _engine(fixtures, max_adapters=2)
-        res, pool = engine.residency, engine.pool
+        res, pool = engine.adapters, engine.pool
         try:
             await res.ensure_resident(SMALL)
             await res.ensure_resident(OTHER)
-            claimed = {SMALL}
-            pool.claimed = lambda name: name in claimed      # SMALL is the LRU, but claimed
+            res._claims[SMALL] = 1                           # SMALL is the LRU, but claimed
             await res.ensure_resident(BIG)
             assert set(pool.resident()) == {SMALL, BIG}
             with pytest.raises(AdapterBusy):
-                pool.evict(SMALL)
+                res.evict(SMALL)
             pool.check_invariants()
+            assert res.evictions_by() == {("device", "budget"): 1}
         finally:
             await engine.close()
     run(main())

@@ -204,7 +204,7 @@ def test_an_internal_load_failure_is_a_logged_503_not_a_500(fixtures, caplog):
 def _pool(fixtures: Path, max_adapters: int | None):
     import torch
 
-    from gpu_agent.engine.residency import read_catalog
+    from gpu_agent.engine.adapters import read_catalog
     from gpu_agent.model import LlamaModel
     from gpu_agent.peft import BaseModelSpec, load_peft_dir
     from gpu_agent.pool import AdapterPool
@@ -243,17 +243,17 @@ def test_engine_on_demand_loads_respect_max_adapters(fixtures):
         engine = Engine.create(EngineSettings(catalog=fixtures / "catalog.yaml", pool_bytes=64 << 20,
                                               max_adapters=2))
         try:
-            res = engine.residency
+            res = engine.adapters
             for name in ("code-sql", "med-triage", "fin-reports", "tr-de-en"):
                 await res.ensure_resident(name)
-                assert sum(res.tier(n) == "pool" for n in res.names()) <= 2
-            assert res.tier("tr-de-en") == "pool" and res.tier("fin-reports") == "pool"
+                assert sum(res.tier(n) == "device" for n in res.names()) <= 2
+            assert res.tier("tr-de-en") == "device" and res.tier("fin-reports") == "device"
             # a pinned adapter survives; pin itself loads atomically
             await res.ensure_pinned("code-python")
             await res.ensure_resident("code-sql")
             await res.ensure_resident("med-notes")
-            assert res.tier("code-python") == "pool"
-            assert sum(res.tier(n) == "pool" for n in res.names()) == 2
+            assert res.tier("code-python") == "device"
+            assert sum(res.tier(n) == "device" for n in res.names()) == 2
         finally:
             await engine.close()
     run(main())

@@ -238,9 +238,9 @@ def test_pread_into_pages_same_bytes_as_mapping(tmp_path, monkeypatch, part_min,
 
 def test_release_listeners_hear_every_adapter_that_leaves():
     pool = AdapterPool(SPEC, 2 * 8 * PAGES_PER_RANK * 128, max_adapters=2)   # two rank-8 adapters
-    left: list[str] = []
-    pool.release_listeners.append(left.append)
+    left: list[tuple[str, str]] = []
+    pool.release_listeners.append(lambda name, reason: left.append((name, reason.value)))
     for name in "abc":
         pool.load(make_adapter(name, 8))    # "c" evicts "a" (LRU, count cap)
     pool.evict("b")
-    assert left == ["a", "b"] and pool.resident() == ["c"]
+    assert left == [("a", "budget"), ("b", "operator")] and pool.resident() == ["c"]

@@ -7,11 +7,13 @@ import pytest
 
 from gpu_agent.artifacts import ArtifactStore, Catalog, CatalogError, DiskCache
 from gpu_agent.errors import AdapterNotFound, DigestMismatch
-from gpu_agent.residency import PrefetchOutcome
+from gpu_agent.residency import ResidencyOutcome, ResidencyResult
 from gpu_agent.tiers import Tier
 
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, static_server
 from tests.support.wait import async_wait_until
+
+DONE = ResidencyResult(ResidencyOutcome.DONE)
 
 NAMES = ["a1", "a2", "a3", "a4"]
 
@@ -29,13 +31,13 @@ def test_prefetch_moves_local_adapter_to_device_and_records_cold_load(tmp_path):
             assert mgr.view("a1").tier is Tier.DISK
             assert mgr.view("a1").cold_load_ms is None
             res = mgr.prefetch("a1", reason="test")
-            assert res.outcome is PrefetchOutcome.ACCEPTED
+            assert res.outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view("a1").tier is Tier.DEVICE)
             view = mgr.view("a1")
             assert view.cold_load_ms is not None and view.cold_load_ms > 0
             assert view.bytes == 4096
             assert "a1" in eng.held
-            assert mgr.prefetch("a1").outcome is PrefetchOutcome.ALREADY_RESIDENT
+            assert mgr.prefetch("a1").outcome is ResidencyOutcome.ALREADY_RESIDENT
         finally:
             await mgr.close()
     run(main())
@@ -50,7 +52,7 @@ def test_unknown_and_digest_mismatch_and_unsafe_names_are_rejected(tmp_path):
             assert mgr.prefetch("../a1").reason == "unknown_adapter"
             assert mgr.prefetch("a1/../../etc").reason == "unknown_adapter"
             r = mgr.prefetch("a1", digest="0" * 64)
-            assert (r.outcome, r.reason) == (PrefetchOutcome.REJECTED, "digest_mismatch")
+            assert (r.outcome, r.reason) == (ResidencyOutcome.REJECTED, "digest_mismatch")
             assert mgr.view("../a1").tier is Tier.ABSENT
         finally:
             await mgr.close()
@@ -64,14 +66,14 @@ def test_duplicates_coalesce_and_queue_is_bounded(tmp_path):
         await mgr.start()
         try:
             outcomes = [mgr.prefetch("a1") for _ in range(5)]
-            assert outcomes[0].outcome is PrefetchOutcome.ACCEPTED
+            assert outcomes[0].outcome is ResidencyOutcome.ACCEPTED
             assert all(o.reason == "coalesced" for o in outcomes[1:])
-            assert mgr.prefetch("a2").outcome is PrefetchOutcome.ACCEPTED
+            assert mgr.prefetch("a2").outcome is ResidencyOutcome.ACCEPTED
             # a1 is running now, a2 queued (nothing below yields to the loop until the wait)
             await async_wait_until(lambda: ("load", "a1") in eng.calls, what="a1 loading")
-            assert mgr.prefetch("a3").outcome is PrefetchOutcome.ACCEPTED
+            assert mgr.prefetch("a3").outcome is ResidencyOutcome.ACCEPTED
             r = mgr.prefetch("a4")
-            assert (r.outcome, r.reason) == (PrefetchOutcome.REJECTED, "queue_full")
+            assert (r.outcome, r.reason) == (ResidencyOutcome.REJECTED, "queue_full")
             await async_wait_until(lambda: mgr.view("a3").tier is Tier.DEVICE)
             assert [c for c in eng.calls if c == ("load", "a1")] == [("load", "a1")]
         finally:
@@ -102,7 +104,7 @@ def test_device_count_budget_evicts_lru_but_never_pinned_or_busy(tmp_path):
         mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
         await mgr.start()
         try:
-            assert mgr.pin("a1") == (True, "")
+            assert mgr.pin("a1") == DONE
             await async_wait_until(lambda: mgr.view("a1").tier is Tier.DEVICE)
             await mgr.ensure_resident("a2")
             await mgr.ensure_resident("a3")          # evicts a2 (a1 pinned)
@@ -116,7 +118,7 @@ def test_device_count_budget_evicts_lru_but_never_pinned_or_busy(tmp_path):
             mgr.unpin("a1")
             await mgr.ensure_resident("a4")           # now LRU a1 goes
             assert set(eng.held) == {"a3", "a4"}
-            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device") == 2
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="budget") == 2
         finally:
             await mgr.close()
     run(main())
@@ -130,13 +132,16 @@ def test_evict_refuses_pinned_and_drops_tiers(tmp_path):
         try:
             await mgr.ensure_resident("a1")
             mgr.pin("a1")
-            assert await mgr.evict("a1") == (False, "pinned")
+            assert await mgr.evict("a1") == ResidencyResult(ResidencyOutcome.REJECTED, "pinned")
             mgr.unpin("a1")
-            assert await mgr.evict("a1", Tier.HOST) == (True, "")
+            assert await mgr.evict("a1", Tier.HOST) == DONE
             assert mgr.view("a1").tier is Tier.HOST
-            assert await mgr.evict("a1", Tier.DISK) == (True, "")
+            assert await mgr.evict("a1", Tier.DISK) == DONE
             assert mgr.view("a1").tier is Tier.DISK
             assert "a1" not in eng.held
+            count = mgr.metrics.counter
+            assert (count("ace_agent_evictions_total", tier="device", reason="operator"),
+                    count("ace_agent_evictions_total", tier="host", reason="operator")) == (1, 1)
         finally:
             await mgr.close()
     run(main())
@@ -153,7 +158,7 @@ def test_host_tier_budget_is_lru(tmp_path):
             assert mgr.view("a3").tier is Tier.DEVICE
             assert mgr.view("a2").tier is Tier.HOST
             assert mgr.view("a1").tier is Tier.DISK    # fell out of host (2 x 4 KiB budget)
-            assert mgr.metrics.counter("ace_agent_evictions_total", tier="host") == 1
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="host", reason="budget") == 1
         finally:
             await mgr.close()
     run(main())
@@ -229,6 +234,7 @@ def test_disk_cache_budget_evicts_lru_remote_copies(tmp_path):
                 tiers = {n: mgr.view(n).tier for n in ("a1", "a2", "a3")}
                 assert tiers == {"a1": Tier.REMOTE, "a2": Tier.DISK, "a3": Tier.DEVICE}
                 assert mgr.store.cache.used_bytes <= 2 * 4096
+                assert mgr.metrics.counter("ace_agent_evictions_total", tier="disk", reason="budget") == 1
             finally:
                 await mgr.close()
     run(main())
@@ -252,6 +258,7 @@ def test_disk_budget_zero_keeps_only_resident_files(tmp_path):
                 await mgr.ensure_resident("a1")
                 assert hits["a1/adapter_model.safetensors"] == 2       # the whole way again
                 assert {n: mgr.view(n).tier for n in ("a2", "a3")} == {"a2": Tier.REMOTE, "a3": Tier.DISK}
+                assert mgr.metrics.counter("ace_agent_evictions_total", tier="disk", reason="left_device") == 2
             finally:
                 await mgr.close()
     run(main())
@@ -305,11 +312,16 @@ def test_engine_restart_is_noticed_and_residency_rebuilt(tmp_path):
             await async_wait_until(lambda: set(eng.held) == {"a1", "a2"})
             assert mgr.view("a1").tier is Tier.DEVICE
             seen = []
-            while not sub.queue.empty():
-                seen.append(sub.queue.get_nowait())
-            # observers saw a1 leave the device and come back
-            a1 = [v.tier for v in seen if v and v.name == "a1"]
-            assert Tier.DISK in a1 and a1[-1] is Tier.DEVICE
+
+            def a1_left_and_came_back() -> bool:
+                # the DEVICE change is published when the load task ends, a moment after
+                # the manager's view says so: read the queue until it arrives
+                while not sub.queue.empty():
+                    seen.append(sub.queue.get_nowait())
+                a1 = [v.tier for v in seen if v and v.name == "a1"]
+                return Tier.DISK in a1 and a1[-1] is Tier.DEVICE
+
+            await async_wait_until(a1_left_and_came_back, what="observers saw a1 leave the device and come back")
         finally:
             sub.close()
             await mgr.close()
@@ -323,7 +335,7 @@ def test_engine_down_fails_prefetch_without_crashing(tmp_path):
         await mgr.start()
         try:
             eng.down = True
-            assert mgr.prefetch("a1").outcome is PrefetchOutcome.ACCEPTED
+            assert mgr.prefetch("a1").outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.metrics.counter("ace_agent_load_failures_total",
                                                        reason="engine_unavailable") == 1)
             eng.down = False

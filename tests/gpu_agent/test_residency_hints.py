@@ -6,12 +6,14 @@ import asyncio
 
 import yaml
 
-from gpu_agent.residency import PrefetchOutcome
+from gpu_agent.residency import ResidencyOutcome, ResidencyResult
 
 from gpu_agent.tiers import Tier
 
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, write_adapter
 from tests.support.wait import async_wait_until
+
+DONE = ResidencyResult(ResidencyOutcome.DONE)
 
 NAMES = ["a1", "a2", "a3", "a4"]
 
@@ -38,14 +40,14 @@ def test_a_full_pool_evicts_the_hinted_adapter_not_the_lru(tmp_path):
         eng = FakeConnector(capacity=3)
         mgr = await full_pool(tmp_path, eng)
         try:
-            assert mgr.prefetch("a4", evict=["a3"]).outcome is PrefetchOutcome.ACCEPTED
+            assert mgr.prefetch("a4", evict=["a3"]).outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE)
             assert unloads(eng) == ["a3"]
             assert set(eng.held) == {"a1", "a2", "a4"}
             assert mgr.view("a3").tier is Tier.DISK
             m = mgr.metrics
             assert m.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
-            assert m.counter("ace_agent_evictions_total", tier="device") == 0  # no LRU eviction
+            assert m.counter("ace_agent_evictions_total", tier="device", reason="budget") == 0  # no LRU eviction
             assert 'ace_agent_evictions_total{reason="hint",tier="device"} 1' in m.render()
         finally:
             await mgr.close()
@@ -57,16 +59,16 @@ def test_hints_that_may_not_go_fall_back_to_the_lru(tmp_path):
         eng = FakeConnector(capacity=3)
         mgr = await full_pool(tmp_path, eng)
         try:
-            assert mgr.pin("a3") == (True, "")
+            assert mgr.pin("a3") == DONE
             eng.busy_set = {"a2"}
             # pinned, in use, not in the catalog, unsafe as a path, the adapter itself
             r = mgr.prefetch("a4", evict=["a3", "a2", "nope", "../a1", "a4"])
-            assert r.outcome is PrefetchOutcome.ACCEPTED
+            assert r.outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE)
             assert unloads(eng) == ["a1"]          # the LRU, as without hints
             assert set(eng.held) == {"a2", "a3", "a4"}
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 0
-            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device") == 1
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="budget") == 1
             # the one a request was about to use is counted as skipped (pinned ones are not)
             assert mgr.metrics.counter("ace_agent_prefetch_victims_skipped_total", reason="in_use") == 1
         finally:
@@ -119,9 +121,9 @@ def test_a_duplicate_of_a_queued_prefetch_brings_its_hints(tmp_path):
         eng = FakeConnector(capacity=3)
         mgr = await full_pool(tmp_path, eng)
         try:
-            assert mgr.prefetch("a4").outcome is PrefetchOutcome.ACCEPTED    # queued, no worker yet
+            assert mgr.prefetch("a4").outcome is ResidencyOutcome.ACCEPTED    # queued, no worker yet
             r = mgr.prefetch("a4", evict=["a3"])
-            assert (r.outcome, r.reason) == (PrefetchOutcome.ACCEPTED, "coalesced")
+            assert (r.outcome, r.reason) == (ResidencyOutcome.ACCEPTED, "coalesced")
             await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE)
             assert unloads(eng) == ["a3"]
         finally:

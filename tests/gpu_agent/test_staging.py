@@ -22,7 +22,7 @@ def test_disk_host_pool_path_and_timings(tmp_path):
     assert t.read_ms > 0 and t.verify_ms > 0
     a, bt = pool.matrices(entry, 1, "v_proj")
     assert torch.equal(a, ad.weights[(1, "v_proj")][0]) and torch.equal(bt, ad.weights[(1, "v_proj")][1].t())
-    assert tiers.ensure("med")[1].tier == "pool"
+    assert tiers.ensure("med")[1].tier == "device"
     pool.evict("med")
     assert tiers.where("med") == "host"
     _, t = tiers.ensure("med")

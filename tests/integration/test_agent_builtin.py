@@ -60,7 +60,7 @@ def test_prefetched_and_cold_adapters_side_by_side(agent):
     assert st.loaded_by == "prefetch" and st.cold_load_ms > 0
     hot = complete(agent, "code-sql")
     cold = complete(agent, "legal-review")
-    assert hot.headers["x-ace-adapter-tier"] == "pool"
+    assert hot.headers["x-ace-adapter-tier"] == "device"
     assert cold.headers["x-ace-adapter-tier"] in ("disk", "host")
     hot_wait, cold_wait = (float(r.headers["x-ace-adapter-wait-ms"]) for r in (hot, cold))
     assert hot_wait < cold_wait
@@ -85,12 +85,12 @@ def test_evict_and_pin_reach_the_engine_pool(agent):
     wait_until(lambda: on_device(agent, "fin-reports"), what="fin-reports on the device")
     reply = rpc(agent, "Evict", pb.EvictRequest(adapter="fin-reports", down_to=pb.TIER_DISK))
     assert reply.evicted and reply.status.tier in (pb.TIER_HOST, pb.TIER_DISK)
-    assert complete(agent, "fin-reports").headers["x-ace-adapter-tier"] != "pool"
+    assert complete(agent, "fin-reports").headers["x-ace-adapter-tier"] != "device"
 
 
 def pool_adapters(engine_url):
     models = httpx.get(engine_url + "/v1/models", timeout=10).json()["data"]
-    return {m["id"] for m in models if m.get("ace_tier") == "pool"}
+    return {m["id"] for m in models if m.get("ace_tier") == "device"}
 
 
 def test_device_count_budget_holds_for_the_engines_own_on_demand_loads(tmp_path_factory):

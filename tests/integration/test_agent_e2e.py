@@ -76,7 +76,7 @@ def test_prefetched_and_cold_side_by_side_through_envoy(stack):
     print(f"\nprefetched: {hot.headers['x-ace-trace-multi-lora']} (engine tier {hot.headers['x-ace-adapter-tier']})"
           f"\ncold:       {cold.headers['x-ace-trace-multi-lora']} (engine tier {cold.headers['x-ace-adapter-tier']})")
     assert t_hot["is_prefetch_hit"] == "true" and float(t_hot["swap_ms_saved"]) > 0
-    assert hot.headers["x-ace-adapter-tier"] == "pool"
+    assert hot.headers["x-ace-adapter-tier"] == "device"
     assert t_cold["action"] == "adapter_cold_loaded" and t_cold["is_prefetch_hit"] == "false"
     assert cold.headers["x-ace-adapter-tier"] in ("disk", "host")
     # the engine's own load made it resident for the next request

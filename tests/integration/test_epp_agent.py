@@ -33,7 +33,7 @@ def test_cold_adapter_is_prefetched_by_the_gateway_and_then_resident(stack):
     assert pf["mode"] == "prod" and pf["action"] == "prefetch_signalled" and pf["queued"] == "true"
     assert trace(first)["action"] == "adapter_cold_loaded"
     # the engine answered from the adapter (its own tier header passes back through Envoy)
-    assert first.headers["x-ace-adapter-tier"] in ("pool", "host", "disk")
+    assert first.headers["x-ace-adapter-tier"] in ("device", "host", "disk")
     wait_until(lambda: trace(through_gateway(stack, "legal-review"))["residency"] == "device",
                interval=0.05, what="the gateway sees legal-review in the agent's pool")
 

@@ -133,9 +133,9 @@ def test_sign_in_switch_prefetch_see_the_hit_and_nothing_of_it_as_another_tenant
         # through Envoy until a request finds code-python in the pool (the first loads it)
         first = _completion(base, KEYS["acme"], "code-python")
         assert "mode=prod" in first.headers["x-ace-trace-dynamic-lora-prefetch"]   # the page's switch applies
-        wait_until(lambda: "residency=pool" in _completion(base, KEYS["acme"], "code-python")
+        wait_until(lambda: "residency=device" in _completion(base, KEYS["acme"], "code-python")
                    .headers["x-ace-trace-multi-lora"], timeout=60, interval=0.2,
-                   what="a request routed to code-python resident in the pool")
+                   what="a request routed to code-python resident on the device")
 
         hits = '#adapters td[data-adapter="code-python"][data-field="hits"]'
         _until(driver, lambda d: _text(d, hits) not in ("", "0"), "the hit counted on the page")

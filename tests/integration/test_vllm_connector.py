@@ -114,7 +114,7 @@ def test_device_tier_mirrors_max_cpu_loras_and_evict_unloads(vllm, agent):
     # capacity 2: the least recently used (code-python) was unloaded through the API
     assert set(vllm.adapters()) == {"fin-reports", "tr-de-en"}
     assert rpc(agent, "Status", pb.StatusRequest(adapter="code-python")).tier == pb.TIER_DISK
-    assert agent.metric('ace_agent_evictions_total{tier="device"}') >= 1
+    assert agent.metric('ace_agent_evictions_total{reason="budget",tier="device"}') >= 1
     # pinned adapters stay; explicit Evict unloads
     assert rpc(agent, "Pin", pb.PinRequest(adapter="fin-reports")).ok
     rpc(agent, "Prefetch", pb.PrefetchRequest(adapter="med-triage"))

@@ -1,33 +1,38 @@
-"""Where each adapter lives (remote → disk → host → pool) and how it moves up.
+"""The builtin engine's adapters: where each lives (remote → disk → host → device) and how
+it moves up.
 
-:class:`AdapterResidency` is the seam the agent service drives in-process:
+:class:`EngineAdapters` is the seam the agent service drives in-process:
 
 - ``await ensure_resident(name, hold=False) -> (tier_before, wait_ms)``: make the adapter
   usable by a batch; ``hold=True`` also keeps it in the pool until :meth:`release`
   (the engine holds an adapter for as long as one of its sequences runs).
-- ``await prefetch(name, tier="pool") -> tier_before``: move it up ahead of a request.
+- ``await prefetch(name, tier="device") -> tier_before``: move it up ahead of a request.
   A prefetch's load yields to every request's load (:mod:`gpu_agent.engine.load_order`):
   it starts only while none is in flight, pauses at its checkpoints when one arrives,
   and gives up rather than wait for room.
 - Claims: from the moment ``ensure_resident(hold=True)`` is called (the engine accepted
   the request) until :meth:`release` (or the failed load), the adapter is *claimed*:
-  neither the pool's LRU nor :meth:`evict` takes it, so nothing (a prefetch, the agent's
+  neither the pool's eviction (this store's choice) nor :meth:`evict` takes it, so nothing (a prefetch, the agent's
   eviction hint, another request's load) can evict it between its load and its use.
-- ``evict(name, tier="pool")``: drop it from the pool (and from host memory with
+- ``evict(name, tier="device")``: drop it from the pool (and from host memory with
   ``tier="host"``); refused (AdapterBusy) while a sequence holds it or a request claims it.
 - ``pin`` / ``unpin``: keep an adapter in the pool regardless of LRU.
+- What leaves the pool is decided here, once: the pool asks ``_choose_victims``
+  (``gpu_agent.eviction.plan_evictions`` over the pool's LRU order, never a claimed
+  adapter) and frees exactly those pages. Every eviction is counted by tier and reason
+  (``evictions_by()``: ``ace_engine_adapter_evictions_total``).
 - ``register`` / ``unregister``: adapters added at run time (vLLM-style load endpoint).
 - ``left_pool_listeners``: called on the event loop with the name of every adapter that
   left the pool (its LRU, its count cap, or :meth:`evict`) and is neither back nor being
   loaded again (the agent drops its disk copy there when the disk tier keeps only what
   is resident).
 
-Tiers: ``pool`` (in the paged device pool), ``host`` (a parsed copy in host memory),
-``disk`` (a local directory), ``remote`` (an http(s) uri the source must fetch). A host
-budget of 0 keeps no parsed copy: an adapter that leaves the pool comes back from disk
-(or remote).
+Tiers (``gpu_agent.tiers.Tier`` values): ``device`` (its pages in the paged pool), ``host``
+(a parsed copy in host memory), ``disk`` (a local directory), ``remote`` (an http(s) uri
+the source must fetch). A host budget of 0 keeps no parsed copy: an adapter that leaves
+the pool comes back from disk (or remote).
 
-The host and pool tiers are ``gpu_agent.staging.AdapterTiers`` (host LRU + paged pool,
+The host and device tiers are ``gpu_agent.staging.AdapterTiers`` (host LRU + paged pool,
 with per-tier timings); this module adds what an engine needs on top: names from the
 catalog, a pluggable source for the outer tiers, holds that keep an adapter in the pool
 while its sequences run, and async waits. Pool calls are thread-safe (the pool has its
@@ -39,19 +44,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 from urllib.parse import unquote, urlparse
 
 from gpu_agent import errors as core
 from gpu_agent.engine.errors import AdapterUnavailable, EngineError, ModelNotFound
 from gpu_agent.engine.load_order import LoadOrder, LoadTicket
+from gpu_agent.eviction import Candidate, EvictReason, Shortfall, plan_evictions
+from gpu_agent.tiers import ORDER, Tier
 
-__all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "AdapterResidency",
+__all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "EngineAdapters",
            "TIERS"]
 
-TIERS = ("pool", "host", "disk", "remote")
+DEVICE, HOST = Tier.DEVICE.value, Tier.HOST.value
+TIERS = tuple(t.value for t in ORDER)  # device, host, disk, remote
 # host -> pool copies up to this size run inline on the event loop (CPU pool only)
 INLINE_SWAP_BYTES = 4 << 20
 
@@ -139,7 +147,7 @@ class LoadRecord:
     at: float
 
 
-class AdapterResidency:
+class EngineAdapters:
     def __init__(self, pool: Any, spec: Any, entries: Mapping[str, CatalogEntry], *,
                  source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30,
                  room_timeout_s: float = 30.0):
@@ -166,8 +174,11 @@ class AdapterResidency:
         self.room_waits = 0  # times a load found the pool full of held adapters and waited
         self.left_pool_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # evictions by (tier, reason): the pool's (its owner's choice below, or evict) and the
+        # host copies' (their byte budget)
+        self.evictions: dict[tuple[str, str], int] = {}
         pool.release_listeners.append(self._pool_released)
-        pool.claimed = self.claimed
+        pool.choose_victims = self._choose_victims  # this store decides what leaves the pool
 
     # -- names and tiers ---------------------------------------------------------------
 
@@ -209,6 +220,20 @@ class AdapterResidency:
     def claimed_names(self) -> set[str]:
         return {n for n, c in list(self._claims.items()) if c > 0}
 
+    def _choose_victims(self, loading: str, short: Shortfall, order: Sequence[Candidate]) -> list[str]:
+        """What leaves the pool for ``loading`` (pool lock held, on the loading thread): the
+        pool's policy order, never an adapter a request the engine accepted is about to use."""
+        return plan_evictions((c if c.evictable and not self.claimed(c.name) else replace(c, evictable=False)
+                               for c in order), short)
+
+    def evictions_by(self) -> dict[tuple[str, str], int]:
+        """Evictions so far by ``(tier, reason)``, the host copies' budget included."""
+        out = dict(self.evictions)
+        if self.tiers.host.evictions:
+            key = (HOST, EvictReason.BUDGET.value)
+            out[key] = out.get(key, 0) + self.tiers.host.evictions
+        return out
+
     # -- moving up ---------------------------------------------------------------------
 
     async def ensure_resident(self, name: str, *, hold: bool = False,
@@ -226,8 +251,8 @@ class AdapterResidency:
             if hold and self._holds.get(name, 0) > 0:
                 self._holds[name] += 1  # pinned already by an earlier holder
                 self.pool.touch(name)
-                return "pool", (time.perf_counter() - t0) * 1e3
-            if tier_before == "pool":
+                return DEVICE, (time.perf_counter() - t0) * 1e3
+            if tier_before == DEVICE:
                 try:
                     if hold:
                         self.pool.pin(name)
@@ -238,7 +263,7 @@ class AdapterResidency:
                 else:
                     if hold:
                         self._holds[name] = 1
-                    return "pool", (time.perf_counter() - t0) * 1e3
+                    return DEVICE, (time.perf_counter() - t0) * 1e3
             await self._load_when_room(name, pin=hold, prefetch=prefetch and not hold)
         except BaseException:
             if hold:
@@ -277,18 +302,18 @@ class AdapterResidency:
                 pass
         self._unclaim(name)
 
-    async def prefetch(self, name: str, tier: str = "pool") -> str:
-        """Move ``name`` up to ``tier`` (``pool`` or ``host``); returns where it was."""
-        if tier not in ("pool", "host"):
-            raise ValueError(f"prefetch tier must be pool or host, got {tier!r}")
+    async def prefetch(self, name: str, tier: str = DEVICE) -> str:
+        """Move ``name`` up to ``tier`` (``device`` or ``host``); returns where it was."""
+        if tier not in (DEVICE, HOST):
+            raise ValueError(f"prefetch tier must be device or host, got {tier!r}")
         before = self.tier(name)
-        if tier == "pool":
+        if tier == DEVICE:
             await self.ensure_resident(name, prefetch=True)
-        elif before not in ("pool", "host"):
+        elif before not in (DEVICE, HOST):
             await self._to_host(name)
         return before
 
-    def evict(self, name: str, tier: str = "pool") -> bool:
+    def evict(self, name: str, tier: str = DEVICE) -> bool:
         """Drop ``name`` from the pool (``tier="host"``: from host memory too).
 
         AdapterBusy while a running sequence holds it or it is pinned.
@@ -304,8 +329,9 @@ class AdapterResidency:
                 removed = True
             except core.AdapterNotResident:
                 pass
-        if tier == "host" and name in self.tiers.host:
+        if tier == HOST and name in self.tiers.host:
             self.tiers.host.drop(name)
+            self._count_eviction(HOST, EvictReason.OPERATOR)
             removed = True
         return removed
 
@@ -366,8 +392,13 @@ class AdapterResidency:
         except RuntimeError:  # called outside a loop (tests): listeners hear nothing
             pass
 
-    def _pool_released(self, name: str) -> None:
-        """Pool release hook (pool lock held, any thread): hand the name to the loop."""
+    def _count_eviction(self, tier: str, reason: EvictReason) -> None:
+        key = (tier, reason.value)
+        self.evictions[key] = self.evictions.get(key, 0) + 1
+
+    def _pool_released(self, name: str, reason: EvictReason) -> None:
+        """Pool release hook (pool lock held, any thread): count it, hand the name to the loop."""
+        self._count_eviction(DEVICE, reason)
         loop = self._loop
         if loop is None or not self.left_pool_listeners:
             return
@@ -504,7 +535,7 @@ class AdapterResidency:
             break
         if digest:
             self._verified.add(digest)
-        if tier != "pool":
+        if tier != DEVICE:
             self.loads[tier] = self.loads.get(tier, 0) + 1
 
     async def _to_host(self, name: str) -> None:
