@@ -36,6 +36,7 @@ from hpack import Encoder
 
 import extproc.dispatch as dispatch
 import extproc.h2calls as h2calls
+import extproc.handlers as handlers
 import extproc.processor as processor
 import extproc.rewrite as rewrite
 from bench.gateway_overhead import _chat_body
@@ -141,8 +142,8 @@ def run(feed: Feed, message: bytes, n: int, cold: bool) -> dict:
 # (module, function, label): what --sections wraps, outermost last
 _SECTIONS = [
     (dispatch, "head_from_attributes", "head from attributes"),
-    (processor, "authenticate", "authenticate (SHA-256)"),
-    (processor, "_parse_object", "JSON parse"),
+    (handlers, "authenticate", "authenticate (SHA-256)"),
+    (processor, "parse_object", "JSON parse"),
     (processor, "decide", "decide"),
     (rewrite, "encode", "JSON encode"),
     (processor, "rewrite_request", "rewrite (with JSON encode)"),

@@ -23,18 +23,21 @@ from __future__ import annotations
 
 import json
 from importlib import resources
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from extproc.auth import Principal, authenticate
 from extproc.errors import Forbidden, InvalidField, MethodNotAllowed, Unauthorized, UnsupportedMediaType
 from extproc.headers import TENANT_HEADER
 from extproc.outcomes import Outcome, Reply, RequestHead
-from extproc.processor import ROUTES, Gateway, _Authenticated, _parse_object
+from extproc.handlers import Authenticated, parse_object
 from extproc.policy.routing import RoutePolicy
 from extproc.residency_view import NONE, UNKNOWN_TIER
 from extproc.skills import SKILLS, resolve, resolve_sources, validate_skills
 from extproc.store import Snapshot
+
+if TYPE_CHECKING:
+    from extproc.processor import Gateway
 
 __all__ = ["CONSOLE_ROUTES", "skill_sources"]
 
@@ -118,7 +121,7 @@ def _check_write(head: RequestHead) -> None:
                             param="origin", code="cross_origin")
 
 
-class _ConsoleCall(_Authenticated):
+class _ConsoleCall(Authenticated):
     """GET answers at the headers; POST reads a JSON body after ``_check_write``."""
 
     methods = ("GET",)
@@ -141,7 +144,7 @@ class _ConsoleCall(_Authenticated):
 
     def on_request_body(self, body: bytes) -> Outcome:
         self.check_size(body)
-        parsed = _parse_object(body)
+        parsed = parse_object(body)
         if "skills" not in parsed:
             raise InvalidField("body must be {\"skills\": {skill: mode}}", param="skills")
         return self.write(validate_skills(parsed["skills"], "skills"))
@@ -246,4 +249,3 @@ CONSOLE_ROUTES: Mapping[str, type] = {
     "/api/v1/adapters": Adapters,
     "/api/v1/usage": Usage,
 }
-ROUTES.update(CONSOLE_ROUTES)   # processor's handler table (processor imports this module)

@@ -11,12 +11,13 @@ import logging
 import re
 import time
 from urllib.parse import unquote
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Mapping
 
 from extproc.auth import Principal, authenticate
 from extproc.decision import InferenceRequest, decide
-from extproc.errors import (BadRequest, Forbidden, GatewayError, InvalidField, MethodNotAllowed,
-                            PayloadTooLarge, Unauthorized)
+from extproc.console import CONSOLE_ROUTES
+from extproc.errors import Forbidden, GatewayError, InvalidField, Unauthorized
+from extproc.handlers import Authenticated, Handler, parse_object
 from extproc.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER, session_of
 from extproc.metrics import GatewayMetrics
 from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
@@ -25,7 +26,6 @@ from extproc.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.policy.routing import RoutePolicy, choose_upstream
 from extproc.residency_view import ResidencyBoard
 from extproc.rewrite import rewrite_request
-from extproc.rewrite.codec import decode
 from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve, validate_skills
 from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
@@ -79,14 +79,6 @@ class Gateway:
         return Exchange(self, route)
 
 
-class Handler(Protocol):
-    response_body_phase: bool     # Envoy sends this route's response body too (ExtProcPerRoute)
-
-    def on_request_headers(self, head: RequestHead) -> Outcome: ...
-    def on_request_body(self, body: bytes) -> Outcome: ...
-    def on_response_body(self, body: bytes) -> Outcome: ...
-
-
 def _engine_path(path: str) -> str:
     """The path as an engine's router reads it: percent-decoded, slashes merged, no trailing
     slash (Envoy normalizes too; this check must not depend on it)."""
@@ -122,54 +114,7 @@ class KeyRequired:
         return CONTINUE
 
 
-def _parse_object(body: bytes) -> dict[str, Any]:
-    try:
-        parsed = decode(body)
-    except (ValueError, RecursionError) as exc:   # RecursionError: nesting deeper than json's stack
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(parsed, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-    return parsed
-
-
-class _Authenticated:
-    """Common header phase: POST only, a valid key, a body within the limit."""
-
-    methods = ("POST",)
-    response_body_phase = False
-    principal: Principal
-
-    def __init__(self, gw: Gateway, route: RoutePolicy) -> None:
-        self.gw = gw
-        self.route = route
-
-    def on_request_headers(self, head: RequestHead) -> Outcome:
-        if head.method not in self.methods:
-            raise MethodNotAllowed(f"{head.method} is not allowed on {head.path}")
-        snap = self.gw.store.snapshot
-        h = head.headers
-        self.principal = authenticate(snap, h.get("authorization"), h.get(TENANT_HEADER))
-        length = h.get("content-length")
-        if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
-            raise PayloadTooLarge(f"body of {length} bytes exceeds the limit of "
-                                  f"{snap.max_body_bytes} bytes")
-        return self.after_auth(head)
-
-    def after_auth(self, head: RequestHead) -> Outcome:
-        if head.end_of_stream:
-            raise BadRequest("a JSON request body is required", code="missing_body")
-        return CONTINUE
-
-    def check_size(self, body: bytes) -> None:
-        limit = self.gw.store.snapshot.max_body_bytes
-        if len(body) > limit:
-            raise PayloadTooLarge(f"body of {len(body)} bytes exceeds the limit of {limit} bytes")
-
-    def on_response_body(self, body: bytes) -> Outcome:
-        return CONTINUE
-
-
-class Inference(_Authenticated):
+class Inference(Authenticated):
     """``/v1/chat/completions`` and ``/v1/completions``: decide, rewrite, route."""
 
     uncounted = True           # not yet in ace_gateway_requests_total (a refusal counts there too)
@@ -189,7 +134,7 @@ class Inference(_Authenticated):
 
     def on_request_body(self, body: bytes) -> Outcome:
         self.check_size(body)
-        chat = self.to_chat(_parse_object(body))
+        chat = self.to_chat(parse_object(body))
         snap = self.gw.store.snapshot
         started = time.perf_counter()
         d = decide(snap, self.gw.residency.current, self.gw.residency.sent,
@@ -232,7 +177,7 @@ class Execute(Inference):
         return Continue((("content-length", str(len(wrapped))),), wrapped)
 
 
-class DevKeySkills(_Authenticated):
+class DevKeySkills(Authenticated):
     """``GET|POST /api/v1/dev_key/skills``: read or set the calling key's skills."""
 
     methods = ("GET", "POST")
@@ -244,7 +189,7 @@ class DevKeySkills(_Authenticated):
 
     def on_request_body(self, body: bytes) -> Outcome:
         self.check_size(body)
-        parsed = _parse_object(body)
+        parsed = parse_object(body)
         if "skills" not in parsed:
             raise InvalidField("body must be {\"skills\": {skill: mode}}", param="skills")
         skills = validate_skills(parsed["skills"], "skills")
@@ -263,11 +208,12 @@ class DevKeySkills(_Authenticated):
         return Reply(200, json.dumps(out).encode())
 
 
-ROUTES: dict[str, type] = {   # extproc.console adds the settings page's routes
+ROUTES: Mapping[str, type[Handler]] = {   # every other path: KeyRequired
     "/v1/chat/completions": Inference,
     "/v1/completions": Inference,
     "/v1/execute": Execute,
     "/api/v1/dev_key/skills": DevKeySkills,
+    **CONSOLE_ROUTES,                       # the settings page and its read API
 }
 
 
@@ -339,8 +285,3 @@ class Exchange:
             return getattr(self.handler, "headers_only", False)
         return phase == "request_body" and (self.handler is None or not self.handler.response_body_phase)
 
-
-# extproc.console builds on this module's handlers and adds the settings page's routes to
-# ROUTES when it is imported (either module may be imported first)
-import extproc.console as _console  # noqa: E402
-del _console

@@ -5,14 +5,14 @@ What the gateway can know at decision time, and nothing else (it never sees the 
 own wait):
 
 - ``requests``: inference requests that selected the adapter (any multi_lora mode);
-- ``hits``: of those, the adapter was in the upstream's GPU pool (residency tier ``device``)
+- ``hits``: of those, the adapter was on the upstream's device (residency tier ``device``)
   when the gateway decided: an *effective hit*, no load before the request runs;
 - ``unknown``: the residency was unknown (no agent data): neither hit nor miss;
 - expected stall: ``0`` on a hit, else the agent's measured ``cold_load_ms`` of the tier the
   adapter was in at decision time (host, disk, remote); kept as a histogram per minute
   (``STALL_BOUNDS_MS``), so percentiles are bucket upper bounds;
 - ``prefetch_signalled``: the request made the gateway signal the agent to prefetch it;
-- ``prefetch_used``: the request found it in the pool because a prefetch put it there
+- ``prefetch_used``: the request found it on the device because a prefetch put it there
   (``is_prefetch_hit`` in the trace header).
 
 Writes are per thread (like ``extproc.metrics``): a thread records into its own shard,
@@ -148,7 +148,7 @@ def _summary(rows: list[list[int]]) -> dict:
         "effective_hit_ratio": totals["hits"] / known if known else None,
         "expected_stall_ms": {f"p{int(q * 100)}": _json_ms(stall_percentile(stall, q)) for q in (0.5, 0.9, 0.99)},
         "stall_histogram": stall,
-        # the gateway cannot see a prefetched adapter leave the pool unused, per tenant: this
+        # the gateway cannot see a prefetched adapter leave the device unused, per tenant: this
         # is the upper bound of wasted prefetches in the window
         "prefetch_unused": max(0, totals["prefetch_signalled"] - totals["prefetch_used"]),
     }

@@ -128,3 +128,9 @@ def test_gateway_header_names_are_spelled_once():
                     if isinstance(node, ast.Constant) and isinstance(node.value, str)
                     and "x-ace-" in node.value and id(node) not in docs]
     assert not spelled
+
+
+@pytest.mark.parametrize("name", ("handlers", "console"))
+def test_route_handlers_beside_the_processor_do_not_import_it(name):
+    """The processor builds its route table from these modules; an import back would be a cycle."""
+    assert "extproc.processor" not in _runtime(name)

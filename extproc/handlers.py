@@ -1,0 +1,79 @@
+"""What every HTTP route handler of the gateway is, and the pieces they share.
+
+A handler answers one request's ext_proc phases (``Handler``); ``extproc.processor.Exchange``
+picks it by path from ``extproc.processor.ROUTES`` (inference and dev-key routes in
+``extproc.processor``, the settings page and its read API in ``extproc.console``) and is
+the only place its errors become responses. ``Authenticated``: POST (or ``methods``), a
+valid key, a body within the limit, before the handler's own work.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from extproc.auth import Principal, authenticate
+from extproc.errors import BadRequest, MethodNotAllowed, PayloadTooLarge
+from extproc.headers import TENANT_HEADER
+from extproc.outcomes import CONTINUE, Outcome, RequestHead
+from extproc.rewrite.codec import decode
+
+if TYPE_CHECKING:
+    from extproc.policy.routing import RoutePolicy
+    from extproc.processor import Gateway
+
+__all__ = ["Handler", "Authenticated", "parse_object"]
+
+
+class Handler(Protocol):
+    response_body_phase: bool     # Envoy sends this route's response body too (ExtProcPerRoute)
+
+    def on_request_headers(self, head: RequestHead) -> Outcome: ...
+    def on_request_body(self, body: bytes) -> Outcome: ...
+    def on_response_body(self, body: bytes) -> Outcome: ...
+
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = decode(body)
+    except (ValueError, RecursionError) as exc:   # RecursionError: nesting deeper than json's stack
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(parsed, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return parsed
+
+
+class Authenticated:
+    """Common header phase: POST only, a valid key, a body within the limit."""
+
+    methods = ("POST",)
+    response_body_phase = False
+    principal: Principal
+
+    def __init__(self, gw: Gateway, route: RoutePolicy) -> None:
+        self.gw = gw
+        self.route = route
+
+    def on_request_headers(self, head: RequestHead) -> Outcome:
+        if head.method not in self.methods:
+            raise MethodNotAllowed(f"{head.method} is not allowed on {head.path}")
+        snap = self.gw.store.snapshot
+        h = head.headers
+        self.principal = authenticate(snap, h.get("authorization"), h.get(TENANT_HEADER))
+        length = h.get("content-length")
+        if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
+            raise PayloadTooLarge(f"body of {length} bytes exceeds the limit of "
+                                  f"{snap.max_body_bytes} bytes")
+        return self.after_auth(head)
+
+    def after_auth(self, head: RequestHead) -> Outcome:
+        if head.end_of_stream:
+            raise BadRequest("a JSON request body is required", code="missing_body")
+        return CONTINUE
+
+    def check_size(self, body: bytes) -> None:
+        limit = self.gw.store.snapshot.max_body_bytes
+        if len(body) > limit:
+            raise PayloadTooLarge(f"body of {len(body)} bytes exceeds the limit of {limit} bytes")
+
+    def on_response_body(self, body: bytes) -> Outcome:
+        return CONTINUE
