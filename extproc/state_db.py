@@ -121,19 +121,18 @@ class SQLiteStateDB:
                 raise
 
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Overlay:
-        def change() -> None:
-            row = self._db.execute("SELECT skills FROM dev_key_skills WHERE key_sha256=?", (key_sha256,)).fetchone()
-            merged = {**(json.loads(row[0]) if row else {}), **skills}
-            self._db.execute("INSERT OR REPLACE INTO dev_key_skills VALUES (?, ?, ?)",
-                             (key_sha256, json.dumps(merged, sort_keys=True), time.time()))
-        return self._write(change)
+        return self._merge_skills("dev_key_skills", "key_sha256", key_sha256, skills)
 
     def set_tenant_skills(self, tenant: str, skills: Mapping[str, str]) -> Overlay:
+        return self._merge_skills("tenant_skills", "tenant", tenant, skills)
+
+    def _merge_skills(self, table: str, column: str, row_id: str, skills: Mapping[str, str]) -> Overlay:
+        """``skills`` merged over the row's (``table``/``column``: this module's constants)."""
         def change() -> None:
-            row = self._db.execute("SELECT skills FROM tenant_skills WHERE tenant=?", (tenant,)).fetchone()
+            row = self._db.execute(f"SELECT skills FROM {table} WHERE {column}=?", (row_id,)).fetchone()
             merged = {**(json.loads(row[0]) if row else {}), **skills}
-            self._db.execute("INSERT OR REPLACE INTO tenant_skills VALUES (?, ?, ?)",
-                             (tenant, json.dumps(merged, sort_keys=True), time.time()))
+            self._db.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?)",
+                             (row_id, json.dumps(merged, sort_keys=True), time.time()))
         return self._write(change)
 
     def set_revoked(self, key_sha256: str, revoked: bool) -> Overlay:

@@ -4,6 +4,7 @@ clients: what the kubelet's ``grpc:`` probes see while it serves and while SIGTE
 an open stream, and the served-endpoint counts on /metrics."""
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import ssl
@@ -35,6 +36,17 @@ def start(tmp, flavour: str, metrics_port: int | None = None):
     return extproc_process(tmp, state, extproc_args=args, metrics_port=metrics_port), health
 
 
+@contextlib.contextmanager
+def ready(tmp, flavour: str):
+    """The picker started, its health port reporting readiness: (ext_proc address, process,
+    plaintext health address)."""
+    process, health = start(tmp, flavour)
+    with process as (address, proc):
+        plain = f"127.0.0.1:{health}"
+        wait_until(lambda: check(plain, "readiness") == SERVING, what="readiness SERVING")
+        yield address, proc, plain
+
+
 def check(address: str, service: str) -> int:
     with grpc.insecure_channel(address) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
@@ -58,10 +70,7 @@ def headers(path: str, method: str, eos: bool) -> pb.ProcessingRequest:
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_plaintext_health_port_serves_beside_the_tls_ext_proc_port(tmp_path, flavour):
-    process, health = start(tmp_path, flavour)
-    with process as (address, _):
-        plain = f"127.0.0.1:{health}"
-        wait_until(lambda: check(plain, "readiness") == SERVING, what="readiness SERVING")
+    with ready(tmp_path, flavour) as (address, _, plain):
         for service in ("liveness", "readiness", SERVICE, ""):
             assert check(plain, service) == SERVING, service
         # the reason for the second port: the ext_proc port speaks TLS only
@@ -75,10 +84,7 @@ def test_plaintext_health_port_serves_beside_the_tls_ext_proc_port(tmp_path, fla
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_sigterm_turns_readiness_off_while_an_open_stream_drains(tmp_path, flavour):
-    process, health = start(tmp_path, flavour)
-    with process as (address, proc):
-        plain = f"127.0.0.1:{health}"
-        wait_until(lambda: check(plain, "readiness") == SERVING, what="readiness SERVING")
+    with ready(tmp_path, flavour) as (address, proc, plain):
         release = threading.Event()
 
         def messages():
