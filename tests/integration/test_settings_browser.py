@@ -140,7 +140,7 @@ def test_sign_in_switch_prefetch_see_the_hit_and_nothing_of_it_as_another_tenant
         hits = '#adapters td[data-adapter="code-python"][data-field="hits"]'
         _until(driver, lambda d: _text(d, hits) not in ("", "0"), "the hit counted on the page")
         assert int(_text(driver, '#adapters td[data-adapter="code-python"][data-field="requests"]')) >= 2
-        assert "engine-1: pool" in _text(driver, '#adapters td[data-adapter="code-python"][data-field="residency"]')
+        assert "engine-1: device" in _text(driver, '#adapters td[data-adapter="code-python"][data-field="residency"]')
         assert _attrs(driver, 'svg[data-adapter="code-python"] rect.hit', "height")     # drawn too
         if os.environ.get("ACE_UPDATE_SCREENSHOT"):
             shot = stack["work"] / "settings.png"
