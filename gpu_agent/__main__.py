@@ -40,16 +40,17 @@ async def run(settings) -> None:
                                    max_loaded_loras=settings.max_loaded_loras or None, api_key=api_key)
     else:
         from gpu_agent.engine.core import EngineSettings
-        # the device count budget holds for the engine's own on-demand loads too: its pool
-        # enforces it on every load (LRU, never pinned or in use)
+        # the engine's pool owns its device tier: the count budget is the pool's, enforced
+        # on every load, the agent's prefetches and the engine's own on-demand loads alike
         engine_settings = EngineSettings(catalog=Path(settings.catalog), pool_bytes=settings.pool_mb << 20,
                                          host_cache_bytes=settings.engine_host_mb << 20,
                                          max_adapters=settings.device_max_adapters or None)
         connector = make_connector("builtin", store=store, engine_settings=engine_settings,
                                    http_host=settings.engine_host, http_port=settings.engine_port)
+    drives_device = not connector.self_managed   # builtin: the pool's budgets (above)
     budgets = ResidencyBudgets(
-        device_count=settings.device_max_adapters or None,
-        device_bytes=(settings.device_budget_mb << 20) or None,
+        device_count=(settings.device_max_adapters or None) if drives_device else None,
+        device_bytes=(settings.device_budget_mb << 20 or None) if drives_device else None,
         host_bytes=settings.host_budget_mb << 20, queue_size=settings.queue_size,
         workers=settings.workers, reconcile_interval_s=settings.reconcile_interval_s,
         load_interval_s=settings.load_interval_s)

@@ -8,13 +8,19 @@ one, one being loaded, or one the engine reports busy. A budget that cannot be m
 without evicting those fails the load; nothing grows past its budget. A prefetch may
 name adapters to evict first (``evict``: the victim the gateway's model of this pool
 chose): when its load needs device room, those go before the LRU (``hinted_victims``).
-This manager is the one owner of what leaves the agent's tiers: the plan comes from
-``gpu_agent.eviction`` (``plan_evictions``), and every eviction is counted with its
-tier and reason (``ace_agent_evictions_total{tier, reason}``, see ``EvictReason``).
-The builtin engine's pool also evicts by itself (its owner, the engine's
-``EngineAdapters``, decides with the same functions, for request loads that never pass
-through the agent); an adapter it dropped is forgotten here (``_forget_gone``, and the
-reconcile of a ``self_managed`` connector) with reason ``engine_gone``.
+One owner per tier. This manager decides what leaves the host and disk tiers, and the
+device tier of an engine the agent drives (vLLM, SGLang: the engine only unloads when
+told): the plan comes from ``gpu_agent.eviction`` (``plan_evictions``), and every
+eviction is counted with its tier and reason (``ace_agent_evictions_total{tier,
+reason}``, see ``EvictReason``). An engine that manages its own device memory
+(``connector.self_managed``: the builtin engine, whose paged pool sees every request's
+load and use) owns its device tier: its pool's owner, ``EngineAdapters``, chooses the
+victims (with the same ``gpu_agent.eviction`` functions, on the pool's own record of use)
+and enforces the budgets (``--device-max-adapters``, ``--pool-mb``); the agent then keeps
+no device budget of its own. It only names victims first (a prefetch's hints, while the
+engine says the load ``needs_room``) and mirrors what the engine holds
+(``_mirror_engine_device``, and the reconcile), counting each adapter the engine let go
+with reason ``engine_gone``.
 
 Prefetches go into a bounded priority queue (duplicates coalesce with the queued or
 running load) and are worked off by background tasks; `ensure_resident` is the same
@@ -48,6 +54,7 @@ from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
 from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, plan_evictions
 from gpu_agent.load import LoadChange, LoadMonitor
 from gpu_agent.metrics import AgentMetrics, Gauge
+from gpu_agent.settings import SettingsError
 from gpu_agent.tiers import Tier
 
 __all__ = ["AdapterView", "ResidencyOutcome", "ResidencyResult", "ResidencyManager",
@@ -107,6 +114,8 @@ class AdapterView:
 
 @dataclass(frozen=True)
 class ResidencyBudgets:
+    # The device tier's budgets, for an engine the agent drives; a self-managed engine
+    # (builtin) takes neither: its pool enforces its own (the module docstring).
     device_count: int | None = None     # None: the connector's capacity (vLLM --max-cpu-loras)
     device_bytes: int | None = None     # None: no byte budget on the device tier
     host_bytes: int = 0                 # 0: no host tier (the engine reads files itself)
@@ -164,6 +173,9 @@ class ResidencyManager:
         self.connector = connector
         self.budgets = budgets
         self.metrics = metrics or AgentMetrics()
+        if connector.self_managed and (budgets.device_count is not None or budgets.device_bytes is not None):
+            raise SettingsError(f"the {connector.kind} engine owns its device tier: give its pool the budgets "
+                                "(max_adapters, pool bytes), not the agent's ResidencyBudgets")
         self.device_count = budgets.device_count if budgets.device_count is not None else connector.capacity
         self._states = {spec.name: _State(spec) for spec in catalog}
         self._device: OrderedDict[str, int] = OrderedDict()   # name -> bytes, LRU first
@@ -473,12 +485,8 @@ class ResidencyManager:
 
         if hints:
             await self._evict_hinted(spec, hints, over)
-        if not over():
+        if not over():   # always, with a self-managed engine: its pool makes the rest of the room
             return
-        if self.connector.self_managed:
-            await self._forget_gone()
-            if not over():
-                return
         busy = await self.connector.busy()
         victims = plan_evictions(
             ordered(self._device, self._device.__getitem__,
@@ -501,9 +509,9 @@ class ResidencyManager:
         if publish:
             self._publish(name)
 
-    async def _forget_gone(self) -> None:
-        """The engine evicts by itself (builtin pool): count only what it still holds,
-        rather than unload a live adapter to make room for one already gone."""
+    async def _mirror_engine_device(self) -> None:
+        """A self-managed engine evicts by itself: drop from our view of its device tier
+        what it no longer holds (counted ``engine_gone``), so hints name only live adapters."""
         loaded = await self.connector.loaded()
         gone = [n for n in self._device if n not in loaded]
         for n in gone:
@@ -520,7 +528,7 @@ class ResidencyManager:
         if not victims:
             return
         if self.connector.self_managed:
-            await self._forget_gone()
+            await self._mirror_engine_device()
         busy = await self.connector.busy()
         in_use = [v for v in victims if v in busy and v in self._device]
         if in_use:  # a request is about to use it (or uses it): never the prefetch's victim

@@ -53,8 +53,9 @@ class AgentSettings:
                                   "0 = none: a parsed adapter lives only for its load, so one that left "
                                   "the pool comes back from disk (or remote)")
     device_max_adapters: int = _f(0, "device tier count budget; 0 = the engine's (vLLM: --max-cpu-loras); "
-                                    "builtin: also enforced by the engine's pool on its own on-demand loads")
-    device_budget_mb: int = _f(0, "device tier byte budget (MiB); 0 = none (builtin: the pool's)")
+                                    "builtin: the pool's adapter count, which the pool enforces on every load")
+    device_budget_mb: int = _f(0, "device tier byte budget (MiB), vLLM/SGLang; 0 = none "
+                                  "(builtin: the pool's bytes are --pool-mb)")
     max_cpu_loras: int = _f(4, "vllm: the engine's --max-cpu-loras, mirrored by the device tier")
     max_loaded_loras: int = _f(0, "sglang: the engine's --max-loaded-loras (0 = no count limit)")
     queue_size: int = _f(64, "pending prefetches beyond which new ones are rejected")
@@ -98,6 +99,9 @@ class AgentSettings:
                 raise SettingsError(f"{flag} must be >= 0")
         if self.pool_mb < 1:
             raise SettingsError("--pool-mb must be >= 1")
+        if self.engine == "builtin" and self.device_budget_mb:
+            raise SettingsError("--device-budget-mb: the builtin engine's device tier is its pool; size it "
+                                "with --pool-mb (and --device-max-adapters for a count)")
         if self.device_max_adapters < 0:
             raise SettingsError("--device-max-adapters must be >= 0 (0 = the engine's)")
         if not 0 <= self.load_interval_s <= MAX_LOAD_INTERVAL_S:

@@ -50,9 +50,10 @@ class EngineConnector(abc.ABC):
     #: How many adapters the engine holds at once (vLLM: --max-cpu-loras); None = no
     #: count limit (the builtin pool is bounded by bytes instead).
     capacity: int | None = None
-    #: True when the engine evicts adapters by itself (the builtin pool's own LRU): an
-    #: adapter missing from `loaded()` then just dropped a tier; False (vLLM, SGLang): the
-    #: agent is the only one that unloads, so a missing adapter means the engine restarted.
+    #: True when the engine owns its device tier (the builtin pool evicts by its own record
+    #: of use; the agent keeps no device budget): an adapter missing from `loaded()` then
+    #: just dropped a tier; False (vLLM, SGLang): the agent is the only one that unloads,
+    #: so a missing adapter means the engine restarted.
     self_managed: bool = False
 
     async def start(self) -> None:

@@ -3,8 +3,10 @@
 The engine keeps its own tiers (paged device pool, parsed host copies); the agent gives it
 an `AdapterSource` backed by the agent's `ArtifactStore`, so remote fetches, the disk
 cache and digest checks are the agent's, and the engine only ever reads verified
-directories. The pool evicts by its own LRU when a request needs room, so this connector
-is `self_managed`: an adapter that left the pool just dropped a tier. The connector hears
+directories. The pool owns the device tier: it evicts by its own record of use whenever a
+load needs room (the agent's prefetches and the engine's requests alike), so this
+connector is `self_managed` (the agent keeps no device budget; an adapter that left the
+pool just dropped a tier). The connector hears
 every such departure and tells the store (`ArtifactStore.left_device`), so a resident-only
 disk cache (`--disk-budget-mb 0`) drops the files at once.
 """

@@ -21,13 +21,14 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def make(fixtures, tmp_path, http_port=None, pool_bytes=64 << 20):
+async def make(fixtures, tmp_path, http_port=None, pool_bytes=64 << 20, max_adapters=None):
     from gpu_agent.engine.core import EngineSettings
 
     catalog = Catalog.from_yaml(fixtures / "catalog.yaml")
     store = ArtifactStore(catalog, DiskCache(tmp_path / "cache", 1 << 30))
     conn = BuiltinConnector(store, EngineSettings(catalog=fixtures / "catalog.yaml", pool_bytes=pool_bytes,
-                                                  batch_window_ms=0.0), http_port=http_port)
+                                                  max_adapters=max_adapters, batch_window_ms=0.0),
+                            http_port=http_port)
     mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(reconcile_interval_s=0.1))
     await mgr.start()
     return mgr, conn
@@ -60,6 +61,53 @@ def test_prefetch_loads_into_the_pool_and_requests_find_it_there(fixtures, tmp_p
         finally:
             await mgr.close()
     run(main())
+
+
+def test_the_pool_alone_decides_what_leaves_the_device_by_what_requests_used(fixtures, tmp_path):
+    """One owner of the builtin engine's device tier: its pool. The agent prefetches A, then
+    B, into a pool of two adapters; requests straight to the engine (which the agent never
+    sees) use A; the prefetch of C then evicts B, the least recently *used*, where an
+    agent-side LRU would have taken A, the least recently loaded through the agent. The
+    agent counts the pool's decision (engine_gone) and evicts nothing by a budget of its own."""
+    A, B, C = "code-sql", "med-triage", "fin-reports"
+
+    async def main():
+        mgr, conn = await make(fixtures, tmp_path, http_port=0, max_adapters=2)
+        try:
+            for name in (A, B):
+                await mgr.ensure_resident(name)
+            async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
+                r = await client.post("/v1/completions", json={"model": A, "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200 and r.headers["x-ace-adapter-tier"] == "device"
+            assert mgr.prefetch(C).outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view(C).tier is Tier.DEVICE, timeout=30, what="C prefetched")
+            assert conn.engine.adapters.tier(A) == "device" and conn.engine.adapters.tier(B) != "device"
+            await async_wait_until(lambda: mgr.metrics.counter("ace_agent_evictions_total", tier="device",
+                                                               reason="engine_gone") == 1,
+                                   what="the agent mirrored the pool's eviction of B")
+            assert mgr.view(B).tier is not Tier.DEVICE and mgr.view(A).tier is Tier.DEVICE
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="budget") == 0
+            assert conn.engine.adapters.evictions_by() == {("device", "budget"): 1}
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_a_self_managed_engine_takes_no_device_budget_from_the_agent(fixtures, tmp_path):
+    """Two budgets on one tier were two owners: the manager refuses them, and so do the
+    agent's settings for the builtin engine's byte budget (its pool's size is --pool-mb)."""
+    from gpu_agent.engine.core import EngineSettings
+    from gpu_agent.settings import AgentSettings, SettingsError
+
+    catalog = Catalog.from_yaml(fixtures / "catalog.yaml")
+    store = ArtifactStore(catalog, DiskCache(tmp_path / "cache", 1 << 30))
+    conn = BuiltinConnector(store, EngineSettings(catalog=fixtures / "catalog.yaml"))
+    for budgets in (ResidencyBudgets(device_count=2), ResidencyBudgets(device_bytes=1 << 20)):
+        with pytest.raises(SettingsError, match="owns its device tier"):
+            ResidencyManager(catalog, store, conn, budgets)
+    with pytest.raises(SettingsError, match="--pool-mb"):
+        AgentSettings(catalog=fixtures / "catalog.yaml", engine="builtin", auth="none",
+                      device_budget_mb=64).validate()
 
 
 def test_pool_self_eviction_drops_a_tier_without_reload_storm(fixtures, tmp_path):
@@ -148,7 +196,7 @@ def test_cold_settings_every_reload_goes_the_whole_way(fixtures, tmp_path):
             store = ArtifactStore(catalog, DiskCache(tmp_path / "cache", 0))
             conn = BuiltinConnector(store, EngineSettings(catalog=cat_path, pool_bytes=4 << 20, host_cache_bytes=0,
                                                           max_adapters=1, batch_window_ms=0.0), http_port=0)
-            mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(device_count=1, reconcile_interval_s=0.1))
+            mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(reconcile_interval_s=0.1))
             await mgr.start()
             try:
                 async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:

@@ -62,8 +62,7 @@ async def _builtin_agent(fixtures: Path, tmp_path: Path, base: str, max_adapters
     conn = BuiltinConnector(store, EngineSettings(catalog=cat_path, pool_bytes=16 << 20,
                                                   host_cache_bytes=0, max_adapters=max_adapters,
                                                   batch_window_ms=0.0), http_port=0)
-    mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(device_count=max_adapters,
-                                                                  reconcile_interval_s=0))
+    mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(reconcile_interval_s=0))
     await mgr.start()
     return mgr, conn
 
