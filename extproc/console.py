@@ -147,7 +147,7 @@ class _ConsoleCall(Authenticated):
         parsed = parse_object(body)
         if "skills" not in parsed:
             raise InvalidField("body must be {\"skills\": {skill: mode}}", param="skills")
-        return self.write(validate_skills(parsed["skills"], "skills"))
+        return self.write(validate_skills(parsed["skills"], "skills", unset=True))
 
     def write(self, skills: Mapping[str, str]) -> Reply:
         raise MethodNotAllowed("this resource is read-only")

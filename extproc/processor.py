@@ -192,7 +192,7 @@ class DevKeySkills(Authenticated):
         parsed = parse_object(body)
         if "skills" not in parsed:
             raise InvalidField("body must be {\"skills\": {skill: mode}}", param="skills")
-        skills = validate_skills(parsed["skills"], "skills")
+        skills = validate_skills(parsed["skills"], "skills", unset=True)
         snap = self.gw.store.set_key_skills(self.principal.key.sha256, skills)
         key = snap.keys.get(self.principal.key.sha256)
         if key is None:         # revoked while this request was in flight

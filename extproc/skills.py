@@ -43,10 +43,12 @@ def _mode(raw: Any, param: str, skill: str) -> str:
     return raw
 
 
-def validate_skills(raw: Any, param: str) -> Mapping[str, str]:
+def validate_skills(raw: Any, param: str, *, unset: bool = False) -> Mapping[str, str]:
     """Check ``{skill: mode}`` or ``{skill: {"mode": mode}}`` from a client or a file (422 on
     anything else, naming the field path) and return ``{skill: mode}``. The one parser of
-    skill settings: body ``skill_overrides``, ``/v1/execute``, the dev-key API, the state file."""
+    skill settings: body ``skill_overrides``, ``/v1/execute``, the skills APIs, the state
+    file. ``unset=True`` (the skills APIs' writes): ``null`` is a value too, kept as
+    ``None``: remove that skill's runtime setting."""
     if raw is None:
         return _EMPTY
     if not isinstance(raw, dict):
@@ -56,7 +58,7 @@ def validate_skills(raw: Any, param: str) -> Mapping[str, str]:
         if skill not in SKILLS:
             raise InvalidField(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}",
                                param=f"{param}.{skill}", code="unknown_skill")
-        out[skill] = _mode(mode, param, skill)
+        out[skill] = None if unset and mode is None else _mode(mode, param, skill)
     return MappingProxyType(out)
 
 

@@ -51,9 +51,9 @@ class Overlay:
 
 class StateDB(Protocol):
     def read(self) -> Overlay: ...
-    def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Overlay: ...
+    def set_key_skills(self, key_sha256: str, skills: Mapping[str, str | None]) -> Overlay: ...
     def set_revoked(self, key_sha256: str, revoked: bool) -> Overlay: ...
-    def set_tenant_skills(self, tenant: str, skills: Mapping[str, str]) -> Overlay: ...
+    def set_tenant_skills(self, tenant: str, skills: Mapping[str, str | None]) -> Overlay: ...
     def watch(self, apply: Callable[[Overlay], None], current: Callable[[], int],
               stop: threading.Event, poll_s: float) -> None: ...
     def close(self) -> None: ...
@@ -120,17 +120,18 @@ class SQLiteStateDB:
                 self._db.execute("ROLLBACK")
                 raise
 
-    def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Overlay:
+    def set_key_skills(self, key_sha256: str, skills: Mapping[str, str | None]) -> Overlay:
         return self._merge_skills("dev_key_skills", "key_sha256", key_sha256, skills)
 
-    def set_tenant_skills(self, tenant: str, skills: Mapping[str, str]) -> Overlay:
+    def set_tenant_skills(self, tenant: str, skills: Mapping[str, str | None]) -> Overlay:
         return self._merge_skills("tenant_skills", "tenant", tenant, skills)
 
-    def _merge_skills(self, table: str, column: str, row_id: str, skills: Mapping[str, str]) -> Overlay:
+    def _merge_skills(self, table: str, column: str, row_id: str, skills: Mapping[str, str | None]) -> Overlay:
         """``skills`` merged over the row's (``table``/``column``: this module's constants)."""
         def change() -> None:
             row = self._db.execute(f"SELECT skills FROM {table} WHERE {column}=?", (row_id,)).fetchone()
-            merged = {**(json.loads(row[0]) if row else {}), **skills}
+            merged = {k: v for k, v in {**(json.loads(row[0]) if row else {}), **skills}.items()
+                      if v is not None}   # None: that skill's runtime setting removed
             self._db.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?)",
                              (row_id, json.dumps(merged, sort_keys=True), time.time()))
         return self._write(change)
@@ -237,17 +238,17 @@ class PostgresStateDB:
             except self._psycopg.Error as exc:   # rolled back, or the commit's outcome unknown: retry
                 raise StoreUnavailable(f"state database write failed: {_first_line(exc)}") from exc
 
-    def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Overlay:
+    def set_key_skills(self, key_sha256: str, skills: Mapping[str, str | None]) -> Overlay:
         return self._write(
-            "INSERT INTO ace_dev_key_skills (key_sha256, skills) VALUES (%s, %s::jsonb) "
-            "ON CONFLICT (key_sha256) DO UPDATE SET skills = ace_dev_key_skills.skills || EXCLUDED.skills, "
-            "updated_at = now()", (key_sha256, json.dumps(dict(skills))))
+            "INSERT INTO ace_dev_key_skills (key_sha256, skills) VALUES (%s, jsonb_strip_nulls(%s::jsonb)) "
+            "ON CONFLICT (key_sha256) DO UPDATE SET skills = jsonb_strip_nulls(ace_dev_key_skills.skills || %s::jsonb), "
+            "updated_at = now()", (key_sha256, json.dumps(dict(skills)), json.dumps(dict(skills))))
 
-    def set_tenant_skills(self, tenant: str, skills: Mapping[str, str]) -> Overlay:
+    def set_tenant_skills(self, tenant: str, skills: Mapping[str, str | None]) -> Overlay:
         return self._write(
-            "INSERT INTO ace_tenant_skills (tenant, skills) VALUES (%s, %s::jsonb) "
-            "ON CONFLICT (tenant) DO UPDATE SET skills = ace_tenant_skills.skills || EXCLUDED.skills, "
-            "updated_at = now()", (tenant, json.dumps(dict(skills))))
+            "INSERT INTO ace_tenant_skills (tenant, skills) VALUES (%s, jsonb_strip_nulls(%s::jsonb)) "
+            "ON CONFLICT (tenant) DO UPDATE SET skills = jsonb_strip_nulls(ace_tenant_skills.skills || %s::jsonb), "
+            "updated_at = now()", (tenant, json.dumps(dict(skills)), json.dumps(dict(skills))))
 
     def set_revoked(self, key_sha256: str, revoked: bool) -> Overlay:
         if revoked:

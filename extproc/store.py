@@ -176,15 +176,17 @@ class Store:
                         upstreams=self._upstreams, default_skills=s["default_skills"],
                         max_body_bytes=s["max_body_bytes"])
 
-    def set_key_skills(self, key_sha256: str, skills: Mapping[str, str]) -> Snapshot:
-        """Persist a developer key's skills (merged over earlier runtime changes); raises
-        ``StoreUnavailable`` when the database cannot take the write."""
+    def set_key_skills(self, key_sha256: str, skills: Mapping[str, str | None]) -> Snapshot:
+        """Persist a developer key's skills (merged over earlier runtime changes; a ``None``
+        mode removes that skill's runtime change, so the state file's value, if any, applies
+        again); raises ``StoreUnavailable`` when the database cannot take the write."""
         self._apply(self._db.set_key_skills(key_sha256, skills))
         return self.snapshot
 
-    def set_tenant_skills(self, tenant_id: str, skills: Mapping[str, str]) -> Snapshot:
+    def set_tenant_skills(self, tenant_id: str, skills: Mapping[str, str | None]) -> Snapshot:
         """Persist a tenant's default skills (merged over earlier runtime changes, over the
-        file's); raises ``StoreUnavailable`` when the database cannot take the write."""
+        file's; ``None`` removes a skill's runtime change); raises ``StoreUnavailable`` when
+        the database cannot take the write."""
         self._apply(self._db.set_tenant_skills(tenant_id, skills))
         return self.snapshot
 

@@ -68,9 +68,11 @@ function showError(e) {
 
 function modeSelect(scope, skill, current, onChange) {
   const sel = el("select", { "data-scope": scope, "data-skill": skill, id: `set-${scope}-${skill}` });
-  if (current === null || current === undefined) sel.append(el("option", { value: "", selected: true }, "(not set)"));
+  // "(not set)" removes this layer's runtime setting (the API's null): the next layer decides
+  const unset = current === null || current === undefined;
+  sel.append(el("option", { value: "", selected: unset }, "(not set)"));
   for (const m of MODES) sel.append(el("option", { value: m, selected: m === current }, m));
-  sel.addEventListener("change", () => { if (sel.value) onChange(skill, sel.value); });
+  sel.addEventListener("change", () => onChange(skill, sel.value || null));
   return sel;
 }
 

@@ -85,6 +85,22 @@ def test_a_key_sets_its_own_skills_and_the_source_follows(store):
     err(call(gw, "/api/v1/me", "carol", "POST", {"skills": {}}), 405, "method_not_allowed")
 
 
+def test_null_removes_a_runtime_setting_and_the_next_layer_decides(store):
+    """The page's "(not set)": ``null`` drops this layer's runtime setting; a value the state
+    file gives (acme's tenant defaults) applies again; another skill's setting stays."""
+    gw = Gateway(store)
+    ok(call(gw, "/api/v1/me/skills", "carol", "POST", {"skills": {"dynamic_lora_prefetch": "prod", "multi_lora": "off"}}))
+    me = ok(call(gw, "/api/v1/me/skills", "carol", "POST", {"skills": {"dynamic_lora_prefetch": None}}))
+    assert me["key"]["skills"]["dynamic_lora_prefetch"] == {
+        "effective": "shadow", "source": "tenant", "key": None, "tenant": "shadow", "default": "off"}
+    assert dict(store.snapshot.keys[sha(KEYS["carol"])].skills) == {"multi_lora": "off"}
+    ok(call(gw, "/api/v1/tenant/skills", "alice", "POST", {"skills": {"multi_lora": "shadow"}}))
+    t = ok(call(gw, "/api/v1/tenant/skills", "alice", "POST", {"skills": {"multi_lora": None}}))
+    assert t["skills"]["multi_lora"] == "prod"            # the state file's tenant default again
+    # null is a write of the skills APIs only: a request's own overrides still need a mode
+    err(call(gw, "/api/v1/me/skills", "carol", "POST", {"skills": {"nope": None}}), 422, "unknown_skill")
+
+
 def test_only_an_admin_reads_or_writes_tenant_defaults_and_keys(store):
     gw = Gateway(store)
     for path in ("/api/v1/tenant/skills", "/api/v1/tenant/keys"):

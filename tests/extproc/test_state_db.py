@@ -67,7 +67,9 @@ def test_tenant_default_skills_are_merged_over_the_file_and_survive_a_restart(tm
     s.set_tenant_skills("acme", {"multi_lora": "shadow"})          # merged, not replaced
     assert dict(s.snapshot.tenants["acme"].skills) == {"multi_lora": "shadow", "dynamic_lora_prefetch": "prod"}
     assert dict(s.snapshot.tenants["globex"].skills) == {}
+    s.set_tenant_skills("acme", {"multi_lora": None})               # the runtime change removed
+    assert dict(s.snapshot.tenants["acme"].skills) == {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
     s.close()
     s2 = Store(state_file, db, watch=False)
-    assert dict(s2.snapshot.tenants["acme"].skills) == {"multi_lora": "shadow", "dynamic_lora_prefetch": "prod"}
+    assert dict(s2.snapshot.tenants["acme"].skills) == {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
     s2.close()

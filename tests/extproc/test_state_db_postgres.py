@@ -69,6 +69,11 @@ def test_a_skills_change_on_one_replica_is_applied_by_the_other_via_notify(repli
     b.set_key_skills(alice, {"dynamic_lora_prefetch": "prod"})        # merged, not replaced
     wait_until(lambda: a.version == 2, timeout=10, what="replica A applies B's change")
     assert dict(a.snapshot.keys[alice].skills) == {"multi_lora": "off", "dynamic_lora_prefetch": "prod"}
+    a.set_key_skills(alice, {"multi_lora": None})                     # removed, on both replicas
+    wait_until(lambda: b.version == 3, timeout=10, what="replica B applies the removal")
+    assert dict(b.snapshot.keys[alice].skills) == {"dynamic_lora_prefetch": "prod"}
+    a.set_tenant_skills("acme", {"dynamic_lora_prefetch": None})      # nothing to remove: no row yet
+    wait_until(lambda: b.version == 4, timeout=10, what="replica B applies the tenant write")
 
 
 def test_a_key_revoked_with_the_admin_cli_is_refused_by_every_replica(replicas, url, capsys):

@@ -382,6 +382,7 @@ def test_dev_key_skills_post_then_get(stack):
     r = stack.http.get("/api/v1/dev_key/skills", headers=BOB)
     assert r.status_code == 200, r.text
     assert r.json()["skills"] == {"multi_lora": "prod"}
+    before = r.json()["effective"]
     r = stack.post("/api/v1/dev_key/skills", {"skills": {"dynamic_lora_prefetch": "prod"}}, BOB)
     assert r.status_code == 200, r.text
     assert r.json()["skills"] == {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
@@ -392,6 +393,10 @@ def test_dev_key_skills_post_then_get(stack):
     assert r.headers["x-ace-trace-dynamic-lora-prefetch"].startswith(
         "mode=prod,action=prefetch_signalled,adapter=code-python")
     assert stack.last().json()["lora_prefetch"] is True
+    # null removes the runtime setting: the key's file skills and the layers below decide again
+    r = stack.post("/api/v1/dev_key/skills", {"skills": {"dynamic_lora_prefetch": None}}, BOB)
+    assert r.status_code == 200, r.text
+    assert r.json()["skills"] == {"multi_lora": "prod"} and r.json()["effective"] == before
     _err(stack.post("/api/v1/dev_key/skills", {"skills": {"multi_lora": "on"}}, BOB), 422)
     _err(stack.http.get("/api/v1/dev_key/skills"), 401)
 

@@ -149,6 +149,13 @@ def test_sign_in_switch_prefetch_see_the_hit_and_nothing_of_it_as_another_tenant
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(shot, SCREENSHOT)
 
+        # "(not set)" removes the key's runtime setting: the default decides again
+        _choose(driver, "set-key-dynamic_lora_prefetch", "")
+        _until(driver, lambda d: _text(d, "#key-dynamic_lora_prefetch-source") == "default"
+               and _text(d, "#key-dynamic_lora_prefetch-effective") == "off", "the key's prefetch unset")
+        me = httpx.get(base + "/api/v1/me", headers={"Authorization": f"Bearer {KEYS['acme']}"}).json()
+        assert me["key"]["skills"]["dynamic_lora_prefetch"]["key"] is None
+
         driver.find_element(By.ID, "signout").click()
         _until(driver, lambda d: _text(d, "#signin-section h2") == "Sign in", "signed out")
         assert driver.execute_script("return sessionStorage.getItem('ace.key')") is None
