@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from extproc.auth import Principal, authenticate
-from extproc.errors import Forbidden, InvalidField, MethodNotAllowed, Unauthorized, UnsupportedMediaType
+from extproc.errors import Forbidden, InvalidField, MethodNotAllowed, UnsupportedMediaType
 from extproc.headers import TENANT_HEADER
 from extproc.outcomes import Outcome, Reply, RequestHead
-from extproc.handlers import Authenticated, parse_object
+from extproc.handlers import Authenticated
 from extproc.policy.routing import RoutePolicy
 from extproc.residency_view import NONE, UNKNOWN_TIER
-from extproc.skills import SKILLS, resolve, resolve_sources, validate_skills
+from extproc.skills import SKILLS, resolve, resolve_sources
 from extproc.store import Snapshot
 
 if TYPE_CHECKING:
@@ -143,21 +143,10 @@ class _ConsoleCall(Authenticated):
         raise NotImplementedError
 
     def on_request_body(self, body: bytes) -> Outcome:
-        self.check_size(body)
-        parsed = parse_object(body)
-        if "skills" not in parsed:
-            raise InvalidField("body must be {\"skills\": {skill: mode}}", param="skills")
-        return self.write(validate_skills(parsed["skills"], "skills", unset=True))
+        return self.write(self.skills_write(body))
 
-    def write(self, skills: Mapping[str, str]) -> Reply:
+    def write(self, skills: Mapping[str, str | None]) -> Reply:
         raise MethodNotAllowed("this resource is read-only")
-
-    def current(self, snap: Snapshot) -> Principal:
-        """The caller after a write: revoked in the meantime is 401."""
-        key = snap.keys.get(self.principal.key.sha256)
-        if key is None:
-            raise Unauthorized("invalid API key")
-        return Principal(key=key, tenant=snap.tenants[key.tenant])
 
 
 class Me(_ConsoleCall):
@@ -170,7 +159,7 @@ class Me(_ConsoleCall):
 class MySkills(_ConsoleCall):
     methods = ("POST",)
 
-    def write(self, skills: Mapping[str, str]) -> Reply:
+    def write(self, skills: Mapping[str, str | None]) -> Reply:
         snap = self.gw.store.set_key_skills(self.principal.key.sha256, skills)
         p = self.current(snap)
         return _json({"key": _key_view(snap, p), "tenant": p.tenant.id})
@@ -189,7 +178,7 @@ class TenantSkills(_ConsoleCall):
     def read(self, snap: Snapshot, head: RequestHead) -> Reply:
         return _json(_tenant_view(snap, self.principal))
 
-    def write(self, skills: Mapping[str, str]) -> Reply:
+    def write(self, skills: Mapping[str, str | None]) -> Reply:
         snap = self.gw.store.set_tenant_skills(self.principal.tenant.id, skills)
         return _json(_tenant_view(snap, self.current(snap)))
 

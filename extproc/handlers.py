@@ -8,17 +8,19 @@ valid key, a body within the limit, before the handler's own work.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from extproc.auth import Principal, authenticate
-from extproc.errors import BadRequest, MethodNotAllowed, PayloadTooLarge
+from extproc.errors import BadRequest, InvalidField, MethodNotAllowed, PayloadTooLarge, Unauthorized
 from extproc.headers import TENANT_HEADER
 from extproc.outcomes import CONTINUE, Outcome, RequestHead
 from extproc.rewrite.codec import decode
+from extproc.skills import validate_skills
 
 if TYPE_CHECKING:
     from extproc.policy.routing import RoutePolicy
     from extproc.processor import Gateway
+    from extproc.store import Snapshot
 
 __all__ = ["Handler", "Authenticated", "parse_object"]
 
@@ -74,6 +76,22 @@ class Authenticated:
         limit = self.gw.store.snapshot.max_body_bytes
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes exceeds the limit of {limit} bytes")
+
+    def skills_write(self, body: bytes) -> Mapping[str, str | None]:
+        """The body of a skills write (``{"skills": {skill: mode or null}}``; null: remove
+        that skill's runtime setting), checked: the skills APIs' one parser."""
+        self.check_size(body)
+        parsed = parse_object(body)
+        if "skills" not in parsed:
+            raise InvalidField("body must be {\"skills\": {skill: mode}}", param="skills")
+        return validate_skills(parsed["skills"], "skills", unset=True)
+
+    def current(self, snap: Snapshot) -> Principal:
+        """The caller after a write: revoked in the meantime is 401."""
+        key = snap.keys.get(self.principal.key.sha256)
+        if key is None:
+            raise Unauthorized("invalid API key")
+        return Principal(key=key, tenant=snap.tenants[key.tenant])
 
     def on_response_body(self, body: bytes) -> Outcome:
         return CONTINUE

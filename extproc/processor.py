@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from extproc.auth import Principal, authenticate
 from extproc.decision import InferenceRequest, decide
 from extproc.console import CONSOLE_ROUTES
-from extproc.errors import Forbidden, GatewayError, InvalidField, Unauthorized
+from extproc.errors import Forbidden, GatewayError, InvalidField
 from extproc.handlers import Authenticated, Handler, parse_object
 from extproc.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER, session_of
 from extproc.metrics import GatewayMetrics
@@ -26,7 +26,7 @@ from extproc.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.policy.routing import RoutePolicy, choose_upstream
 from extproc.residency_view import ResidencyBoard
 from extproc.rewrite import rewrite_request
-from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve, validate_skills
+from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve
 from extproc.store import Store
 from extproc.trace import execute_trace, trace_metadata
 from extproc.usage import UsageRing
@@ -188,16 +188,8 @@ class DevKeySkills(Authenticated):
         return super().after_auth(head)
 
     def on_request_body(self, body: bytes) -> Outcome:
-        self.check_size(body)
-        parsed = parse_object(body)
-        if "skills" not in parsed:
-            raise InvalidField("body must be {\"skills\": {skill: mode}}", param="skills")
-        skills = validate_skills(parsed["skills"], "skills", unset=True)
-        snap = self.gw.store.set_key_skills(self.principal.key.sha256, skills)
-        key = snap.keys.get(self.principal.key.sha256)
-        if key is None:         # revoked while this request was in flight
-            raise Unauthorized("invalid API key")
-        return self._answer(Principal(key=key, tenant=snap.tenants[key.tenant]))
+        snap = self.gw.store.set_key_skills(self.principal.key.sha256, self.skills_write(body))
+        return self._answer(self.current(snap))
 
     def _answer(self, p: Principal) -> Reply:
         snap = self.gw.store.snapshot

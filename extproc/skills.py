@@ -8,7 +8,7 @@ Resolution, first that sets a skill wins: header ``x-ace-skill-override``, body
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, overload
 
 from extproc.errors import InvalidField
 from extproc.headers import SKILL_OVERRIDE_HEADER
@@ -43,7 +43,13 @@ def _mode(raw: Any, param: str, skill: str) -> str:
     return raw
 
 
-def validate_skills(raw: Any, param: str, *, unset: bool = False) -> Mapping[str, str]:
+@overload
+def validate_skills(raw: Any, param: str, *, unset: Literal[False] = False) -> Mapping[str, str]: ...
+@overload
+def validate_skills(raw: Any, param: str, *, unset: Literal[True]) -> Mapping[str, str | None]: ...
+
+
+def validate_skills(raw: Any, param: str, *, unset: bool = False) -> Mapping[str, str | None]:
     """Check ``{skill: mode}`` or ``{skill: {"mode": mode}}`` from a client or a file (422 on
     anything else, naming the field path) and return ``{skill: mode}``. The one parser of
     skill settings: body ``skill_overrides``, ``/v1/execute``, the skills APIs, the state

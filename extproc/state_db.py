@@ -223,7 +223,7 @@ class PostgresStateDB:
             except self._psycopg.Error as exc:
                 raise StoreUnavailable(f"state database read failed: {_first_line(exc)}") from exc
 
-    def _write(self, sql: str, params: tuple) -> Overlay:
+    def _write(self, sql: str, params: tuple | dict) -> Overlay:
         with self._connect() as conn:
             try:
                 with conn.transaction():
@@ -239,16 +239,18 @@ class PostgresStateDB:
                 raise StoreUnavailable(f"state database write failed: {_first_line(exc)}") from exc
 
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str | None]) -> Overlay:
-        return self._write(
-            "INSERT INTO ace_dev_key_skills (key_sha256, skills) VALUES (%s, jsonb_strip_nulls(%s::jsonb)) "
-            "ON CONFLICT (key_sha256) DO UPDATE SET skills = jsonb_strip_nulls(ace_dev_key_skills.skills || %s::jsonb), "
-            "updated_at = now()", (key_sha256, json.dumps(dict(skills)), json.dumps(dict(skills))))
+        return self._merge_skills("ace_dev_key_skills", "key_sha256", key_sha256, skills)
 
     def set_tenant_skills(self, tenant: str, skills: Mapping[str, str | None]) -> Overlay:
+        return self._merge_skills("ace_tenant_skills", "tenant", tenant, skills)
+
+    def _merge_skills(self, table: str, column: str, row_id: str, skills: Mapping[str, str | None]) -> Overlay:
+        """``skills`` merged over the row's, a null removing that skill (``table``/``column``:
+        this module's constants)."""
         return self._write(
-            "INSERT INTO ace_tenant_skills (tenant, skills) VALUES (%s, jsonb_strip_nulls(%s::jsonb)) "
-            "ON CONFLICT (tenant) DO UPDATE SET skills = jsonb_strip_nulls(ace_tenant_skills.skills || %s::jsonb), "
-            "updated_at = now()", (tenant, json.dumps(dict(skills)), json.dumps(dict(skills))))
+            f"INSERT INTO {table} ({column}, skills) VALUES (%(id)s, jsonb_strip_nulls(%(skills)s::jsonb)) "
+            f"ON CONFLICT ({column}) DO UPDATE SET skills = jsonb_strip_nulls({table}.skills || %(skills)s::jsonb), "
+            "updated_at = now()", {"id": row_id, "skills": json.dumps(dict(skills))})
 
     def set_revoked(self, key_sha256: str, revoked: bool) -> Overlay:
         if revoked:
