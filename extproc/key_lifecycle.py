@@ -6,7 +6,8 @@ own tenant only). A secret is made here, shown to its caller once and never kept
 state database stores its SHA-256 (``extproc.state_db.IssuedKey``).
 
 - **create**: a new secret ``sk-ace-<43 url-safe chars>`` (256 random bits) for a tenant, a
-  name, a role (``developer`` or ``tenant-admin``, the state file's ``admin``) and an
+  name, a role (``developer``, or ``admin`` for a tenant admin: ``tenant-admin`` is accepted
+  for it, stored and listed as the state file's ``admin``) and an
   optional expiry (a future ISO 8601 time; past it the key is 401 ``expired_api_key``).
 - **rotate**: a new secret with the old key's tenant, name, role, expiry and skills, and the
   old key revoked in the same transaction: **immediately**, no grace period (a client with
@@ -28,7 +29,7 @@ from extproc.errors import Forbidden, InvalidField, NotFound
 from extproc.state_db import IssuedKey
 
 __all__ = ["ROLE_NAMES", "check_grant", "find_key", "issue", "key_listing", "may_grant", "parse_expiry", "parse_role",
-           "rotation", "role_name"]
+           "rotation"]
 
 #: the spellings a caller may use for a role -> the role as the state file stores it
 ROLE_NAMES: Mapping[str, str] = {"developer": DEVELOPER, "tenant-admin": ADMIN, "admin": ADMIN}
@@ -42,11 +43,6 @@ def parse_role(text: Any) -> str:
     if role is None:
         raise InvalidField(f"role must be one of {', '.join(ROLE_NAMES)}", param="role")
     return role
-
-
-def role_name(role: str) -> str:
-    """How listings say a role (``tenant-admin`` for the file's ``admin``)."""
-    return "tenant-admin" if role == ADMIN else role
 
 
 def may_grant(caller_role: str, role: str) -> bool:
@@ -112,7 +108,7 @@ def check_grant(caller: DevKey, tenant: str, role: str) -> None:
     if tenant != caller.tenant:
         raise Forbidden("a tenant admin manages its own tenant's keys only", param="tenant")
     if not may_grant(caller.role, role):
-        raise Forbidden(f"a {role_name(caller.role)} key cannot issue a {role_name(role)} key",
+        raise Forbidden(f"a key of role {caller.role} cannot issue keys of role {role}",
                         param="role", code="role_escalation")
 
 
@@ -122,6 +118,6 @@ def _iso(at: float | None) -> str | None:
 
 def key_listing(key: DevKey, revoked: bool, now: float) -> dict[str, Any]:
     """What a listing shows of a key: never the secret, nor the whole digest."""
-    return {"id": key.id, "name": key.name, "tenant": key.tenant, "role": role_name(key.role),
+    return {"id": key.id, "name": key.name, "tenant": key.tenant, "role": key.role,
             "origin": str(key.origin), "created": _iso(key.created_at), "expires": _iso(key.expires_at),
             "expired": key.expires_at is not None and now >= key.expires_at, "revoked": revoked}

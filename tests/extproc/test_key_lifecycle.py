@@ -59,7 +59,7 @@ def test_create_key_prints_the_secret_once_and_stores_only_its_hash(tmp_path, st
     assert bot["id"] == sha(secret)[:12] and bot["tenant"] == "globex" and bot["role"] == "developer"
     assert bot["created"].endswith("Z") and bot["expires"] is None and bot["revoked"] is False
     assert {r["name"] for r in rows} == {"alice", "bob", "carol", "ci-bot"}   # the state file's too
-    assert next(r for r in rows if r["name"] == "alice")["role"] == "tenant-admin"
+    assert next(r for r in rows if r["name"] == "alice")["role"] == "admin"
 
 
 def test_create_key_refuses_an_unknown_tenant_a_past_expiry_and_a_missing_config(tmp_path, cli, capsys):
@@ -184,7 +184,7 @@ def test_a_tenant_admin_issues_rotates_and_revokes_keys_in_its_own_tenant(store)
     assert next(k for k in gone["keys"] if k["name"] == "carol")["revoked"] is True
     err(call(gw, "/api/v1/me", "carol"), 401, "invalid_api_key")
     admin2 = _created(call(gw, "/api/v1/tenant/keys", "alice", "POST", {"role": "tenant-admin"}))
-    assert admin2["key"]["role"] == "tenant-admin" and store.snapshot.keys[sha(admin2["secret"])].is_admin
+    assert admin2["key"]["role"] == "admin" and store.snapshot.keys[sha(admin2["secret"])].is_admin
 
 
 def test_a_tenant_admin_cannot_reach_another_tenant_or_escalate(store):
