@@ -7,9 +7,10 @@ upstreams may come from a discovery source instead (``extproc.discovery``,
 ``Store.set_upstreams``). Changes made at runtime (a developer key's skills, set through
 ``POST /api/v1/dev_key/skills``; a tenant's default skills, set by its admin key through
 ``POST /api/v1/tenant/skills``; a key issued, rotated or revoked with ``python -m
-extproc.admin`` or the settings API, ``extproc.key_lifecycle``) are written to the state database (``extproc.state_db``:
-SQLite for one node, PostgreSQL shared by several replicas) and overlay the file's values,
-so they survive a restart and reach every replica. Every change builds a new immutable
+extproc.admin`` or the settings API, ``extproc.key_lifecycle``) are written to the state
+database (``extproc.state_db``: SQLite for one node, PostgreSQL shared by several
+replicas) and overlay the file's values, so they survive a restart and reach every
+replica. Every change builds a new immutable
 ``Snapshot`` and swaps one reference: the request path only ever reads ``Store.snapshot``,
 never the database. ``on_snapshot(callback)``: ``callback(seconds)`` after each swap a
 write caused, here or on another replica, with the time from the write's commit to the
