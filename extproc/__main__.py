@@ -4,19 +4,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
 from extproc.discovery import HostDiscovery, make_source
 from extproc.errors import ConfigError
 from extproc.health_port import HealthPort
-from extproc.metrics import GatewayCollector, GatewayMetrics, propagation_histogram, serve_metrics
+from extproc.metrics import (ConfigReloadCollector, GatewayCollector, GatewayMetrics, propagation_histogram,
+                             serve_metrics)
 from extproc.prefetch import NullPrefetchSink
 from extproc.policy.routing import load_policy
 from extproc.processor import Gateway
 from extproc.server import serve, serve_aio, serve_h2
 from extproc.serving_cert import load_cert, self_signed
 from extproc.settings import Settings
+from extproc.state_file_watch import StateFileWatch
 from extproc.store import Store
 
 
@@ -25,11 +28,12 @@ def popularity_path(db: Path) -> Path:
     return Path(db).with_suffix(".popularity.json")
 
 
-def start_metrics(listen: str, gateway: Gateway, link, speculation):
+def start_metrics(listen: str, gateway: Gateway, link, speculation, reloads: StateFileWatch):
     """/metrics on its own port, in a daemon thread: one registry for this gateway."""
     from prometheus_client import CollectorRegistry
     registry = CollectorRegistry()
     registry.register(GatewayCollector(gateway.metrics, link, speculation, link.board if link else None))
+    registry.register(ConfigReloadCollector(reloads))
     gateway.store.on_snapshot(propagation_histogram(registry).observe)
     server = serve_metrics(registry, listen)
     logging.getLogger("extproc").info("metrics on http://%s:%d/metrics", *server.server_address[:2])
@@ -41,9 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_args(argv)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        metrics_server = health = None
+        metrics_server = health = reloads = None
         store = Store(settings.config, settings.state_db(), settings.catalog,
                       upstreams_required=not settings.discovers)
+        # the state file again on a change or SIGHUP (never half-applied: extproc.state_file_watch)
+        reloads = StateFileWatch(store, settings.config_poll_s).start()
+        signal.signal(signal.SIGHUP, lambda signum, frame: reloads.wake())
         agents = {u.name: u.agent for u in store.snapshot.upstreams if u.agent}
         # discovered hosts come and go: route as for several from the start
         route = load_policy(settings.routing_policy, 2 if settings.discovers else len(store.snapshot.upstreams))
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             tls = (load_cert(settings.tls_cert, settings.tls_key) if settings.tls_cert
                    else self_signed())
         if settings.metrics_listen != "off":
-            metrics_server = start_metrics(settings.metrics_listen, gateway, link, speculation)
+            metrics_server = start_metrics(settings.metrics_listen, gateway, link, speculation, reloads)
         source = make_source(settings.discovery, settings.discovery_interval_s)
         if source is not None:
             source.start(HostDiscovery(store, template, link).publish)
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics_server.shutdown()
         if speculation is not None:
             speculation.close()
+        if reloads is not None:
+            reloads.close()
         if link is not None:
             link.close()
         store.close()

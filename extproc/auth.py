@@ -1,9 +1,12 @@
 """Who is calling: ``Authorization: Bearer <key>`` -> key -> tenant.
 
 Keys are known only by their SHA-256; the plaintext never leaves this function.
-``x-ace-tenant-id`` is accepted only when it names the key's own tenant (else 403).
+``x-ace-tenant-id`` is accepted only when it names the key's own tenant (else 403). A key
+past its ``expires_at`` is 401 ``expired_api_key``.
 """
 from __future__ import annotations
+
+import time
 
 from dataclasses import dataclass
 
@@ -43,6 +46,8 @@ def authenticate(snapshot: Snapshot, authorization: str | None, tenant_header: s
     key = snapshot.keys.get(hash_key(token))
     if key is None:
         raise Unauthorized("invalid API key")
+    if key.expires_at is not None and time.time() >= key.expires_at:
+        raise Unauthorized("this API key has expired", code="expired_api_key")
     tenant = snapshot.tenants[key.tenant]
     if tenant_header is not None and tenant_header.strip() != tenant.id:
         raise Forbidden(f"{TENANT_HEADER} does not match the tenant of this API key",

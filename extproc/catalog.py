@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Mapping
 
 from extproc.errors import ConfigError
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from gpu_agent.catalog_schema import CatalogAdapter
 
 __all__ = ["Adapter", "Tenant", "DevKey", "Upstream", "PUBLIC", "FLAVOURS", "HINT_MODES", "ROLES",
-           "DEVELOPER", "ADMIN"]
+           "DEVELOPER", "ADMIN", "KeyOrigin"]
 
 PUBLIC = "public"
 FLAVOURS = ("builtin", "vllm", "sglang")
@@ -58,6 +59,13 @@ class Tenant:
     skills: Mapping[str, str] = field(default_factory=dict)
 
 
+class KeyOrigin(StrEnum):
+    """Where a key was declared: the state file's ``keys:`` or the state database (issued
+    with ``python -m extproc.admin create-key`` or the settings API)."""
+    STATE_FILE = "state_file"
+    DATABASE = "database"
+
+
 @dataclass(frozen=True, slots=True)
 class DevKey:
     """An API key, known only by the SHA-256 of its plaintext."""
@@ -66,6 +74,14 @@ class DevKey:
     name: str = ""
     skills: Mapping[str, str] = field(default_factory=dict)
     role: str = DEVELOPER
+    origin: KeyOrigin = KeyOrigin.STATE_FILE
+    created_at: float | None = None     # epoch s; None: unknown (a state file key)
+    expires_at: float | None = None     # epoch s; None: never
+
+    @property
+    def id(self) -> str:
+        """What people call a key by (never the secret): the first 12 hex of its SHA-256."""
+        return self.sha256[:12]
 
     @property
     def is_admin(self) -> bool:

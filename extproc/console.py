@@ -5,12 +5,17 @@
     POST /api/v1/me/skills          set the calling key's skills (the page's write)
     GET  /api/v1/tenant/skills      the tenant's default skills        (admin key)
     POST /api/v1/tenant/skills      set them                           (admin key)
-    GET  /api/v1/tenant/keys        the tenant's keys and their skills (admin key)
+    GET  /api/v1/tenant/keys        the tenant's keys, revoked ones too (admin key)
+    POST /api/v1/tenant/keys        issue a key in the tenant: the secret, shown once (admin key)
+    POST /api/v1/tenant/keys/rotate a new secret for a key of the tenant, the old one revoked (admin key)
+    POST /api/v1/tenant/keys/revoke revoke a key of the tenant (admin key)
     GET  /api/v1/adapters           adapters this key can use, residency per engine host
     GET  /api/v1/usage?window=3600  per adapter minute series (``extproc.usage``)
 
 Same authorisation as the rest of the API (``extproc.auth``): a key sees only its own
-tenant; a write of tenant defaults needs ``role: admin`` (403 ``admin_required``).
+tenant; a write of tenant defaults and the key operations need ``role: admin`` (403
+``admin_required``), on the caller's own tenant only, granting no role above its own
+(``extproc.key_lifecycle``).
 
 Writes are browser-safe without a CSRF token: the key travels only in ``Authorization:
 Bearer`` (the page keeps it in sessionStorage; no cookie, so a browser never adds it to a
@@ -22,15 +27,18 @@ answer no CORS) and an ``Origin`` header, when sent, must name this host (403
 from __future__ import annotations
 
 import json
+import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from extproc.auth import Principal, authenticate
+from extproc.catalog import DevKey
 from extproc.errors import Forbidden, InvalidField, MethodNotAllowed, UnsupportedMediaType
+from extproc.key_lifecycle import check_grant, find_key, issue, key_listing, parse_expiry, parse_role, rotation
 from extproc.headers import TENANT_HEADER
 from extproc.outcomes import Outcome, Reply, RequestHead
-from extproc.handlers import Authenticated
+from extproc.handlers import Authenticated, parse_object
 from extproc.policy.routing import RoutePolicy
 from extproc.residency_view import NONE, UNKNOWN_TIER
 from extproc.skills import SKILLS, resolve, resolve_sources
@@ -183,14 +191,85 @@ class TenantSkills(_ConsoleCall):
         return _json(_tenant_view(snap, self.current(snap)))
 
 
+def _tenant_keys(snap: Snapshot, p: Principal) -> dict[str, Any]:
+    """The tenant's keys, revoked ones last-known too: never a secret or a whole digest."""
+    now = time.time()
+    tenant = p.tenant
+    everyone = {**snap.revoked_keys, **snap.keys}
+    keys = sorted((k for k in everyone.values() if k.tenant == tenant.id), key=lambda k: (k.name, k.sha256))
+    return {"tenant": tenant.id,
+            "keys": [{**_key_view(snap, Principal(key=k, tenant=tenant)),
+                      **key_listing(k, k.sha256 in snap.revoked_keys, now)} for k in keys]}
+
+
 class TenantKeys(_ConsoleCall):
+    """``GET``: the tenant's keys; ``POST {"name", "role", "expires"}``: issue one (201, with
+    the secret: the only time it is shown)."""
+
+    methods = ("GET", "POST")
     admin_only = True
 
     def read(self, snap: Snapshot, head: RequestHead) -> Reply:
-        tenant = self.principal.tenant
-        keys = sorted((k for k in snap.keys.values() if k.tenant == tenant.id), key=lambda k: (k.name, k.sha256))
-        return _json({"tenant": tenant.id,
-                      "keys": [_key_view(snap, Principal(key=k, tenant=tenant)) for k in keys]})
+        return _json(_tenant_keys(snap, self.principal))
+
+    def on_request_body(self, body: bytes) -> Outcome:
+        self.check_size(body)
+        req = parse_object(body)
+        caller = self.principal.key
+        tenant = req.get("tenant", caller.tenant)
+        role = parse_role(req.get("role", "developer"))
+        check_grant(caller, tenant, role)
+        name = req.get("name", "")
+        if not isinstance(name, str) or len(name) > 200:
+            raise InvalidField("name must be a string of at most 200 characters", param="name")
+        now = time.time()
+        secret, new = issue(tenant, name, role, parse_expiry(req.get("expires"), now), now)
+        snap = self.gw.store.add_key(new)
+        return _issued_reply(snap, new.sha256, secret)
+
+
+def _issued_reply(snap: Snapshot, digest: str, secret: str, **extra: Any) -> Reply:
+    """201 with the new key's listing and its secret: the only time the secret is shown."""
+    view = key_listing(snap.keys[digest], False, time.time())
+    return _json({"key": view, "secret": secret, **extra}, status=201)
+
+
+class _TenantKeyChange(_ConsoleCall):
+    """``POST {"id": "<12 hex>"}`` on a key of the caller's tenant (another tenant's: 404)."""
+
+    methods = ("POST",)
+    admin_only = True
+
+    def on_request_body(self, body: bytes) -> Outcome:
+        self.check_size(body)
+        req = parse_object(body)
+        snap = self.gw.store.snapshot
+        target = find_key({**snap.revoked_keys, **snap.keys}, req.get("id"), tenant=self.principal.tenant.id)
+        check_grant(self.principal.key, target.tenant, target.role)   # an admin's key is an admin's to change
+        return self.change(snap, target)
+
+    def change(self, snap: Snapshot, target: DevKey) -> Reply:
+        raise NotImplementedError
+
+
+class TenantKeyRotate(_TenantKeyChange):
+    """A new secret for the key, the old one revoked now (no grace: docs/gateway.md)."""
+
+    def change(self, snap: Snapshot, target: DevKey) -> Reply:
+        if target.sha256 in snap.revoked_keys:
+            raise InvalidField(f"key {target.id} is revoked: issue a new key instead", param="id")
+        secret, new = rotation(target, time.time())
+        snap = self.gw.store.add_key(new, revoke=target.sha256)
+        return _issued_reply(snap, new.sha256, secret, replaced=target.id)   # its own key too
+
+
+class TenantKeyRevoke(_TenantKeyChange):
+    def change(self, snap: Snapshot, target: DevKey) -> Reply:
+        snap = self.gw.store.revoke_key(target.sha256)
+        p = self.principal
+        if target.sha256 == p.key.sha256:      # its own key: nothing more to show it
+            return _json({"revoked": target.id})
+        return _json({"revoked": target.id, **_tenant_keys(snap, self.current(snap))})
 
 
 def _visible(snap: Snapshot, tenant_id: str) -> list[str]:
@@ -235,6 +314,8 @@ CONSOLE_ROUTES: Mapping[str, type] = {
     "/api/v1/me/skills": MySkills,
     "/api/v1/tenant/skills": TenantSkills,
     "/api/v1/tenant/keys": TenantKeys,
+    "/api/v1/tenant/keys/rotate": TenantKeyRotate,
+    "/api/v1/tenant/keys/revoke": TenantKeyRevoke,
     "/api/v1/adapters": Adapters,
     "/api/v1/usage": Usage,
 }

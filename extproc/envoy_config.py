@@ -25,7 +25,8 @@ BODY_LIMIT_FILTERS = ("ace.body_drain", "ace.body_limit")   # Lua: an oversize b
 #: the gateway's own API, answered by ext_proc (extproc.processor and extproc.console
 #: register their handlers for exactly these; tests/extproc/test_envoy_config.py checks)
 API_PATHS = ("/api/v1/dev_key/skills", "/api/v1/me", "/api/v1/me/skills", "/api/v1/tenant/skills",
-             "/api/v1/tenant/keys", "/api/v1/adapters", "/api/v1/usage")
+             "/api/v1/tenant/keys", "/api/v1/tenant/keys/rotate", "/api/v1/tenant/keys/revoke",
+             "/api/v1/adapters", "/api/v1/usage")
 #: the settings page's files (extproc.console), answered by ext_proc without a key
 SETTINGS_PATHS = ("/settings", "/settings/", "/settings/app.js", "/settings/app.css")
 

@@ -29,8 +29,9 @@ if TYPE_CHECKING:   # annotations only: the gateway without agents never imports
     from extproc.agent_client import AgentLink
     from extproc.prefetch_planner import GatewaySpeculation
     from extproc.residency_view import ResidencyBoard
+    from extproc.state_file_watch import StateFileWatch
 
-__all__ = ["DECISION_BUCKETS_S", "GatewayMetrics", "GatewayCollector", "serve_metrics"]
+__all__ = ["DECISION_BUCKETS_S", "ConfigReloadCollector", "GatewayMetrics", "GatewayCollector", "serve_metrics"]
 
 #: decide() takes a few µs to some tens (docs/gateway.md, "Speed"): buckets from 1 µs to 1 ms
 DECISION_BUCKETS_S = (1e-6, 2.5e-6, 5e-6, 1e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 2.5e-4, 1e-3)
@@ -186,6 +187,22 @@ class GatewayCollector(Collector):
             up.add_metric((name,), 1.0 if agent.connected else 0.0)
         yield signals
         yield up
+
+
+class ConfigReloadCollector(Collector):
+    """The state file's reloads (``extproc.state_file_watch.StateFileWatch``), read at scrape time."""
+
+    def __init__(self, watch: "StateFileWatch") -> None:
+        self.watch = watch
+
+    def collect(self) -> Iterator:
+        w = self.watch
+        yield CounterMetricFamily("ace_gateway_config_reloads", "State file reloads applied (a change or SIGHUP).",
+                                  value=w.reloads)
+        yield CounterMetricFamily("ace_gateway_config_reload_errors", "State file changes refused (invalid: the "
+                                  "last good state is still served; the log names the field).", value=w.errors)
+        yield GaugeMetricFamily("ace_gateway_config_last_reload_timestamp_seconds", "Wall time (epoch s) the "
+                                "state being served was loaded (start-up or the last good reload).", value=w.loaded_at)
 
 
 def propagation_histogram(registry: CollectorRegistry) -> Histogram:

@@ -21,6 +21,10 @@ HEALTH_PORT = 9003   # extproc.health_port.DEFAULT_PORT (not imported: it pulls 
 
 _HELP = {
     "config": "state YAML (GitOps): adapters/include, tenants, keys, upstreams, skills, limits",
+    "config_poll_s": "seconds between checks of the state file (and the catalogs it includes) for a change "
+                     "(its mtime, size, inode and symlink target, so a ConfigMap's ..data swap is seen); a "
+                     "valid change is applied without a restart, an invalid one refused, logged and counted "
+                     "(docs/gateway.md \"Reloading the state file\"). 0: no polling (SIGHUP still reloads)",
     "catalog": "extra adapter catalog YAML in the docs/contracts.md format (optional)",
     "db": "SQLite file for runtime changes (dev-key skills, revoked keys) on one node; "
           "survives restarts. With --database-url only the learned request counts beside it "
@@ -87,6 +91,7 @@ class AgentTLS:
 class Settings:
     config: Path
     catalog: Path | None = None
+    config_poll_s: float = 1.0
     db: Path = Path("ace-gateway.sqlite3")
     database_url: str | None = None
     listen: str = "127.0.0.1:50051"
@@ -164,6 +169,8 @@ class Settings:
         if self.health_address == self.listen:
             raise ConfigError(f"--health-listen {self.health_address} is --listen's address: "
                               "give it another port, or off")
+        if not self.config_poll_s >= 0:
+            raise ConfigError(f"--config-poll-s must be 0 (off) or positive, got {self.config_poll_s}")
         if not self.discovery_interval_s > 0:
             raise ConfigError(f"--discovery-interval-s must be positive, got {self.discovery_interval_s}")
 
@@ -222,6 +229,7 @@ class Settings:
         try:
             return cls(config=Path(ns["config"]),
                        catalog=Path(ns["catalog"]) if ns["catalog"] else None,
+                       config_poll_s=float(ns["config_poll_s"]),
                        db=Path(ns["db"]), database_url=ns["database_url"] or None, listen=str(ns["listen"]),
                        metrics_listen=str(ns["metrics_listen"]), workers=int(ns["workers"]),
                        routing_policy=ns["routing_policy"] or None,

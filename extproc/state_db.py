@@ -2,10 +2,12 @@
 (several replicas sharing them).
 
 A runtime change is a developer key's skills (``POST /api/v1/dev_key/skills``), a
-tenant's default skills (``POST /api/v1/tenant/skills``, a tenant admin's key) or a key
-revocation (``python -m extproc.admin revoke-key``). Both backends keep the same four
-tables and one version counter that every write increments in the write's own
-transaction; ``read`` returns an ``Overlay``, the tables at one version.
+tenant's default skills (``POST /api/v1/tenant/skills``, a tenant admin's key), a key
+issued (``python -m extproc.admin create-key`` or ``rotate-key``, ``POST
+/api/v1/tenant/keys``: only its SHA-256 is stored) or a key revocation (``python -m
+extproc.admin revoke-key``). Both backends keep the same five tables and one version
+counter that every write increments in the write's own transaction; ``read`` returns an
+``Overlay``, the tables at one version.
 
 PostgreSQL: every write also sends ``NOTIFY ace_state, '<version>'`` in that transaction.
 ``watch`` (a background thread of ``extproc.store.Store``) LISTENs on a dedicated
@@ -31,11 +33,24 @@ from typing import Callable, Mapping, Protocol
 
 from extproc.errors import StoreUnavailable
 
-__all__ = ["Overlay", "PostgresStateDB", "SQLiteStateDB", "StateDB", "is_postgres_url", "open_state_db"]
+__all__ = ["IssuedKey", "Overlay", "PostgresStateDB", "SQLiteStateDB", "StateDB", "is_postgres_url", "open_state_db"]
 
 log = logging.getLogger(__name__)
 CHANNEL = "ace_state"
 WATCH_APP = "ace-state-watch"    # application_name of the LISTEN connections (pg_stat_activity)
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """A key issued at runtime: its SHA-256 only, never the secret."""
+
+    sha256: str
+    tenant: str
+    name: str
+    role: str
+    created_at: float                  # epoch s
+    expires_at: float | None = None    # epoch s; None: never
+    skills: Mapping[str, str] = field(default_factory=dict)   # a rotated key's, carried over
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +62,7 @@ class Overlay:
     revoked: frozenset[str] = frozenset()                                       # sha256 of revoked keys
     changed_at: float = 0.0    # wall time (epoch s) of the write that made this version; 0: unknown
     tenant_skills: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # tenant id -> skills
+    keys: Mapping[str, IssuedKey] = field(default_factory=dict)                  # sha256 -> issued key
 
 
 class StateDB(Protocol):
@@ -54,6 +70,7 @@ class StateDB(Protocol):
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str | None]) -> Overlay: ...
     def set_revoked(self, key_sha256: str, revoked: bool) -> Overlay: ...
     def set_tenant_skills(self, tenant: str, skills: Mapping[str, str | None]) -> Overlay: ...
+    def add_key(self, key: IssuedKey, revoke: str | None = None) -> Overlay: ...
     def watch(self, apply: Callable[[Overlay], None], current: Callable[[], int],
               stop: threading.Event, poll_s: float) -> None: ...
     def close(self) -> None: ...
@@ -83,6 +100,9 @@ class SQLiteStateDB:
                              " key_sha256 TEXT PRIMARY KEY, revoked_at REAL NOT NULL)")
             self._db.execute("CREATE TABLE IF NOT EXISTS tenant_skills ("
                              " tenant TEXT PRIMARY KEY, skills TEXT NOT NULL, updated_at REAL NOT NULL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS api_keys ("
+                             " key_sha256 TEXT PRIMARY KEY, tenant TEXT NOT NULL, name TEXT NOT NULL,"
+                             " role TEXT NOT NULL, skills TEXT NOT NULL, created_at REAL NOT NULL, expires_at REAL)")
             self._db.execute("CREATE TABLE IF NOT EXISTS state_version ("
                              " id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL)")
             self._db.execute("INSERT OR IGNORE INTO state_version (id, version) VALUES (1, 0)")
@@ -94,7 +114,9 @@ class SQLiteStateDB:
         skills = {k: json.loads(v) for k, v in self._db.execute("SELECT key_sha256, skills FROM dev_key_skills")}
         revoked = frozenset(k for (k,) in self._db.execute("SELECT key_sha256 FROM revoked_keys"))
         tenants = {t: json.loads(v) for t, v in self._db.execute("SELECT tenant, skills FROM tenant_skills")}
-        return Overlay(version, skills, revoked, float(changed_at), tenants)
+        keys = {row[0]: _issued(*row[:4], json.loads(row[4]), *row[5:]) for row in self._db.execute(
+            f"SELECT {_KEY_COLUMNS} FROM api_keys")}
+        return Overlay(version, skills, revoked, float(changed_at), tenants, keys)
 
     def read(self) -> Overlay:
         with self._lock:
@@ -144,6 +166,16 @@ class SQLiteStateDB:
                 self._db.execute("DELETE FROM revoked_keys WHERE key_sha256=?", (key_sha256,))
         return self._write(change)
 
+    def add_key(self, key: IssuedKey, revoke: str | None = None) -> Overlay:
+        """Store an issued key and, in the same transaction, revoke ``revoke`` (a rotation)."""
+        def change() -> None:
+            self._db.execute(f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             (key.sha256, key.tenant, key.name, key.role, json.dumps(dict(key.skills)),
+                              key.created_at, key.expires_at))
+            if revoke is not None:
+                self._db.execute("INSERT OR IGNORE INTO revoked_keys VALUES (?, ?)", (revoke, time.time()))
+        return self._write(change)
+
     def watch(self, apply, current, stop: threading.Event, poll_s: float) -> None:
         while not stop.wait(poll_s):
             try:
@@ -166,6 +198,9 @@ CREATE TABLE IF NOT EXISTS ace_revoked_keys (
   key_sha256 text PRIMARY KEY, revoked_at timestamptz NOT NULL DEFAULT now());
 CREATE TABLE IF NOT EXISTS ace_tenant_skills (
   tenant text PRIMARY KEY, skills jsonb NOT NULL, updated_at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE IF NOT EXISTS ace_api_keys (
+  key_sha256 text PRIMARY KEY, tenant text NOT NULL, name text NOT NULL, role text NOT NULL,
+  skills jsonb NOT NULL, created_at double precision NOT NULL, expires_at double precision);
 CREATE TABLE IF NOT EXISTS ace_state_version (
   id int PRIMARY KEY CHECK (id = 1), version bigint NOT NULL);
 INSERT INTO ace_state_version (id, version) VALUES (1, 0) ON CONFLICT DO NOTHING;
@@ -209,7 +244,8 @@ class PostgresStateDB:
         skills = dict(conn.execute("SELECT key_sha256, skills FROM ace_dev_key_skills").fetchall())
         revoked = frozenset(k for (k,) in conn.execute("SELECT key_sha256 FROM ace_revoked_keys"))
         tenants = dict(conn.execute("SELECT tenant, skills FROM ace_tenant_skills").fetchall())
-        return Overlay(int(version), skills, revoked, float(changed_at), tenants)
+        keys = {row[0]: _issued(*row) for row in conn.execute(f"SELECT {_KEY_COLUMNS} FROM ace_api_keys")}
+        return Overlay(int(version), skills, revoked, float(changed_at), tenants, keys)
 
     def _snapshot_read(self, conn) -> Overlay:
         with conn.transaction():
@@ -223,11 +259,13 @@ class PostgresStateDB:
             except self._psycopg.Error as exc:
                 raise StoreUnavailable(f"state database read failed: {_first_line(exc)}") from exc
 
-    def _write(self, sql: str, params: tuple | dict) -> Overlay:
+    def _write(self, sql: str, params: tuple | dict, *more: tuple[str, tuple | dict]) -> Overlay:
+        """``sql`` (and ``more`` statements) in one transaction with the version bump."""
         with self._connect() as conn:
             try:
                 with conn.transaction():
-                    conn.execute(sql, params)
+                    for statement, values in ((sql, params), *more):
+                        conn.execute(statement, values)
                     # the version row's lock orders concurrent writers: the read below sees
                     # every write up to ours, and NOTIFY goes out when the transaction commits
                     (version,) = conn.execute(
@@ -258,6 +296,14 @@ class PostgresStateDB:
                                (key_sha256,))
         return self._write("DELETE FROM ace_revoked_keys WHERE key_sha256 = %s", (key_sha256,))
 
+    def add_key(self, key: IssuedKey, revoke: str | None = None) -> Overlay:
+        """Store an issued key and, in the same transaction, revoke ``revoke`` (a rotation)."""
+        more = () if revoke is None else (
+            ("INSERT INTO ace_revoked_keys (key_sha256) VALUES (%s) ON CONFLICT DO NOTHING", (revoke,)),)
+        return self._write(f"INSERT INTO ace_api_keys ({_KEY_COLUMNS}) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s)",
+                           (key.sha256, key.tenant, key.name, key.role, json.dumps(dict(key.skills)),
+                            key.created_at, key.expires_at), *more)
+
     def watch(self, apply, current, stop: threading.Event, poll_s: float) -> None:
         backoff = 0.1
         while not stop.is_set():
@@ -286,6 +332,15 @@ class PostgresStateDB:
 
     def close(self) -> None:
         pass
+
+
+_KEY_COLUMNS = "key_sha256, tenant, name, role, skills, created_at, expires_at"
+
+
+def _issued(sha256: str, tenant: str, name: str, role: str, skills: Mapping[str, str], created_at: float,
+            expires_at: float | None) -> IssuedKey:
+    return IssuedKey(sha256, tenant, name, role, float(created_at),
+                     None if expires_at is None else float(expires_at), dict(skills))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,13 +1,16 @@
 """Gateway state: a YAML file (GitOps) plus a database of runtime changes.
 
 The YAML file is the source of truth for adapters, tenants, keys and upstreams; it is
-read at start-up. The upstreams may come from a discovery source instead
-(``extproc.discovery``, ``Store.set_upstreams``). Changes made at runtime (a developer
-key's skills, set through ``POST /api/v1/dev_key/skills``; a tenant's default skills, set
-by its admin key through ``POST /api/v1/tenant/skills``; a key revoked with
-``python -m extproc.admin``) are written to the state database (``extproc.state_db``:
-SQLite for one node, PostgreSQL shared by several replicas) and overlay the file's values,
-so they survive a restart and reach every replica. Every change builds a new immutable
+read at start-up and again by ``reload_file`` (``extproc.state_file_watch`` calls it when
+the file changes, or on SIGHUP): validated whole first, so a bad edit changes nothing. The
+upstreams may come from a discovery source instead (``extproc.discovery``,
+``Store.set_upstreams``). Changes made at runtime (a developer key's skills, set through
+``POST /api/v1/dev_key/skills``; a tenant's default skills, set by its admin key through
+``POST /api/v1/tenant/skills``; a key issued, rotated or revoked with ``python -m
+extproc.admin`` or the settings API, ``extproc.key_lifecycle``) are written to the state
+database (``extproc.state_db``: SQLite for one node, PostgreSQL shared by several
+replicas) and overlay the file's values, so they survive a restart and reach every
+replica. Every change builds a new immutable
 ``Snapshot`` and swaps one reference: the request path only ever reads ``Store.snapshot``,
 never the database. ``on_snapshot(callback)``: ``callback(seconds)`` after each swap a
 write caused, here or on another replica, with the time from the write's commit to the
@@ -17,15 +20,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from extproc.catalog import Adapter, DevKey, Tenant, Upstream
+from extproc.catalog import Adapter, DevKey, KeyOrigin, Tenant, Upstream
 from extproc.errors import ConfigError, GatewayError
 from extproc.skills import validate_skills
-from extproc.state_db import Overlay, is_postgres_url, open_state_db
+from extproc.state_db import IssuedKey, Overlay, is_postgres_url, open_state_db
 from extproc.state_schema import config_error, read_catalog, read_state
 from gpu_agent.catalog_schema import CatalogAdapter
 
@@ -37,10 +40,11 @@ class Snapshot:
     adapters: Mapping[str, Adapter]
     base_models: frozenset[str]
     tenants: Mapping[str, Tenant]
-    keys: Mapping[str, DevKey]          # sha256(plaintext key) -> key
+    keys: Mapping[str, DevKey]          # sha256(plaintext key) -> key: the keys that authenticate
     upstreams: tuple[Upstream, ...]
     default_skills: Mapping[str, str]
     max_body_bytes: int
+    revoked_keys: Mapping[str, DevKey] = field(default_factory=dict)   # known keys revoked: listings only
 
 
 def _skills(raw: Mapping[str, str], source: Path, where: str) -> Mapping[str, str]:
@@ -107,7 +111,8 @@ def load_state_file(path: Path, catalog: Path | None = None, *, upstreams_requir
         raise config_error(path, "limits.max_body_bytes", "must be positive")
     return dict(adapters=adapters, base_models=frozenset(base_models), tenants=tenants, keys=keys,
                 upstreams=tuple(upstreams), default_skills=_skills(state.skills, path, "skills"),
-                max_body_bytes=state.limits.max_body_bytes)
+                max_body_bytes=state.limits.max_body_bytes,
+                sources=(path, *(path.parent / inc for inc in state.includes), *([catalog] if catalog else [])))
 
 
 class Store:
@@ -120,7 +125,9 @@ class Store:
         watcher compares the database's version (PostgreSQL: the fallback behind NOTIFY).
         Start-up needs the database: a replica never serves without its revocations.
         ``upstreams_required=False``: a discovery source gives the upstreams."""
-        self._file_state = load_state_file(Path(state_file), catalog, upstreams_required=upstreams_required)
+        self._state_file, self._catalog, self._upstreams_required = Path(state_file), catalog, upstreams_required
+        self._file_state = load_state_file(self._state_file, catalog, upstreams_required=upstreams_required)
+        self._overlay = Overlay()
         self._upstreams: tuple[Upstream, ...] = self._file_state["upstreams"]
         self._lock = threading.Lock()
         self._listeners: list[Callable[[float], None]] = []
@@ -154,19 +161,39 @@ class Store:
                 return
             first = self._version < 0
             self.snapshot = self._build(overlay)
-            self._version = overlay.version
+            self._overlay, self._version = overlay, overlay.version
         if not first and overlay.changed_at > 0:
             lag = max(0.0, time.time() - overlay.changed_at)
             for callback in self._listeners:
                 callback(lag)
 
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        """The files the current state came from: the state file, then its catalogs."""
+        return self._file_state["sources"]
+
+    def reload_file(self) -> Snapshot:
+        """Read the state file again and, only if all of it is valid, swap in a snapshot
+        built from it and the database's runtime changes. Raises ``ConfigError`` (naming
+        the file and the field) and changes nothing when it is not valid."""
+        state = load_state_file(self._state_file, self._catalog, upstreams_required=self._upstreams_required)
+        with self._lock:
+            self._file_state = state
+            if self._upstreams_required:     # static hosts; a discovery source owns them otherwise
+                self._upstreams = state["upstreams"]
+            self.snapshot = self._build(self._overlay)
+            return self.snapshot
+
     def _build(self, overlay: Overlay) -> Snapshot:
-        keys = {d: k for d, k in self._file_state["keys"].items() if d not in overlay.revoked}
-        for digest, skills in overlay.key_skills.items():
-            if digest in keys:
-                keys[digest] = replace(keys[digest], skills=MappingProxyType({**keys[digest].skills, **skills}))
         s = self._file_state
         tenants = dict(s["tenants"])
+        known = {**{d: _issued_key(k) for d, k in overlay.keys.items() if k.tenant in tenants},
+                 **s["keys"]}     # a runtime key of a tenant the file no longer has: gone
+        for digest, skills in overlay.key_skills.items():
+            if digest in known:
+                known[digest] = replace(known[digest], skills=MappingProxyType({**known[digest].skills, **skills}))
+        keys = {d: k for d, k in known.items() if d not in overlay.revoked}
+        revoked = {d: k for d, k in known.items() if d in overlay.revoked}
         for tenant_id, skills in overlay.tenant_skills.items():
             if tenant_id in tenants:
                 t = tenants[tenant_id]
@@ -174,7 +201,7 @@ class Store:
         return Snapshot(adapters=MappingProxyType(dict(s["adapters"])), base_models=s["base_models"],
                         tenants=MappingProxyType(tenants), keys=MappingProxyType(keys),
                         upstreams=self._upstreams, default_skills=s["default_skills"],
-                        max_body_bytes=s["max_body_bytes"])
+                        max_body_bytes=s["max_body_bytes"], revoked_keys=MappingProxyType(revoked))
 
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str | None]) -> Snapshot:
         """Persist a developer key's skills (merged over earlier runtime changes; a ``None``
@@ -195,6 +222,12 @@ class Store:
         self._apply(self._db.set_revoked(key_sha256, revoked))
         return self.snapshot
 
+    def add_key(self, key: IssuedKey, revoke: str | None = None) -> Snapshot:
+        """Store an issued key (its SHA-256 only) and, in the same transaction, revoke
+        ``revoke`` (a rotation); every replica accepts it once it applies the change."""
+        self._apply(self._db.add_key(key, revoke))
+        return self.snapshot
+
     def set_upstreams(self, upstreams: tuple[Upstream, ...]) -> Snapshot:
         """The engine hosts a discovery source found (``extproc.discovery``): a new snapshot;
         requests in flight keep the one they read."""
@@ -208,6 +241,11 @@ class Store:
         if self._watcher is not None:
             self._watcher.join(timeout=5)
         self._db.close()
+
+
+def _issued_key(k: IssuedKey) -> DevKey:
+    return DevKey(sha256=k.sha256, tenant=k.tenant, name=k.name, skills=MappingProxyType(dict(k.skills)),
+                  role=k.role, origin=KeyOrigin.DATABASE, created_at=k.created_at, expires_at=k.expires_at)
 
 
 def _redact(db: Path | str) -> str:

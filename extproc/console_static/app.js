@@ -90,7 +90,11 @@ function renderKey(me) {
   }
 }
 
-function renderTenant(t, keys) {
+function day(iso) { return iso ? iso.slice(0, 10) : "–"; }
+
+function keyStatus(k) { return k.revoked ? "revoked" : k.expired ? "expired" : "active"; }
+
+function renderTenant(t, keys, me) {
   const body = $("tenant-skills").tBodies[0];
   body.replaceChildren();
   for (const skill of SKILLS) {
@@ -103,10 +107,62 @@ function renderTenant(t, keys) {
   const kb = $("tenant-keys").tBodies[0];
   kb.replaceChildren();
   for (const k of keys.keys) {
-    kb.append(el("tr", { "data-key": k.id },
+    const actions = el("td", {});
+    if (!k.revoked) {
+      const rotate = el("button", { type: "button", "data-action": "rotate" }, "Rotate");
+      rotate.addEventListener("click", () => keyChange("/api/v1/tenant/keys/rotate", k, me));
+      const revoke = el("button", { type: "button", "data-action": "revoke" }, "Revoke");
+      revoke.addEventListener("click", () => keyChange("/api/v1/tenant/keys/revoke", k, me));
+      actions.append(rotate, " ", revoke);
+    }
+    kb.append(el("tr", { "data-key": k.id, class: k.revoked ? "revoked" : "" },
       el("td", {}, k.name), el("td", { class: "src" }, k.id), el("td", {}, k.role),
-      ...SKILLS.map((s) => el("td", {}, `${k.skills[s].effective} `, el("span", { class: "src" }, `(${k.skills[s].source})`)))));
+      ...SKILLS.map((s) => el("td", {}, `${k.skills[s].effective} `, el("span", { class: "src" }, `(${k.skills[s].source})`))),
+      el("td", { class: "src" }, day(k.created)), el("td", { class: "src" }, day(k.expires)),
+      el("td", { "data-field": "status" }, keyStatus(k)), actions));
   }
+}
+
+// a secret is in the page only here, until "Done" or sign-out; never stored
+function showSecret(what, secret) {
+  $("new-secret-what").textContent = what;
+  $("new-secret-value").textContent = secret;
+  $("new-secret").hidden = false;
+}
+
+function hideSecret() {
+  $("new-secret-value").textContent = "";
+  $("new-secret").hidden = true;
+}
+
+async function keyChange(path, k, me) {
+  try {
+    const out = await api(path, { id: k.id });
+    writeError = null;
+    if (out.secret) {
+      // rotating the key this page signed in with: sign in with its successor
+      if (k.id === me.key.id) sessionStorage.setItem(STORE, out.secret);
+      showSecret(`New secret for ${k.name || k.id} (id ${out.key.id})`, out.secret);
+    }
+  } catch (e) {
+    writeError = e;
+  }
+  await load();
+}
+
+async function createKey() {
+  const expires = $("create-key-expires").value;
+  const body = { name: $("create-key-name").value.trim(), role: $("create-key-role").value,
+    expires: expires ? expires + "T00:00:00Z" : null };
+  try {
+    const out = await api("/api/v1/tenant/keys", body);
+    writeError = null;
+    $("create-key-name").value = "";
+    showSecret(`New key ${out.key.name || out.key.id} (id ${out.key.id})`, out.secret);
+  } catch (e) {
+    writeError = e;
+  }
+  await load();
 }
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -184,7 +240,7 @@ async function load() {
     const [ad, usage, tenant, keys] = await Promise.all([
       api("/api/v1/adapters"), api("/api/v1/usage?window=3600"),
       admin ? api("/api/v1/tenant/skills") : null, admin ? api("/api/v1/tenant/keys") : null]);
-    if (admin) renderTenant(tenant, keys);
+    if (admin) renderTenant(tenant, keys, me);
     renderAdapters(ad, usage);
     showError(writeError);
   } catch (e) {
@@ -202,6 +258,7 @@ function stop(clearError) {
   if (timer !== null) { clearInterval(timer); timer = null; }
   sessionStorage.removeItem(STORE);
   writeError = null;
+  hideSecret();
   $("app").hidden = true;
   $("who").hidden = true;
   $("signout").hidden = true;
@@ -220,5 +277,7 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   $("signout").addEventListener("click", () => stop(true));
   $("refresh").addEventListener("click", () => load());
+  $("create-key-form").addEventListener("submit", (ev) => { ev.preventDefault(); createKey(); });
+  $("new-secret-done").addEventListener("click", hideSecret);
   if (sessionStorage.getItem(STORE)) start();
 });

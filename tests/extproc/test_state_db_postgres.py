@@ -142,3 +142,29 @@ def test_a_tenant_default_change_on_one_replica_is_applied_by_the_other(replicas
     b.set_tenant_skills("acme", {"multi_lora": "off"})
     wait_until(lambda: a.version == 2, timeout=10, what="replica A applies B's change")
     assert dict(a.snapshot.tenants["acme"].skills) == {"multi_lora": "off", "dynamic_lora_prefetch": "prod"}
+
+
+def test_a_key_created_with_the_cli_on_one_replica_authenticates_on_the_other(replicas, url, state_file, capsys):
+    a, b = replicas
+    wait_until(lambda: _listening(url, 2), timeout=10, what="both replicas LISTEN")
+    t0 = time.monotonic()
+    assert admin.main(["create-key", "--tenant", "globex", "--name", "ci", "--expires", "2999-01-01",
+                       "--config", str(state_file), "--database-url", url]) == 0
+    secret = capsys.readouterr().out.strip()
+    for replica in (a, b):
+        wait_until(lambda: sha(secret) in replica.snapshot.keys, timeout=10, what="the replica applies the new key")
+        assert authenticate(replica.snapshot, f"Bearer {secret}", None).tenant.id == "globex"
+    print(f"new key, CLI write -> both replicas: {(time.monotonic() - t0) * 1000:.1f} ms")
+    import psycopg
+    with psycopg.connect(url) as conn:      # only the digest is stored
+        rows = conn.execute("SELECT key_sha256, tenant, name, role, expires_at FROM ace_api_keys").fetchall()
+    assert rows == [(sha(secret), "globex", "ci", "developer", 32472144000.0)]
+    # rotated on B: the old secret fails on A as soon as A applies it, the new one works there
+    old = b.snapshot.keys[sha(secret)]
+    from extproc.key_lifecycle import rotation
+    new_secret, new = rotation(old, time.time())
+    b.add_key(new, revoke=old.sha256)
+    wait_until(lambda: sha(new_secret) in a.snapshot.keys, timeout=10, what="A applies the rotation")
+    with pytest.raises(Unauthorized):
+        authenticate(a.snapshot, f"Bearer {secret}", None)
+    assert a.snapshot.keys[sha(new_secret)].expires_at == 32472144000.0

@@ -90,3 +90,22 @@ def test_postgres_down_serves_requests_refuses_writes_with_503_then_recovers(rep
     assert r.status_code == 200, r.text
     wait_until(lambda: _effective(b, ALICE)["multi_lora"] == "shadow", timeout=30, interval=0.05,
                what="replica B reconnects and applies the retried write")
+
+
+def test_a_key_issued_on_replica_a_is_accepted_by_replica_b_propagation_measured(replicas):
+    """A tenant admin issues a key through replica A's settings API; replica B accepts it
+    once it has applied the NOTIFY. The time from A's answer to B's first 200 through B's
+    Envoy, five keys in a row (docs/gateway.md, "Key lifecycle", quotes it)."""
+    _, a, b = replicas
+    took = []
+    for i in range(5):
+        r = a.post("/api/v1/tenant/keys", json={"name": f"replicated-{i}"}, headers=ALICE)
+        assert r.status_code == 201, r.text
+        t0 = time.monotonic()
+        key = {"authorization": f"Bearer {r.json()['secret']}"}
+        wait_until(lambda: b.post("/v1/chat/completions", json=CHAT, headers=key).status_code == 200,
+                   timeout=10, interval=0.005, what="replica B accepts the key issued on A")
+        took.append((time.monotonic() - t0) * 1000)
+        assert a.post("/v1/chat/completions", json=CHAT, headers=key).status_code == 200
+    took.sort()
+    print(f"new key A -> B through Envoy B: min {took[0]:.0f} ms, median {took[2]:.0f} ms, max {took[-1]:.0f} ms")

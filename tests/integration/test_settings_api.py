@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.extproc.builders import KEYS, upstream, write_state
+from tests.extproc.builders import KEYS, sha, upstream, write_state
 from tests.support.upstream import RecordingUpstream
 from tools.localstack import gateway_front
 
@@ -92,3 +92,40 @@ def test_adapters_without_an_agent_are_unknown_and_usage_counts_per_tenant(gw):
     acme = gw.get("/api/v1/usage", headers=ALICE).json()
     assert "globex-secret" not in acme["adapters"]
     _err(gw.get("/api/v1/usage?window=7200", headers=BOB), 422, "invalid_value")
+
+
+def test_a_tenant_admin_issues_rotates_and_expires_keys_through_envoy(tmp_path):
+    """Its own gateway: the keys it issues must not change the listings the tests above read."""
+    from datetime import datetime, timedelta, timezone
+
+    from tests.support.wait import wait_until
+    chat = json.dumps({"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}]})
+    with RecordingUpstream() as up:
+        state = write_state(tmp_path, [upstream("local-vllm", up.address, "vllm", "body")])
+        with gateway_front(tmp_path, state, up.address) as port, \
+                httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as gw:
+            _err(gw.post("/api/v1/tenant/keys", json={"name": "x"}, headers=BOB), 403, "admin_required")
+            _err(gw.post("/api/v1/tenant/keys", json={"tenant": "globex"}, headers=ALICE), 403, "tenant_mismatch")
+            r = gw.post("/api/v1/tenant/keys", json={"name": "laptop"}, headers=ALICE)
+            assert r.status_code == 201, r.text
+            secret = r.json()["secret"]
+            mine = {"authorization": f"Bearer {secret}", **JSON}
+            assert gw.post("/v1/chat/completions", content=chat, headers=mine).status_code == 200
+            assert up.requests[-1].headers["x-ace-tenant-id"] == "acme"
+            r = gw.post("/api/v1/tenant/keys/rotate", json={"id": r.json()["key"]["id"]}, headers=ALICE)
+            assert r.status_code == 201, r.text
+            _err(gw.post("/v1/chat/completions", content=chat, headers=mine), 401, "invalid_api_key")
+            rotated = {"authorization": f"Bearer {r.json()['secret']}", **JSON}
+            assert gw.post("/v1/chat/completions", content=chat, headers=rotated).status_code == 200
+            soon = (datetime.now(timezone.utc) + timedelta(seconds=1)).isoformat()
+            r = gw.post("/api/v1/tenant/keys", json={"name": "temp", "expires": soon}, headers=ALICE)
+            assert r.status_code == 201, r.text
+            temp = {"authorization": f"Bearer {r.json()['secret']}", **JSON}
+            r = wait_until(lambda: (r := gw.post("/v1/chat/completions", content=chat, headers=temp))
+                           .status_code == 401 and r, what="the key expires")
+            assert r.json()["error"]["code"] == "expired_api_key" and r.json()["error"]["type"] == "authentication_error"
+            listed = gw.get("/api/v1/tenant/keys", headers=ALICE).json()["keys"]
+            assert {(k["name"], k["revoked"], k["expired"]) for k in listed} >= {
+                ("laptop", True, False), ("laptop", False, False), ("temp", False, True)}
+    stored = b"".join(p.read_bytes() for p in tmp_path.glob("gw.sqlite3*")) + (tmp_path / "extproc.log").read_bytes()
+    assert secret.encode() not in stored and sha(secret).encode() in stored   # hashed, never logged

@@ -207,3 +207,58 @@ def test_error_states_store_down_503_and_no_agent_unknown(tmp_path):
                 assert _text(driver, "#tenant-multi_lora-effective") == "prod"           # nothing changed
             finally:
                 pg.start()
+
+
+_CLICK = "const b = document.querySelector(arguments[0]); if (b) b.click(); return !!b;"
+
+
+def test_a_tenant_admin_creates_rotates_and_revokes_keys_on_the_page(tmp_path):
+    """acme's admin issues a key on the page (its secret shown once, and it works through
+    Envoy), rotates it (the old secret refused at once), revokes a colleague's key; no
+    other tenant's key is listed."""
+    from selenium.webdriver.common.by import By
+
+    from tests.extproc.builders import KEYS as BUILDER_KEYS
+    from tests.extproc.builders import upstream, write_state as builder_state
+    from tests.support.upstream import RecordingUpstream
+    from tools.localstack import gateway_front
+
+    chat = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    with RecordingUpstream() as up, chromium() as driver:
+        state = builder_state(tmp_path, [upstream("local-vllm", up.address, "vllm", "body")])
+        with gateway_front(tmp_path, state, up.address) as port:
+            base = f"http://127.0.0.1:{port}"
+
+            def status(secret: str) -> int:
+                return httpx.post(base + "/v1/chat/completions", json=chat, timeout=10,
+                                  headers={"Authorization": f"Bearer {secret}"}).status_code
+
+            _sign_in(driver, base, BUILDER_KEYS["alice"])
+            _until(driver, lambda d: "tenant acme · admin" in _text(d, "#who"), "signed in as acme's admin")
+            _until(driver, lambda d: len(_attrs(d, "#tenant-keys tbody tr", "data-key")) == 2, "acme's two keys")
+            bob = hashlib.sha256(BUILDER_KEYS["bob"].encode()).hexdigest()[:12]
+            assert bob not in _attrs(driver, "#tenant-keys tbody tr", "data-key")        # globex's: never listed
+
+            driver.find_element(By.ID, "create-key-name").send_keys("ci-bot")
+            driver.find_element(By.ID, "create-key").click()
+            _until(driver, lambda d: _text(d, "#new-secret-value").startswith("sk-ace-"), "the new secret shown")
+            secret = _text(driver, "#new-secret-value")
+            new_id = hashlib.sha256(secret.encode()).hexdigest()[:12]
+            _until(driver, lambda d: new_id in _attrs(d, "#tenant-keys tbody tr", "data-key"), "the new key listed")
+            assert secret not in _text(driver, "#tenant-keys") and status(secret) == 200
+            assert driver.execute_script("return sessionStorage.getItem('ace.key')") == BUILDER_KEYS["alice"]
+
+            assert driver.execute_script(_CLICK, f'#tenant-keys tr[data-key="{new_id}"] button[data-action="rotate"]')
+            _until(driver, lambda d: _text(d, "#new-secret-value") not in ("", secret), "the rotated secret shown")
+            rotated = _text(driver, "#new-secret-value")
+            assert status(secret) == 401 and status(rotated) == 200
+            _until(driver, lambda d: _text(d, f'#tenant-keys tr[data-key="{new_id}"] td[data-field="status"]')
+                   == "revoked", "the old key listed as revoked")
+
+            carol = hashlib.sha256(BUILDER_KEYS["carol"].encode()).hexdigest()[:12]
+            assert driver.execute_script(_CLICK, f'#tenant-keys tr[data-key="{carol}"] button[data-action="revoke"]')
+            _until(driver, lambda d: _text(d, f'#tenant-keys tr[data-key="{carol}"] td[data-field="status"]')
+                   == "revoked", "carol's key revoked")
+            assert status(BUILDER_KEYS["carol"]) == 401 and status(BUILDER_KEYS["alice"]) == 200
+            driver.find_element(By.ID, "new-secret-done").click()
+            assert _text(driver, "#new-secret-value") == ""
