@@ -1,7 +1,8 @@
 """Rewrite a request for the chosen upstream's flavour; touch the body only if it changes
 (the adapter is applied, or the client sent fields that are the gateway's).
 
-One module per flavour (``vllm``, ``sglang``, ``builtin``), each with ``model_for``.
+One module per flavour (``vllm``, ``sglang``, ``builtin``), each with ``model_for`` and
+``ROUTES`` (the inference routes that flavour is sent: ``SERVED_ROUTES``).
 """
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from extproc.rewrite import builtin, sglang, vllm
 from extproc.rewrite.codec import encode
 from extproc.rewrite.hints import client_copies, wire_hints
 
-__all__ = ["Rewrite", "rewrite_request", "MODEL_FOR", "encode"]
+__all__ = ["Rewrite", "rewrite_request", "MODEL_FOR", "SERVED_ROUTES", "encode"]
 
 _MISSING = object()
 
 MODEL_FOR: Mapping[str, Callable[[Adapter, Upstream], str]] = {
     "vllm": vllm.model_for, "sglang": sglang.model_for, "builtin": builtin.model_for}
+SERVED_ROUTES: Mapping[str, frozenset[str]] = {
+    "vllm": vllm.ROUTES, "sglang": sglang.ROUTES, "builtin": builtin.ROUTES}
 
 
 @dataclass(frozen=True, slots=True)

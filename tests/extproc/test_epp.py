@@ -182,7 +182,7 @@ def test_no_fallbacks_by_default_one_address_as_envoy_reads_it(gateway):
 
 def test_headers_only_request_is_picked_at_once_and_its_body_streams(gateway):
     s = EppStream(gateway)
-    out = s.handle(headers_msg(path="/v1/models", method="GET", eos=True))
+    out = s.handle(headers_msg(path="/health", method="GET", eos=True))
     assert ENDPOINT_HEADER in header_map(out[0].request_headers.response)
 
 
