@@ -4,8 +4,9 @@ Thin: parse the body into plain values, resolve the model, hold the adapter resi
 stream tokens from the batcher, write JSON or SSE. Every error goes through
 :func:`gpu_agent.engine.errors.http_error` (one status + OpenAI-style body).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(each with ``stream: true``; the Responses API's shapes in ``gpu_agent.engine.responses``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's
 runtime ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter``.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ from aiohttp import web
 from gpu_agent.engine.core import Engine
 from gpu_agent.engine.errors import EngineError, InvalidRequest, error_body, http_error
 from gpu_agent.engine.metrics import render_metrics
+from gpu_agent.engine.responses import (ResponseStream, chat_messages, response_object, responses_param,
+                                        sampling_body)
 
 __all__ = ["build_app", "serve", "ENGINE_KEY"]
 
@@ -255,11 +258,7 @@ async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         if sp.stream:
             return await _stream(request, run, chat)
-        text, finish, n = "", "length", 0
-        async with contextlib.aclosing(run.text_deltas()) as deltas:
-            async for delta, fin, n in deltas:
-                text += delta
-                finish = fin or finish
+        text, finish, n = await _collect(run)
         stats.count(route, 200)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -318,6 +317,87 @@ async def _stream(request: web.Request, run: _Completion, chat: bool) -> web.Str
         request.app[STATS_KEY].count("chat" if chat else "completions", status)
         try:
             await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        except ConnectionError:
+            return resp  # the client is gone
+    try:
+        await resp.write_eof()
+    except ConnectionError:
+        pass
+    return resp
+
+
+async def _collect(run: _Completion) -> tuple[str, str, int]:
+    """The whole answer: (text, finish_reason, completion tokens)."""
+    text, finish, n = "", "length", 0
+    async with contextlib.aclosing(run.text_deltas()) as deltas:
+        async for delta, fin, n in deltas:
+            text += delta
+            finish = fin or finish
+    return text, finish, n
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses``: the Responses API over the chat path."""
+    engine: Engine = request.app[ENGINE_KEY]
+    stats = request.app[STATS_KEY]
+    try:
+        body = await _json_body(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("`model` is required", param="model")
+        adapter = engine.adapter_for(model)
+        try:
+            sp = parse_sampling(sampling_body(body), chat=True)
+        except InvalidRequest as exc:
+            raise responses_param(exc) from exc
+        ids = _chat_ids(engine, {"messages": chat_messages(body)})
+        if len(ids) + sp.max_tokens > engine.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {engine.max_model_len} tokens; the request "
+                f"has {len(ids)} input tokens and max_output_tokens={sp.max_tokens}.", param="max_output_tokens")
+        run = _Completion(engine, model, adapter, ids, sp)
+        await run.acquire()
+    except Exception as exc:  # noqa: BLE001 - the one boundary that maps errors to HTTP
+        stats.count("responses", http_error(exc)[0])
+        return _error_response(exc)
+    try:
+        if sp.stream:
+            return await _stream_response(request, run, body)
+        text, finish, n = await _collect(run)
+        stats.count("responses", 200)
+        payload = response_object(f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", model, int(time.time()),
+                                  body, text=text, finish=finish, usage=(len(ids), n))
+        return web.json_response(payload, headers=run.headers())
+    except Exception as exc:  # noqa: BLE001
+        stats.count("responses", http_error(exc)[0])
+        return _error_response(exc)
+    finally:
+        run.release()
+
+
+async def _stream_response(request: web.Request, run: _Completion, body: dict) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", **run.headers()})
+    await resp.prepare(request)
+    events = ResponseStream(run.model, int(time.time()), body)
+    stats = request.app[STATS_KEY]
+    try:
+        for event in events.opening():
+            await resp.write(event)
+        finish, n = "length", 0
+        async with contextlib.aclosing(run.text_deltas()) as deltas:
+            async for delta, fin, n in deltas:
+                finish = fin or finish
+                if delta:
+                    await resp.write(events.delta(delta))
+        for event in events.closing(finish, (len(run.ids), n)):
+            await resp.write(event)
+        stats.count("responses", 200)
+    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+        status, err = http_error(exc)
+        stats.count("responses", status)
+        try:
+            await resp.write(events.failure(err))
         except ConnectionError:
             return resp  # the client is gone
     try:
@@ -420,6 +500,7 @@ def build_app(engine: Engine) -> web.Application:
     app[STATS_KEY] = HttpStats()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
