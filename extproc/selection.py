@@ -2,11 +2,14 @@
 
 1. ``extra_body.lora_name`` (a nested object, what curl users send),
 2. top-level ``lora_name`` (what the OpenAI SDK's ``extra_body=`` puts on the wire),
-3. ``model`` naming a registered adapter (an explicit base model name means no adapter),
+3. ``model`` naming an adapter visible to the tenant (an explicit base model name means no
+   adapter),
 4. the tenant's ``default_adapter``.
 
-An adapter owned by another tenant is reported exactly like an unknown one (404), so a
-caller cannot learn which adapters other tenants have. ``adapter_rank`` (top level or in
+An adapter owned by another tenant is treated exactly like an unknown name, so a caller
+cannot learn which adapters other tenants have: named by ``lora_name`` both are 404; named
+by ``model`` both fall through to 4, as any name the gateway does not know does (an SDK's
+default ``"gpt-4o"``). ``adapter_rank`` (top level or in
 ``extra_body``), when sent, must equal the catalog's rank (422).
 """
 from __future__ import annotations
@@ -49,8 +52,9 @@ def select_adapter(snapshot: Snapshot, tenant: Tenant, body: Mapping[str, Any]) 
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidField("model must be a string", param="model")
-        if model in snapshot.adapters:
-            sel = Selection(_lookup(snapshot, tenant, model, "model"), "model")
+        adapter = snapshot.adapters.get(model) if model is not None else None
+        if adapter is not None and adapter.visible_to(tenant.id):
+            sel = Selection(adapter, "model")
         elif model in snapshot.base_models:
             sel = Selection(None, "base_model")
         elif tenant.default_adapter:

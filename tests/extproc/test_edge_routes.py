@@ -148,7 +148,7 @@ def test_responses_selects_by_extra_body_and_hides_other_tenants(gw):
                                          "extra_body": {"lora_name": "globex-secret"}})
     sent = json.loads(out.body)
     assert (sent["model"], sent["stream"], sent["input"]) == ("globex-secret", True, "hi")
-    err = _error(_decide(gw, "/v1/responses", {"model": "acme-legal", "input": "hi"}))
+    err = _error(_decide(gw, "/v1/responses", {"lora_name": "acme-legal", "input": "hi"}))
     assert (err["status"], err["code"]) == (404, "adapter_not_found")
 
 
@@ -172,7 +172,7 @@ def test_allow_listed_path_is_key_checked_and_routed_to_an_upstream_listing_it(t
         out = _decide(gw, "/tokenize", {"model": "code-python", "prompt": "hi"})
         assert dict(out.metadata)["destination"] == "127.0.0.1:8001"
         assert json.loads(out.body)["model"] == "code-python"
-        err = _error(_decide(gw, "/tokenize", {"model": "acme-legal", "prompt": "hi"}))
+        err = _error(_decide(gw, "/tokenize", {"lora_name": "acme-legal", "prompt": "hi"}))
         assert (err["status"], err["code"]) == (404, "adapter_not_found")
         assert _error(gw.exchange().on_request_headers(_head("/detokenize")))["code"] == "unknown_route"
     finally:
