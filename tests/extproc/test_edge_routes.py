@@ -185,3 +185,12 @@ def test_state_file_refuses_allow_paths_that_would_open_a_door(tmp_path, path):
     with pytest.raises(ConfigError) as exc:
         _store(tmp_path, [upstream("v", "127.0.0.1:8000", allow_paths=[path])])
     assert exc.value.field == "upstreams[0].allow_paths[0]"
+
+
+@pytest.mark.parametrize("key, model", [("bob", "acme-legal"), ("bob", "no-such"), ("carol", "globex-secret")])
+def test_a_model_name_the_tenant_may_not_use_never_reaches_the_engine(gw, key, model):
+    """bob (globex, no default adapter) and carol (acme, multi_lora shadow: the default is not
+    applied): the name goes nowhere, the base model goes instead, whether it is another
+    tenant's adapter or unknown."""
+    out = _decide(gw, "/v1/chat/completions", {"model": model, "messages": []}, key=key)
+    assert isinstance(out, Continue) and json.loads(out.body)["model"] == "ace-tiny-llama"
