@@ -19,20 +19,17 @@ adapters). A wrong key is still 401.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
 
 from extproc.auth import authenticate
 from extproc.catalog import PUBLIC
 from extproc.errors import MethodNotAllowed, NotFound
 from extproc.headers import TENANT_HEADER
-from extproc.outcomes import CONTINUE, Outcome, Reply, RequestHead
+from extproc.handlers import HeadersOnly
+from extproc.outcomes import Outcome, Reply, RequestHead
 from extproc.paths import MODELS, MODELS_PREFIX
 from extproc.store import Snapshot
-
-if TYPE_CHECKING:
-    from extproc.policy.routing import RoutePolicy
-    from extproc.processor import Gateway
 
 __all__ = ["ModelList", "visible_models"]
 
@@ -55,14 +52,8 @@ def visible_models(snap: Snapshot, tenant_id: str | None, created: int = CREATED
     return out
 
 
-class ModelList:
+class ModelList(HeadersOnly):
     """``/v1/models`` and ``/v1/models/{id}`` (GET): one header message, answered here."""
-
-    response_body_phase = False
-    headers_only = True
-
-    def __init__(self, gw: Gateway, route: RoutePolicy) -> None:
-        self.gw = gw
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
         if head.method != "GET":
@@ -82,9 +73,3 @@ class ModelList:
                 return Reply(200, json.dumps(entry).encode())
         raise NotFound(f"model {wanted!r} does not exist or is not visible to this key", param="model",
                        code="model_not_found")
-
-    def on_request_body(self, body: bytes) -> Outcome:   # answered at the headers already
-        return CONTINUE
-
-    def on_response_body(self, body: bytes) -> Outcome:
-        return CONTINUE

@@ -17,7 +17,7 @@ from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
 from extproc.console import CONSOLE_ROUTES
 from extproc.errors import GatewayError, InvalidField, MethodNotAllowed, NoUpstream, NotFound
-from extproc.handlers import Authenticated, Handler, parse_object
+from extproc.handlers import Authenticated, Handler, HeadersOnly, parse_object
 from extproc.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, session_of
 from extproc.metrics import GatewayMetrics
 from extproc.model_list import ModelList
@@ -67,25 +67,13 @@ class Gateway:
         return Exchange(self, route)
 
 
-class OpenPath:
+class OpenPath(HeadersOnly):
     """``GET /health``: liveness for load balancers, no key, forwarded to the default
     upstream; headers only."""
-
-    response_body_phase = False
-    headers_only = True
-
-    def __init__(self, gw: Gateway, route: RoutePolicy) -> None:
-        pass
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
         if head.method not in ("GET", "HEAD"):
             raise MethodNotAllowed(f"{head.method} is not allowed on {head.path}")
-        return CONTINUE
-
-    def on_request_body(self, body: bytes) -> Outcome:
-        return CONTINUE
-
-    def on_response_body(self, body: bytes) -> Outcome:
         return CONTINUE
 
 
