@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import time
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from extproc.auth import Principal, authenticate
@@ -38,14 +38,11 @@ from extproc.errors import Forbidden, InvalidField, MethodNotAllowed, Unsupporte
 from extproc.key_lifecycle import check_grant, find_key, issue, key_listing, parse_expiry, parse_role, rotation
 from extproc.headers import TENANT_HEADER
 from extproc.outcomes import Outcome, Reply, RequestHead
-from extproc.handlers import Authenticated, parse_object
+from extproc.handlers import Authenticated, HeadersOnly, parse_object
 from extproc.policy.routing import RoutePolicy
 from extproc.residency_view import NONE, UNKNOWN_TIER
 from extproc.skills import SKILLS, resolve, resolve_sources
 from extproc.store import Snapshot
-
-if TYPE_CHECKING:
-    from extproc.processor import Gateway
 
 __all__ = ["CONSOLE_ROUTES", "skill_sources"]
 
@@ -73,14 +70,8 @@ def _asset(name: str) -> bytes:
     return (_STATIC / name).read_bytes()
 
 
-class SettingsPage:
+class SettingsPage(HeadersOnly):
     """The page's static files: open without a key (they hold no tenant data)."""
-
-    response_body_phase = False
-    headers_only = True
-
-    def __init__(self, gw: Gateway, route: RoutePolicy) -> None:
-        self.gw = gw
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
         if head.method not in ("GET", "HEAD"):
@@ -89,12 +80,6 @@ class SettingsPage:
         body = _asset(name)
         return Reply(200, b"" if head.method == "HEAD" else body,
                      (("content-type", content_type), *_SECURITY_HEADERS))
-
-    def on_request_body(self, body: bytes) -> Outcome:   # pragma: no cover - headers answer
-        raise MethodNotAllowed("the settings page takes no body")
-
-    def on_response_body(self, body: bytes) -> Outcome:  # pragma: no cover
-        raise MethodNotAllowed("the settings page takes no body")
 
 
 def skill_sources(snap: Snapshot, p: Principal) -> dict[str, dict[str, Any]]:

@@ -64,6 +64,8 @@ class Decision:
     multi_lora_would: str | None
     prefetch_action: str
     prefetch_signal: PrefetchSignal | None
+    #: the body's ``model`` names no model of this tenant (extproc.selection): never sent on
+    foreign_model: bool = False
 
     @property
     def applies_adapter(self) -> bool:
@@ -126,4 +128,4 @@ def decide(snapshot: Snapshot, residency: ResidencySnapshot, sent: SentCounts,
                                 priority=1, reason="request_unknown" if not res.known else "request_cold")
     return Decision(upstream=upstream, adapter=adapter, selected_by=selection.source, skills=skills,
                     residency=res, multi_lora_action=ml_action, multi_lora_would=would,
-                    prefetch_action=pf_action, prefetch_signal=signal)
+                    prefetch_action=pf_action, prefetch_signal=signal, foreign_model=selection.foreign_model)

@@ -208,8 +208,7 @@ class EppStream:
         if not self.eligible:
             raise NoUpstream("no eligible endpoint in the gateway's subset" if subset is not None
                              else "no endpoint is configured", code="no_endpoint")
-        eligible, route = self.eligible, self.gw.route
-        self.exchange = self.gw.exchange(lambda _ups, adapter, res, sent: route(eligible, adapter, res, sent))
+        self.exchange = self.gw.exchange(self._route_in_subset)
         head = request_head(msg.request_headers)
         outcome = self.exchange.on_request_headers(head)
         if isinstance(outcome, Reply):
@@ -251,10 +250,22 @@ class EppStream:
         return [headers, *_body_chunks("request_body", body if outcome.body is None else outcome.body,
                                        not trailers)]
 
+    def _route_in_subset(self, upstreams, adapter, residency, sent) -> Upstream:
+        """The gateway's routing policy over the eligible hosts among ``upstreams`` (the
+        request's route may narrow them: ``processor.Inference.serves``)."""
+        allowed = [u for u in self.eligible if u in upstreams]
+        if not allowed:
+            raise NoUpstream("no eligible endpoint serves this route", code="no_endpoint")
+        return self.gw.route(allowed, adapter, residency, sent)
+
     def _pick(self, decision) -> str:
         snap = self.gw.residency.current
         adapter = decision.adapter if decision is not None and decision.applies_adapter else None
-        self.picks = pick_order(self.gw.route, self.eligible,
+        serves = getattr(self.exchange.handler, "serves", None)
+        eligible = [u for u in self.eligible if serves(u)] if serves is not None else self.eligible
+        if not eligible:
+            raise NoUpstream("no eligible endpoint serves this route", code="no_endpoint")
+        self.picks = pick_order(self.gw.route, eligible,
                                 decision.upstream if decision is not None else None, adapter, snap,
                                 self.gw.residency.sent, 1 + self.gw.epp_fallbacks)
         return ",".join(u.address for u in self.picks)

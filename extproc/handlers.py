@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from extproc.processor import Gateway
     from extproc.store import Snapshot
 
-__all__ = ["Handler", "Authenticated", "parse_object"]
+__all__ = ["Handler", "Authenticated", "HeadersOnly", "parse_object"]
 
 
 class Handler(Protocol):
@@ -32,6 +32,23 @@ class Handler(Protocol):
     def on_request_body(self, body: bytes) -> Outcome: ...
     def on_response_body(self, body: bytes) -> Outcome: ...
 
+
+
+class HeadersOnly:
+    """A route answered (or let through) from the request headers alone: one ext_proc
+    message; the handler's own ``on_request_headers`` decides."""
+
+    response_body_phase = False
+    headers_only = True
+
+    def __init__(self, gw: Gateway, route: RoutePolicy) -> None:
+        self.gw = gw
+
+    def on_request_body(self, body: bytes) -> Outcome:   # answered at the headers already
+        return CONTINUE
+
+    def on_response_body(self, body: bytes) -> Outcome:
+        return CONTINUE
 
 
 def parse_object(body: bytes) -> dict[str, Any]:

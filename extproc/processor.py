@@ -1,57 +1,45 @@
 """ext_proc phases as plain objects: one ``Exchange`` per HTTP request (= per gRPC stream).
 
-Handlers are registered per route path; any other path gets ``KeyRequired`` (a valid
-key, then forwarded untouched; the engines' administration API refused). Errors raised
-anywhere below become an OpenAI-shaped immediate response here, and only here.
+Handlers are registered per route path (``ROUTES``, ``PREFIX_ROUTES``); any other path is
+default-deny (``extproc.paths``): ``GET /health`` open, an upstream's ``allow_paths``
+key-checked and routed (``EngineRoute``), anything else 404 after the key check. Errors
+raised anywhere below become an OpenAI-shaped immediate response here, and only here.
 """
 from __future__ import annotations
 
 import json
 import logging
-import re
 import time
-from urllib.parse import unquote
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from extproc.auth import Principal, authenticate
+from extproc.auth import Principal
+from extproc.catalog import Upstream
 from extproc.decision import InferenceRequest, decide
 from extproc.console import CONSOLE_ROUTES
-from extproc.errors import Forbidden, GatewayError, InvalidField
-from extproc.handlers import Authenticated, Handler, parse_object
-from extproc.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER, session_of
+from extproc.errors import GatewayError, InvalidField, MethodNotAllowed, NoUpstream, NotFound
+from extproc.handlers import Authenticated, Handler, HeadersOnly, parse_object
+from extproc.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, session_of
 from extproc.metrics import GatewayMetrics
+from extproc.model_list import ModelList
 from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
 from extproc.outcomes import CONTINUE, Continue, Outcome, Reply, RequestHead
+from extproc.paths import (CHAT, COMPLETIONS, EMBEDDINGS, EXECUTE, MODELS, MODELS_PREFIX, OPEN_PATHS,
+                           RESPONSES, normalize)
 from extproc.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.policy.routing import RoutePolicy, choose_upstream
 from extproc.residency_view import ResidencyBoard
-from extproc.rewrite import rewrite_request
+from extproc.rewrite import SERVED_ROUTES, rewrite_request
 from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve
-from extproc.store import Store
+from extproc.store import Snapshot, Store
 from extproc.trace import execute_trace, trace_metadata
 from extproc.usage import UsageRing
 
 if TYPE_CHECKING:
     from extproc.prefetch_planner import RequestObserver
 
-__all__ = ["Gateway", "Exchange", "ENGINE_ADMIN_PATHS", "OPEN_PATHS", "ROUTES"]
+__all__ = ["Gateway", "Exchange", "ROUTES", "PREFIX_ROUTES"]
 
 log = logging.getLogger(__name__)
-
-#: The engines' own administration (vLLM's and SGLang's runtime adapter, weight, cache and
-#: profiler endpoints). The gateway and the agents own what an engine loads: a client never
-#: reaches these through the gateway, whatever its key.
-ENGINE_ADMIN_PATHS = frozenset({
-    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",                       # vLLM
-    "/load_lora_adapter", "/unload_lora_adapter",                             # SGLang
-    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
-    "/init_weights_update_group", "/flush_cache", "/reset_prefix_cache", "/start_profile",
-    "/stop_profile", "/sleep", "/wake_up", "/collective_rpc", "/pause", "/resume", "/abort_request",
-})
-#: Open without a key, GET/HEAD only: liveness for load balancers; carries no tenant data.
-#: (The settings page's static files, /settings and its files, are open too: extproc.console answers them.)
-OPEN_PATHS = frozenset({"/health"})
-_SLASHES = re.compile(r"/{2,}")
 
 
 class Gateway:
@@ -79,38 +67,13 @@ class Gateway:
         return Exchange(self, route)
 
 
-def _engine_path(path: str) -> str:
-    """The path as an engine's router reads it: percent-decoded, slashes merged, no trailing
-    slash (Envoy normalizes too; this check must not depend on it)."""
-    return _SLASHES.sub("/", unquote(path)).rstrip("/") or "/"
-
-
-class KeyRequired:
-    """Any other path on ace's host: a valid key (authentication is never bypassed: an
-    engine's other endpoints list adapters, tokenize, embed...), then forwarded untouched;
-    headers only, the body streams. Engine administration is refused even with a key."""
-
-    response_body_phase = False
-    headers_only = True
-
-    def __init__(self, gw: Gateway, route: RoutePolicy) -> None:
-        self.gw = gw
+class OpenPath(HeadersOnly):
+    """``GET /health``: liveness for load balancers, no key, forwarded to the default
+    upstream; headers only."""
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
-        path = _engine_path(head.path)
-        if path in OPEN_PATHS and head.method in ("GET", "HEAD"):
-            return CONTINUE
-        h = head.headers
-        authenticate(self.gw.store.snapshot, h.get("authorization"), h.get(TENANT_HEADER))
-        if path in ENGINE_ADMIN_PATHS:
-            raise Forbidden(f"{head.path} is the engine's administration API; ace manages the "
-                            "engines' adapters", code="engine_admin_forbidden")
-        return CONTINUE
-
-    def on_request_body(self, body: bytes) -> Outcome:
-        return CONTINUE
-
-    def on_response_body(self, body: bytes) -> Outcome:
+        if head.method not in ("GET", "HEAD"):
+            raise MethodNotAllowed(f"{head.method} is not allowed on {head.path}")
         return CONTINUE
 
 
@@ -120,6 +83,31 @@ class Inference(Authenticated):
     uncounted = True           # not yet in ace_gateway_requests_total (a refusal counts there too)
     forces_body = False                                  # re-encode even if nothing changed
     extra_headers: tuple[tuple[str, str], ...] = ()      # set on the upstream request
+    narrows = False            # only some upstreams serve the route (``serves``)
+
+    def serves(self, upstream: Upstream) -> bool:
+        """Whether ``upstream`` is sent this route (the endpoint picker asks it too)."""
+        return True
+
+    def routing(self, snap: Snapshot) -> RoutePolicy:
+        """The routing policy over the upstreams that serve this route; 404
+        ``route_not_served`` when none of the configured ones does."""
+        if not self.narrows:
+            return self.route
+        if snap.upstreams and not any(self.serves(u) for u in snap.upstreams):
+            raise NotFound(f"no engine host of this gateway serves {self.path_served}", code="route_not_served")
+        base, serves = self.route, self.serves
+
+        def narrowed(upstreams, adapter, residency, sent):
+            serving = [u for u in upstreams if serves(u)]
+            if not serving:
+                raise NoUpstream(f"no engine host serving {self.path_served} is available")
+            return base(serving, adapter, residency, sent)
+        return narrowed
+
+    @property
+    def path_served(self) -> str:
+        return ""
 
     def after_auth(self, head: RequestHead) -> Outcome:
         self.header_skills = parse_override_header(head.headers.get(SKILL_OVERRIDE_HEADER))
@@ -138,7 +126,7 @@ class Inference(Authenticated):
         snap = self.gw.store.snapshot
         started = time.perf_counter()
         d = decide(snap, self.gw.residency.current, self.gw.residency.sent,
-                   InferenceRequest(self.principal, chat, self.header_skills), self.route)
+                   InferenceRequest(self.principal, chat, self.header_skills), self.routing(snap))
         decided = time.perf_counter() - started
         queued = self.gw.prefetch.submit(d.prefetch_signal) if d.prefetch_signal else None
         if self.gw.speculation is not None:
@@ -177,6 +165,66 @@ class Execute(Inference):
         return Continue((("content-length", str(len(wrapped))),), wrapped)
 
 
+class FlavourRoute(Inference):
+    """An inference route only some engine flavours serve (``extproc.rewrite.SERVED_ROUTES``):
+    ``/v1/responses`` (vLLM, builtin) and ``/v1/embeddings`` (vLLM, SGLang)."""
+
+    narrows = True
+    route_path = ""
+
+    @property
+    def path_served(self) -> str:
+        return self.route_path
+
+    def serves(self, upstream: Upstream) -> bool:
+        return self.route_path in SERVED_ROUTES[upstream.flavour]
+
+
+class Responses(FlavourRoute):
+    """``/v1/responses``: chat's decision (adapter by ``model``, ``lora_name`` or
+    ``extra_body``; skills, routing, prefetch, trace headers; ``stream`` passes through)."""
+
+    route_path = RESPONSES
+
+
+class Embeddings(FlavourRoute):
+    route_path = EMBEDDINGS
+
+
+class EngineRoute(Inference):
+    """Any path without a handler of its own. One an upstream allow-lists (state file
+    ``allow_paths``): a valid key, then with a JSON body the inference decision (adapter by
+    ``model``: another tenant's is 404 as on chat) and without one the routing policy alone,
+    to an upstream listing it. Any other: 404 ``unknown_route``, after the key check, so an
+    unauthenticated caller learns nothing of the allow-lists."""
+
+    methods = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+    narrows = True
+    headers_only = False        # becomes True for a request without a body
+
+    @property
+    def path_served(self) -> str:
+        return self.path
+
+    def serves(self, upstream: Upstream) -> bool:
+        return self.path in upstream.allow_paths
+
+    def after_auth(self, head: RequestHead) -> Outcome:
+        self.path = normalize(head.path)
+        snap = self.gw.store.snapshot
+        if not any(self.serves(u) for u in snap.upstreams):
+            raise NotFound(f"{head.method} {head.path} is not a route of this gateway", code="unknown_route")
+        if not head.end_of_stream:
+            return super().after_auth(head)
+        self.headers_only = True
+        if not snap.upstreams:
+            raise NoUpstream("no engine host is available")
+        upstream = self.routing(snap)(snap.upstreams, None, self.gw.residency.current, self.gw.residency.sent)
+        self.gw.residency.sent.record(upstream.name)
+        self.uncounted = False
+        return Continue(metadata=(("destination", upstream.address), ("tenant", self.principal.tenant.id)))
+
+
 class DevKeySkills(Authenticated):
     """``GET|POST /api/v1/dev_key/skills``: read or set the calling key's skills."""
 
@@ -200,13 +248,29 @@ class DevKeySkills(Authenticated):
         return Reply(200, json.dumps(out).encode())
 
 
-ROUTES: Mapping[str, type[Handler]] = {   # every other path: KeyRequired
-    "/v1/chat/completions": Inference,
-    "/v1/completions": Inference,
-    "/v1/execute": Execute,
+ROUTES: Mapping[str, type[Handler]] = {   # every other path: _default_deny
+    CHAT: Inference,
+    COMPLETIONS: Inference,
+    RESPONSES: Responses,
+    EMBEDDINGS: Embeddings,
+    EXECUTE: Execute,
+    MODELS: ModelList,
     "/api/v1/dev_key/skills": DevKeySkills,
     **CONSOLE_ROUTES,                       # the settings page and its read API
 }
+#: routes by path prefix (after ``ROUTES``): ``/v1/models/{id}``
+PREFIX_ROUTES: Mapping[str, type[Handler]] = {MODELS_PREFIX: ModelList}
+
+
+def _handler_for(path: str) -> Callable[[Gateway, RoutePolicy], Handler]:
+    """The handler of ``path``: its own, else default deny (``extproc.paths``)."""
+    handler = ROUTES.get(path)
+    if handler is not None:
+        return handler
+    for prefix, handler in PREFIX_ROUTES.items():
+        if path.startswith(prefix):
+            return handler
+    return OpenPath if normalize(path) in OPEN_PATHS else EngineRoute
 
 
 def _error_reply(exc: GatewayError) -> Reply:
@@ -245,7 +309,7 @@ class Exchange:
             return _error_reply(exc)
 
     def on_request_headers(self, head: RequestHead) -> Outcome:
-        self.handler = ROUTES.get(head.path, KeyRequired)(self.gw, self.route)
+        self.handler = _handler_for(head.path)(self.gw, self.route)
         return self._guard(self.handler.on_request_headers, head)
 
     def on_request_body(self, body: bytes, head: RequestHead | None = None) -> Outcome:

@@ -2,11 +2,15 @@
 
 1. ``extra_body.lora_name`` (a nested object, what curl users send),
 2. top-level ``lora_name`` (what the OpenAI SDK's ``extra_body=`` puts on the wire),
-3. ``model`` naming a registered adapter (an explicit base model name means no adapter),
+3. ``model`` naming an adapter visible to the tenant (an explicit base model name means no
+   adapter),
 4. the tenant's ``default_adapter``.
 
-An adapter owned by another tenant is reported exactly like an unknown one (404), so a
-caller cannot learn which adapters other tenants have. ``adapter_rank`` (top level or in
+An adapter owned by another tenant is treated exactly like an unknown name, so a caller
+cannot learn which adapters other tenants have: named by ``lora_name`` both are 404; named
+by ``model`` both fall through to 4, as any name the gateway does not know does (an SDK's
+default ``"gpt-4o"``), and the selection says ``foreign_model``: the rewrite then never
+sends that name to an engine (which could serve another tenant's adapter by it). ``adapter_rank`` (top level or in
 ``extra_body``), when sent, must equal the catalog's rank (422).
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ __all__ = ["Selection", "select_adapter"]
 class Selection:
     adapter: Adapter | None
     source: str    # extra_body.lora_name | lora_name | model | tenant_default | base_model | none
+    foreign_model: bool = False   # ``model`` names neither a base model nor an adapter of this tenant
 
 
 def _lookup(snapshot: Snapshot, tenant: Tenant, name: Any, param: str) -> Adapter:
@@ -46,17 +51,23 @@ def select_adapter(snapshot: Snapshot, tenant: Tenant, body: Mapping[str, Any]) 
     elif "lora_name" in body:
         sel = Selection(_lookup(snapshot, tenant, body["lora_name"], "lora_name"), "lora_name")
     else:
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise InvalidField("model must be a string", param="model")
-        if model in snapshot.adapters:
-            sel = Selection(_lookup(snapshot, tenant, model, "model"), "model")
-        elif model in snapshot.base_models:
-            sel = Selection(None, "base_model")
-        elif tenant.default_adapter:
-            sel = Selection(snapshot.adapters[tenant.default_adapter], "tenant_default")
-        else:
-            sel = Selection(None, "none")
+        sel = None
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidField("model must be a string", param="model")
+    named = snapshot.adapters.get(model) if model is not None else None
+    visible = named is not None and named.visible_to(tenant.id)
+    foreign = model is not None and not visible and model not in snapshot.base_models
+    if sel is not None:
+        sel = Selection(sel.adapter, sel.source, foreign)
+    elif visible:
+        sel = Selection(named, "model")
+    elif model in snapshot.base_models:
+        sel = Selection(None, "base_model")
+    elif tenant.default_adapter:
+        sel = Selection(snapshot.adapters[tenant.default_adapter], "tenant_default", foreign)
+    else:
+        sel = Selection(None, "none", foreign)
     rank = extra.get("adapter_rank") if extra and "adapter_rank" in extra else body.get("adapter_rank")
     if rank is not None:
         if isinstance(rank, bool) or not isinstance(rank, int):

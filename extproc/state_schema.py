@@ -50,6 +50,7 @@ class UpstreamEntry:
     base_model: str
     hints: Literal[HINT_MODES] = "body"
     agent: str | None = None          # host:port of its GPU agent
+    allow_paths: tuple[str, ...] = ()  # engine routes beyond the inference ones (e.g. /tokenize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,9 @@ class StateFile:
     keys: tuple[KeyEntry, ...] = ()
     skills: Mapping[str, str] = field(default_factory=lambda: _NO_SKILLS)
     limits: Limits = field(default_factory=Limits)
+    #: GET /v1/models without a key lists the base models and the public adapters
+    #: (docs/gateway.md, "Routes": off by default, read its risk there)
+    public_model_list: bool = False
 
     @property
     def includes(self) -> tuple[str, ...]:

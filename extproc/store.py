@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 from extproc.catalog import Adapter, DevKey, KeyOrigin, Tenant, Upstream
 from extproc.errors import ConfigError, GatewayError
+from extproc.paths import check_allow_path
 from extproc.skills import validate_skills
 from extproc.state_db import IssuedKey, Overlay, is_postgres_url, open_state_db
 from extproc.state_schema import config_error, read_catalog, read_state
@@ -45,6 +46,7 @@ class Snapshot:
     default_skills: Mapping[str, str]
     max_body_bytes: int
     revoked_keys: Mapping[str, DevKey] = field(default_factory=dict)   # known keys revoked: listings only
+    public_model_list: bool = False     # GET /v1/models without a key (extproc.model_list)
 
 
 def _skills(raw: Mapping[str, str], source: Path, where: str) -> Mapping[str, str]:
@@ -99,9 +101,13 @@ def load_state_file(path: Path, catalog: Path | None = None, *, upstreams_requir
                               skills=_skills(raw.skills, path, f"keys[{i}].skills"), role=raw.role)
     upstreams = []
     for i, raw in enumerate(state.upstreams):
+        for j, allowed in enumerate(raw.allow_paths):
+            if (problem := check_allow_path(allowed)) is not None:
+                raise config_error(path, f"upstreams[{i}].allow_paths[{j}]", problem)
         try:
             upstreams.append(Upstream(name=raw.name, address=raw.address, flavour=raw.flavour,
-                                      base_model=raw.base_model, hints=raw.hints, agent=raw.agent))
+                                      base_model=raw.base_model, hints=raw.hints, agent=raw.agent,
+                                      allow_paths=frozenset(raw.allow_paths)))
         except ConfigError as exc:
             raise config_error(path, f"upstreams[{i}].{exc.field}", str(exc)) from None
     if not upstreams and upstreams_required:
@@ -111,7 +117,7 @@ def load_state_file(path: Path, catalog: Path | None = None, *, upstreams_requir
         raise config_error(path, "limits.max_body_bytes", "must be positive")
     return dict(adapters=adapters, base_models=frozenset(base_models), tenants=tenants, keys=keys,
                 upstreams=tuple(upstreams), default_skills=_skills(state.skills, path, "skills"),
-                max_body_bytes=state.limits.max_body_bytes,
+                max_body_bytes=state.limits.max_body_bytes, public_model_list=state.public_model_list,
                 sources=(path, *(path.parent / inc for inc in state.includes), *([catalog] if catalog else [])))
 
 
@@ -201,7 +207,8 @@ class Store:
         return Snapshot(adapters=MappingProxyType(dict(s["adapters"])), base_models=s["base_models"],
                         tenants=MappingProxyType(tenants), keys=MappingProxyType(keys),
                         upstreams=self._upstreams, default_skills=s["default_skills"],
-                        max_body_bytes=s["max_body_bytes"], revoked_keys=MappingProxyType(revoked))
+                        max_body_bytes=s["max_body_bytes"], revoked_keys=MappingProxyType(revoked),
+                        public_model_list=s["public_model_list"])
 
     def set_key_skills(self, key_sha256: str, skills: Mapping[str, str | None]) -> Snapshot:
         """Persist a developer key's skills (merged over earlier runtime changes; a ``None``

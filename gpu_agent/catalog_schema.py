@@ -2,7 +2,7 @@
 the project's YAML files are checked with.
 
 A schema is a frozen dataclass; ``parse(Schema, raw)`` builds it from what ``yaml``
-read, checking every field against its annotation (``str``, ``int``, ``float``,
+read, checking every field against its annotation (``str``, ``int``, ``float``, ``bool``,
 ``Literal[...]``, ``X | None``, ``tuple[X, ...]``, ``Mapping[str, X]``, another schema).
 A field without a default is required; a key the schema does not name is refused.
 Every problem is a ``SchemaError`` naming the field's path::
@@ -61,7 +61,7 @@ def _show(raw: Any) -> str:
     return repr(raw)
 
 
-_SCALARS = {str: "a string", int: "an integer", float: "a number"}
+_SCALARS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 
 
 def _describe(tp: Any) -> str:
@@ -113,7 +113,7 @@ def _shape_fits(tp: Any, raw: Any) -> bool:
     if get_origin(tp) is tuple:
         return isinstance(raw, list)
     if isinstance(raw, bool):
-        return False
+        return tp is bool
     return isinstance(raw, {str: str, int: int, float: (int, float)}.get(tp, ()))
 
 

@@ -189,11 +189,11 @@ def test_istio_gateway_runs_the_dropin_filters_settings_routes_and_clusters():
         for name, value in per_filter.items():
             assert value == dper_filter.get(name, neutral[name]), (droute["match"], name)
         assert route == {k: v for k, v in droute.items() if k != "typed_per_filter_config"}
-    # the drop-in's catch-all (key check, headers only) is not copied: the ace host's other
-    # paths are its own VirtualService's ("app")
+    # the drop-in's catch-all (default deny: 404 from ext_proc, or an allow-listed engine route)
+    # is not copied: the ace host's other paths are its own VirtualService's ("app")
     assert catch_all["match"] == {"prefix": "/"}
     assert catch_all["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
-        "processing_mode"]["request_body_mode"] == "NONE"
+        "failure_mode_allow"] is False
     # other hosts: untouched
     stand_in = {v["name"]: v for v in hcm_of(ingress_gateway(port=DEFAULTS["listener_port"], admin_port=18091))[
         "route_config"]["virtual_hosts"]}

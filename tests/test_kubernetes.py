@@ -28,7 +28,7 @@ from kubernetes_validate.utils import SchemaNotFoundError
 from extproc.discovery import parse_discovery
 from extproc.envoy_config import render
 from extproc.health_port import LIVENESS, READINESS
-from extproc.processor import ROUTES
+from extproc.processor import PREFIX_ROUTES, ROUTES
 from extproc.settings import Settings
 from extproc.store import load_state_file
 from gpu_agent.artifacts import Catalog
@@ -229,7 +229,9 @@ def test_httproute_sends_the_gateway_to_the_pool(overlay):
     assert all(set(r) <= {"matches", "backendRefs", "filters", "timeouts", "name"} for r in route["spec"]["rules"])
     # Exactly the paths the gateway handles: nothing else of the engine is exposed.
     paths = [(m["path"]["type"], m["path"]["value"]) for r in route["spec"]["rules"] for m in r["matches"]]
-    assert sorted(paths) == sorted(("Exact", p) for p in ROUTES)
+    prefixes = [p.rstrip("/") for p in PREFIX_ROUTES]   # PathPrefix matches whole segments
+    exact = [p for p in ROUTES if p not in prefixes]
+    assert sorted(paths) == sorted([("Exact", p) for p in exact] + [("PathPrefix", p) for p in prefixes])
     refs = [b for r in route["spec"]["rules"] for b in r["backendRefs"]]
     assert refs and all((b["group"], b["kind"], b["name"]) ==
                         ("inference.networking.k8s.io", "InferencePool", pool["metadata"]["name"]) for b in refs)

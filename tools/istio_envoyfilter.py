@@ -9,8 +9,9 @@ the same filters, ext_proc settings, routes, local replies and clusters as the d
 config. What Istio's EnvoyFilter API cannot express the same way is adapted, and only that:
 
 * The mesh gateway also serves other applications, so the three ace HTTP filters are
-  inserted ``disabled: true`` and switched on by the ace routes only (the drop-in does the
-  reverse: on by default, off on its catch-all route, which is therefore not copied).
+  inserted ``disabled: true`` and switched on by the ace routes only. The drop-in's
+  catch-all route (default deny) is not copied: the ace host's other paths are its
+  VirtualService's.
   A route that carries no per-route config for one of them gets a neutral one, which
   enables the filter without changing its settings (``ENABLE``).
 * The drop-in's routes are inserted at the top of the ace virtual host (the VirtualService
@@ -86,15 +87,14 @@ def _hcm(config: dict) -> tuple[dict, dict]:
 
 
 def ace_routes(config: dict) -> list[dict]:
-    """The drop-in's routes without its catch-all (key check on the engine's other paths: in
-    the mesh, the ace host's other paths are its VirtualService's own, guarded by the mesh's
-    AuthorizationPolicy, docs/gateway.md), named, each switching on the ace filters it does
-    not configure."""
+    """The drop-in's routes without its catch-all (default deny, 404 for the paths ace has no
+    route for: in the mesh, the ace host's other paths are its VirtualService's own, guarded
+    by the mesh's AuthorizationPolicy, docs/gateway.md), named, each switching on the ace
+    filters it does not configure."""
     _, hcm = _hcm(config)
     (vhost,) = hcm["route_config"]["virtual_hosts"]
     *routes, catch_all = copy.deepcopy(vhost["routes"])
     assert catch_all["match"] == {"prefix": "/"}, "the drop-in's last route must be its catch-all"
-    assert catch_all["typed_per_filter_config"][BUFFER].get("disabled") is True
     filters = {f["name"]: f for f in hcm["http_filters"]}
     out = []
     for i, route in enumerate(routes):

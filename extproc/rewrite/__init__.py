@@ -1,7 +1,8 @@
 """Rewrite a request for the chosen upstream's flavour; touch the body only if it changes
 (the adapter is applied, or the client sent fields that are the gateway's).
 
-One module per flavour (``vllm``, ``sglang``, ``builtin``), each with ``model_for``.
+One module per flavour (``vllm``, ``sglang``, ``builtin``), each with ``model_for`` and
+``ROUTES`` (the inference routes that flavour is sent: ``SERVED_ROUTES``).
 """
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from extproc.rewrite import builtin, sglang, vllm
 from extproc.rewrite.codec import encode
 from extproc.rewrite.hints import client_copies, wire_hints
 
-__all__ = ["Rewrite", "rewrite_request", "MODEL_FOR", "encode"]
+__all__ = ["Rewrite", "rewrite_request", "MODEL_FOR", "SERVED_ROUTES", "encode"]
 
 _MISSING = object()
 
 MODEL_FOR: Mapping[str, Callable[[Adapter, Upstream], str]] = {
     "vllm": vllm.model_for, "sglang": sglang.model_for, "builtin": builtin.model_for}
+SERVED_ROUTES: Mapping[str, frozenset[str]] = {
+    "vllm": vllm.ROUTES, "sglang": sglang.ROUTES, "builtin": builtin.ROUTES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,8 @@ def _header_text(value: Any) -> str:
 
 def rewrite_request(body: Mapping[str, Any], d: Decision, force: bool = False) -> Rewrite:
     """New body (or None) and header hints for ``d.upstream``; ``force`` re-encodes anyway.
+    Without the adapter applied, a ``model`` the tenant may not use (``d.foreign_model``)
+    becomes the upstream's base model.
 
     A client's copies of the gateway's hint fields are removed in every mode, from the top
     level and from a nested ``extra_body`` (``hints.client_copies``): a body without any is
@@ -63,6 +68,10 @@ def rewrite_request(body: Mapping[str, Any], d: Decision, force: bool = False) -
                     changes[k] = v
         elif upstream.hints == "headers":
             headers = tuple((k, _header_text(v)) for k, v in wire_hints(d).items())
+    elif d.foreign_model:
+        # a name the tenant may not use (another tenant's adapter, or unknown): an engine
+        # could serve an adapter by it, so the base model goes instead
+        changes["model"] = d.upstream.base_model
     if not changes and not drop:
         return Rewrite(encode(body) if force else None, headers)
     out = {k: v for k, v in body.items() if k not in drop} if drop else dict(body)

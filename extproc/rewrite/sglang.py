@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 from extproc.catalog import Adapter, Upstream
+from extproc.paths import CHAT, COMPLETIONS, EMBEDDINGS
+
+#: the inference routes ace sends to SGLang. Not ``/v1/responses``: SGLang serves it, but its
+#: handler (srt/entrypoints/openai/serving_responses.py) builds the generate request without
+#: ``lora_path``, so the adapter would be dropped silently and the base model answer.
+ROUTES = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
 
 
 def model_for(adapter: Adapter, upstream: Upstream) -> str:

@@ -4,8 +4,9 @@ Thin: parse the body into plain values, resolve the model, hold the adapter resi
 stream tokens from the batcher, write JSON or SSE. Every error goes through
 :func:`gpu_agent.engine.errors.http_error` (one status + OpenAI-style body).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(each with ``stream: true``; the Responses API's shapes in ``gpu_agent.engine.responses``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's
 runtime ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter``.
 """
 from __future__ import annotations
@@ -16,13 +17,15 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
 from gpu_agent.engine.core import Engine
 from gpu_agent.engine.errors import EngineError, InvalidRequest, error_body, http_error
 from gpu_agent.engine.metrics import render_metrics
+from gpu_agent.engine.responses import (ResponseStream, chat_messages, response_object, responses_param,
+                                        sampling_body)
 
 __all__ = ["build_app", "serve", "ENGINE_KEY"]
 
@@ -177,8 +180,10 @@ def _error_response(exc: BaseException) -> web.Response:
 class _Completion:
     """One request's run: hold the adapter, generate, release."""
 
-    def __init__(self, engine: Engine, model: str, adapter: str | None, ids: list[int], sp: Sampling):
+    def __init__(self, engine: Engine, model: str, adapter: str | None, ids: list[int], sp: Sampling,
+                 body: dict | None = None):
         self.engine, self.model, self.adapter, self.ids, self.sp = engine, model, adapter, ids, sp
+        self.body = body or {}      # the request, when its answer repeats fields of it
         self.tier, self.wait_ms = "none", 0.0
         self.held = False
 
@@ -231,46 +236,55 @@ def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
+def _model(engine: Engine, body: dict) -> tuple[str, str | None]:
+    """The request's ``model`` and the adapter it names (None: the base model)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("`model` is required", param="model")
+    return model, engine.adapter_for(model)
+
+
+def _check_length(engine: Engine, ids: list[int], sp: Sampling, what: str, param: str) -> None:
+    if len(ids) + sp.max_tokens > engine.max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {engine.max_model_len} tokens; the request "
+            f"has {len(ids)} {what} tokens and {param}={sp.max_tokens}.", param=param)
+
+
+async def _collect(run: _Completion) -> tuple[str, str, int]:
+    """The whole answer: (text, finish_reason, completion tokens)."""
+    text, finish, n = "", "length", 0
+    async with contextlib.aclosing(run.text_deltas()) as deltas:
+        async for delta, fin, n in deltas:
+            text += delta
+            finish = fin or finish
+    return text, finish, n
+
+
+Prepare = Callable[[Engine, dict], _Completion]
+Answer = Callable[[_Completion, str, str, int], dict]
+Events = Callable[[_Completion], tuple[AsyncIterator[bytes], Callable[[dict], bytes]]]
+
+
+async def _serve(request: web.Request, route: str, prepare: Prepare, answer: Answer,
+                 events: Events) -> web.StreamResponse:
+    """A generation route: ``prepare`` the run from the body, hold its adapter, then the
+    whole ``answer`` as JSON or, with ``stream``, the SSE ``events`` (their chunks, and how
+    an error after the headers is written in-band). Errors become HTTP here."""
     engine: Engine = request.app[ENGINE_KEY]
     stats = request.app[STATS_KEY]
-    route = "chat" if chat else "completions"
     try:
-        body = await _json_body(request)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise InvalidRequest("`model` is required", param="model")
-        adapter = engine.adapter_for(model)
-        sp = parse_sampling(body, chat=chat)
-        ids = _chat_ids(engine, body) if chat else _prompt_ids(engine, body)
-        if len(ids) + sp.max_tokens > engine.max_model_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {engine.max_model_len} tokens; the request "
-                f"has {len(ids)} prompt tokens and max_tokens={sp.max_tokens}.", param="max_tokens")
-        run = _Completion(engine, model, adapter, ids, sp)
+        run = prepare(engine, await _json_body(request))
         await run.acquire()
     except Exception as exc:  # noqa: BLE001 - the one boundary that maps errors to HTTP
         stats.count(route, http_error(exc)[0])
         return _error_response(exc)
     try:
-        if sp.stream:
-            return await _stream(request, run, chat)
-        text, finish, n = "", "length", 0
-        async with contextlib.aclosing(run.text_deltas()) as deltas:
-            async for delta, fin, n in deltas:
-                text += delta
-                finish = fin or finish
+        if run.sp.stream:
+            return await _sse(request, route, run, *events(run))
+        text, finish, n = await _collect(run)
         stats.count(route, 200)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        payload = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                   "created": int(time.time()), "model": model, "choices": [choice],
-                   "usage": _usage(len(ids), n)}
-        return web.json_response(payload, headers=run.headers())
+        return web.json_response(answer(run, text, finish, n), headers=run.headers())
     except Exception as exc:  # noqa: BLE001
         stats.count(route, http_error(exc)[0])
         return _error_response(exc)
@@ -278,46 +292,21 @@ async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
         run.release()
 
 
-async def _stream(request: web.Request, run: _Completion, chat: bool) -> web.StreamResponse:
+async def _sse(request: web.Request, route: str, run: _Completion, chunks: AsyncIterator[bytes],
+               failure: Callable[[dict], bytes]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", **run.headers()})
     await resp.prepare(request)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    created = int(time.time())
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    async def send(choices: list, usage: dict | None = None) -> None:
-        chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": run.model,
-                                 "choices": choices}
-        if usage is not None:
-            chunk["usage"] = usage
-        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-
-    def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
-        if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-
-    n = 0
-    if chat:
-        await send([choice(None, None, first=True)])
+    stats = request.app[STATS_KEY]
     try:
-        async with contextlib.aclosing(run.text_deltas()) as deltas:
-            async for delta, fin, n in deltas:
-                if delta or fin:
-                    await send([choice(delta, fin)])
-        if run.sp.include_usage:
-            await send([], _usage(len(run.ids), n))
-        await resp.write(b"data: [DONE]\n\n")
-        request.app[STATS_KEY].count("chat" if chat else "completions", 200)
+        async for chunk in chunks:
+            await resp.write(chunk)
+        stats.count(route, 200)
     except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
         status, body = http_error(exc)
-        request.app[STATS_KEY].count("chat" if chat else "completions", status)
+        stats.count(route, status)
         try:
-            await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await resp.write(failure(body))
         except ConnectionError:
             return resp  # the client is gone
     try:
@@ -327,12 +316,111 @@ async def _stream(request: web.Request, run: _Completion, chat: bool) -> web.Str
     return resp
 
 
+def _data_line(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def _completion_route(chat: bool) -> tuple[str, Prepare, Answer, Events]:
+    """``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+    prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+
+    def prepare(engine: Engine, body: dict) -> _Completion:
+        model, adapter = _model(engine, body)
+        sp = parse_sampling(body, chat=chat)
+        ids = _chat_ids(engine, body) if chat else _prompt_ids(engine, body)
+        _check_length(engine, ids, sp, "prompt", "max_tokens")
+        return _Completion(engine, model, adapter, ids, sp)
+
+    def answer(run: _Completion, text: str, finish: str, n: int) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+                "model": run.model, "choices": [choice], "usage": _usage(len(run.ids), n)}
+
+    async def chunks(run: _Completion) -> AsyncIterator[bytes]:
+        rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list, usage: dict | None = None) -> bytes:
+            out: dict[str, Any] = {"id": rid, "object": chunk_obj, "created": created, "model": run.model,
+                                   "choices": choices}
+            if usage is not None:
+                out["usage"] = usage
+            return _data_line(out)
+
+        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+                if text:
+                    delta["content"] = text
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        n = 0
+        if chat:
+            yield chunk([choice(None, None, first=True)])
+        async with contextlib.aclosing(run.text_deltas()) as deltas:
+            async for delta, fin, n in deltas:
+                if delta or fin:
+                    yield chunk([choice(delta, fin)])
+        if run.sp.include_usage:
+            yield chunk([], _usage(len(run.ids), n))
+        yield b"data: [DONE]\n\n"
+
+    return "chat" if chat else "completions", prepare, answer, lambda run: (chunks(run), _data_line)
+
+
+def _responses_route() -> tuple[str, Prepare, Answer, Events]:
+    """``/v1/responses`` over the chat path (the shapes: ``gpu_agent.engine.responses``)."""
+    def prepare(engine: Engine, body: dict) -> _Completion:
+        model, adapter = _model(engine, body)
+        try:
+            sp = parse_sampling(sampling_body(body), chat=True)
+        except InvalidRequest as exc:
+            raise responses_param(exc) from exc
+        ids = _chat_ids(engine, {"messages": chat_messages(body)})
+        _check_length(engine, ids, sp, "input", "max_output_tokens")
+        return _Completion(engine, model, adapter, ids, sp, body)
+
+    def answer(run: _Completion, text: str, finish: str, n: int) -> dict:
+        return response_object(f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", run.model, int(time.time()),
+                               run.body, text=text, finish=finish, usage=(len(run.ids), n))
+
+    async def chunks(run: _Completion, events: ResponseStream) -> AsyncIterator[bytes]:
+        for event in events.opening():
+            yield event
+        finish, n = "length", 0
+        async with contextlib.aclosing(run.text_deltas()) as deltas:
+            async for delta, fin, n in deltas:
+                finish = fin or finish
+                if delta:
+                    yield events.delta(delta)
+        for event in events.closing(finish, (len(run.ids), n)):
+            yield event
+
+    def events(run: _Completion):
+        stream = ResponseStream(run.model, int(time.time()), run.body)
+        return chunks(run, stream), stream.failure
+
+    return "responses", prepare, answer, events
+
+
+_CHAT, _COMPLETIONS, _RESPONSES = _completion_route(True), _completion_route(False), _responses_route()
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _run(request, chat=False)
+    return await _serve(request, *_COMPLETIONS)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _run(request, chat=True)
+    return await _serve(request, *_CHAT)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, *_RESPONSES)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -420,6 +508,7 @@ def build_app(engine: Engine) -> web.Application:
     app[STATS_KEY] = HttpStats()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

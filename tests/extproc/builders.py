@@ -29,7 +29,8 @@ def sha(key: str) -> str:
 
 
 def write_state(tmp: Path, upstreams: list[dict], *, max_body_bytes: int = 65536,
-                skills: dict | None = None, include_catalog: bool = True) -> Path:
+                skills: dict | None = None, include_catalog: bool = True, **fields) -> Path:
+    """``fields``: more top-level state file fields (``public_model_list=True``)."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "catalog.yaml").write_text(yaml.safe_dump(CATALOG, sort_keys=False))
     state = {
@@ -49,6 +50,7 @@ def write_state(tmp: Path, upstreams: list[dict], *, max_body_bytes: int = 65536
         "skills": skills or {"multi_lora": "prod", "dynamic_lora_prefetch": "off"},
         "limits": {"max_body_bytes": max_body_bytes},
     }
+    state.update(fields)
     if include_catalog:
         state["include"] = ["catalog.yaml"]
     path = tmp / "state.yaml"
@@ -57,6 +59,9 @@ def write_state(tmp: Path, upstreams: list[dict], *, max_body_bytes: int = 65536
 
 
 def upstream(name: str = "local", address: str = "127.0.0.1:1", flavour: str = "vllm",
-             hints: str = "body") -> dict:
-    return {"name": name, "address": address, "flavour": flavour,
-            "base_model": "ace-tiny-llama", "hints": hints}
+             hints: str = "body", allow_paths: list[str] | None = None) -> dict:
+    entry = {"name": name, "address": address, "flavour": flavour,
+             "base_model": "ace-tiny-llama", "hints": hints}
+    if allow_paths is not None:
+        entry["allow_paths"] = allow_paths
+    return entry

@@ -182,7 +182,7 @@ def test_no_fallbacks_by_default_one_address_as_envoy_reads_it(gateway):
 
 def test_headers_only_request_is_picked_at_once_and_its_body_streams(gateway):
     s = EppStream(gateway)
-    out = s.handle(headers_msg(path="/v1/models", method="GET", eos=True))
+    out = s.handle(headers_msg(path="/health", method="GET", eos=True))
     assert ENDPOINT_HEADER in header_map(out[0].request_headers.response)
 
 
@@ -240,3 +240,28 @@ def test_a_failing_routing_policy_answers_json_not_a_hang(gateway):
     s.handle(headers_msg())
     out = run(s, body_msgs(chat()))
     assert out[0].immediate_response.status.code == 500
+
+
+def _mixed(tmp_path, **upstream_kw):
+    """Three hosts of which only ``b`` serves what the test asks (its flavour or allow_paths)."""
+    state = write_state(tmp_path, [upstream("a", A, "builtin"), upstream("b", B, **upstream_kw),
+                                   upstream("c", C, "builtin")], max_body_bytes=400_000)
+    return Store(state, tmp_path / "gw.sqlite3", watch=False)
+
+
+@pytest.mark.parametrize("path, kw", [("/v1/embeddings", {"flavour": "vllm"}),
+                                      ("/tokenize", {"flavour": "builtin", "allow_paths": ["/tokenize"]})])
+def test_a_route_some_hosts_serve_is_picked_among_them_fallbacks_too(tmp_path, path, kw):
+    store = _mixed(tmp_path, **kw)
+    try:
+        s = EppStream(Gateway(store, route=route, epp_fallbacks=2))
+        s.handle(headers_msg(path=path))
+        out = run(s, body_msgs(json.dumps({"model": "code-python", "input": "hi"}).encode()))
+        assert header_map(out[0].request_headers.response)[ENDPOINT_HEADER] == B   # no fallback serves it
+        s = EppStream(Gateway(store, route=route, epp_fallbacks=2))
+        s.handle(headers_msg(path=path, subset=A))                                   # b outside the subset
+        out = run(s, body_msgs(json.dumps({"model": "code-python", "input": "hi"}).encode()))
+        reply = out[0].immediate_response
+        assert reply.status.code == 503 and json.loads(reply.body)["error"]["code"] == "no_endpoint"
+    finally:
+        store.close()

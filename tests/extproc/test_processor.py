@@ -29,33 +29,7 @@ class Sink:
         return True
 
 
-def test_other_paths_need_a_key_then_pass_through(store):
-    ex = Gateway(store).exchange()
-    assert ex.on_request_headers(_head("/v1/models", "GET", True)) is CONTINUE
-    assert ex.done_after("request_headers")       # headers only: the body streams untouched
-    no_key = RequestHead("GET", "/v1/models", {":path": "/v1/models"}, True)
-    out = Gateway(store).exchange().on_request_headers(no_key)
-    assert isinstance(out, Reply) and out.status == 401
-    wrong = RequestHead("POST", "/v2/x", {"authorization": "Bearer nope"}, False)
-    out = Gateway(store).exchange().on_request_headers(wrong)
-    assert isinstance(out, Reply) and out.status == 401
-
-
-@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_lora_adapter",
-                                  "/v1/load%5Flora%5Fadapter", "//v1//load_lora_adapter/",
-                                  "/update_weights_from_disk", "/flush_cache"])
-def test_engine_administration_is_refused_whatever_the_key(store, path):
-    out = Gateway(store).exchange().on_request_headers(_head(path))
-    assert isinstance(out, Reply) and out.status == 403
-    assert json.loads(out.body)["error"]["code"] == "engine_admin_forbidden"
-
-
-def test_health_is_open_without_a_key_for_get_only(store):
-    for method in ("GET", "HEAD"):
-        head = RequestHead(method, "/health", {}, True)
-        assert Gateway(store).exchange().on_request_headers(head) is CONTINUE
-    out = Gateway(store).exchange().on_request_headers(RequestHead("POST", "/health", {}, False))
-    assert isinstance(out, Reply) and out.status == 401
+# the paths without a handler of their own (default deny): tests/extproc/test_edge_routes.py
 
 
 def test_body_without_headers_or_attributes_fails_closed(store):
@@ -133,7 +107,7 @@ def test_grpc_servicer_loop(store):
 @pytest.mark.parametrize("path, last", [("/v1/chat/completions", "request_body"),
                                         ("/v1/completions", "request_body"),
                                         ("/v1/execute", "response_body"),
-                                        ("/metrics", "request_headers")])
+                                        ("/v1/models", "request_headers")])
 def test_exchange_is_done_after_its_last_phase(store, path, last):
     """The servers end the gRPC stream with the last answer (Envoy then needs this ext_proc no
     more for the request); /v1/execute alone has a response body to process."""

@@ -124,7 +124,7 @@ def test_served_endpoints_are_exported_on_metrics(tmp_path, flavour):
             response = queue.Queue()
 
             def messages():
-                yield headers("/v1/models", "GET", eos=True)   # headers only: picked at once
+                yield headers("/health", "GET", eos=True)      # headers only: picked at once
                 yield response.get(timeout=scaled(30))
 
             answers = stub.Process(messages(), timeout=scaled(30))

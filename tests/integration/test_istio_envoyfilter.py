@@ -173,16 +173,19 @@ def test_settings_page_and_api_are_answered_by_ext_proc(gw):
 
 
 def test_other_paths(gw):
-    """The drop-in's catch-all checks the key (one headers message) and goes to the default
-    upstream; in the mesh, the ace host's own VirtualService route (after ace's routes) goes
-    to its application, without ext_proc."""
+    """The drop-in's catch-all is default deny (404 after the key check, one headers message,
+    nothing upstream); in the mesh, the ace host's own VirtualService route (after ace's
+    routes) goes to its application, without ext_proc."""
     headers = {"x-custom": "1", **(ALICE if gw.kind == "dropin" else {})}
+    before = len(gw.engine.requests)
     r, n = gw.messages(lambda c: c.post("/v2/other", content=b"not json", headers=headers))
-    assert r.status_code == 200
-    assert n == (1 if gw.kind == "dropin" else 0)
     if gw.kind == "dropin":
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_route"
+        assert n == 1 and len(gw.engine.requests) == before
         assert gw.http.post("/v2/other", content=b"x").status_code == 401
-    got = (gw.app if gw.kind == "istio" else gw.engine).requests[-1]
+        return
+    assert r.status_code == 200 and n == 0
+    got = gw.app.requests[-1]
     assert (got.path, got.body, got.headers["x-custom"]) == ("/v2/other", b"not json", "1")
 
 

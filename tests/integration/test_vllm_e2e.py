@@ -158,3 +158,28 @@ def test_agent_down_requests_flow_and_gateway_reconnects(stack):
         agent.start()
     # the gateway's link reconnects (backoff <= 5 s) and residency is known again
     wait_until(lambda: trace(through_gateway(stack, "tr-de-en"))["residency"] == "device", timeout=30)
+
+
+def test_responses_api_through_the_gateway_selects_the_adapter_on_vllm(stack):
+    """``/v1/responses`` on the real vLLM: ace rewrites it as chat (the adapter by ``model``,
+    the trace headers); the answer equals vLLM's own for the same adapter. With the openai SDK."""
+    import openai
+
+    client = openai.OpenAI(base_url=stack["base"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    raw = client.responses.with_raw_response.create(model="fin-reports", input="quarterly revenue",
+                                                    max_output_tokens=6, temperature=0)
+    via_gateway = raw.parse()
+    assert via_gateway.model == "fin-reports" and via_gateway.output_text
+    assert trace(raw)["adapter"] == "fin-reports" and raw.headers["x-ace-served-by"] == "vllm-1"
+    direct = httpx.post(stack["vllm"].url + "/v1/responses", timeout=120,
+                        json={"model": "fin-reports", "input": "quarterly revenue", "max_output_tokens": 6,
+                              "temperature": 0})
+    assert direct.status_code == 200, direct.text
+    assert via_gateway.output_text == "".join(
+        part["text"] for item in direct.json()["output"] if item["type"] == "message"
+        for part in item["content"] if part["type"] == "output_text")
+    with client.responses.with_streaming_response.create(model="fin-reports", input="quarterly revenue",
+                                                         max_output_tokens=6, temperature=0, stream=True) as s:
+        assert trace(s)["adapter"] == "fin-reports"
+        events = list(s.parse())
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == via_gateway.output_text
