@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 
 from extproc.catalog import Adapter, Upstream
 from extproc.decision import Decision
+from extproc.frozen import fast_init
 from extproc.rewrite import builtin, sglang, vllm
 from extproc.rewrite.codec import encode
 from extproc.rewrite.hints import client_copies, wire_hints
@@ -22,6 +23,7 @@ MODEL_FOR: Mapping[str, Callable[[Adapter, Upstream], str]] = {
     "vllm": vllm.model_for, "sglang": sglang.model_for, "builtin": builtin.model_for}
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Rewrite:
     body: bytes | None                            # None: forward the client's bytes untouched
