@@ -198,9 +198,9 @@ def sections(feed: Feed, message: bytes, n: int, cold: bool) -> dict[str, float]
     return {label: round(sorted(spent[label])[len(spent[label]) // 2] / 1e3, 2) for label in order if spent[label]}
 
 
-def count_streams(server: str, n: int) -> None:
+def count_streams(server: str, n: int) -> int:
     """Feed ``n`` streams inside one ``functools.reduce`` call (what ``--instructions``
-    tells callgrind to count: --toggle-collect=functools_reduce)."""
+    tells callgrind to count: --toggle-collect=functools_reduce); returns the writes."""
     with tempfile.TemporaryDirectory(prefix="ace-profile-") as tmp_s:
         tmp = Path(tmp_s)
         state = write_state(tmp, [upstream("bench-upstream", "127.0.0.1:9", "vllm", "body")])
@@ -215,8 +215,12 @@ def count_streams(server: str, n: int) -> None:
             conn.conn_window = 1 << 30
             conn.data_received(stream[0])
             conn.data_received(stream[1])
+        writes = feed.transport.writes
         functools.reduce(one, streams, None)
         store.close()
+        if conn.calls or conn.broken:
+            raise RuntimeError("a stream did not complete")
+        return feed.transport.writes - writes
 
 
 def instructions(n: int) -> dict[str, int]:
