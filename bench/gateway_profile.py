@@ -19,13 +19,19 @@ requests at c=1 (the gateway's ext_proc CPU per request at c=1 in ``make bench-g
 sits near the cold figure, at c=8 between the two). ``--sections`` times each step of
 the body message (wrapping the functions the processor calls; each wrapper adds
 ~0.1 µs), ``--cprofile N`` prints the N functions with the most own time.
+``--instructions`` counts the instructions per stream of both servers under valgrind's
+callgrind (only the streams, not the start-up: collected inside one ``functools.reduce``):
+unlike the timings, the count does not move with what else runs on a shared CPU.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import pstats
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -192,12 +198,64 @@ def sections(feed: Feed, message: bytes, n: int, cold: bool) -> dict[str, float]
     return {label: round(sorted(spent[label])[len(spent[label]) // 2] / 1e3, 2) for label in order if spent[label]}
 
 
+def count_streams(server: str, n: int) -> int:
+    """Feed ``n`` streams inside one ``functools.reduce`` call (what ``--instructions``
+    tells callgrind to count: --toggle-collect=functools_reduce); returns the writes."""
+    with tempfile.TemporaryDirectory(prefix="ace-profile-") as tmp_s:
+        tmp = Path(tmp_s)
+        state = write_state(tmp, [upstream("bench-upstream", "127.0.0.1:9", "vllm", "body")])
+        store = Store(state, tmp / "gw.sqlite3")
+        feed = Feed(Gateway(store) if server == "gateway" else None)
+        message = envoy_message(_chat_body(), KEYS["alice"])
+        run(feed, message, 50, cold=False)            # warm-up: caches, first-use paths
+        streams = [feed.stream(message) for _ in range(n)]
+        conn = feed.conn
+
+        def one(_, stream: tuple[bytes, bytes]) -> None:
+            conn.conn_window = 1 << 30
+            conn.data_received(stream[0])
+            conn.data_received(stream[1])
+        writes = feed.transport.writes
+        functools.reduce(one, streams, None)
+        store.close()
+        if conn.calls or conn.broken:
+            raise RuntimeError("a stream did not complete")
+        return feed.transport.writes - writes
+
+
+def instructions(n: int) -> dict[str, int]:
+    """Instructions per stream of each server, each in its own process under callgrind."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="ace-callgrind-") as tmp:
+        for server in ("null", "gateway"):
+            proc = subprocess.run(
+                ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
+                 f"--callgrind-out-file={tmp}/{server}.out", sys.executable, "-m", "bench.gateway_profile",
+                 "--count-streams", server, str(n)], capture_output=True, text=True, check=True)
+            collected = re.search(r"Collected : (\d+)", proc.stderr)
+            if collected is None:
+                raise RuntimeError(f"callgrind printed no count: {proc.stderr[-500:]}")
+            out[server] = round(int(collected.group(1)) / n)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=20000, help="streams per warm run (cold: a fifth)")
     p.add_argument("--sections", action="store_true", help="time each step of the body message")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N top functions by own time")
+    p.add_argument("--instructions", action="store_true",
+                   help="instructions per stream of both servers under valgrind's callgrind (minutes)")
+    p.add_argument("--count-streams", nargs=2, metavar=("SERVER", "N"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.count_streams:
+        count_streams(a.count_streams[0], int(a.count_streams[1]))
+        return 0
+    if a.instructions:
+        counts = instructions(500)
+        counts["gateway_minus_null"] = counts["gateway"] - counts["null"]
+        print(json.dumps({"instructions_per_stream": counts}, indent=2))
+        return 0
     with tempfile.TemporaryDirectory(prefix="ace-profile-") as tmp_s:
         tmp = Path(tmp_s)
         state = write_state(tmp, [upstream("bench-upstream", "127.0.0.1:9", "vllm", "body")])

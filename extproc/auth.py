@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from extproc.catalog import DevKey, Tenant
 from extproc.errors import Forbidden, Unauthorized
+from extproc.frozen import fast_init
 from extproc.headers import TENANT_HEADER
 from extproc.store import Snapshot
 
@@ -26,6 +27,7 @@ except ImportError:                          # (docs/gateway.md, "Speed"); 3.12+
 __all__ = ["Principal", "authenticate", "hash_key"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Principal:
     key: DevKey

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 from extproc.auth import Principal
 from extproc.catalog import Adapter, Upstream
 from extproc.errors import NoUpstream
+from extproc.frozen import fast_init
 from extproc.prefetch import PrefetchSignal
 from extproc.policy.routing import RoutePolicy, choose_upstream
 from extproc.residency_view import NONE, UNKNOWN, ResidencySnapshot, SentCounts, TierReport
@@ -46,6 +47,7 @@ _WARM = frozenset((Tier.DEVICE.value, Tier.HOST.value))                  # no pr
 _COLD = frozenset((Tier.DISK.value, Tier.REMOTE.value, NONE))           # the upstream loads it
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
     principal: Principal
@@ -53,6 +55,7 @@ class InferenceRequest:
     header_skills: Mapping[str, str] = field(default_factory=lambda: _NO_FIELDS)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     upstream: Upstream

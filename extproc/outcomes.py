@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from extproc.frozen import fast_init
+
 __all__ = ["RequestHead", "Continue", "Reply", "CONTINUE", "Outcome"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RequestHead:
     method: str
@@ -20,6 +23,7 @@ class RequestHead:
     end_of_stream: bool
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Continue:
     headers: tuple[tuple[str, str], ...] = ()   # set with overwrite semantics (headers-first only)
@@ -27,6 +31,7 @@ class Continue:
     metadata: tuple[tuple[str, str], ...] = ()  # dynamic metadata, namespace "ace" (see envoy/)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Reply:
     status: int

@@ -20,11 +20,13 @@ from typing import Any, Mapping
 
 from extproc.catalog import Adapter, Tenant
 from extproc.errors import InvalidField, NotFound
+from extproc.frozen import fast_init
 from extproc.store import Snapshot
 
 __all__ = ["Selection", "select_adapter"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Selection:
     adapter: Adapter | None

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 from extproc.catalog import Adapter, Upstream
 from extproc.decision import Decision
+from extproc.frozen import fast_init
 from extproc.rewrite import builtin, sglang, vllm
 from extproc.rewrite.codec import encode
 from extproc.rewrite.hints import client_copies, wire_hints
@@ -25,6 +26,7 @@ SERVED_ROUTES: Mapping[str, frozenset[str]] = {
     "vllm": vllm.ROUTES, "sglang": sglang.ROUTES, "builtin": builtin.ROUTES}
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Rewrite:
     body: bytes | None                            # None: forward the client's bytes untouched

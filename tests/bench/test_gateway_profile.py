@@ -1,6 +1,6 @@
 """bench.gateway_profile drives the real h2 loop with Envoy's bytes: it must stay runnable."""
 from bench.gateway_overhead import _chat_body
-from bench.gateway_profile import _SECTIONS, Feed, envoy_message, run, sections
+from bench.gateway_profile import _SECTIONS, Feed, count_streams, envoy_message, run, sections
 from extproc.processor import Gateway
 from extproc.store import Store
 from extproc.wire import pb
@@ -21,3 +21,9 @@ def test_profile_feeds_whole_streams_and_times_every_section(tmp_path):
     spent = sections(feed, message, 20, cold=False)
     assert set(spent) == {label for *_, label in _SECTIONS} | {"whole read (HEADERS + DATA)"}
     store.close()
+
+
+def test_instruction_count_feeds_only_the_streams():
+    """What ``--instructions`` runs under callgrind: n whole streams, one answer each."""
+    for server in ("null", "gateway"):
+        assert count_streams(server, 7) == 7

@@ -20,7 +20,7 @@ PACKAGE = Path(extproc.__file__).parent
 #: plain types and names it shares with the application
 PROTOCOL = ("wire", "server", "h2server", "h2calls", "h2frames", "dispatch", "outcomes", "headers", "epp")
 #: what the layers share may import nothing of the gateway but the errors
-LEAVES = {"outcomes": {"extproc.errors"}, "headers": set()}
+LEAVES = {"outcomes": {"extproc.errors", "extproc.frozen"}, "headers": set()}
 
 
 def _typing_only(node: ast.AST) -> bool:
