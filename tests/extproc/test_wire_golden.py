@@ -94,7 +94,7 @@ CASES = {
                                                ("content-length", "70000"))),
     "get_not_allowed_405": ("body", _body_message(_chat(), KEYS["bob"], method="GET")),
     "headers_phase_models": ("body", _headers_message("/v1/models", "GET", KEYS["bob"], True)),
-    "headers_phase_engine_admin_403": ("body", _headers_message("/v1/load_lora_adapter", "POST", KEYS["bob"], False)),
+    "headers_phase_engine_admin_404": ("body", _headers_message("/v1/load_lora_adapter", "POST", KEYS["bob"], False)),
     "headers_phase_chat": ("body", _headers_message("/v1/chat/completions", "POST", KEYS["bob"], False)),
 }
 
