@@ -212,12 +212,14 @@ async def _engine_phase(engine: Any, resident: str, others: list[str], requests:
             "loop_lag_ms": _pct(lags), "loads_during": loads[0]}
 
 
-def bench_engine(fixtures: Path, requests: int) -> dict[str, Any]:
+def bench_engine(fixtures: Path, requests: int, prefetch_nice: int | None = None) -> dict[str, Any]:
     from gpu_agent.engine import Engine, EngineSettings
+
+    extra = {} if prefetch_nice is None else {"prefetch_load_nice": prefetch_nice}
 
     async def main() -> dict[str, Any]:
         engine = Engine.create(EngineSettings(catalog=fixtures / "catalog.yaml", host_cache_bytes=0,
-                                              pool_bytes=16 << 20, device="cpu"))
+                                              pool_bytes=16 << 20, device="cpu", **extra))
         try:
             names = sorted(engine.adapters.names(), key=lambda n: -engine.adapters.entry(n).size_bytes)
             resident, others = names[-1], names[:4]
@@ -241,18 +243,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=30, help="requests per client per phase (engine)")
     ap.add_argument("--fixtures", default=".fixtures")
     ap.add_argument("--only", choices=("pool", "engine"), default=None)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: a shared CPU makes OpenMP's spinning workers "
+                         "stall every op; measured 0.9-1.5 s vs 8-55 ms per pool step with 2 on 2 busy cores)")
+    ap.add_argument("--prefetch-nice", type=int, default=None,
+                    help="the engine's prefetch_load_nice (default: the engine's default)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device", file=sys.stderr)
         return 2
-    rep: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    rep: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                           "prefetch_nice": args.prefetch_nice}
     t0 = time.perf_counter()
     if args.only in (None, "pool"):
         rep["pool"] = bench_pool(device, args.layers, args.steps)
         print("pool:", json.dumps(rep["pool"]))
     if args.only in (None, "engine") and device.type == "cpu":
-        rep["engine"] = bench_engine(Path(args.fixtures), args.requests)
+        rep["engine"] = bench_engine(Path(args.fixtures), args.requests, args.prefetch_nice)
         print("engine:", json.dumps(rep["engine"]))
     rep["bench_seconds"] = round(time.perf_counter() - t0, 1)
     out = Path(args.out)

@@ -37,8 +37,8 @@ with per-tier timings); this module adds what an engine needs on top: names from
 catalog, a pluggable source for the outer tiers, holds that keep an adapter in the pool
 while its sequences run, and async waits. Pool calls are thread-safe (the pool has its
 own lock, never held across a copy); disk reads and host→pool copies run on the load
-threads (``LoadThreads``: a prefetch's at a lower OS priority) so the event loop and the
-forward keep going while a cold load is under way. Concurrent loads of one adapter share one future.
+threads (``LoadThreads``: one for requests' loads, one for prefetches') so the event loop
+and the forward keep going while a cold load is under way. Concurrent loads of one adapter share one future.
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ class LoadRecord:
 class EngineAdapters:
     def __init__(self, pool: Any, spec: Any, entries: Mapping[str, CatalogEntry], *,
                  source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30,
-                 room_timeout_s: float = 30.0):
+                 room_timeout_s: float = 30.0, prefetch_nice: int = 0):
         from gpu_agent.staging import AdapterTiers
 
         self.pool = pool
@@ -166,7 +166,7 @@ class EngineAdapters:
         self._inflight: dict[str, asyncio.Future] = {}
         self._tickets: dict[str, LoadTicket] = {}
         self.order = LoadOrder()
-        self.threads = LoadThreads()  # loads never run on the event loop or the forward thread
+        self.threads = LoadThreads(prefetch_nice)  # loads never run on the loop or the forward thread
         # loads into the pool by the tier they came from: one per load, however many
         # requests shared it
         self.loads: dict[str, int] = {t: 0 for t in TIERS}
