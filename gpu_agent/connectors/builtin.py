@@ -177,7 +177,7 @@ class BuiltinConnector(EngineConnector):
             return None
         st = self.engine.pool.stats()
         limit = st["max_adapters"]
-        if limit is not None and st["adapters"] + st.get("copying", 0) >= limit:
+        if limit is not None and st["adapters"] + st["copying"] >= limit:
             return False
         return spec.size_bytes <= st["pages_free"] * st["page_bytes"]
 
