@@ -23,7 +23,9 @@ engine says the load ``needs_room``) and mirrors what the engine holds
 with reason ``engine_gone``.
 
 Prefetches go into a bounded priority queue (duplicates coalesce with the queued or
-running load) and are worked off by background tasks; `ensure_resident` is the same
+running load) and are worked off by background tasks; a hint that says how likely it is
+(``probability``) is first put to the speculation budget (``gpu_agent.prefetch_budget``,
+fed here with measured load times, the queue and the engine's own request loads); `ensure_resident` is the same
 load awaited, as a request's (on demand): it goes before every queued prefetch (the
 workers take no new prefetch while one is in flight, and a prefetch waits for it, and
 for the engine's own request loads, before its device stage), and the engine is told
