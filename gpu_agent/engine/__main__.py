@@ -32,6 +32,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineSettings, str, 
                     help=h("batch_window_ms"))
     ap.add_argument("--max-model-len", type=int, default=None, help=h("max_model_len"))
     ap.add_argument("--max-adapters", type=int, default=None, help=h("max_adapters"))
+    ap.add_argument("--prefetch-load-nice", type=int, default=EngineSettings.prefetch_load_nice,
+                    help=h("prefetch_load_nice"))
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind")
     ap.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")

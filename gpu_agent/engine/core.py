@@ -50,6 +50,10 @@ class EngineSettings:
         "help": "when idle, wait this long after a request so requests arriving together share a pass"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length (prompt + max_tokens); default max_position_embeddings"})
+    prefetch_load_nice: int = field(default=0, metadata={
+        "help": "Linux niceness added to the thread that runs prefetch loads (0 = as the engine's; "
+                "a nicer thread preempted while it holds the GIL stalls the forward: see "
+                "gpu_agent/engine/load_order.py)"})
     max_adapters: int | None = field(default=None, metadata={
         "help": "most adapters resident in the pool at once (LRU eviction on every load); "
                 "default: bounded by pool bytes only"})
@@ -67,6 +71,8 @@ class EngineSettings:
             raise ValueError("batch limits must be >= 1")
         if self.max_adapters is not None and self.max_adapters < 1:
             raise ValueError("max_adapters must be >= 1 (or unset)")
+        if not 0 <= self.prefetch_load_nice <= 19:
+            raise ValueError("prefetch_load_nice must be in [0, 19]")
         return self
 
     @staticmethod
@@ -123,7 +129,8 @@ class Engine:
         pool = AdapterPool(spec, settings.pool_bytes, dtype=dtype, device=device,
                            max_adapters=settings.max_adapters)
         adapters = EngineAdapters(pool, spec, entries, source=source,
-                                  host_budget_bytes=settings.host_cache_bytes)
+                                  host_budget_bytes=settings.host_cache_bytes,
+                                  prefetch_nice=settings.prefetch_load_nice)
         return cls(settings, model=model, tokenizer=ModelTokenizer(model_dir), pool=pool,
                    adapters=adapters, model_name=name, model_dir=model_dir)
 
@@ -156,6 +163,7 @@ class Engine:
 
     async def close(self) -> None:
         await self.batcher.stop()
+        self.adapters.close()
 
     def memory(self, n_instances: int | None = None):
         from gpu_agent.memory import account

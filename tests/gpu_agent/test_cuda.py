@@ -86,3 +86,78 @@ def test_churn_never_reallocates_device_memory():
     assert failures == 0
     assert pool.pages.data_ptr() == ptr and pool.pages.numel() == numel
     pool.check_invariants()
+
+
+def test_a_load_does_not_wait_for_its_copy_and_the_first_batch_waits_on_its_event(tmp_path):
+    """The copy is queued on the side stream from pinned memory and the load returns with
+    the copy's event recorded (``entry.ready``); the compute stream waits on it before the
+    adapter's first batch, so the batch reads every byte without any synchronize."""
+    from gpu_agent.peft import load_peft_dir
+    from gpu_agent.pool_copy import CopyDone
+
+    from .lora_testing import write_peft_dir
+
+    pool = _pool(budget_mb=64)
+    ad = make_adapter("big", 128, modules=MODULES, seed=3)
+    loaded = load_peft_dir(write_peft_dir(tmp_path, ad), SPEC, pin_memory=True)
+    assert loaded.payload.buffer.is_pinned()
+    entry = pool.load(loaded)
+    assert isinstance(entry.ready, CopyDone)   # recorded, not waited for
+    rows = ["big", None, "big"]
+    g = torch.Generator().manual_seed(5)
+    for module in MODULES:
+        fan_in, fan_out = SPEC.modules[module]
+        x = torch.randn(len(rows), fan_in, generator=g)
+        w0 = torch.randn(fan_out, fan_in, generator=g) / fan_in ** 0.5
+        for layer in range(SPEC.num_layers):
+            y = (x @ w0.t()).to(CUDA)
+            with pool.batch(rows) as batch:
+                apply_lora(y, x.to(CUDA), pool, batch, layer, module)
+            ref = dense_reference(x, w0, rows, {"big": ad}, layer, module)
+            torch.testing.assert_close(y.double().cpu(), ref, atol=1e-3, rtol=1e-3)
+    torch.cuda.synchronize()
+    with pool.batch(["big"]):
+        pass
+    assert entry.ready is None   # the copy is done: forgotten, its host bytes released
+
+
+def test_a_batch_runs_on_the_device_while_another_load_is_held_mid_copy(tmp_path):
+    """The CPU test's contract on CUDA: the pool's lock is not held across the copy."""
+    import threading
+
+    from gpu_agent.peft import load_peft_dir
+    from tests.support.wait import scaled, wait_until
+
+    from .lora_testing import write_peft_dir
+
+    pool = _pool(budget_mb=64)
+    pool.load(make_adapter("small", 8, modules=MODULES, seed=1))
+    big = load_peft_dir(write_peft_dir(tmp_path, make_adapter("big", 128, modules=MODULES, seed=2)), SPEC,
+                        pin_memory=True)
+    reached, go, calls = threading.Event(), threading.Event(), []
+
+    def hold(stage):
+        calls.append(stage)
+        if len(calls) == 2:
+            reached.set()
+            go.wait(scaled(120))
+        return False
+    loader = threading.Thread(target=pool.load, args=(big,), kwargs={"should_yield": hold})
+    loader.start()
+    try:
+        assert reached.wait(scaled(30))
+        done = threading.Event()
+
+        def step():
+            y = torch.zeros(2, 32, device=CUDA)
+            with pool.batch(["small", "small"]) as batch:
+                apply_lora(y, torch.randn(2, 32, device=CUDA), pool, batch, 0, "q_proj")
+            torch.cuda.synchronize()
+            done.set()
+        threading.Thread(target=step, daemon=True).start()
+        wait_until(done.is_set, what="a device batch while another copy is held open")
+        assert not pool.contains("big")
+    finally:
+        go.set()
+        loader.join(scaled(30))
+    assert pool.contains("big")
