@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 from extproc.decision import Decision
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
 from extproc.policy.routing import RoutePolicy
-from extproc.policy.speculator import SpeculationSettings, Speculator
+from extproc.policy.speculator import DEFAULT_LOAD_S, SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.prefetch import PrefetchSignal, PrefetchSink
 from extproc.residency_view import ResidencySnapshot, SentCounts
@@ -147,8 +147,16 @@ class SpeculationPlanner:
             target = (self.route(snapshot, name, residency, sent) if multi else None) or step.upstream
             return self.speculator(target)
 
+        def load_s(name: str) -> float:
+            # the agents' measured load time from where the adapter lies (the slowest
+            # report: the target host may hold it no closer than the others)
+            known = [r.cold_load_ms for view in residency.by_upstream.values()
+                     if (r := view.get(name)) is not None and r.cold_load_ms]
+            return max(known) / 1000.0 if known else DEFAULT_LOAD_S
+
         got = self.speculator(step.upstream).step(step.tenant, step.session, step.adapter, now,
-                                                  prefetch_load=lambda a, t: t + grace, place=place)
+                                                  prefetch_load=lambda a, t: t + grace, place=place,
+                                                  load_s=load_s)
         return [PrefetchSignal(upstream=p.host, adapter=p.adapter, digest=snapshot.adapters[p.adapter].sha256,
                                priority=0, reason=p.reason,
                                evict=() if p.victim is None else (str(p.victim),))

@@ -13,6 +13,9 @@ Four small pieces, all plain Python and bounded in memory:
 - ``should_speculate(candidate_score, victim_score)``: the bound. Both scores are the
   probability that the adapter is used within the same horizon, so speculation never
   evicts something hotter than what it brings in.
+- ``prefetch_pays(PrefetchCase)``: the price. A prefetch pays only when the stall it is
+  expected to save exceeds the reload it may cause plus the load link time it takes
+  from the demand loads queued behind it.
 
 - ``FirstSteps``: per tenant, which adapters open its sessions (a session's first
   request has no previous step to predict it from) and how often sessions open.
@@ -35,7 +38,9 @@ __all__ = [
     "StepPace",
     "PredictionLedger",
     "TransitionModel",
+    "PrefetchCase",
     "candidate_score",
+    "prefetch_pays",
     "should_speculate",
     "use_probability",
     "victim_score",
@@ -71,6 +76,35 @@ def should_speculate(candidate_score: float, victim_score: float, *, min_score: 
     is already resident.
     """
     return candidate_score >= min_score and candidate_score > victim_score
+
+
+@dataclass(frozen=True)
+class PrefetchCase:
+    """What one prefetch decision weighs, all for the same horizon.
+
+    ``p_use``: probability that the candidate is used within the horizon
+    (``candidate_score``); ``load_s``: its load time (the stall a hit saves);
+    ``victim_p`` / ``victim_load_s``: the same for the adapter it would evict (0 / 0: a free
+    slot); ``link_busy``: share of the horizon the host's load link is already busy with
+    loads in flight (0-1): a demand load that arrives meanwhile queues behind this one."""
+
+    p_use: float
+    load_s: float
+    victim_p: float = 0.0
+    victim_load_s: float = 0.0
+    link_busy: float = 0.0
+
+
+def prefetch_pays(case: PrefetchCase, *, min_p: float = 0.0) -> bool:
+    """Expected saving > expected cost:
+    ``p_use * load_s > victim_p * victim_load_s + link_busy * load_s``, and never a
+    candidate below ``min_p`` or one no likelier to be used than its victim (ties keep
+    what is resident)."""
+    if case.p_use < min_p or case.p_use <= case.victim_p:
+        return False
+    saving = case.p_use * case.load_s
+    cost = case.victim_p * case.victim_load_s + min(1.0, max(0.0, case.link_busy)) * case.load_s
+    return saving > cost
 
 
 class StepPace:

@@ -40,14 +40,24 @@ from extproc.policy.prediction import (
     SessionDemand,
     StepPace,
     TransitionModel,
+    PrefetchCase,
     candidate_score,
+    prefetch_pays,
     should_speculate,
     victim_score,
 )
 
-__all__ = ["Prefetch", "SpeculationSettings", "Speculator", "StepResult"]
+__all__ = ["DEFAULT_LOAD_S", "Prefetch", "SpeculationSettings", "Speculator", "StepResult"]
 
 LoadFn = Callable[[Hashable, float], float]
+LoadSeconds = Callable[[Hashable], float]
+
+
+DEFAULT_LOAD_S = 0.1  # a load's time when nobody measured it (a mid-rank adapter from local disk)
+
+
+def _unit_load(adapter: Hashable) -> float:
+    return DEFAULT_LOAD_S
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class SpeculationSettings:
     order: int = 2  # transition model context: 1 = the last step, 2 = the last two (backs off to 1)
     first_steps: int = 2  # likeliest session openers of the tenant offered per step (FirstSteps); 0 = off
     idle_timeout_s: float = 600.0  # a session idle this long opens anew at its next request
+    priced: bool = True  # prefetch only when prefetch_pays (saving > reload + link cost); False: should_speculate
+    max_inflight: int = 2  # per host: no new prefetch while this many are loading (0 = no limit)
 
 
 @dataclass(frozen=True)
@@ -174,7 +186,8 @@ class Speculator:
 
     def step(self, tenant: Hashable, session: Hashable | None, adapter: Hashable, now: float, *,
              load: LoadFn = _now_load, engine_at: float | None = None, may_load: bool = True,
-             place: Place | None = None, prefetch_load: LoadFn | None = None) -> StepResult:
+             place: Place | None = None, prefetch_load: LoadFn | None = None,
+             load_s: LoadSeconds = _unit_load) -> StepResult:
         """One request served by this host: the speculation loop, the one implementation
         the gateway (``extproc.prefetch_planner.SpeculationPlanner``) and ``bench.sim`` run.
 
@@ -201,7 +214,7 @@ class Speculator:
             return StepResult(ready, False, [])
         first = self.first_steps.observe(tenant, session, adapter, now) if self.settings.first_steps else False
         return StepResult(ready, first, self._predict(tenant, session, adapter, now, load=prefetch_load or load,
-                                                      may_load=may_load, place=place))
+                                                      may_load=may_load, place=place, load_s=load_s))
 
     def speculate(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
                   load: LoadFn = _now_load, may_load: bool = True, place: Place | None = None) -> list[Prefetch]:
@@ -209,7 +222,8 @@ class Speculator:
         return self._predict(tenant, session, adapter, now, load=load, may_load=may_load, place=place)
 
     def _predict(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
-                 load: LoadFn, may_load: bool, place: Place | None) -> list[Prefetch]:
+                 load: LoadFn, may_load: bool, place: Place | None,
+                 load_s: LoadSeconds = _unit_load) -> list[Prefetch]:
         predicted = self.learn(tenant, session, adapter, now)
         out: list[Prefetch] = []
         offers = [(b, p, "predicted") for b, p in predicted]
@@ -223,21 +237,34 @@ class Speculator:
             if target is not self and target.horizon_s != self.horizon_s:
                 target.set_horizon(self.horizon_s)
             got = target.offer(b, p, now, load=load, may_load=may_load,
-                               in_use=adapter if target is self else None, reason=reason)
+                               in_use=adapter if target is self else None, reason=reason, load_s=load_s)
             if got is not None:
                 out.append(got)
         self.ledger.record(tenant, session, tuple(b for b, _ in predicted if b != adapter))
         return out
 
+    def inflight(self, now: float) -> list[Hashable]:
+        """The prefetches this host's model still sees loading at ``now``."""
+        return [k for k, e in self.cache.entries.items() if e.prefetched and e.ready_at > now]
+
     def offer(self, adapter: Hashable, p: float, now: float, *, load: LoadFn = _now_load,
-              may_load: bool = True, in_use: Hashable | None = None, reason: str = "predicted") -> Prefetch | None:
+              may_load: bool = True, in_use: Hashable | None = None, reason: str = "predicted",
+              load_s: LoadSeconds = _unit_load) -> Prefetch | None:
         """A prediction: ``adapter`` is needed soon with probability ``p``. Resident: the
         prediction is noted on its entry (it protects it from eviction). Absent: loaded if
-        ``should_speculate`` says it beats the victim it would evict; ``in_use`` (the
-        adapter of the request in flight) is never a victim. Returns the prefetch or None."""
+        it pays (``prefetch_pays``: the stall it saves, ``p_use x load_s(adapter)``, beats
+        the victim's ``p_use x load_s(victim)`` plus the link time it takes, ``link_busy``
+        = the seconds of prefetches in flight on this host over the horizon; with
+        ``priced=False``: ``should_speculate``) and fewer than ``max_inflight`` prefetches
+        are loading here; ``in_use`` (the adapter of the request in flight) is never a
+        victim. Returns the prefetch or None."""
         self._now = now
         cache = self.cache
         if cache.predict(adapter, p, now) or not may_load:
+            return None
+        st = self.settings
+        flying = self.inflight(now) if st.priced or st.max_inflight else []
+        if st.max_inflight and len(flying) >= st.max_inflight:
             return None
         current = cache.get(in_use) if in_use is not None else None
         was_pinned = current.pinned if current is not None else False
@@ -254,7 +281,12 @@ class Speculator:
             if self.settings.session_demand:
                 p = max(p, self.expected.need(adapter, now))
             c = candidate_score(p, self.popularity.rate(adapter, now), self.horizon_s)
-            if not should_speculate(c, v, min_score=self.settings.min_p):
+            if st.priced:
+                busy = sum(load_s(k) for k in flying) / self.horizon_s
+                case = PrefetchCase(c, load_s(adapter), v, load_s(victim) if victim is not None else 0.0, busy)
+                if not prefetch_pays(case, min_p=st.min_p):
+                    return None
+            elif not should_speculate(c, v, min_score=st.min_p):
                 return None
             if victim is not None:
                 cache.evict(victim)
@@ -280,7 +312,9 @@ class Speculator:
             cache.capacity = len(resident)
         for key in list(cache):
             entry = cache.get(key)
-            if key not in resident and entry.ready_at <= now:
+            if key in resident:
+                entry.ready_at = min(entry.ready_at, now)  # the agent says it is loaded
+            elif entry.ready_at <= now:
                 cache.evict(key)
         for key in resident:
             if key not in cache and cache.used + 1 <= cache.capacity:
