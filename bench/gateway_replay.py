@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import heapq
 import json
+import math
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from bench.trace import TraceError, load_trace
 from extproc.catalog import PUBLIC, Adapter, Tenant, Upstream
 from extproc.policy.routing import route
 from extproc.policy.speculator import SpeculationSettings
-from extproc.prefetch_planner import SpeculationPlanner, Step, route_by_policy
+from extproc.prefetch_planner import SpeculationPlanner, Step, demand_placement, route_by_policy
 from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
 from extproc.skills import OFF, PROD
 from extproc.store import Snapshot
@@ -179,7 +180,7 @@ def _pct(xs: list[float], q: float) -> float:
 def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 4, service_ms: float = 40.0,
            lead_ms: float = 5.0, speed: float = 1.0, load_base_ms: float = 25.0,
            bytes_per_rank: int = 2 * 4 * 4096 * 32 * 2, gbps: float = 1.6,
-           settings: SpeculationSettings = SpeculationSettings()) -> dict:
+           settings: SpeculationSettings = SpeculationSettings(), place_every_s: float = 5.0) -> dict:
     """One arm over ``trace`` (sorted by ``t``); ``speed`` divides the trace's times."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
@@ -202,6 +203,9 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
     stalls: list[float] = []
     waits: list[float] = []
     seqs: dict[str, list[str]] = {h: [] for h in names}
+    counts: dict[str, float] = {}  # requests per adapter, as the speculation thread counts them
+    placement: dict = {}
+    placed_at = -math.inf
     hits = resident_hits = 0
     for r in trace:
         now = r["t"] / speed
@@ -213,9 +217,13 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
                 tables[h] = {b: (_DEVICE if b in on else cold[b]) for b in catalog}
                 host.changed = False
         loads = {h: sim[h].load_at(now) for h in names}
-        residency = ResidencySnapshot.build(tables, loads, {h: sent.value(h) for h in names})
+        if place_every_s and now - placed_at >= place_every_s:  # GatewaySpeculation.place
+            placement = demand_placement(counts, ResidencySnapshot.build(tables, placement=placement), slots)
+            placed_at = now
+        residency = ResidencySnapshot.build(tables, loads, {h: sent.value(h) for h in names}, placement)
         up = route(upstreams, catalog[a], residency, sent).name
         sent.record(up)
+        counts[a] = counts.get(a, 0.0) + 1.0
         host = sim[up]
         seqs[up].append(a)
         if a in host.pool and host.pool[a] <= now:
@@ -289,6 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed (trace times are divided by it)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a SpeculationSettings field for the ace arm (e.g. max_inflight=0)")
+    ap.add_argument("--place-every-s", type=float, default=5.0,
+                    help="placement by demand recomputed this often (trace seconds; 0 = off: the ring's)")
     ap.add_argument("--out", help="JSON report")
     args = ap.parse_args(argv)
     fields = {f.name: f.type for f in dataclasses.fields(SpeculationSettings)}
@@ -310,7 +320,8 @@ def main(argv=None) -> int:
         report[path] = {}
         for arm in args.arms.split(","):
             r = replay(trace, arm, hosts=args.hosts, slots=args.slots, batch=args.batch,
-                       service_ms=args.service_ms, lead_ms=args.lead_ms, speed=args.speed, settings=settings)
+                       service_ms=args.service_ms, lead_ms=args.lead_ms, speed=args.speed, settings=settings,
+                       place_every_s=args.place_every_s)
             report[path][arm] = r
             print(f"{path} {arm:<9} hits {r['effective_hit_ratio']:.4f} belady {r['belady_hit_ratio']:.4f} "
                   f"resident {r['resident_hit_ratio']:.4f} loads {r['loads']} prefetch {r['prefetch']} "

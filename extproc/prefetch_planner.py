@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from extproc.decision import Decision
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
-from extproc.policy.routing import RoutePolicy
+from extproc.policy.routing import RoutePolicy, place_by_demand
 from extproc.policy.speculator import DEFAULT_LOAD_S, SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.prefetch import PrefetchSignal, PrefetchSink
@@ -68,7 +68,7 @@ from extproc.store import Snapshot
 from gpu_agent.tiers import Tier
 
 __all__ = ["GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
-           "SpeculationPlanner", "Step", "route_by_policy", "warm_signals"]
+           "SpeculationPlanner", "Step", "demand_placement", "route_by_policy", "warm_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,20 @@ def route_by_policy(policy: RoutePolicy) -> PlannerRoute:
     return route
 
 
+def demand_placement(counts: Mapping[str, float], residency: ResidencySnapshot,
+                     slots: int) -> dict[str, tuple[str, ...]]:
+    """The placement by demand (``routing.place_by_demand``) over the hosts and adapters
+    the agents report, from the requests counted per adapter, starting from
+    ``residency.placement`` (the one published last: placement is sticky); empty with
+    one host."""
+    hosts = list(residency.by_upstream)
+    if len(hosts) < 2:
+        return {}
+    fleet = {a for view in residency.by_upstream.values() for a in view}
+    return place_by_demand({a: c for a, c in counts.items() if a in fleet}, hosts, slots=slots, adapters=fleet,
+                           previous=residency.placement)
+
+
 def warm_signals(counts: Mapping[str, float], snapshot: Snapshot, slots: Mapping[str, int],
                  hosts: list[str], *, adapters: Iterable[str] | None = None,
                  only: Iterable[str] | None = None) -> list[PrefetchSignal]:
@@ -272,7 +286,7 @@ class GatewaySpeculation:
     def __init__(self, store, board, sink: PrefetchSink, planner: SpeculationPlanner | None = None, *,
                  popularity: PopularityFile | None = None, max_pending: int = 4096,
                  poll_s: float = 0.005, save_every_s: float = 30.0, warm_wait_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 place_every_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.board, self.sink = store, board, sink
         self.popularity = popularity
         saved = popularity.read() if popularity is not None else Saved({}, {})
@@ -282,6 +296,7 @@ class GatewaySpeculation:
         if saved.transitions is not None:
             self._restore(saved.transitions)
         self.max_pending, self.poll_s, self.save_every_s, self.clock = max_pending, poll_s, save_every_s, clock
+        self.place_every_s = place_every_s
         self._pending: deque[tuple] = deque()
         self.observed = self.dropped = self.sent = self.send_dropped = self.shadow_prefetches = 0
         self.warm_sent = 0
@@ -326,13 +341,26 @@ class GatewaySpeculation:
             time.sleep(0)  # release the GIL between steps: a request waits one step at most
         return n
 
+    def place(self) -> bool:
+        """Publish the placement by demand (``demand_placement``) when it changed."""
+        current = self.board.current
+        slots = min(self.planner.slots().values(), default=self.planner.initial_slots)
+        placement = demand_placement(self.counts, current, slots)
+        if placement == dict(current.placement):
+            return False
+        self.board.place(placement)
+        return True
+
     def _run(self) -> None:
-        last_save = self.clock()
+        last_save = last_place = self.clock()
         while not self._stop.is_set():
             try:
                 self._warm()
                 if not self.drain():
                     self._stop.wait(self.poll_s)
+                if self.clock() - last_place >= self.place_every_s:
+                    self.place()
+                    last_place = self.clock()
                 if self.clock() - last_save >= self.save_every_s:
                     self._save()
                     last_save = self.clock()

@@ -43,6 +43,18 @@ with equal pools the counts differ by at most one (3, 3, 2, 2) and no host is gi
 more adapters than its slots while another has room. Adding or removing a host moves
 only the adapters whose walk passes it or whose quota changed.
 
+Placement by demand (``place_by_demand``) balances the requests too: a plain placement
+that gives every host the same number of adapters still gave the hosts of a 200-adapter,
+4-host fleet 398, 719, 695 and 588 requests (some hosts drew the hot adapters). From the
+requests counted per adapter (the speculation thread's counts), every adapter keeps the
+owner it had (``place``'s on an empty fleet: a moved adapter is a cold load), and an
+adapter that carries more than one pool slot's share of the fleet's demand gets more
+owners (``replicas_of``), each the host of its ring walk carrying the least demand so far. The speculation thread
+publishes it in the snapshot (``ResidencySnapshot.placement``). For a placed adapter
+the owners come first: the owner with the fewest requests in flight, then the fewest
+routed so far (``sent``), so a hot adapter's requests are what evens the hosts out; only
+when every owner is over the bound do the tiers below decide.
+
 Overloaded: ``load + 1 > max(min_bound, ceil(load_factor * (total_load + 1) / hosts))``.
 ``route`` uses ``min_bound = LOAD_FLOOR``: a host carrying fewer requests than that is
 never overloaded, since a batching engine takes a few more sequences almost for free and
@@ -67,13 +79,14 @@ from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport, ho
 from gpu_agent.tiers import Tier
 
 __all__ = ["LOAD_FLOOR", "RoutePolicy", "RoundRobin", "RoutingDecision", "choose_endpoint",
-           "choose_upstream", "load_bound", "load_policy", "place", "ring_walk", "round_robin",
-           "route"]
+           "choose_upstream", "load_bound", "load_policy", "place", "place_by_demand", "replicas_of",
+           "ring_walk", "round_robin", "route"]
 
 RoutePolicy = Callable[[Sequence[Upstream], "Adapter | None", ResidencySnapshot, SentCounts], Upstream]
 
 VNODES = 64
 LOAD_FLOOR = 16
+HOT_SLOTS = 2.0  # an adapter carrying more than this many pool slots' share of the fleet's demand is hot
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ class RoutingDecision:
     """Where to send the request (``host:port`` for ``x-ace-destination-endpoint``) and why."""
 
     endpoint: str | None
-    reason: str  # resident | staged | hashed | none
+    reason: str  # placed | resident | staged | hashed | none
 
 
 def _hash64(text: str) -> int:
@@ -149,6 +162,62 @@ def _place(adapters: tuple[str, ...], hosts: tuple[str, ...],
     return tuple(out)
 
 
+def replicas_of(demand: float, total: float, hosts: int, slots: int) -> int:
+    """Owners for an adapter carrying ``demand`` of ``total``: one, two when it carries more
+    than one pool slot's share of the fleet (``total / (hosts * slots)``), and as many as
+    it takes to keep each owner's part under half a host's share; at most ``hosts``."""
+    if total <= 0 or hosts <= 1:
+        return 1
+    share = demand / total
+    n = 2 if share > HOT_SLOTS / (hosts * max(1, slots)) else 1
+    return min(hosts, max(n, math.ceil(2 * share * hosts)))
+
+
+def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots: int = 16,
+                    adapters: Iterable[str] = (),
+                    previous: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, tuple[str, ...]]:
+    """adapter -> owner hosts, balancing the demand and the adapters per host.
+
+    Every adapter first gets its ``place`` owner (count quota over the catalog: where it
+    lands on an empty fleet) or, when placed before, its ``previous`` owners (a moved
+    adapter is a cold load: placement is sticky). Then, hottest first (ties by name), an
+    adapter with demand that needs more owners (``replicas_of``) gets them, each the
+    host of its ring walk carrying the least demand so far; one that needs fewer drops
+    its most loaded extras. Each owner is counted ``demand / owners``."""
+    hosts_t = tuple(sorted(hosts))
+    if not hosts_t:
+        return {}
+    previous = previous or {}
+    catalog = sorted(set(map(str, adapters)) | {a for a, d in demand.items() if d > 0})
+    base = place(catalog, hosts_t)
+    out: dict[str, list[str]] = {}
+    for a in catalog:
+        kept = [h for h in previous.get(a, ()) if h in hosts_t]
+        out[a] = kept or [base[a]]
+    ranked = sorted((a for a in catalog if demand.get(a, 0) > 0), key=lambda a: (-demand[a], a))
+    total = sum(demand[a] for a in ranked)
+    load = dict.fromkeys(hosts_t, 0.0)
+    for a in ranked:
+        for h in out[a]:
+            load[h] += demand[a] / len(out[a])
+    for a in ranked:
+        want = replicas_of(demand[a], total, len(hosts_t), slots)
+        owners = out[a]
+        if len(owners) == want:
+            continue
+        for h in owners:
+            load[h] -= demand[a] / len(owners)
+        walk = ring_walk(hosts_t, a)
+        order = {h: i for i, h in enumerate(walk)}
+        while len(owners) > want:
+            owners.remove(max(owners, key=lambda h: (load[h], order[h])))
+        while len(owners) < want:
+            owners.append(min((h for h in walk if h not in owners), key=lambda h: (load[h], order[h])))
+        for h in owners:
+            load[h] += demand[a] / len(owners)
+    return {a: tuple(o) for a, o in out.items()}
+
+
 def load_bound(loads: Mapping[str, int], hosts: tuple[str, ...], load_factor: float,
                min_bound: int = 1) -> int:
     """The most requests one host may carry, counting the one being placed."""
@@ -171,6 +240,8 @@ def choose_endpoint(
     min_bound: int = 1,
     adapters: Iterable[str] | None = None,
     slots: Mapping[str, int] | None = None,
+    owners: Sequence[str] = (),
+    routed: Mapping[str, int] | None = None,
 ) -> RoutingDecision:
     """Pick the engine host for ``adapter`` (content ``digest``), by the tiers above.
 
@@ -179,6 +250,9 @@ def choose_endpoint(
     ``replicas``: how many ring hosts a hot adapter may occupy; ``min_bound``: the load
     bound never goes below it; ``adapters``: every adapter of the fleet, for ``place``
     (with ``slots``: pool slots per host); without it the digest's ring walk decides.
+    ``owners``: the adapter's hosts by demand (``place_by_demand``): the one under the
+    bound with the fewest requests in flight, then the fewest ``routed`` so far (requests
+    sent there since start), wins before any tier (reason ``placed``).
     """
     view = residency.by_upstream
     hosts = tuple(sorted(view if hosts is None else hosts))
@@ -189,6 +263,11 @@ def choose_endpoint(
 
     def ok(h: str) -> bool:
         return loads.get(h, 0) + 1 <= bound
+
+    placed = [h for h in owners if h in hosts and ok(h)]
+    if placed:
+        routed = routed or {}
+        return RoutingDecision(min(placed, key=lambda h: (loads.get(h, 0), routed.get(h, 0), h)), "placed")
 
     resident: list[str] = []
     staged: list[str] = []
@@ -246,7 +325,9 @@ def route(upstreams: Sequence[Upstream], adapter: Adapter | None, residency: Res
             loads[name] = load
     fleet = {a for name in known for a in view.get(name, _NO_TABLE)}
     decision = choose_endpoint(residency, adapter.name, adapter.sha256 or adapter.name, hosts=known,
-                               loads=loads, min_bound=LOAD_FLOOR, adapters=fleet)
+                               loads=loads, min_bound=LOAD_FLOOR, adapters=fleet,
+                               owners=residency.placement.get(adapter.name, ()),
+                               routed={name: sent.value(name) for name in known})
     return known[decision.endpoint]
 
 

@@ -191,3 +191,27 @@ def test_step_offers_each_prediction_to_the_host_place_names():
         sent += shared.step("acme", f"s{s}", "review", s + 0.5, place=lambda b: other).prefetches
     assert sent and {p.host for p in sent} == {"other"} and "review" in other.cache
     assert shared.step("acme", "n2", "code", 11.0, place=lambda b: None).prefetches == []
+
+
+def test_at_most_max_inflight_prefetches_load_on_a_host():
+    spec = Speculator(capacity=8, settings=SpeculationSettings(max_inflight=1, first_steps=0))
+    slow = lambda a, now: now + 5.0  # noqa: E731 - every load takes 5 s
+    assert spec.offer("a", 0.9, 0.0, load=slow) is not None
+    assert spec.offer("b", 0.9, 1.0, load=slow) is None  # "a" still loading
+    assert spec.inflight(1.0) == ["a"]
+    assert spec.offer("b", 0.9, 6.0, load=slow) is not None  # "a" is loaded by now
+
+
+def test_a_prefetch_that_would_evict_a_costlier_reload_is_not_sent():
+    spec = Speculator(capacity=1, settings=SpeculationSettings(max_inflight=0, first_steps=0, min_p=0.0))
+    spec.demand("big", 0.0)
+    spec.expected.expect("t", "s", [("big", 0.8)], 0.5)  # a session in flight comes back for it
+    cost = {"big": 0.2, "small": 0.02}.get
+    assert spec.offer("small", 0.9, 0.5, load_s=cost) is None
+    assert "big" in spec.cache
+    # the same case unpriced (should_speculate: 0.9 > 0.8) would have evicted it
+    unpriced = Speculator(capacity=1, settings=SpeculationSettings(max_inflight=0, first_steps=0, min_p=0.0,
+                                                                   priced=False))
+    unpriced.demand("big", 0.0)
+    unpriced.expected.expect("t", "s", [("big", 0.8)], 0.5)
+    assert unpriced.offer("small", 0.9, 0.5, load_s=cost) is not None
