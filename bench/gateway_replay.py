@@ -206,6 +206,9 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
     counts: dict[str, float] = {}  # requests per adapter, as the speculation thread counts them
     placement: dict = {}
     placed_at = -math.inf
+    seen: set[str] = set()
+    misses = {"first_touch": 0, "session_opener": 0, "session_revisit": 0, "later_step": 0}
+    used_by: dict[tuple, set] = {}  # (tenant, session) -> adapters it asked for
     hits = resident_hits = 0
     for r in trace:
         now = r["t"] / speed
@@ -221,6 +224,8 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
             placement = demand_placement(counts, ResidencySnapshot.build(tables, placement=placement), slots)
             placed_at = now
         residency = ResidencySnapshot.build(tables, loads, {h: sent.value(h) for h in names}, placement)
+        if planner is not None:  # GatewaySpeculation.drain publishes them after each batch of steps
+            residency = dataclasses.replace(residency, victims=planner.victims(now))
         up = route(upstreams, catalog[a], residency, sent).name
         sent.record(up)
         counts[a] = counts.get(a, 0.0) + 1.0
@@ -229,7 +234,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
         if a in host.pool and host.pool[a] <= now:
             resident_hits += 1
         if a not in host.pool and arm == "ace":  # the ingress signal (priority 1): load now
-            host.load(a, now, load_s[a])
+            host.load(a, now, load_s[a], hint=residency.victims.get(up, ()))
         if planner is not None:
             planner.sync(residency, now)
             step = Step(upstream=up, tenant=r["tenant"], session=str(r["session"]), adapter=a, mode=mode)
@@ -251,6 +256,11 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
             hits += 1
         else:
             stalls.append(ready - start)
+            kind = ("first_touch" if a not in seen else "session_opener" if r.get("step") == 0
+                    else "session_revisit" if a in used_by.get((r["tenant"], r["session"]), ()) else "later_step")
+            misses[kind] += 1
+        seen.add(a)
+        used_by.setdefault((r["tenant"], r["session"]), set()).add(a)
         begin = max(start, ready)
         end = begin + service
         host.free[i] = end
@@ -270,6 +280,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
         "resident_hit_ratio": resident_hits / n,
         "belady_hit_ratio": sum(p["belady_hits"] for p in per_host.values()) / n,
         "requests_per_host": [per_host[h]["requests"] for h in names],
+        "misses": misses,
         "loads": sum(s.loads for s in sim.values()),
         "prefetch": {"sent": sum(s.prefetches for s in sim.values()),
                      "used": sum(s.prefetch_used for s in sim.values()),
@@ -325,7 +336,7 @@ def main(argv=None) -> int:
             report[path][arm] = r
             print(f"{path} {arm:<9} hits {r['effective_hit_ratio']:.4f} belady {r['belady_hit_ratio']:.4f} "
                   f"resident {r['resident_hit_ratio']:.4f} loads {r['loads']} prefetch {r['prefetch']} "
-                  f"per-host {r['requests_per_host']} stall p99 {r['stall_ms']['p99']} "
+                  f"per-host {r['requests_per_host']} misses {r['misses']} stall p99 {r['stall_ms']['p99']} "
                   f"start p99 {r['start_ms']['p99']}", file=sys.stderr, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

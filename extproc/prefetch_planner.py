@@ -162,6 +162,12 @@ class SpeculationPlanner:
                                evict=() if p.victim is None else (str(p.victim),))
                 for p in got.prefetches]
 
+    def victims(self, now: float, n: int = 2) -> dict[str, tuple[str, ...]]:
+        """Per upstream, the ``n`` adapters its pool model would evict first
+        (``Speculator.victims``): what a request's ingress prefetch asks the agent to
+        evict (``ResidencySnapshot.victims``)."""
+        return {u: tuple(map(str, s.victims(now, n))) for u, s in self.speculators.items()}
+
     def slots(self) -> dict[str, int]:
         """Learned pool capacity per upstream (persisted for the next start's warm set)."""
         return {u: s.cache.capacity for u, s in self.speculators.items()}
@@ -331,7 +337,8 @@ class GatewaySpeculation:
         log.info("speculation counters: %s", json.dumps(self.counters(), sort_keys=True))
 
     def drain(self) -> int:
-        """Process everything pending now (the thread's loop body; tests call it directly)."""
+        """Process everything pending now (the thread's loop body; tests call it directly);
+        then publish the pools' first victims if they changed."""
         n = 0
         pending = self._pending
         while pending:
@@ -339,6 +346,10 @@ class GatewaySpeculation:
             self._handle(Step(*item))
             n += 1
             time.sleep(0)  # release the GIL between steps: a request waits one step at most
+        if n:
+            victims = self.planner.victims(self.clock())
+            if victims != dict(self.board.current.victims):
+                self.board.suggest_victims(victims)
         return n
 
     def place(self) -> bool:

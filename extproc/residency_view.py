@@ -84,13 +84,17 @@ class ResidencySnapshot:
     board's ``SentCounts.value`` when that measurement arrived (missing: 0).
     ``placement``: adapter -> the hosts that own it by demand
     (``extproc.policy.routing.place_by_demand``, published by the speculation thread with
-    ``ResidencyBoard.place``; an adapter missing there is placed by the ring)."""
+    ``ResidencyBoard.place``; an adapter missing there is placed by the ring).
+    ``victims``: upstream -> the adapters the speculation's model of that pool would
+    evict first (``ResidencyBoard.suggest_victims``): a request's ingress prefetch names
+    them, so a demand load evicts by predicted use, not by the agent's LRU."""
 
     by_upstream: Mapping[str, Mapping[str, TierReport]] = field(
         default_factory=lambda: MappingProxyType({}))
     loads: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     sent_at_load: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     placement: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    victims: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     def of(self, upstream: str, adapter: str) -> TierReport:
         return self.by_upstream.get(upstream, _EMPTY).get(adapter, UNKNOWN)
@@ -132,13 +136,19 @@ class ResidencyBoard:
         self._publish = threading.Lock()  # two writers (agents' view, placement); readers take none
 
     def publish(self, snapshot: ResidencySnapshot) -> None:
-        """The agents' new view; the placement published last is kept (the agents' client
-        does not build it)."""
+        """The agents' new view; the placement and victims published last are kept (the
+        agents' client does not build them)."""
         with self._publish:
-            if not snapshot.placement and self.current.placement:
-                snapshot = dataclasses.replace(snapshot, placement=self.current.placement)
+            current = self.current
+            if (current.placement or current.victims) and not (snapshot.placement or snapshot.victims):
+                snapshot = dataclasses.replace(snapshot, placement=current.placement, victims=current.victims)
             self.current = snapshot
             self.published_at = time.monotonic()
+
+    def suggest_victims(self, victims: Mapping[str, tuple[str, ...]]) -> None:
+        """What each pool should lose first, as the speculation thread sees it now."""
+        with self._publish:
+            self.current = dataclasses.replace(self.current, victims=MappingProxyType(dict(victims)))
 
     def place(self, placement: Mapping[str, tuple[str, ...]]) -> None:
         """A new placement by demand (the speculation thread); the agents' view is kept."""

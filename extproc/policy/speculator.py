@@ -74,6 +74,7 @@ class SpeculationSettings:
     idle_timeout_s: float = 600.0  # a session idle this long opens anew at its next request
     priced: bool = True  # prefetch only when prefetch_pays (saving > reload + link cost); False: should_speculate
     max_inflight: int = 2  # per host: no new prefetch while this many are loading (0 = no limit)
+    lookahead: int = 1  # 2: also offer the step after the next (P(b) x P(c | b)) when at least min_p
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,8 @@ class Speculator:
         predicted = self.learn(tenant, session, adapter, now)
         out: list[Prefetch] = []
         offers = [(b, p, "predicted") for b, p in predicted]
+        if self.settings.lookahead > 1:
+            offers += [(c, q, "predicted") for c, q in self._two_ahead(tenant, adapter, {b for b, _ in predicted})]
         if self.settings.first_steps:
             offers += [(b, p, "first_step") for b, p in
                        self.first_steps.likely(tenant, now, self.horizon_s, self.settings.first_steps)]
@@ -242,6 +245,28 @@ class Speculator:
                 out.append(got)
         self.ledger.record(tenant, session, tuple(b for b, _ in predicted if b != adapter))
         return out
+
+    def _two_ahead(self, tenant: Hashable, adapter: Hashable, skip: set) -> list[tuple[Hashable, float]]:
+        """The steps after the next: ``P(c) = sum over b of P(b | adapter) x P(c | b, adapter)``,
+        those with at least ``min_p``, not in ``skip`` and not ``adapter``."""
+        st = self.settings
+        model = self.model
+        # the session's context after this step: (previous, adapter) is in the model already
+        nxt = model.predict_next(tenant, adapter, st.k)
+        acc: dict[Hashable, float] = {}
+        for b, p in nxt:
+            for c, q in model.predict_next(tenant, b, st.k, before=adapter):
+                acc[c] = acc.get(c, 0.0) + p * q
+        return [(c, q) for c, q in sorted(acc.items(), key=lambda kv: -kv[1])
+                if q >= st.min_p and c not in skip and c != adapter]
+
+    def victims(self, now: float, n: int = 2) -> list[Hashable]:
+        """The ``n`` entries this host's model would evict first (lowest use probability,
+        ties to the least recently used), coldest first; loads in flight are not offered."""
+        self._now = now
+        scored = [(self.score(k, e), i, k) for i, (k, e) in enumerate(self.cache.entries.items())
+                  if not e.pinned and e.ready_at <= now]
+        return [k for _, _, k in sorted(scored)[:n]]
 
     def inflight(self, now: float) -> list[Hashable]:
         """The prefetches this host's model still sees loading at ``now``."""

@@ -215,3 +215,23 @@ def test_a_prefetch_that_would_evict_a_costlier_reload_is_not_sent():
     unpriced.demand("big", 0.0)
     unpriced.expected.expect("t", "s", [("big", 0.8)], 0.5)
     assert unpriced.offer("small", 0.9, 0.5, load_s=cost) is not None
+
+
+def test_victims_are_the_coldest_first_never_a_load_in_flight():
+    spec = Speculator(capacity=4, settings=SpeculationSettings(first_steps=0))
+    for a, t in (("hot", 0.0), ("hot", 1.0), ("hot", 2.0), ("warm", 2.5), ("warm", 3.0), ("cold", 3.5)):
+        spec.demand(a, t)
+    spec.offer("loading", 0.9, 4.0, load=lambda a, now: now + 10.0)
+    assert spec.victims(4.0, n=3) == ["cold", "warm", "hot"]
+
+
+def test_lookahead_offers_the_step_after_the_next():
+    settings = SpeculationSettings(lookahead=2, first_steps=0, max_inflight=0)
+    spec = Speculator(capacity=8, settings=settings)
+    run_sessions(spec, 5, chain=("plan", "code", "test"))
+    spec.cache.evict("test")  # the engine let it go
+    got = spec.on_request("acme", "new", "plan", 100.0)
+    assert [p.adapter for p in got] == ["test"]  # code is resident; test is two steps ahead
+    spec_one = Speculator(capacity=8, settings=SpeculationSettings(first_steps=0, max_inflight=0))
+    run_sessions(spec_one, 5, chain=("plan", "code", "test"))
+    assert spec_one._two_ahead("acme", "plan", set()) == [("test", 1.0)]

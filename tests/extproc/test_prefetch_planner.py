@@ -452,3 +452,16 @@ def test_warm_set_waits_for_every_agent_host_and_follows_the_routing_placement(t
     now[0] = gs2.warm_wait_s + 1
     gs2._warm()
     assert {s.upstream for s in sink2.signals} == {"engine-1"} and len(sink2.signals) == len(names)
+
+
+def test_drain_publishes_each_pools_first_victims(snapshot):
+    sink = Sink()
+    gs = gateway_speculation(snapshot, sink)
+    gs.board.publish(pool("local-vllm", "code-python", "acme-legal"))
+    for i in range(3):
+        gs.observe(decision(snapshot, "code-python", PROD), "acme", f"s{i}")
+    gs.drain()
+    # acme-legal: resident, never asked for; code-python: asked three times
+    assert gs.board.current.victims["local-vllm"][0] == "acme-legal"
+    gs.board.publish(pool("local-vllm", "code-python"))  # the agents' next view keeps them
+    assert gs.board.current.victims["local-vllm"][0] == "acme-legal"
