@@ -180,7 +180,8 @@ def _pct(xs: list[float], q: float) -> float:
 def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 4, service_ms: float = 40.0,
            lead_ms: float = 5.0, speed: float = 1.0, load_base_ms: float = 25.0,
            bytes_per_rank: int = 2 * 4 * 4096 * 32 * 2, gbps: float = 1.6,
-           settings: SpeculationSettings = SpeculationSettings(), place_every_s: float = 5.0) -> dict:
+           settings: SpeculationSettings = SpeculationSettings(), place_every_s: float = 5.0,
+           ingress_victims: bool = True) -> dict:
     """One arm over ``trace`` (sorted by ``t``); ``speed`` divides the trace's times."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
@@ -224,7 +225,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
             placement = demand_placement(counts, ResidencySnapshot.build(tables, placement=placement), slots)
             placed_at = now
         residency = ResidencySnapshot.build(tables, loads, {h: sent.value(h) for h in names}, placement)
-        if planner is not None:  # GatewaySpeculation.drain publishes them after each batch of steps
+        if planner is not None and ingress_victims:  # GatewaySpeculation.drain publishes them
             residency = dataclasses.replace(residency, victims=planner.victims(now))
         up = route(upstreams, catalog[a], residency, sent).name
         sent.record(up)
@@ -310,6 +311,8 @@ def main(argv=None) -> int:
                     help="a SpeculationSettings field for the ace arm (e.g. max_inflight=0)")
     ap.add_argument("--place-every-s", type=float, default=5.0,
                     help="placement by demand recomputed this often (trace seconds; 0 = off: the ring's)")
+    ap.add_argument("--no-ingress-victims", action="store_true",
+                    help="ace: the ingress prefetch names no victims (the agent's LRU makes room)")
     ap.add_argument("--out", help="JSON report")
     args = ap.parse_args(argv)
     fields = {f.name: f.type for f in dataclasses.fields(SpeculationSettings)}
@@ -332,7 +335,7 @@ def main(argv=None) -> int:
         for arm in args.arms.split(","):
             r = replay(trace, arm, hosts=args.hosts, slots=args.slots, batch=args.batch,
                        service_ms=args.service_ms, lead_ms=args.lead_ms, speed=args.speed, settings=settings,
-                       place_every_s=args.place_every_s)
+                       place_every_s=args.place_every_s, ingress_victims=not args.no_ingress_victims)
             report[path][arm] = r
             print(f"{path} {arm:<9} hits {r['effective_hit_ratio']:.4f} belady {r['belady_hit_ratio']:.4f} "
                   f"resident {r['resident_hit_ratio']:.4f} loads {r['loads']} prefetch {r['prefetch']} "

@@ -86,7 +86,8 @@ RoutePolicy = Callable[[Sequence[Upstream], "Adapter | None", ResidencySnapshot,
 
 VNODES = 64
 LOAD_FLOOR = 16
-HOT_SLOTS = 2.0  # an adapter carrying more than this many pool slots' share of the fleet's demand is hot
+BALANCE_TOLERANCE = 0.20  # place_by_demand moves adapters while the busiest host carries over 1.2x the mean
+BALANCE_MIN_REQUESTS = 16  # ... once this many requests per host were counted (a handful says nothing)
 
 
 @dataclass(frozen=True)
@@ -163,58 +164,74 @@ def _place(adapters: tuple[str, ...], hosts: tuple[str, ...],
 
 
 def replicas_of(demand: float, total: float, hosts: int, slots: int) -> int:
-    """Owners for an adapter carrying ``demand`` of ``total``: one, two when it carries more
-    than one pool slot's share of the fleet (``total / (hosts * slots)``), and as many as
-    it takes to keep each owner's part under half a host's share; at most ``hosts``."""
-    if total <= 0 or hosts <= 1:
+    """The fewest owners an adapter carrying ``demand`` of ``total`` needs: as many as
+    keep each owner's part under half a host's share (one for all but the hottest); at
+    most ``hosts``."""
+    if total <= 0 or hosts <= 1 or demand < BALANCE_MIN_REQUESTS:
         return 1
-    share = demand / total
-    n = 2 if share > HOT_SLOTS / (hosts * max(1, slots)) else 1
-    return min(hosts, max(n, math.ceil(2 * share * hosts)))
+    return min(hosts, max(1, math.ceil(2 * demand / total * hosts)))
 
 
 def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots: int = 16,
                     adapters: Iterable[str] = (),
                     previous: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, tuple[str, ...]]:
-    """adapter -> owner hosts, balancing the demand and the adapters per host.
+    """adapter -> owner hosts, evening out the demand per host with few moves.
 
-    Every adapter first gets its ``place`` owner (count quota over the catalog: where it
-    lands on an empty fleet) or, when placed before, its ``previous`` owners (a moved
-    adapter is a cold load: placement is sticky). Then, hottest first (ties by name), an
-    adapter with demand that needs more owners (``replicas_of``) gets them, each the
-    host of its ring walk carrying the least demand so far; one that needs fewer drops
-    its most loaded extras. Each owner is counted ``demand / owners``."""
+    Every adapter first gets its ``previous`` owners (placement is sticky: a moved adapter
+    is a cold load) or, new, ``place``'s owner (count quota over the catalog: where it
+    lands on an empty fleet); an adapter carrying more than half a host's share gets
+    ``replicas_of`` owners (the least loaded hosts of its walk), one that no longer does
+    keeps its first. Then, once ``BALANCE_MIN_REQUESTS`` requests per host were counted
+    and while the busiest host carries more than ``1 + BALANCE_TOLERANCE`` times the mean
+    demand, its largest single-owner adapter that fits the gap to the least loaded host
+    (demand under the difference, so both move toward the mean) moves there. An owner
+    is counted ``demand / owners``. A second owner for every hot adapter evened the
+    hosts too, but routing splits such an adapter's requests between its owners, each
+    pool keeps a copy, and the copies cost more hits than the balance won."""
     hosts_t = tuple(sorted(hosts))
     if not hosts_t:
         return {}
     previous = previous or {}
+    n = len(hosts_t)
     catalog = sorted(set(map(str, adapters)) | {a for a, d in demand.items() if d > 0})
     base = place(catalog, hosts_t)
-    out: dict[str, list[str]] = {}
-    for a in catalog:
-        kept = [h for h in previous.get(a, ()) if h in hosts_t]
-        out[a] = kept or [base[a]]
     ranked = sorted((a for a in catalog if demand.get(a, 0) > 0), key=lambda a: (-demand[a], a))
     total = sum(demand[a] for a in ranked)
+    out: dict[str, list[str]] = {}
+    for a in catalog:
+        owners = [h for h in previous.get(a, ()) if h in hosts_t] or [base[a]]
+        out[a] = owners[:max(1, replicas_of(demand.get(a, 0.0), total, n, slots))]
     load = dict.fromkeys(hosts_t, 0.0)
     for a in ranked:
         for h in out[a]:
             load[h] += demand[a] / len(out[a])
     for a in ranked:
-        want = replicas_of(demand[a], total, len(hosts_t), slots)
-        owners = out[a]
-        if len(owners) == want:
+        want = replicas_of(demand[a], total, n, slots)
+        if len(out[a]) >= want:
             continue
-        for h in owners:
-            load[h] -= demand[a] / len(owners)
         walk = ring_walk(hosts_t, a)
         order = {h: i for i, h in enumerate(walk)}
-        while len(owners) > want:
-            owners.remove(max(owners, key=lambda h: (load[h], order[h])))
-        while len(owners) < want:
-            owners.append(min((h for h in walk if h not in owners), key=lambda h: (load[h], order[h])))
-        for h in owners:
-            load[h] += demand[a] / len(owners)
+        for h in out[a]:
+            load[h] -= demand[a] / len(out[a])
+        while len(out[a]) < want:
+            out[a].append(min((h for h in walk if h not in out[a]), key=lambda h: (load[h], order[h])))
+        for h in out[a]:
+            load[h] += demand[a] / len(out[a])
+    if total >= BALANCE_MIN_REQUESTS * n:
+        mean = total / n
+        for _ in range(len(ranked)):
+            heavy = max(hosts_t, key=lambda h: (load[h], h))
+            light = min(hosts_t, key=lambda h: (load[h], h))
+            if load[heavy] <= (1.0 + BALANCE_TOLERANCE) * mean:
+                break
+            gap = load[heavy] - load[light]
+            movable = [a for a in ranked if out[a] == [heavy] and demand[a] < gap]
+            if not movable:
+                break
+            a = movable[0]  # ranked hottest first: the largest that fits, the fewest moves
+            out[a] = [light]
+            load[heavy] -= demand[a]
+            load[light] += demand[a]
     return {a: tuple(o) for a, o in out.items()}
 
 

@@ -21,29 +21,42 @@ def host_demand(placement, demand):
 
 
 @pytest.mark.parametrize(
-    "demand, total, hosts, slots, expected",
+    "demand, total, hosts, slots, owners",
     [
-        (0.0, 0.0, 4, 16, 1),      # nothing counted yet
-        (10.0, 1000.0, 4, 16, 1),  # 1%: under two slots' share (2/64)
-        (40.0, 1000.0, 4, 16, 2),  # 4%: hot, a second owner
+        (0.0, 0.0, 4, 16, 1),       # nothing counted yet
+        (40.0, 1000.0, 4, 16, 1),   # 4%: one owner is enough
+        (8.0, 20.0, 4, 16, 1),      # 40%, but 8 requests say nothing yet
         (300.0, 1000.0, 4, 16, 3),  # 30%: more than half a host's share on each of two
         (900.0, 1000.0, 4, 16, 4),  # capped at the hosts
         (900.0, 1000.0, 1, 16, 1),  # one host: nowhere else to go
     ],
 )
-def test_replicas_of(demand, total, hosts, slots, expected):
-    assert replicas_of(demand, total, hosts, slots) == expected
+def test_replicas_of(demand, total, hosts, slots, owners):
+    assert replicas_of(demand, total, hosts, slots) == owners
 
 
-def test_demand_is_balanced_across_hosts_and_the_hot_adapters_have_several_owners():
+def test_demand_is_evened_out_by_moving_single_owner_adapters():
     demand = zipf_demand(200)
+    ring = place_by_demand({}, HOSTS, adapters=demand)  # the count quota's owners
     placement = place_by_demand(demand, HOSTS, slots=16, adapters=demand)
-    load = host_demand(placement, demand)
-    mean = sum(load.values()) / len(HOSTS)
-    assert max(load.values()) <= 1.15 * mean, load
-    assert len(placement["ad-000"]) >= 2 and len(set(placement["ad-000"])) == len(placement["ad-000"])
-    assert all(len(placement[f"ad-{i:03d}"]) == 1 for i in range(100, 200))  # the cold tail: one owner
+    mean = sum(demand.values()) / len(HOSTS)
+    assert max(host_demand(ring, demand).values()) > 1.2 * mean  # the ring alone leaves one heavy
+    assert max(host_demand(placement, demand).values()) <= 1.2 * mean
+    assert len(placement["ad-000"]) == 2  # a fifth of all demand: over half a host's share
+    assert all(len(o) == 1 for a, o in placement.items() if a != "ad-000")  # the rest by moves, not copies
     assert set(placement) == set(demand)
+
+
+def test_a_very_hot_adapter_gets_several_owners():
+    demand = {"hot": 1000.0, **{f"ad-{i}": 50.0 for i in range(40)}}  # a third of all
+    placement = place_by_demand(demand, HOSTS, slots=16, adapters=demand)
+    assert len(placement["hot"]) == 3 and len(set(placement["hot"])) == 3
+
+
+def test_no_move_while_the_hosts_are_even():
+    demand = {f"ad-{i}": 100.0 for i in range(8)}  # 8 equal adapters, 4 hosts: 2 each
+    ring = place_by_demand({}, HOSTS, adapters=demand)
+    assert place_by_demand(demand, HOSTS, slots=16, adapters=demand) == ring
 
 
 def test_placement_is_sticky_an_adapter_keeps_its_owners():
