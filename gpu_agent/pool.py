@@ -17,6 +17,13 @@ matrix is a view; when free pages are scattered it takes any free pages, and a m
 whose pages are not consecutive is gathered (``index_select``) when a batch uses it
 (``stats()['scattered_adapters']`` says how often).
 
+A load takes the pool's lock twice, briefly: to reserve its pages (evicting what the
+owner chooses) and to publish its entry; the copy runs between, with the lock released
+(``gpu_agent.pool_copy``). So a forward step's ``batch()`` never waits behind a load in
+flight, reserved pages belong to no entry (no batch reads them, no eviction frees them),
+and an adapter is visible to batches only once all of its bytes are in place (on CUDA:
+once the compute stream is ordered after its copy's event).
+
 Slot table in both directions (``_slots[slot] -> entry`` with ``EMPTY`` = None,
 ``_entries[name] -> entry`` with ``entry.slot``), a per-slot scale tensor, and
 preallocated per-batch index tensors that are only copied into.
@@ -24,7 +31,6 @@ preallocated per-batch index tensors that are only copied into.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from contextlib import contextmanager
@@ -36,8 +42,10 @@ import numpy as np
 from .errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
 from .eviction import Candidate, EvictionPolicy, EvictReason, LRUPolicy, Shortfall, plan_evictions
 from .peft import BaseModelSpec, LoraAdapter
+from .pool_copy import COPY_CHUNK_BYTES, CopyDone, copy_into_pages
 
-__all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT", "VictimChooser"]
+__all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT", "VictimChooser",
+           "COPY_CHUNK_BYTES"]
 
 #: ``choose(loading, shortfall, candidates in policy order) -> names to evict``: the
 #: owner's decision (``gpu_agent.eviction.plan_evictions`` and its own protections).
@@ -62,7 +70,21 @@ class PoolEntry:
     in_use: int = 0
     load_ms: float = 0.0
     gathered_matrices: int = 0       # matrices whose pages are not consecutive (read by gather)
+    ready: CopyDone | None = None    # CUDA: the copy still queued on the side stream
     _mats: dict[tuple[int, str], tuple[Any, Any]] = field(default_factory=dict, repr=False)
+
+
+@dataclass(eq=False)
+class _Copy:
+    """Pages reserved for an adapter whose bytes are being copied (no entry yet)."""
+
+    name: str
+    ids: np.ndarray
+    contiguous: bool
+    layout: dict[tuple[int, str], list[int]]
+    one_copy: bool
+    t0: float
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -164,6 +186,8 @@ class AdapterPool:
         self._perm = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
         self._index_busy = False
         self._lock = threading.RLock()
+        self._copying: dict[str, _Copy] = {}        # reserved pages being copied into, by name
+        self._copy_ended = threading.Condition(self._lock)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.evictions = 0
         self.loads = 0
@@ -296,10 +320,12 @@ class AdapterPool:
         limit = self.max_adapters
         if limit is None:
             return
-        self._evict_for(loading, Shortfall(count=len(self._entries) + 1 - limit))
-        if len(self._entries) >= limit:
+        placed = len(self._entries) + len(self._copying)   # a copy in flight holds its place
+        self._evict_for(loading, Shortfall(count=placed + 1 - limit))
+        placed = len(self._entries) + len(self._copying)
+        if placed >= limit:
             raise PoolExhausted(
-                f"{loading}: {len(self._entries)} adapters resident (max {limit}), all pinned or in use")
+                f"{loading}: {placed} adapters resident or loading (max {limit}), all pinned or in use")
 
     def _take_slot(self) -> int:
         if self._free_slots:
@@ -332,108 +358,114 @@ class AdapterPool:
              should_yield: Callable[[str], bool] | None = None) -> PoolEntry:
         """Make ``adapter`` resident (evicting unpinned, unused, unclaimed adapters as needed).
 
-        Idempotent for a resident name. Raises PoolExhausted when the pages cannot be
+        Idempotent for a resident name; a second caller for a name being copied waits for
+        that copy and shares its entry. Raises PoolExhausted when the pages cannot be
         found, AdapterInvalid when the adapter does not fit the served model.
         ``should_yield("copy")`` (a prefetch): asked before anything is evicted and between
         chunks of the copy (``COPY_CHUNK_BYTES``); True frees the pages taken so far and
         raises ``LoadYielded`` (stage ``copy``).
-        """
-        with self._lock:
-            entry = self._entries.get(adapter.name)
-            if entry is not None:
-                self.policy.on_access(adapter.name)
-                entry.pinned = entry.pinned or pin
-                return entry
-            self._validate(adapter)
-            t0 = time.perf_counter()
-            layout, n, one_copy = self._plan(adapter)
-            if n > self.num_pages:  # never fits: fail before evicting anything
-                raise PoolExhausted(f"{adapter.name}: needs {n} pages, pool has {self.num_pages}")
-            if should_yield is not None and should_yield("copy"):
-                raise LoadYielded(adapter.name, "copy")
-            self._make_count_room(adapter.name)
-            self._make_room(n, adapter.name)
-            ids, contiguous = self._alloc(n, layout)
-            try:
-                self._copy_in(adapter, layout, ids, contiguous, one_copy, should_yield)
-            except BaseException:
-                self._free[ids] = True
-                self._num_free += n
-                raise
-            slot = self._take_slot()
-            entry = PoolEntry(name=adapter.name, slot=slot, rank=adapter.rank, scale=adapter.scale,
-                              nbytes=adapter.nbytes, page_ids=ids, contiguous=contiguous,
-                              layout=layout, pinned=pin)
-            self._slots[slot] = entry
-            self.slot_scales[slot] = adapter.scale
-            self._entries[adapter.name] = entry
-            self.policy.on_load(adapter.name)
-            entry.load_ms = (time.perf_counter() - t0) * 1e3
-            self.loads += 1
-            self.load_ms_total += entry.load_ms
-            self.scattered_loads += not contiguous
-            if not contiguous:
-                entry.gathered_matrices = sum(
-                    not _consecutive(ids[v[j]: v[j] + v[j + 1]]) for v in layout.values() for j in (0, 2))
-                self.gathered_matrices += entry.gathered_matrices
-            return entry
 
-    def _copy_in(self, adapter: LoraAdapter, layout, ids: np.ndarray, contiguous: bool,
-                 one_copy: bool, should_yield: Callable[[str], bool] | None = None) -> None:
-        import torch
+        The lock is held only to reserve the pages and to publish the entry, never across
+        the copy (``gpu_agent.pool_copy``): batches of resident adapters go on meanwhile.
+        """
+        while True:
+            with self._lock:
+                entry = self._entries.get(adapter.name)
+                if entry is not None:
+                    self.policy.on_access(adapter.name)
+                    entry.pinned = entry.pinned or pin
+                    return entry
+                other = self._copying.get(adapter.name)
+                if other is None:
+                    job = self._reserve(adapter, should_yield)
+                    break
+            other.done.wait()  # the same adapter is being copied by another thread: share it
 
         def checkpoint() -> None:
             if should_yield is not None and should_yield("copy"):
                 raise LoadYielded(adapter.name, "copy")
 
-        stream = self._copy_stream
-        if stream is not None:
-            # Freed pages may still be read by kernels queued on the compute stream (a
-            # batch's host-side context exits before its GPU work ends): order after them.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
-        non_blocking = stream is not None
-        with ctx:
-            if contiguous and one_copy:
-                # The adapter's page run is byte-for-byte its file's data section.
-                payload = adapter.payload
-                start, end = payload.matrices[0].start, payload.matrices[-1].end
-                p0 = int(ids[0])
-                dst = self.pages[p0: p0 + len(ids)].view(-1).view(torch.uint8)
-                raw = payload.file
-                # a prefetch's copy goes in chunks, asking between them whether to yield
-                step = COPY_CHUNK_BYTES if should_yield is not None else max(1, end - start)
-                for lo in range(0, end - start, step):
-                    hi = min(lo + step, end - start)
-                    if lo:
-                        checkpoint()
-                    if stream is None and raw is not None and not raw.closed:
-                        _pread_into(raw.fileno(), dst[lo:hi], start + lo, adapter.name)
-                    else:
-                        dst[lo:hi].copy_(payload.buffer[start + lo:start + hi], non_blocking=non_blocking)
-            elif contiguous:
-                p0 = int(ids[0])
-                for key, (a, b) in adapter.weights.items():
-                    checkpoint()
-                    a_off, a_pages, b_off, b_pages = layout[key]
-                    self._flat(p0 + a_off, a_pages, a.numel()).copy_(a.reshape(-1), non_blocking=non_blocking)
-                    self._flat(p0 + b_off, b_pages, b.numel()).copy_(b.reshape(-1), non_blocking=non_blocking)
+        try:
+            ready = copy_into_pages(self.pages, adapter, job.layout, job.ids, job.contiguous, job.one_copy,
+                                    stream=self._copy_stream, chunked=should_yield is not None,
+                                    checkpoint=checkpoint)
+        except BaseException:
+            with self._lock:
+                self._end_copy(job, free_pages=True)
+            raise
+        with self._lock:
+            return self._publish(job, adapter, pin, ready)
+
+    def _reserve(self, adapter: LoraAdapter, should_yield: Callable[[str], bool] | None) -> "_Copy":
+        """Under the lock: make room and take the pages ``adapter`` will be copied into.
+        Reserved pages belong to no entry: no batch reads them and no eviction frees them."""
+        self._validate(adapter)
+        t0 = time.perf_counter()
+        layout, n, one_copy = self._plan(adapter)
+        if n > self.num_pages:  # never fits: fail before evicting anything
+            raise PoolExhausted(f"{adapter.name}: needs {n} pages, pool has {self.num_pages}")
+        if should_yield is not None and should_yield("copy"):
+            raise LoadYielded(adapter.name, "copy")
+        while True:
+            try:
+                self._make_count_room(adapter.name)
+                self._make_room(n, adapter.name)
+                break
+            except PoolExhausted:
+                # Another copy holds pages (or a place in the count) that may become
+                # evictable once it is published; a request's load waits for it, as it
+                # waited for the lock before. A prefetch never waits for room.
+                if should_yield is not None or not self._copying:
+                    raise
+                self._copy_ended.wait()
+        ids, contiguous = self._alloc(n, layout)
+        job = _Copy(adapter.name, ids, contiguous, layout, one_copy, t0)
+        self._copying[adapter.name] = job
+        return job
+
+    def _end_copy(self, job: "_Copy", free_pages: bool) -> None:
+        if free_pages:
+            ids = job.ids
+            if job.contiguous:
+                self._free[ids[0]: ids[0] + len(ids)] = True
             else:
-                idx = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
-                w = self.row_width
-                for key, (a, b) in adapter.weights.items():
-                    checkpoint()
-                    a_off, a_pages, b_off, b_pages = layout[key]
-                    for off, n, m in ((a_off, a_pages, a), (b_off, b_pages, b)):
-                        block = torch.zeros(n * w, dtype=self.dtype, device=self.device)
-                        block[: m.numel()].copy_(m.reshape(-1), non_blocking=non_blocking)
-                        self.pages.index_copy_(0, idx[off: off + n], block.view(n, w))
-        if stream is not None:
-            stream.synchronize()  # the pages are ready before any batch can name them
+                self._free[ids] = True
+            self._num_free += len(ids)
+        del self._copying[job.name]
+        job.done.set()
+        self._copy_ended.notify_all()
+
+    def _publish(self, job: "_Copy", adapter: LoraAdapter, pin: bool, ready: CopyDone | None) -> PoolEntry:
+        """Under the lock: the copied adapter becomes an entry batches can name."""
+        ids, contiguous, layout = job.ids, job.contiguous, job.layout
+        slot = self._take_slot()
+        entry = PoolEntry(name=adapter.name, slot=slot, rank=adapter.rank, scale=adapter.scale,
+                          nbytes=adapter.nbytes, page_ids=ids, contiguous=contiguous,
+                          layout=layout, pinned=pin, ready=ready)
+        self._slots[slot] = entry
+        self.slot_scales[slot] = adapter.scale
+        self._entries[adapter.name] = entry
+        self.policy.on_load(adapter.name)
+        entry.load_ms = (time.perf_counter() - job.t0) * 1e3
+        self.loads += 1
+        self.load_ms_total += entry.load_ms
+        self.scattered_loads += not contiguous
+        if not contiguous:
+            entry.gathered_matrices = sum(
+                not _consecutive(ids[v[j]: v[j] + v[j + 1]]) for v in layout.values() for j in (0, 2))
+            self.gathered_matrices += entry.gathered_matrices
+        self._end_copy(job, free_pages=False)
+        return entry
 
     def _flat(self, p: int, n: int, numel: int):
         """The first ``numel`` elements of pages ``[p, p + n)`` as one flat view."""
         return self.pages[p: p + n].view(-1)[:numel]
+
+    def _ready_for_use(self, entry: PoolEntry) -> None:
+        """CUDA: the calling thread's stream waits for the entry's copy (its first uses)."""
+        ready = entry.ready
+        if ready is not None and ready.order_before_use(self.device):
+            entry.ready = None
 
     def matrices(self, entry: PoolEntry, layer: int, module: str) -> tuple[Any, Any] | None:
         """(A [r, in], B^T [r, out]) of a resident adapter: views of the pool pages
@@ -446,6 +478,7 @@ class AdapterPool:
         where = entry.layout.get(key)
         if where is None:
             return None  # the adapter does not target this layer/module
+        self._ready_for_use(entry)
         a_off, a_pages, b_off, b_pages = where
         fan_in, fan_out = self.spec.modules[module]
         r = entry.rank
@@ -518,6 +551,7 @@ class AdapterPool:
             for e in entries.values():
                 e.in_use += 1
                 self.policy.on_access(e.name)
+                self._ready_for_use(e)   # CUDA: this forward's kernels go after the copy
             # The preallocated index tensors serve one open batch at a time; a second
             # concurrent batch gets its own.
             shared = not self._index_busy
@@ -576,6 +610,7 @@ class AdapterPool:
                 "max_adapters": self.max_adapters,
                 "pinned": sum(e.pinned for e in self._entries.values()),
                 "in_use": sum(bool(e.in_use) for e in self._entries.values()),
+                "copying": len(self._copying),
                 "loads": self.loads,
                 "evictions": self.evictions,
                 "scattered_adapters": sum(not e.contiguous for e in self._entries.values()),
@@ -588,6 +623,10 @@ class AdapterPool:
     def check_invariants(self) -> None:
         """Raise AssertionError if page tables and the free bitmap disagree (tests)."""
         owner = np.full(self.num_pages, -1)
+        for job in self._copying.values():
+            if np.any(owner[job.ids] != -1):
+                raise AssertionError(f"{job.name}: reserved page owned twice")
+            owner[job.ids] = -2
         for e in self._entries.values():
             if np.any(owner[e.page_ids] != -1):
                 raise AssertionError(f"{e.name}: page owned twice")
@@ -600,56 +639,6 @@ class AdapterPool:
             raise AssertionError("free bitmap disagrees with page tables")
 
 
-# pread into the pool: parts of at least this many bytes, one per torch intra-op thread
-# (at most 4), read concurrently (os.preadv releases the GIL; the kernel copies from
-# the page cache with no page-table fill, unlike a fresh mmap).
-PREAD_PART_MIN = 4 << 20
-# A prefetch's one-piece copy is cut into chunks of this size, with a yield check between.
-COPY_CHUNK_BYTES = 256 << 10
-_readers = None
-_readers_lock = threading.Lock()
-
-
-def _reader_pool(n: int):
-    global _readers
-    with _readers_lock:
-        if _readers is None or _readers._max_workers < n:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _readers = ThreadPoolExecutor(n, thread_name_prefix="ace-pool-read")
-        return _readers
-
-
-def _pread_full(fd: int, mv: memoryview, offset: int, name: str) -> None:
-    done = 0
-    while done < len(mv):
-        got = os.preadv(fd, [mv[done:]], offset + done)
-        if got <= 0:
-            raise AdapterInvalid(f"{name}: weights file ended early (file changed after it was read?)")
-        done += got
-
-
-def _pread_into(fd: int, dst: Any, offset: int, name: str) -> None:
-    """Fill the CPU uint8 tensor ``dst`` with the file's bytes from ``offset``."""
-    import torch
-
-    mv = memoryview(dst.numpy()).cast("B")
-    n = len(mv)
-    parts = max(1, min(torch.get_num_threads(), 4, n // PREAD_PART_MIN))
-    if parts == 1:
-        _pread_full(fd, mv, offset, name)
-        return
-    step = ((n + parts - 1) // parts + 4095) & ~4095        # page-aligned parts
-    cuts = [(o, min(o + step, n)) for o in range(0, n, step)]
-    ex = _reader_pool(len(cuts) - 1)
-    futs = [ex.submit(_pread_full, fd, mv[a:b], offset + a, name) for a, b in cuts[1:]]
-    try:
-        _pread_full(fd, mv[cuts[0][0]:cuts[0][1]], offset, name)
-    finally:
-        for f in futs:
-            f.result()
-
-
 def _plan(loading: str, short: Shortfall, order: Sequence[Candidate]) -> list[str]:
     """The default owner's choice: the policy order, first to go first."""
     return plan_evictions(order, short)
@@ -657,11 +646,3 @@ def _plan(loading: str, short: Shortfall, order: Sequence[Candidate]) -> list[st
 
 def _consecutive(run: np.ndarray) -> bool:
     return len(run) == 0 or int(run[-1]) - int(run[0]) == len(run) - 1 and bool(np.all(np.diff(run) == 1))
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

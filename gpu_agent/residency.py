@@ -54,6 +54,8 @@ from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
 from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, plan_evictions
 from gpu_agent.load import LoadChange, LoadMonitor
 from gpu_agent.metrics import AgentMetrics, Gauge
+from gpu_agent.prefetch_budget import (DEFAULT_LINK_BUDGET_MS, DEFAULT_LINK_BYTES_PER_MS, HintBet, HintVerdict,
+                                       LinkState, decide_hint)
 from gpu_agent.settings import SettingsError
 from gpu_agent.tiers import Tier
 
@@ -123,6 +125,7 @@ class ResidencyBudgets:
     workers: int = 1                    # concurrent background loads
     reconcile_interval_s: float = 2.0
     load_interval_s: float = 0.5        # engine load measurements; 0: none (always unknown)
+    link_budget_ms: float = DEFAULT_LINK_BUDGET_MS  # load work queued ahead of a hint with a probability
 
 
 @dataclass
@@ -188,6 +191,7 @@ class ResidencyManager:
         self._device_lock = asyncio.Lock()
         self._demand: dict[str, int] = {}       # requests' loads (ensure_resident) in flight
         self._demand_changed = asyncio.Event()  # replaced on every change
+        self._link_bytes_per_ms = DEFAULT_LINK_BYTES_PER_MS  # measured loads, averaged (EWMA)
         self._subs: set[Subscription] = set()
         self._tasks: list[asyncio.Task] = []
         self.engine_up = True
@@ -267,12 +271,16 @@ class ResidencyManager:
 
     # ---- prefetch --------------------------------------------------------------------
     def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
-                 evict: Iterable[str] = ()) -> ResidencyResult:
+                 evict: Iterable[str] = (), *, probability: float | None = None,
+                 victim_reuse_probability: float | None = None) -> ResidencyResult:
         """Decide at once; the load itself runs in the background.
 
         ``evict``: adapters to evict first should the load need device room (catalog
         names only; others are ignored). A duplicate of a still-queued prefetch replaces
-        the queued hints with its own when it has any."""
+        the queued hints with its own when it has any. ``probability`` (the sender's
+        chance that a request needs it here; None: an older sender, taken as before) and
+        ``victim_reuse_probability`` feed the speculation budget
+        (``gpu_agent.prefetch_budget``): a hint it refuses is REJECTED with its verdict."""
         spec = self.catalog.get(name)
         if spec is None:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_unknown")
@@ -290,6 +298,10 @@ class ResidencyManager:
                 self._states[name].pending_evict = hints
             self.metrics.inc("ace_agent_prefetch_total", outcome="coalesced")
             return ResidencyResult(ResidencyOutcome.ACCEPTED, "coalesced")
+        verdict = decide_hint(self._bet(spec, hints, probability, victim_reuse_probability), self._link())
+        if verdict is not HintVerdict.ACCEPT:
+            self.metrics.inc("ace_agent_prefetch_total", outcome=f"rejected_{verdict.value}")
+            return _rejected(verdict.value)
         if len(self._queued) >= self.budgets.queue_size:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_queue_full")
             return _rejected("queue_full")
@@ -309,6 +321,40 @@ class ResidencyManager:
             if hint != name and hint not in out and self.catalog.get(hint) is not None:
                 out.append(hint)
         return tuple(out)
+
+    # ---- the speculation budget's inputs -----------------------------------------------
+    def _load_ms(self, spec: AdapterSpec) -> float:
+        """Expected load time: the adapter's last measured cold load, else its bytes over
+        the link's measured rate."""
+        measured = self._states[spec.name].cold_load_ms
+        return measured if measured is not None else spec.size_bytes / self._link_bytes_per_ms
+
+    def _link(self) -> LinkState:
+        ahead = self._queued | set(self._inflight)
+        return LinkState(demand_loads=len(self._demand) + self.connector.demand_loads(),
+                         busy_ms=sum(self._load_ms(self._states[n].spec) for n in ahead),
+                         budget_ms=self.budgets.link_budget_ms)
+
+    def _bet(self, spec: AdapterSpec, hints: tuple[str, ...], probability: float | None,
+             victim_reuse_probability: float | None) -> HintBet:
+        if probability is None:
+            return HintBet(None, 0.0)
+        victim = self._likely_victim(spec, hints)
+        if victim is None:
+            return HintBet(probability, self._load_ms(spec))
+        return HintBet(probability, self._load_ms(spec), victim_reuse_probability or 0.0,
+                       self._load_ms(self._states[victim].spec))
+
+    def _likely_victim(self, spec: AdapterSpec, hints: tuple[str, ...]) -> str | None:
+        """The adapter loading `spec` would displace now: None when there is room, else
+        the first hinted resident one, else the device tier's least recently used."""
+        room = self.connector.has_room(spec)
+        if room is None:  # the agent's own device budgets decide
+            room = self._device_shortfall(spec.size_bytes).met
+        if room:
+            return None
+        evictable = [n for n in self._device if not self._states[n].pinned and n not in self._inflight]
+        return next((h for h in hints if h in evictable), evictable[0] if evictable else None)
 
     async def _worker(self) -> None:
         while True:
@@ -449,6 +495,8 @@ class ResidencyManager:
             raise
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
         self._states[name].cold_load_ms = elapsed_ms
+        if spec.size_bytes > 0 and elapsed_ms > 0:
+            self._link_bytes_per_ms += 0.2 * (spec.size_bytes / elapsed_ms - self._link_bytes_per_ms)
         self._states[name].loaded_by = by
         self.metrics.observe("ace_agent_load_seconds", elapsed_ms / 1000.0, stage="cold")
         log.info("adapter %s resident on device in %.1f ms (from %s)", name, elapsed_ms, start_tier.value)

@@ -56,8 +56,11 @@ class AgentService(pb_grpc.AgentServicer):
         self.manager = manager
 
     async def Prefetch(self, request, context):
-        result = self.manager.prefetch(request.adapter, request.digest, request.priority, request.reason,
-                                       evict=request.evict)
+        result = self.manager.prefetch(
+            request.adapter, request.digest, request.priority, request.reason, evict=request.evict,
+            probability=request.probability if request.HasField("probability") else None,
+            victim_reuse_probability=(request.victim_reuse_probability
+                                      if request.HasField("victim_reuse_probability") else None))
         return pb.PrefetchReply(outcome=_PREFETCH_OUTCOME[result.outcome], reason=result.reason)
 
     async def Status(self, request, context):

@@ -60,6 +60,9 @@ class AgentSettings:
     max_loaded_loras: int = _f(0, "sglang: the engine's --max-loaded-loras (0 = no count limit)")
     queue_size: int = _f(64, "pending prefetches beyond which new ones are rejected")
     workers: int = _f(1, "concurrent background loads")
+    prefetch_link_budget_ms: float = _f(200.0, "speculation budget: a prefetch hint that carries a probability is "
+                                                 "refused (link_busy) while more than this much load work (ms, "
+                                                 "expected from measured loads) is queued or running ahead of it")
     reconcile_interval_s: float = _f(2.0, "how often the engine's adapter list is compared with ours")
     load_interval_s: float = _f(0.5, "how often the engine's load (running + waiting requests: vLLM/SGLang "
                                      "from GET /metrics, builtin from its batcher) is measured and sent on "
@@ -107,6 +110,8 @@ class AgentSettings:
         if not 0 <= self.load_interval_s <= MAX_LOAD_INTERVAL_S:
             raise SettingsError(f"--load-interval-s must be between 0 (off) and {MAX_LOAD_INTERVAL_S:g} "
                                 "(the gateway forgets a load it has not heard about for 5 s)")
+        if self.prefetch_link_budget_ms < 0:
+            raise SettingsError("--prefetch-link-budget-ms must be >= 0")
         if self.queue_size < 1 or self.workers < 1:
             raise SettingsError("--queue-size and --workers must be >= 1")
         return self

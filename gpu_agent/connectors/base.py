@@ -103,6 +103,16 @@ class EngineConnector(abc.ABC):
         limits (vLLM, SGLang): the agent then knows from its budgets alone."""
         return False
 
+    def demand_loads(self) -> int:
+        """Requests' loads the engine itself has queued or running (builtin: it loads on
+        demand, the agent never sees those); 0 where the agent makes every load."""
+        return 0
+
+    def has_room(self, spec: AdapterSpec) -> bool | None:
+        """Loading `spec` now needs no eviction in an engine with its own pool (builtin);
+        None where the agent's device budgets decide (or the engine cannot tell)."""
+        return None
+
     async def engine_load(self) -> EngineLoad | None:
         """Running and waiting requests now; None when the engine does not report them.
         Raises ConnectorError (EngineUnavailable) when it could not be read: the caller,

@@ -167,6 +167,20 @@ class BuiltinConnector(EngineConnector):
             return False
         return await self.engine.adapters.order.idle()
 
+    def demand_loads(self) -> int:
+        return self.engine.adapters.order.demand_in_flight if self.engine is not None else 0
+
+    def has_room(self, spec: AdapterSpec) -> bool | None:
+        """Free count and free pages for `spec`'s bytes (pages are rounded per matrix: a
+        near-full pool may still need room; the load then evicts as it always does)."""
+        if self.engine is None:
+            return None
+        st = self.engine.pool.stats()
+        limit = st["max_adapters"]
+        if limit is not None and st["adapters"] + st.get("copying", 0) >= limit:
+            return False
+        return spec.size_bytes <= st["pages_free"] * st["page_bytes"]
+
     def load_order_stats(self) -> dict[str, dict[str, int]]:
         if self.engine is None:
             return {}

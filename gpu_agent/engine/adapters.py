@@ -36,8 +36,9 @@ The host and device tiers are ``gpu_agent.staging.AdapterTiers`` (host LRU + pag
 with per-tier timings); this module adds what an engine needs on top: names from the
 catalog, a pluggable source for the outer tiers, holds that keep an adapter in the pool
 while its sequences run, and async waits. Pool calls are thread-safe (the pool has its
-own lock); disk reads and host→pool copies run in a worker thread so the event loop keeps
-serving while a cold load is under way. Concurrent loads of one adapter share one future.
+own lock, never held across a copy); disk reads and host→pool copies run on the load
+threads (``LoadThreads``: a prefetch's at a lower OS priority) so the event loop and the
+forward keep going while a cold load is under way. Concurrent loads of one adapter share one future.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from urllib.parse import unquote, urlparse
 
 from gpu_agent import errors as core
 from gpu_agent.engine.errors import AdapterUnavailable, EngineError, ModelNotFound
-from gpu_agent.engine.load_order import LoadOrder, LoadTicket
+from gpu_agent.engine.load_order import LoadOrder, LoadThreads, LoadTicket
 from gpu_agent.eviction import Candidate, EvictReason, Shortfall, plan_evictions
 from gpu_agent.tiers import ORDER, Tier
 
@@ -165,6 +166,7 @@ class EngineAdapters:
         self._inflight: dict[str, asyncio.Future] = {}
         self._tickets: dict[str, LoadTicket] = {}
         self.order = LoadOrder()
+        self.threads = LoadThreads()  # loads never run on the event loop or the forward thread
         # loads into the pool by the tier they came from: one per load, however many
         # requests shared it
         self.loads: dict[str, int] = {t: 0 for t in TIERS}
@@ -366,6 +368,10 @@ class EngineAdapters:
             raise
         return before
 
+    def close(self) -> None:
+        """Stop the load threads (loads still queued are cancelled)."""
+        self.threads.close()
+
     def loading(self) -> set[str]:
         """Adapters with a cold load under way."""
         return set(self._inflight)
@@ -527,8 +533,8 @@ class EngineAdapters:
                     continue  # its files are kept meanwhile: it is loading (``loading()``)
             t0 = time.perf_counter()
             try:
-                await asyncio.to_thread(self.tiers.ensure, name, path, digest, pin=False,
-                                        should_yield=lambda stage: self.order.should_yield(ticket, stage))
+                await self.threads.run(ticket.prefetch, self.tiers.ensure, name, path, digest, pin=False,
+                                       should_yield=lambda stage: self.order.should_yield(ticket, stage))
             except core.LoadYielded as exc:
                 await self.order.pause(ticket, exc.stage)
                 continue
@@ -560,8 +566,8 @@ class EngineAdapters:
         entry = self.entry(name)
         path, verify = await self.source.local_dir(entry)
         digest = entry.sha256 if verify and entry.sha256 and entry.sha256 not in self._verified else None
-        adapter = await asyncio.to_thread(load_peft_dir, path, self.spec, digest, name=name,
-                                          pin_memory=self.tiers.pin_host)
+        adapter = await self.threads.run(True, load_peft_dir, path, self.spec, digest, name=name,
+                                         pin_memory=self.tiers.pin_host)
         if digest:
             self._verified.add(digest)
         self.tiers.host.put(adapter)

@@ -156,6 +156,7 @@ class Engine:
 
     async def close(self) -> None:
         await self.batcher.stop()
+        self.adapters.close()
 
     def memory(self, n_instances: int | None = None):
         from gpu_agent.memory import account

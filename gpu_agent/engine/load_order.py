@@ -16,15 +16,31 @@ A request that needs an adapter a prefetch is loading joins that load and promot
 (:meth:`promote`): it no longer yields. A prefetch that finds no room without evicting
 what requests hold or are about to use is given up (``cancelled{reason="no_room"}``):
 unlike a request, it never waits for room.
+
+The same rule holds for the CPU (:class:`LoadThreads`): loads run off the event loop and
+off the forward thread, a request's on a thread of normal priority, a prefetch's on one
+the OS schedules after everything else of the engine (nice + ``PREFETCH_NICE``), so on a
+busy host a prefetch's disk read and copy take only CPU time the forward does not want.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
-__all__ = ["LoadOrder", "LoadTicket"]
+__all__ = ["LoadOrder", "LoadTicket", "LoadThreads", "PREFETCH_NICE"]
+
+log = logging.getLogger("gpu_agent.engine")
+
+#: How much nicer (Linux thread niceness) a prefetch's load thread is than the engine's.
+PREFETCH_NICE = 10
 
 
 @dataclass
@@ -126,3 +142,33 @@ class LoadOrder:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+class LoadThreads:
+    """The threads the engine's loads run on (never the event loop, never the forward's):
+    ``demand`` for a request's load, ``prefetch`` (lower OS priority) for a prefetch's."""
+
+    def __init__(self) -> None:
+        self._demand = ThreadPoolExecutor(1, thread_name_prefix="ace-load")
+        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="ace-prefetch-load",
+                                            initializer=_lower_priority)
+
+    async def run(self, prefetch: bool, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        pool = self._prefetch if prefetch else self._demand
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._demand.shutdown(wait=False, cancel_futures=True)
+        self._prefetch.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_priority() -> None:
+    """Make the calling thread nicer by ``PREFETCH_NICE`` (Linux: niceness is per thread;
+    elsewhere setpriority would change the whole process, so nothing is done)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + PREFETCH_NICE))
+    except OSError as exc:  # a sandbox without setpriority: loads still run, at normal priority
+        log.info("could not lower the prefetch load thread's priority: %s", exc)

@@ -8,6 +8,8 @@ request answered ``404 not_found_error`` by the engine while a prefetch ran.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 from pathlib import Path
 
@@ -341,3 +343,74 @@ def test_agent_metrics_show_the_engine_load_order_counters(tmp_path):
         assert line in text
     eng.stats = {"preemptions": {"copy": 5}, "cancelled": {}}
     assert mgr.metrics.counter("ace_agent_prefetch_preemptions_total", stage="copy") == 5
+
+
+class HeldCopy(Checkpoints):
+    """A prefetch held mid-copy (its 2nd ``copy`` checkpoint: after the first chunk) for
+    longer than any failure deadline of the test, so a step that waits for it fails."""
+
+    def __call__(self, name: str, stage: str) -> None:
+        self.seen.append((name, stage))
+        if stage == self.stage and sum(s == stage for _, s in self.seen) == self.hold_at:
+            self.reached.set()
+            self.go.wait(scaled(120))
+
+
+def test_a_request_on_a_resident_adapter_is_served_while_another_load_is_held_mid_copy(fixtures):
+    """The engine's forward loop never waits behind a load: with a prefetch of BIG held
+    between two chunks of its pool copy, a request for the resident SMALL is served over
+    HTTP (its pin, its forward steps, its streamed tokens), and BIG appears only after."""
+    from gpu_agent.engine import serve
+
+    async def main():
+        engine = _engine(fixtures)
+        res = engine.adapters
+        runner, port = await serve(engine)
+        hook = HeldCopy(res.order, "copy", hold_at=2)
+        try:
+            await res.ensure_resident(SMALL)
+            prefetch = asyncio.ensure_future(res.prefetch(BIG))
+            await async_wait_until(hook.reached.is_set, what="the prefetch held mid-copy")
+            body = {"model": SMALL, "prompt": "def f(x):", "max_tokens": 4, "ignore_eos": True}
+            resp = await asyncio.to_thread(httpx.post, f"http://127.0.0.1:{port}/v1/completions",
+                                           json=body, timeout=scaled(30))
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-ace-adapter-tier"] == "device"
+            assert resp.json()["usage"]["completion_tokens"] == 4
+            assert not hook.go.is_set() and not prefetch.done()   # the copy is still held open
+            assert res.tier(BIG) != "device" and engine.batcher.stats.forward_passes >= 4
+            hook.go.set()
+            await prefetch
+            assert res.tier(BIG) == "device"
+            engine.pool.check_invariants()
+        finally:
+            hook.go.set()
+            await runner.cleanup()
+    run(main())
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority") or not sys.platform.startswith("linux"),
+                    reason="thread niceness is per thread on Linux only")
+def test_a_prefetch_loads_on_a_lower_priority_thread_than_a_request(fixtures):
+    """Neither load runs on the event loop; a prefetch's runs at a lower OS priority, so on
+    a busy host its read and copy take only CPU time the forward does not want."""
+    async def main():
+        engine = _engine(fixtures)
+        res = engine.adapters
+        seen: dict[str, tuple[str, int]] = {}
+        real = res.tiers.ensure
+
+        def ensure(name, *args, **kwargs):
+            tid = threading.get_native_id()
+            seen[name] = (threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid))
+            return real(name, *args, **kwargs)
+        res.tiers.ensure = ensure
+        loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        try:
+            await res.prefetch(BIG)
+            await res.ensure_resident(SMALL)
+        finally:
+            await engine.close()
+        assert seen[BIG][0] != threading.current_thread().name
+        assert seen[BIG][1] > seen[SMALL][1] >= loop_nice, seen
+    run(main())

@@ -23,18 +23,22 @@ TIER_HOST: Tier
 TIER_DEVICE: Tier
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("adapter", "digest", "priority", "reason", "evict")
+    __slots__ = ("adapter", "digest", "priority", "reason", "evict", "probability", "victim_reuse_probability")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    VICTIM_REUSE_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     digest: str
     priority: int
     reason: str
     evict: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., priority: _Optional[int] = ..., reason: _Optional[str] = ..., evict: _Optional[_Iterable[str]] = ...) -> None: ...
+    probability: float
+    victim_reuse_probability: float
+    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., priority: _Optional[int] = ..., reason: _Optional[str] = ..., evict: _Optional[_Iterable[str]] = ..., probability: _Optional[float] = ..., victim_reuse_probability: _Optional[float] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("outcome", "reason")

@@ -1,0 +1,108 @@
+"""The speculation budget: when the agent takes a prefetch hint (pure), and the same
+decision through the gRPC API (loopback server, fake engine)."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+
+from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
+from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from gpu_agent.prefetch_budget import HintBet, HintVerdict, LinkState, decide_hint
+from gpu_agent.service import start_server
+from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager
+from tests.support.wait import async_wait_until
+
+IDLE = LinkState(demand_loads=0, busy_ms=0.0, budget_ms=100.0)
+
+A, D, L, N, I = (HintVerdict.ACCEPT, HintVerdict.DEMAND_QUEUED, HintVerdict.LINK_BUSY,
+                 HintVerdict.NOT_WORTH, HintVerdict.INVALID)
+
+
+@pytest.mark.parametrize("bet, link, want", [
+    # an older sender (no probability): taken as before, whatever the link or the victim
+    (HintBet(None, 50.0), IDLE, A),
+    (HintBet(None, 50.0, 1.0, 500.0), LinkState(3, 1e6, 100.0), A),
+    # no room needed: any chance of a saving pays
+    (HintBet(0.01, 50.0), IDLE, A),
+    (HintBet(0.0, 50.0), IDLE, N),                       # no chance: no saving
+    # saving p x stall against cost q x reload, strictly greater
+    (HintBet(0.5, 40.0, 0.5, 30.0), IDLE, A),            # 20 > 15
+    (HintBet(0.5, 40.0, 0.5, 40.0), IDLE, N),            # 20 = 20: not worth the churn
+    (HintBet(0.2, 40.0, 0.9, 10.0), IDLE, N),            # 8 < 9
+    (HintBet(0.9, 10.0, 0.1, 80.0), IDLE, A),            # 9 > 8
+    (HintBet(1.0, 10.0, 0.0, 1e9), IDLE, A),             # a victim no one wants again costs nothing
+    # the link: requests' loads go first; no more than the budget queued ahead
+    (HintBet(1.0, 50.0), LinkState(1, 0.0, 100.0), D),
+    (HintBet(1.0, 50.0), LinkState(0, 100.0, 100.0), A),  # at the budget: still fits
+    (HintBet(1.0, 50.0), LinkState(0, 100.5, 100.0), L),
+    (HintBet(1.0, 50.0), LinkState(0, 1.0, 0.0), L),      # budget 0: nothing may be queued ahead
+    (HintBet(1.0, 50.0), LinkState(2, 500.0, 100.0), D),  # demand is named first
+    # nonsense probabilities are refused, never guessed
+    (HintBet(1.5, 50.0), IDLE, I),
+    (HintBet(-0.1, 50.0), IDLE, I),
+    (HintBet(math.nan, 50.0), IDLE, I),
+    (HintBet(0.5, 50.0, 2.0, 1.0), IDLE, I),
+])
+def test_decide_hint(bet, link, want):
+    assert decide_hint(bet, link) is want
+
+
+class GatedConnector(FakeConnector):
+    """Loads of the adapters in ``gated`` wait until ``go`` is set."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gated: set[str] = set()
+        self.go = asyncio.Event()
+
+    async def load(self, spec, path, *, pinned=False, demand=False):
+        if spec.name in self.gated:
+            await self.go.wait()
+        await super().load(spec, path, pinned=pinned, demand=demand)
+
+
+def test_the_agent_refuses_a_bet_that_does_not_pay_and_holds_off_while_a_request_loads(tmp_path):
+    async def main():
+        engine = GatedConnector(capacity=1)
+        manager = make_manager(make_catalog(tmp_path, ["a1", "a2", "a3"]), tmp_path / "cache", engine)
+        await manager.start()
+        server, port, health = await start_server(manager, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.AgentStub(ch)
+
+                async def prefetch(name, **kw):
+                    r = await stub.Prefetch(pb.PrefetchRequest(adapter=name, **kw))
+                    return pb.PrefetchReply.Outcome.Name(r.outcome), r.reason
+
+                assert await prefetch("a1") == ("ACCEPTED", "")          # an older sender
+                await async_wait_until(lambda: manager.view("a1").tier.value == "device")
+                # the one device place is a1's: a2 would displace it. A long shot against a
+                # victim that is surely wanted again is refused...
+                assert await prefetch("a2", probability=0.001, victim_reuse_probability=1.0,
+                                      evict=["a1"]) == ("REJECTED", "not_worth")
+                assert manager.view("a1").tier.value == "device" and "a2" not in engine.held
+                # ...a likely request against an unwanted victim is taken
+                assert await prefetch("a2", probability=0.9, victim_reuse_probability=0.0) == ("ACCEPTED", "")
+                await async_wait_until(lambda: manager.view("a2").tier.value == "device")
+                # while a request's load runs, a bet waits its turn; an older sender's hint queues
+                engine.gated.add("a3")
+                request = asyncio.ensure_future(manager.ensure_resident("a3"))
+                await async_wait_until(lambda: ("load", "a3") in engine.calls or manager._demand,
+                                       what="the request's load in flight")
+                assert await prefetch("a1", probability=1.0) == ("REJECTED", "demand_queued")
+                assert await prefetch("a1", probability=float("nan")) == ("REJECTED", "invalid_probability")
+                assert await prefetch("a1") == ("ACCEPTED", "")
+                engine.go.set()
+                await request
+            m = manager.metrics
+            for outcome in ("rejected_not_worth", "rejected_demand_queued", "rejected_invalid_probability"):
+                assert m.counter("ace_agent_prefetch_total", outcome=outcome) == 1, outcome
+        finally:
+            health.cancel()
+            await server.stop(grace=None)
+            await manager.close()
+    asyncio.run(main())
