@@ -159,7 +159,8 @@ class SpeculationPlanner:
                                                   load_s=load_s)
         return [PrefetchSignal(upstream=p.host, adapter=p.adapter, digest=snapshot.adapters[p.adapter].sha256,
                                priority=0, reason=p.reason,
-                               evict=() if p.victim is None else (str(p.victim),))
+                               evict=() if p.victim is None else (str(p.victim),),
+                               probability=p.use_probability, victim_reuse_probability=p.victim_probability)
                 for p in got.prefetches]
 
     def victims(self, now: float, n: int = 2) -> dict[str, tuple[str, ...]]:

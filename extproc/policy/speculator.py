@@ -85,6 +85,8 @@ class Prefetch:
     victim: Hashable | None = None  # what the pool model evicted to make room (None: there was room)
     host: Hashable | None = None  # the ``name`` of the Speculator (host) it was offered to
     reason: str = "predicted"  # predicted: a session's next step; first_step: a tenant's session opener
+    use_probability: float = 0.0  # P(used within the horizon), what the decision weighed (>= probability)
+    victim_probability: float = 0.0  # the victim's P(used within the horizon); 0 without a victim
 
 
 @dataclass(frozen=True)
@@ -317,7 +319,7 @@ class Speculator:
                 cache.evict(victim)
             ready = load(adapter, now)
             cache.admit(adapter, ready, prefetched=True, score=p, scored_at=now)
-            return Prefetch(adapter, p, ready, victim, self.name, reason)
+            return Prefetch(adapter, p, ready, victim, self.name, reason, c, v)
         finally:
             if current is not None:
                 current.pinned = was_pinned
