@@ -43,17 +43,18 @@ with equal pools the counts differ by at most one (3, 3, 2, 2) and no host is gi
 more adapters than its slots while another has room. Adding or removing a host moves
 only the adapters whose walk passes it or whose quota changed.
 
-Placement by demand (``place_by_demand``) balances the requests too: a plain placement
-that gives every host the same number of adapters still gave the hosts of a 200-adapter,
+Placement by demand (``place_by_demand``) balances the requests too: a placement that
+gives every host the same number of adapters still gave the hosts of a 200-adapter,
 4-host fleet 398, 719, 695 and 588 requests (some hosts drew the hot adapters). From the
 requests counted per adapter (the speculation thread's counts), every adapter keeps the
-owner it had (``place``'s on an empty fleet: a moved adapter is a cold load), and an
-adapter that carries more than one pool slot's share of the fleet's demand gets more
-owners (``replicas_of``), each the host of its ring walk carrying the least demand so far. The speculation thread
-publishes it in the snapshot (``ResidencySnapshot.placement``). For a placed adapter
-the owners come first: the owner with the fewest requests in flight, then the fewest
-routed so far (``sent``), so a hot adapter's requests are what evens the hosts out; only
-when every owner is over the bound do the tiers below decide.
+owner it had (``place``'s on an empty fleet: a moved adapter is a cold load), one
+carrying over half a host's share gets more owners (``replicas_of``), and while the
+busiest host carries over ``1 + BALANCE_TOLERANCE`` times the mean, its largest adapter
+that fits the gap moves to the least loaded host. The speculation thread publishes it in
+the snapshot (``ResidencySnapshot.placement``). For a placed adapter the owners come
+first (tier 0, ``placed``): the owner with the fewest requests in flight, then the
+fewest routed so far (``sent``); only when every owner is over the bound do the tiers
+below decide.
 
 Overloaded: ``load + 1 > max(min_bound, ceil(load_factor * (total_load + 1) / hosts))``.
 ``route`` uses ``min_bound = LOAD_FLOOR``: a host carrying fewer requests than that is
