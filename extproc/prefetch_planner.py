@@ -111,7 +111,7 @@ class SpeculationPlanner:
         self.speculators: dict[str, Speculator] = {}
         self._slots = dict(slots or {})
         self.pace = StepPace(settings.horizon_s)
-        self.expected = SessionDemand(settings.horizon_s)
+        self.expected = SessionDemand(settings.horizon_s, working_set=settings.working_set)
         self.first_steps = FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s)
 
     def speculator(self, upstream: str) -> Speculator:

@@ -558,12 +558,19 @@ class SessionDemand:
     """
 
     def __init__(self, horizon_s: float = 10.0, *, expire_horizons: float = 4.0,
-                 max_sessions: int = 200_000) -> None:
+                 max_sessions: int = 200_000, working_set: int = 0) -> None:
+        """``working_set``: also expect the session's last ``working_set`` other adapters
+        back, each with the revisit rate measured so far (the share of steps that asked
+        for an adapter the session had used before, other than the previous step's)
+        spread over them; 0: only the model's predictions."""
         self.horizon_s = horizon_s
         self.expire_horizons = expire_horizons
         self.max_sessions = max_sessions
+        self.working_set = working_set
         self._sessions: OrderedDict[tuple[Hashable, Hashable], tuple[tuple[Hashable, ...], float]] = OrderedDict()
         self._by_adapter: dict[Hashable, dict[tuple[Hashable, Hashable], tuple[float, float]]] = {}
+        self._used: OrderedDict[tuple[Hashable, Hashable], tuple[Hashable, ...]] = OrderedDict()
+        self.steps = self.revisits = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -573,6 +580,8 @@ class SessionDemand:
         """The session just took a step; its next step is ``predicted`` (may be empty)."""
         key = (tenant, session)
         self._forget(key)
+        if self.working_set:
+            predicted = self._with_working_set(key, predicted)
         if not predicted:
             return
         for adapter, p in predicted:
@@ -580,6 +589,35 @@ class SessionDemand:
         self._sessions[key] = (tuple(a for a, _ in predicted), now)
         if len(self._sessions) > self.max_sessions:
             self._forget(next(iter(self._sessions)))
+
+    def _with_working_set(self, key: tuple[Hashable, Hashable],
+                          predicted: list[tuple[Hashable, float]]) -> list[tuple[Hashable, float]]:
+        """``predicted`` plus the session's earlier adapters (``used`` ends with the
+        current step's), each with the revisit rate spread over them, where higher."""
+        earlier = self._used.get(key, ())[:-1]
+        if not earlier or not self.steps:
+            return predicted
+        p_back = self.revisits / self.steps / len(earlier)
+        out = dict(predicted)
+        for a in earlier:
+            if out.get(a, 0.0) < p_back:
+                out[a] = p_back
+        return sorted(out.items(), key=lambda kv: -kv[1])
+
+    def step(self, tenant: Hashable, session: Hashable, adapter: Hashable) -> None:
+        """Record the session's step (before ``expect``): the working set and the revisit rate."""
+        if not self.working_set:
+            return
+        key = (tenant, session)
+        used = self._used.pop(key, ())
+        if used:
+            self.steps += 1
+            if adapter in used[:-1] and adapter != used[-1]:
+                self.revisits += 1
+        used = tuple(a for a in used if a != adapter)[-self.working_set:] + (adapter,)
+        self._used[key] = used
+        if len(self._used) > self.max_sessions:
+            self._used.popitem(last=False)
 
     def _forget(self, key: tuple[Hashable, Hashable]) -> None:
         old = self._sessions.pop(key, None)

@@ -75,6 +75,7 @@ class SpeculationSettings:
     priced: bool = True  # prefetch only when prefetch_pays (saving > reload + link cost); False: should_speculate
     max_inflight: int = 2  # per host: no new prefetch while this many are loading (0 = no limit)
     lookahead: int = 1  # 2: also offer the step after the next (P(b) x P(c | b)) when at least min_p
+    working_set: int = 2  # SessionDemand also expects the session's last N other adapters back (0 = off)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ class Speculator:
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
         self.ledger = ledger if ledger is not None else PredictionLedger()
         self.pace = pace if pace is not None else StepPace(settings.horizon_s)
-        self.expected = expected if expected is not None else SessionDemand(settings.horizon_s)
+        self.expected = expected if expected is not None else SessionDemand(settings.horizon_s,
+                                                                             working_set=settings.working_set)
         self.horizon_s = settings.horizon_s
         self._decay = 1.0 / settings.horizon_s
         self._now = 0.0
@@ -184,6 +186,7 @@ class Speculator:
         st = self.settings
         predicted = self.model.predict_next(tenant, adapter, st.k, before=self.model.previous(tenant, session))
         if st.session_demand:
+            self.expected.step(tenant, session, adapter)
             self.expected.expect(tenant, session, predicted, now if now is not None else self._now)
         return [(b, p) for b, p in predicted if p >= st.min_p]
 

@@ -401,3 +401,22 @@ def test_first_steps_forget_old_habits_and_stay_bounded():
 )
 def test_prefetch_pays(case, min_p, expected):
     assert prefetch_pays(case, min_p=min_p) is expected
+
+
+def test_session_demand_expects_the_sessions_working_set_back_at_the_measured_revisit_rate():
+    from extproc.policy.prediction import SessionDemand
+
+    demand = SessionDemand(horizon_s=10.0, working_set=2)
+    # one session alternates plan -> code -> plan -> code: every step after the second revisits
+    for i, a in enumerate(("plan", "code", "plan", "code", "plan")):
+        demand.step("t", "s", a)
+        demand.expect("t", "s", [], float(i))
+    assert (demand.steps, demand.revisits) == (4, 3)
+    # after "plan", the model predicts nothing, yet "code" (used before) is expected back
+    assert demand.need("code", 4.0) == pytest.approx(3 / 4)
+    assert demand.need("plan", 4.0) == 0.0  # the current step is not its own next
+    off = SessionDemand(horizon_s=10.0)
+    for i, a in enumerate(("plan", "code", "plan")):
+        off.step("t", "s", a)
+        off.expect("t", "s", [], float(i))
+    assert off.need("plan", 2.0) == 0.0 and off.need("code", 2.0) == 0.0
