@@ -180,11 +180,12 @@ def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots:
 
     Every adapter first gets its ``previous`` owners (placement is sticky: a moved adapter
     is a cold load) or, new, ``place``'s owner (count quota over the catalog: where it
-    lands on an empty fleet); an adapter carrying more than half a host's share gets
+    lands on an empty fleet). Only when the catalog is larger than the fleet's pools
+    (``hosts x slots``): an adapter carrying more than half a host's share gets
     ``replicas_of`` owners (the least loaded hosts of its walk), one that no longer does
-    keeps its first. Then, once ``BALANCE_MIN_REQUESTS`` requests per host were counted
-    and while the busiest host carries more than ``1 + BALANCE_TOLERANCE`` times the mean
-    demand, its largest single-owner adapter that fits the gap to the least loaded host
+    keeps its first; then, once ``BALANCE_MIN_REQUESTS`` requests per host were counted
+    and while the busiest host carries more than ``1 + BALANCE_TOLERANCE`` times the
+    mean demand, its largest single-owner adapter that fits the gap to the least loaded host
     (demand under the difference, so both move toward the mean) moves there. An owner
     is counted ``demand / owners``. A second owner for every hot adapter evened the
     hosts too, but routing splits such an adapter's requests between its owners, each
@@ -198,15 +199,21 @@ def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots:
     base = place(catalog, hosts_t)
     ranked = sorted((a for a in catalog if demand.get(a, 0) > 0), key=lambda a: (-demand[a], a))
     total = sum(demand[a] for a in ranked)
+    # only when the pools cannot hold the catalog: then they thrash anyway and the demand
+    # per host is also the pressure per pool; when they can, a copy or a move is a cold
+    # load that buys request balance alone, and the load bound (tier 3) already spills
+    # a busy host
+    crowded = len(catalog) > n * slots
     out: dict[str, list[str]] = {}
     for a in catalog:
         owners = [h for h in previous.get(a, ()) if h in hosts_t] or [base[a]]
-        out[a] = owners[:max(1, replicas_of(demand.get(a, 0.0), total, n, slots))]
+        want = replicas_of(demand.get(a, 0.0), total, n, slots) if crowded else 1
+        out[a] = owners[:max(1, want)]
     load = dict.fromkeys(hosts_t, 0.0)
     for a in ranked:
         for h in out[a]:
             load[h] += demand[a] / len(out[a])
-    for a in ranked:
+    for a in ranked if crowded else ():
         want = replicas_of(demand[a], total, n, slots)
         if len(out[a]) >= want:
             continue
@@ -218,7 +225,7 @@ def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots:
             out[a].append(min((h for h in walk if h not in out[a]), key=lambda h: (load[h], order[h])))
         for h in out[a]:
             load[h] += demand[a] / len(out[a])
-    if total >= BALANCE_MIN_REQUESTS * n:
+    if crowded and total >= BALANCE_MIN_REQUESTS * n:
         mean = total / n
         for _ in range(len(ranked)):
             heavy = max(hosts_t, key=lambda h: (load[h], h))

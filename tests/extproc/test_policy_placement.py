@@ -49,21 +49,21 @@ def test_demand_is_evened_out_by_moving_single_owner_adapters():
 
 def test_a_very_hot_adapter_gets_several_owners():
     demand = {"hot": 1000.0, **{f"ad-{i}": 50.0 for i in range(40)}}  # a third of all
-    placement = place_by_demand(demand, HOSTS, slots=16, adapters=demand)
+    placement = place_by_demand(demand, HOSTS, slots=8, adapters=demand)  # 41 adapters, 32 slots
     assert len(placement["hot"]) == 3 and len(set(placement["hot"])) == 3
 
 
 def test_no_move_while_the_hosts_are_even():
     demand = {f"ad-{i}": 100.0 for i in range(8)}  # 8 equal adapters, 4 hosts: 2 each
     ring = place_by_demand({}, HOSTS, adapters=demand)
-    assert place_by_demand(demand, HOSTS, slots=16, adapters=demand) == ring
+    assert place_by_demand(demand, HOSTS, slots=1, adapters=demand) == ring  # crowded, but even
 
 
 def test_placement_is_sticky_an_adapter_keeps_its_owners():
     demand = zipf_demand(60)
-    first = place_by_demand(demand, HOSTS, slots=16, adapters=demand)
+    first = place_by_demand(demand, HOSTS, slots=8, adapters=demand)  # 60 adapters, 32 slots
     shifted = {a: d * (1.5 if i % 7 == 0 else 1.0) for i, (a, d) in enumerate(demand.items())}
-    again = place_by_demand(shifted, HOSTS, slots=16, adapters=demand, previous=first)
+    again = place_by_demand(shifted, HOSTS, slots=8, adapters=demand, previous=first)
     moved = [a for a in demand if not set(first[a]) & set(again[a])]
     assert moved == []
 
@@ -104,3 +104,14 @@ def test_the_board_keeps_the_placement_when_the_agents_publish():
     assert board.current.of("h1", "a").tier == "device"
     board.place({"a": ("h0", "h1")})
     assert board.current.of("h1", "a").tier == "device"  # the agents' view is kept
+
+
+def test_no_move_while_the_pools_hold_the_whole_catalog():
+    demand = zipf_demand(10)  # 10 adapters, 4 pools of 5: every adapter fits somewhere
+    ring = place_by_demand({}, HOSTS, adapters=demand)
+
+    def moved(placement):  # single-owner adapters off their ring owner (the hottest has copies)
+        return [a for a, o in placement.items() if len(o) == 1 and o != ring[a]]
+
+    assert place_by_demand(demand, HOSTS, slots=5, adapters=demand) == ring  # no copy, no move
+    assert moved(place_by_demand(demand, HOSTS, slots=2, adapters=demand)) != []  # 10 > 8: it balances
