@@ -81,6 +81,7 @@ import httpx
 import yaml
 
 from bench.report import build_report, fleet_checks, fleet_entry, format_fleets, format_report, percentiles
+from bench.scenario_fixtures import trace_catalog
 from bench.trace import TraceError, load_trace
 from gpu_agent.catalog_schema import read_catalog_file
 
@@ -94,24 +95,6 @@ def log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------- fixtures and config
-
-def bench_fixtures(requests: list[dict], fixtures: Path, work: Path) -> Path:
-    """A catalog with every adapter the trace names, at its rank: the committed fixtures
-    when they match, else freshly made ones (deterministic, public)."""
-    from gpu_agent.fixtures import AdapterDef, make_fixtures
-
-    wanted = {}
-    for r in requests:
-        wanted.setdefault(r["adapter"], (r["rank"], r["domain"]))
-    catalog = fixtures / "catalog.yaml"
-    if catalog.exists():
-        have = {a.name: a.rank for a in read_catalog_file(catalog).adapters}
-        if all(have.get(name) == rank for name, (rank, _) in wanted.items()):
-            return catalog
-    log(f"making fixture adapters for {len(wanted)} adapters under {work / 'fixtures'}")
-    defs = [AdapterDef(name, rank, domain, "public") for name, (rank, domain) in wanted.items()]
-    return make_fixtures(work / "fixtures", defs)
-
 
 def remote_catalog(catalog: Path, store_url: str, out: Path, names: set[str]) -> dict:
     """The catalog with every adapter's uri on the artifact store; base model path absolute."""
@@ -502,7 +485,7 @@ def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="ace-bench-"))
     t_all = time.monotonic()
     try:
-        catalog = bench_fixtures(requests + (warm_requests or []), Path(args.fixtures), work)
+        catalog = trace_catalog(requests + (warm_requests or []), Path(args.fixtures), log=log)
         names = {r["adapter"] for r in requests}
         sizes_all = {a.name: a.size_bytes for a in read_catalog_file(catalog).adapters}
         pool, pool_needed, pool_mb = pool_size(names, sizes_all)

@@ -97,9 +97,12 @@ class _Agent:
 
     def _send(self, signal: PrefetchSignal) -> None:
         try:
+            bet = {} if signal.probability is None else {
+                "probability": signal.probability,
+                "victim_reuse_probability": signal.victim_reuse_probability or 0.0}
             reply = self.stub.Prefetch(
                 pb.PrefetchRequest(adapter=signal.adapter, digest=signal.digest,
-                                   priority=signal.priority, reason=signal.reason, evict=signal.evict),
+                                   priority=signal.priority, reason=signal.reason, evict=signal.evict, **bet),
                 timeout=self.link.send_timeout_s, metadata=self.link.metadata)
             self.sent += 1
             if reply.outcome == pb.PrefetchReply.REJECTED:

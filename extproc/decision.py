@@ -127,8 +127,11 @@ def decide(snapshot: Snapshot, residency: ResidencySnapshot, sent: SentCounts,
         pf_action = "shadow"
     else:
         pf_action = "prefetch_signalled"
+        # the victims the speculation's pool model chose (residency.victims): the load then
+        # evicts by predicted use, not by the agent's LRU
         signal = PrefetchSignal(upstream=upstream.name, adapter=adapter.name, digest=adapter.sha256,
-                                priority=1, reason="request_unknown" if not res.known else "request_cold")
+                                priority=1, reason="request_unknown" if not res.known else "request_cold",
+                                evict=residency.victims.get(upstream.name, ()))
     return Decision(upstream=upstream, adapter=adapter, selected_by=selection.source, skills=skills,
                     residency=res, multi_lora_action=ml_action, multi_lora_would=would,
                     prefetch_action=pf_action, prefetch_signal=signal, foreign_model=selection.foreign_model)

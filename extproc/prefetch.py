@@ -27,6 +27,11 @@ class PrefetchSignal:
     # adapters the agent should evict first if this load needs room: the victim the
     # speculation's model of that pool chose ("predicted"); () = the agent's LRU
     evict: tuple[str, ...] = ()
+    # a speculation's bet (PrefetchRequest.probability / victim_reuse_probability): the
+    # chance the adapter is used while resident, and that its victim is used again soon;
+    # the agent's speculation budget weighs them. None: not a bet (a request's own load)
+    probability: float | None = None
+    victim_reuse_probability: float | None = None
 
 
 class PrefetchSink(Protocol):

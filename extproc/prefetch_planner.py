@@ -58,8 +58,8 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from extproc.decision import Decision
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
-from extproc.policy.routing import RoutePolicy
-from extproc.policy.speculator import SpeculationSettings, Speculator
+from extproc.policy.routing import RoutePolicy, place_by_demand
+from extproc.policy.speculator import DEFAULT_LOAD_S, SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.prefetch import PrefetchSignal, PrefetchSink
 from extproc.residency_view import ResidencySnapshot, SentCounts
@@ -68,7 +68,7 @@ from extproc.store import Snapshot
 from gpu_agent.tiers import Tier
 
 __all__ = ["GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
-           "SpeculationPlanner", "Step", "route_by_policy", "warm_signals"]
+           "SpeculationPlanner", "Step", "demand_placement", "route_by_policy", "warm_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class SpeculationPlanner:
         self.speculators: dict[str, Speculator] = {}
         self._slots = dict(slots or {})
         self.pace = StepPace(settings.horizon_s)
-        self.expected = SessionDemand(settings.horizon_s)
+        self.expected = SessionDemand(settings.horizon_s, working_set=settings.working_set)
         self.first_steps = FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s)
 
     def speculator(self, upstream: str) -> Speculator:
@@ -147,12 +147,27 @@ class SpeculationPlanner:
             target = (self.route(snapshot, name, residency, sent) if multi else None) or step.upstream
             return self.speculator(target)
 
+        def load_s(name: str) -> float:
+            # the agents' measured load time from where the adapter lies (the slowest
+            # report: the target host may hold it no closer than the others)
+            known = [r.cold_load_ms for view in residency.by_upstream.values()
+                     if (r := view.get(name)) is not None and r.cold_load_ms]
+            return max(known) / 1000.0 if known else DEFAULT_LOAD_S
+
         got = self.speculator(step.upstream).step(step.tenant, step.session, step.adapter, now,
-                                                  prefetch_load=lambda a, t: t + grace, place=place)
+                                                  prefetch_load=lambda a, t: t + grace, place=place,
+                                                  load_s=load_s)
         return [PrefetchSignal(upstream=p.host, adapter=p.adapter, digest=snapshot.adapters[p.adapter].sha256,
                                priority=0, reason=p.reason,
-                               evict=() if p.victim is None else (str(p.victim),))
+                               evict=() if p.victim is None else (str(p.victim),),
+                               probability=p.use_probability, victim_reuse_probability=p.victim_probability)
                 for p in got.prefetches]
+
+    def victims(self, now: float, n: int = 2) -> dict[str, tuple[str, ...]]:
+        """Per upstream, the ``n`` adapters its pool model would evict first
+        (``Speculator.victims``): what a request's ingress prefetch asks the agent to
+        evict (``ResidencySnapshot.victims``)."""
+        return {u: tuple(map(str, s.victims(now, n))) for u, s in self.speculators.items()}
 
     def slots(self) -> dict[str, int]:
         """Learned pool capacity per upstream (persisted for the next start's warm set)."""
@@ -176,6 +191,20 @@ def route_by_policy(policy: RoutePolicy) -> PlannerRoute:
         adapter = snapshot.adapters.get(name)
         return policy(snapshot.upstreams, adapter, residency, sent).name if adapter is not None else None
     return route
+
+
+def demand_placement(counts: Mapping[str, float], residency: ResidencySnapshot,
+                     slots: int) -> dict[str, tuple[str, ...]]:
+    """The placement by demand (``routing.place_by_demand``) over the hosts and adapters
+    the agents report, from the requests counted per adapter, starting from
+    ``residency.placement`` (the one published last: placement is sticky); empty with
+    one host."""
+    hosts = list(residency.by_upstream)
+    if len(hosts) < 2:
+        return {}
+    fleet = {a for view in residency.by_upstream.values() for a in view}
+    return place_by_demand({a: c for a, c in counts.items() if a in fleet}, hosts, slots=slots, adapters=fleet,
+                           previous=residency.placement)
 
 
 def warm_signals(counts: Mapping[str, float], snapshot: Snapshot, slots: Mapping[str, int],
@@ -264,7 +293,7 @@ class GatewaySpeculation:
     def __init__(self, store, board, sink: PrefetchSink, planner: SpeculationPlanner | None = None, *,
                  popularity: PopularityFile | None = None, max_pending: int = 4096,
                  poll_s: float = 0.005, save_every_s: float = 30.0, warm_wait_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 place_every_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.board, self.sink = store, board, sink
         self.popularity = popularity
         saved = popularity.read() if popularity is not None else Saved({}, {})
@@ -274,6 +303,7 @@ class GatewaySpeculation:
         if saved.transitions is not None:
             self._restore(saved.transitions)
         self.max_pending, self.poll_s, self.save_every_s, self.clock = max_pending, poll_s, save_every_s, clock
+        self.place_every_s = place_every_s
         self._pending: deque[tuple] = deque()
         self.observed = self.dropped = self.sent = self.send_dropped = self.shadow_prefetches = 0
         self.warm_sent = 0
@@ -308,7 +338,8 @@ class GatewaySpeculation:
         log.info("speculation counters: %s", json.dumps(self.counters(), sort_keys=True))
 
     def drain(self) -> int:
-        """Process everything pending now (the thread's loop body; tests call it directly)."""
+        """Process everything pending now (the thread's loop body; tests call it directly);
+        then publish the pools' first victims if they changed."""
         n = 0
         pending = self._pending
         while pending:
@@ -316,15 +347,32 @@ class GatewaySpeculation:
             self._handle(Step(*item))
             n += 1
             time.sleep(0)  # release the GIL between steps: a request waits one step at most
+        if n:
+            victims = self.planner.victims(self.clock())
+            if victims != dict(self.board.current.victims):
+                self.board.suggest_victims(victims)
         return n
 
+    def place(self) -> bool:
+        """Publish the placement by demand (``demand_placement``) when it changed."""
+        current = self.board.current
+        slots = min(self.planner.slots().values(), default=self.planner.initial_slots)
+        placement = demand_placement(self.counts, current, slots)
+        if placement == dict(current.placement):
+            return False
+        self.board.place(placement)
+        return True
+
     def _run(self) -> None:
-        last_save = self.clock()
+        last_save = last_place = self.clock()
         while not self._stop.is_set():
             try:
                 self._warm()
                 if not self.drain():
                     self._stop.wait(self.poll_s)
+                if self.clock() - last_place >= self.place_every_s:
+                    self.place()
+                    last_place = self.clock()
                 if self.clock() - last_save >= self.save_every_s:
                     self._save()
                     last_save = self.clock()

@@ -19,6 +19,7 @@ in together, and the count moves between snapshots without a new one being built
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,12 +81,20 @@ class ResidencySnapshot:
     """``by_upstream``: upstream -> adapter -> ``TierReport``; an upstream missing there
     has no agent view (unknown). ``loads``: the engine's load per upstream as its agent
     last measured it, only while fresh. ``sent_at_load``: for the same upstreams, the
-    board's ``SentCounts.value`` when that measurement arrived (missing: 0)."""
+    board's ``SentCounts.value`` when that measurement arrived (missing: 0).
+    ``placement``: adapter -> the hosts that own it by demand
+    (``extproc.policy.routing.place_by_demand``, published by the speculation thread with
+    ``ResidencyBoard.place``; an adapter missing there is placed by the ring).
+    ``victims``: upstream -> the adapters the speculation's model of that pool would
+    evict first (``ResidencyBoard.suggest_victims``): a request's ingress prefetch names
+    them, so a demand load evicts by predicted use, not by the agent's LRU."""
 
     by_upstream: Mapping[str, Mapping[str, TierReport]] = field(
         default_factory=lambda: MappingProxyType({}))
     loads: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     sent_at_load: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    placement: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    victims: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     def of(self, upstream: str, adapter: str) -> TierReport:
         return self.by_upstream.get(upstream, _EMPTY).get(adapter, UNKNOWN)
@@ -93,9 +102,11 @@ class ResidencySnapshot:
     @classmethod
     def build(cls, table: Mapping[str, Mapping[str, TierReport]],
               loads: Mapping[str, int] | None = None,
-              sent_at_load: Mapping[str, int] | None = None) -> "ResidencySnapshot":
+              sent_at_load: Mapping[str, int] | None = None,
+              placement: Mapping[str, tuple[str, ...]] | None = None) -> "ResidencySnapshot":
         return cls(MappingProxyType({u: MappingProxyType(dict(a)) for u, a in table.items()}),
-                   MappingProxyType(dict(loads or {})), MappingProxyType(dict(sent_at_load or {})))
+                   MappingProxyType(dict(loads or {})), MappingProxyType(dict(sent_at_load or {})),
+                   MappingProxyType(dict(placement or {})))
 
 
 def host_load(residency: ResidencySnapshot, sent: SentCounts, upstream: str) -> int | None:
@@ -122,7 +133,24 @@ class ResidencyBoard:
         self.current = initial
         self.sent = SentCounts()
         self.published_at = time.monotonic()
+        self._publish = threading.Lock()  # two writers (agents' view, placement); readers take none
 
     def publish(self, snapshot: ResidencySnapshot) -> None:
-        self.current = snapshot
-        self.published_at = time.monotonic()
+        """The agents' new view; the placement and victims published last are kept (the
+        agents' client does not build them)."""
+        with self._publish:
+            current = self.current
+            if (current.placement or current.victims) and not (snapshot.placement or snapshot.victims):
+                snapshot = dataclasses.replace(snapshot, placement=current.placement, victims=current.victims)
+            self.current = snapshot
+            self.published_at = time.monotonic()
+
+    def suggest_victims(self, victims: Mapping[str, tuple[str, ...]]) -> None:
+        """What each pool should lose first, as the speculation thread sees it now."""
+        with self._publish:
+            self.current = dataclasses.replace(self.current, victims=MappingProxyType(dict(victims)))
+
+    def place(self, placement: Mapping[str, tuple[str, ...]]) -> None:
+        """A new placement by demand (the speculation thread); the agents' view is kept."""
+        with self._publish:
+            self.current = dataclasses.replace(self.current, placement=MappingProxyType(dict(placement)))

@@ -1,6 +1,10 @@
 """Deterministic generator of the multi-LoRA evaluation trace (``multi_lora_eval_800.json``).
 
     python data/multi_lora_eval/generate.py [--n 800] [--seed 20261130] [--out FILE]
+    python data/multi_lora_eval/generate.py --scenario hundreds [--seed N] [--out FILE]
+
+``--scenario hundreds`` is the mission's scale: 200+ adapters, 48 tenants (``hundreds.py``).
+The rest of this docstring is the default scenario, ``800``:
 
 800 requests from 8 tenants over 5 domains and the fixtures' 10 adapters (ranks 8-128).
 Traffic is agentic sessions: a tenant opens a session (Poisson arrivals, with burst
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 # name -> (rank, domain): exactly gpu_agent.fixtures.ADAPTERS
@@ -165,15 +170,34 @@ def _request(rng: random.Random, t: float, think: float | None, tenant: str, ses
     }
 
 
+SCENARIOS = ("800", "hundreds")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=800, help="number of requests")
-    ap.add_argument("--seed", type=int, default=20261130, help="random seed")
-    ap.add_argument("--out", default=str(Path(__file__).with_name("multi_lora_eval_800.json")),
-                    help="output file (.json: one array; .jsonl: one object per line)")
+    ap.add_argument("--scenario", choices=SCENARIOS, default="800",
+                    help="800: the 10-adapter trace; hundreds: 200+ adapters, 48 tenants (hundreds.py)")
+    ap.add_argument("--n", type=int, default=None, help="number of requests (800; hundreds: 2400)")
+    ap.add_argument("--seed", type=int, default=None, help="random seed (800: 20261130; hundreds: 20261201)")
+    ap.add_argument("--tenants", type=int, default=None, help="hundreds only: tenants (48)")
+    ap.add_argument("--public", type=int, default=None, help="hundreds only: public adapters (112)")
+    ap.add_argument("--out", default=None, help="output file (.json: one array; .jsonl: one object per line; "
+                    "default: multi_lora_eval_800.json or hundreds.json beside this script)")
     args = ap.parse_args(argv)
-    reqs = generate(args.n, args.seed)
-    out = Path(args.out)
+    here = Path(__file__).resolve().parent
+    if args.scenario == "hundreds":
+        sys.path.insert(0, str(here))  # hundreds.py imports this module as `generate`
+        import hundreds
+
+        reqs = hundreds.generate_hundreds(
+            args.n or hundreds.N_REQUESTS, hundreds.SEED if args.seed is None else args.seed,
+            args.tenants or hundreds.N_TENANTS, hundreds.N_PUBLIC if args.public is None else args.public)
+        out = Path(args.out or here / "hundreds.json")
+    else:
+        if args.tenants is not None or args.public is not None:
+            ap.error("--tenants and --public are for --scenario hundreds")
+        reqs = generate(args.n or 800, 20261130 if args.seed is None else args.seed)
+        out = Path(args.out or here / "multi_lora_eval_800.json")
     if out.suffix == ".jsonl":
         out.write_text("".join(json.dumps(r) + "\n" for r in reqs))
     else:

@@ -13,6 +13,9 @@ Four small pieces, all plain Python and bounded in memory:
 - ``should_speculate(candidate_score, victim_score)``: the bound. Both scores are the
   probability that the adapter is used within the same horizon, so speculation never
   evicts something hotter than what it brings in.
+- ``prefetch_pays(PrefetchCase)``: the price. A prefetch pays only when the stall it is
+  expected to save exceeds the reload it may cause plus the load link time it takes
+  from the demand loads queued behind it.
 
 - ``FirstSteps``: per tenant, which adapters open its sessions (a session's first
   request has no previous step to predict it from) and how often sessions open.
@@ -35,7 +38,9 @@ __all__ = [
     "StepPace",
     "PredictionLedger",
     "TransitionModel",
+    "PrefetchCase",
     "candidate_score",
+    "prefetch_pays",
     "should_speculate",
     "use_probability",
     "victim_score",
@@ -71,6 +76,35 @@ def should_speculate(candidate_score: float, victim_score: float, *, min_score: 
     is already resident.
     """
     return candidate_score >= min_score and candidate_score > victim_score
+
+
+@dataclass(frozen=True)
+class PrefetchCase:
+    """What one prefetch decision weighs, all for the same horizon.
+
+    ``p_use``: probability that the candidate is used within the horizon
+    (``candidate_score``); ``load_s``: its load time (the stall a hit saves);
+    ``victim_p`` / ``victim_load_s``: the same for the adapter it would evict (0 / 0: a free
+    slot); ``link_busy``: share of the horizon the host's load link is already busy with
+    loads in flight (0-1): a demand load that arrives meanwhile queues behind this one."""
+
+    p_use: float
+    load_s: float
+    victim_p: float = 0.0
+    victim_load_s: float = 0.0
+    link_busy: float = 0.0
+
+
+def prefetch_pays(case: PrefetchCase, *, min_p: float = 0.0) -> bool:
+    """Expected saving > expected cost:
+    ``p_use * load_s > victim_p * victim_load_s + link_busy * load_s``, and never a
+    candidate below ``min_p`` or one no likelier to be used than its victim (ties keep
+    what is resident)."""
+    if case.p_use < min_p or case.p_use <= case.victim_p:
+        return False
+    saving = case.p_use * case.load_s
+    cost = case.victim_p * case.victim_load_s + min(1.0, max(0.0, case.link_busy)) * case.load_s
+    return saving > cost
 
 
 class StepPace:
@@ -524,12 +558,19 @@ class SessionDemand:
     """
 
     def __init__(self, horizon_s: float = 10.0, *, expire_horizons: float = 4.0,
-                 max_sessions: int = 200_000) -> None:
+                 max_sessions: int = 200_000, working_set: int = 0) -> None:
+        """``working_set``: also expect the session's last ``working_set`` other adapters
+        back, each with the revisit rate measured so far (the share of steps that asked
+        for an adapter the session had used before, other than the previous step's)
+        spread over them; 0: only the model's predictions."""
         self.horizon_s = horizon_s
         self.expire_horizons = expire_horizons
         self.max_sessions = max_sessions
+        self.working_set = working_set
         self._sessions: OrderedDict[tuple[Hashable, Hashable], tuple[tuple[Hashable, ...], float]] = OrderedDict()
         self._by_adapter: dict[Hashable, dict[tuple[Hashable, Hashable], tuple[float, float]]] = {}
+        self._used: OrderedDict[tuple[Hashable, Hashable], tuple[Hashable, ...]] = OrderedDict()
+        self.steps = self.revisits = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -539,6 +580,8 @@ class SessionDemand:
         """The session just took a step; its next step is ``predicted`` (may be empty)."""
         key = (tenant, session)
         self._forget(key)
+        if self.working_set:
+            predicted = self._with_working_set(key, predicted)
         if not predicted:
             return
         for adapter, p in predicted:
@@ -546,6 +589,35 @@ class SessionDemand:
         self._sessions[key] = (tuple(a for a, _ in predicted), now)
         if len(self._sessions) > self.max_sessions:
             self._forget(next(iter(self._sessions)))
+
+    def _with_working_set(self, key: tuple[Hashable, Hashable],
+                          predicted: list[tuple[Hashable, float]]) -> list[tuple[Hashable, float]]:
+        """``predicted`` plus the session's earlier adapters (``used`` ends with the
+        current step's), each with the revisit rate spread over them, where higher."""
+        earlier = self._used.get(key, ())[:-1]
+        if not earlier or not self.steps:
+            return predicted
+        p_back = self.revisits / self.steps / len(earlier)
+        out = dict(predicted)
+        for a in earlier:
+            if out.get(a, 0.0) < p_back:
+                out[a] = p_back
+        return sorted(out.items(), key=lambda kv: -kv[1])
+
+    def step(self, tenant: Hashable, session: Hashable, adapter: Hashable) -> None:
+        """Record the session's step (before ``expect``): the working set and the revisit rate."""
+        if not self.working_set:
+            return
+        key = (tenant, session)
+        used = self._used.pop(key, ())
+        if used:
+            self.steps += 1
+            if adapter in used[:-1] and adapter != used[-1]:
+                self.revisits += 1
+        used = tuple(a for a in used if a != adapter)[-self.working_set:] + (adapter,)
+        self._used[key] = used
+        if len(self._used) > self.max_sessions:
+            self._used.popitem(last=False)
 
     def _forget(self, key: tuple[Hashable, Hashable]) -> None:
         old = self._sessions.pop(key, None)

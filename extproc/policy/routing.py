@@ -43,6 +43,19 @@ with equal pools the counts differ by at most one (3, 3, 2, 2) and no host is gi
 more adapters than its slots while another has room. Adding or removing a host moves
 only the adapters whose walk passes it or whose quota changed.
 
+Placement by demand (``place_by_demand``) balances the requests too: a placement that
+gives every host the same number of adapters still gave the hosts of a 200-adapter,
+4-host fleet 398, 719, 695 and 588 requests (some hosts drew the hot adapters). From the
+requests counted per adapter (the speculation thread's counts), every adapter keeps the
+owner it had (``place``'s on an empty fleet: a moved adapter is a cold load), one
+carrying over half a host's share gets more owners (``replicas_of``), and while the
+busiest host carries over ``1 + BALANCE_TOLERANCE`` times the mean, its largest adapter
+that fits the gap moves to the least loaded host. The speculation thread publishes it in
+the snapshot (``ResidencySnapshot.placement``). For a placed adapter the owners come
+first (tier 0, ``placed``): the owner with the fewest requests in flight, then the
+fewest routed so far (``sent``); only when every owner is over the bound do the tiers
+below decide.
+
 Overloaded: ``load + 1 > max(min_bound, ceil(load_factor * (total_load + 1) / hosts))``.
 ``route`` uses ``min_bound = LOAD_FLOOR``: a host carrying fewer requests than that is
 never overloaded, since a batching engine takes a few more sequences almost for free and
@@ -67,13 +80,15 @@ from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport, ho
 from gpu_agent.tiers import Tier
 
 __all__ = ["LOAD_FLOOR", "RoutePolicy", "RoundRobin", "RoutingDecision", "choose_endpoint",
-           "choose_upstream", "load_bound", "load_policy", "place", "ring_walk", "round_robin",
-           "route"]
+           "choose_upstream", "load_bound", "load_policy", "place", "place_by_demand", "replicas_of",
+           "ring_walk", "round_robin", "route"]
 
 RoutePolicy = Callable[[Sequence[Upstream], "Adapter | None", ResidencySnapshot, SentCounts], Upstream]
 
 VNODES = 64
 LOAD_FLOOR = 16
+BALANCE_TOLERANCE = 0.20  # place_by_demand moves adapters while the busiest host carries over 1.2x the mean
+BALANCE_MIN_REQUESTS = 16  # ... once this many requests per host were counted (a handful says nothing)
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,7 @@ class RoutingDecision:
     """Where to send the request (``host:port`` for ``x-ace-destination-endpoint``) and why."""
 
     endpoint: str | None
-    reason: str  # resident | staged | hashed | none
+    reason: str  # placed | resident | staged | hashed | none
 
 
 def _hash64(text: str) -> int:
@@ -149,6 +164,85 @@ def _place(adapters: tuple[str, ...], hosts: tuple[str, ...],
     return tuple(out)
 
 
+def replicas_of(demand: float, total: float, hosts: int, slots: int) -> int:
+    """The fewest owners an adapter carrying ``demand`` of ``total`` needs: as many as
+    keep each owner's part under half a host's share (one for all but the hottest); at
+    most ``hosts``."""
+    if total <= 0 or hosts <= 1 or demand < BALANCE_MIN_REQUESTS:
+        return 1
+    return min(hosts, max(1, math.ceil(2 * demand / total * hosts)))
+
+
+def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots: int = 16,
+                    adapters: Iterable[str] = (),
+                    previous: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, tuple[str, ...]]:
+    """adapter -> owner hosts, evening out the demand per host with few moves.
+
+    Every adapter first gets its ``previous`` owners (placement is sticky: a moved adapter
+    is a cold load) or, new, ``place``'s owner (count quota over the catalog: where it
+    lands on an empty fleet). Only when the catalog is larger than the fleet's pools
+    (``hosts x slots``): an adapter carrying more than half a host's share gets
+    ``replicas_of`` owners (the least loaded hosts of its walk), one that no longer does
+    keeps its first; then, once ``BALANCE_MIN_REQUESTS`` requests per host were counted
+    and while the busiest host carries more than ``1 + BALANCE_TOLERANCE`` times the
+    mean demand, its largest single-owner adapter that fits the gap to the least loaded host
+    (demand under the difference, so both move toward the mean) moves there. An owner
+    is counted ``demand / owners``. A second owner for every hot adapter evened the
+    hosts too, but routing splits such an adapter's requests between its owners, each
+    pool keeps a copy, and the copies cost more hits than the balance won."""
+    hosts_t = tuple(sorted(hosts))
+    if not hosts_t:
+        return {}
+    previous = previous or {}
+    n = len(hosts_t)
+    catalog = sorted(set(map(str, adapters)) | {a for a, d in demand.items() if d > 0})
+    base = place(catalog, hosts_t)
+    ranked = sorted((a for a in catalog if demand.get(a, 0) > 0), key=lambda a: (-demand[a], a))
+    total = sum(demand[a] for a in ranked)
+    # only when the pools cannot hold the catalog: then they thrash anyway and the demand
+    # per host is also the pressure per pool; when they can, a copy or a move is a cold
+    # load that buys request balance alone, and the load bound (tier 3) already spills
+    # a busy host
+    crowded = len(catalog) > n * slots
+    out: dict[str, list[str]] = {}
+    for a in catalog:
+        owners = [h for h in previous.get(a, ()) if h in hosts_t] or [base[a]]
+        want = replicas_of(demand.get(a, 0.0), total, n, slots) if crowded else 1
+        out[a] = owners[:max(1, want)]
+    load = dict.fromkeys(hosts_t, 0.0)
+    for a in ranked:
+        for h in out[a]:
+            load[h] += demand[a] / len(out[a])
+    for a in ranked if crowded else ():
+        want = replicas_of(demand[a], total, n, slots)
+        if len(out[a]) >= want:
+            continue
+        walk = ring_walk(hosts_t, a)
+        order = {h: i for i, h in enumerate(walk)}
+        for h in out[a]:
+            load[h] -= demand[a] / len(out[a])
+        while len(out[a]) < want:
+            out[a].append(min((h for h in walk if h not in out[a]), key=lambda h: (load[h], order[h])))
+        for h in out[a]:
+            load[h] += demand[a] / len(out[a])
+    if crowded and total >= BALANCE_MIN_REQUESTS * n:
+        mean = total / n
+        for _ in range(len(ranked)):
+            heavy = max(hosts_t, key=lambda h: (load[h], h))
+            light = min(hosts_t, key=lambda h: (load[h], h))
+            if load[heavy] <= (1.0 + BALANCE_TOLERANCE) * mean:
+                break
+            gap = load[heavy] - load[light]
+            movable = [a for a in ranked if out[a] == [heavy] and demand[a] < gap]
+            if not movable:
+                break
+            a = movable[0]  # ranked hottest first: the largest that fits, the fewest moves
+            out[a] = [light]
+            load[heavy] -= demand[a]
+            load[light] += demand[a]
+    return {a: tuple(o) for a, o in out.items()}
+
+
 def load_bound(loads: Mapping[str, int], hosts: tuple[str, ...], load_factor: float,
                min_bound: int = 1) -> int:
     """The most requests one host may carry, counting the one being placed."""
@@ -171,6 +265,8 @@ def choose_endpoint(
     min_bound: int = 1,
     adapters: Iterable[str] | None = None,
     slots: Mapping[str, int] | None = None,
+    owners: Sequence[str] = (),
+    routed: Mapping[str, int] | None = None,
 ) -> RoutingDecision:
     """Pick the engine host for ``adapter`` (content ``digest``), by the tiers above.
 
@@ -179,6 +275,9 @@ def choose_endpoint(
     ``replicas``: how many ring hosts a hot adapter may occupy; ``min_bound``: the load
     bound never goes below it; ``adapters``: every adapter of the fleet, for ``place``
     (with ``slots``: pool slots per host); without it the digest's ring walk decides.
+    ``owners``: the adapter's hosts by demand (``place_by_demand``): the one under the
+    bound with the fewest requests in flight, then the fewest ``routed`` so far (requests
+    sent there since start), wins before any tier (reason ``placed``).
     """
     view = residency.by_upstream
     hosts = tuple(sorted(view if hosts is None else hosts))
@@ -189,6 +288,11 @@ def choose_endpoint(
 
     def ok(h: str) -> bool:
         return loads.get(h, 0) + 1 <= bound
+
+    placed = [h for h in owners if h in hosts and ok(h)]
+    if placed:
+        routed = routed or {}
+        return RoutingDecision(min(placed, key=lambda h: (loads.get(h, 0), routed.get(h, 0), h)), "placed")
 
     resident: list[str] = []
     staged: list[str] = []
@@ -246,7 +350,9 @@ def route(upstreams: Sequence[Upstream], adapter: Adapter | None, residency: Res
             loads[name] = load
     fleet = {a for name in known for a in view.get(name, _NO_TABLE)}
     decision = choose_endpoint(residency, adapter.name, adapter.sha256 or adapter.name, hosts=known,
-                               loads=loads, min_bound=LOAD_FLOOR, adapters=fleet)
+                               loads=loads, min_bound=LOAD_FLOOR, adapters=fleet,
+                               owners=residency.placement.get(adapter.name, ()),
+                               routed={name: sent.value(name) for name in known})
     return known[decision.endpoint]
 
 

@@ -40,14 +40,24 @@ from extproc.policy.prediction import (
     SessionDemand,
     StepPace,
     TransitionModel,
+    PrefetchCase,
     candidate_score,
+    prefetch_pays,
     should_speculate,
     victim_score,
 )
 
-__all__ = ["Prefetch", "SpeculationSettings", "Speculator", "StepResult"]
+__all__ = ["DEFAULT_LOAD_S", "Prefetch", "SpeculationSettings", "Speculator", "StepResult"]
 
 LoadFn = Callable[[Hashable, float], float]
+LoadSeconds = Callable[[Hashable], float]
+
+
+DEFAULT_LOAD_S = 0.1  # a load's time when nobody measured it (a mid-rank adapter from local disk)
+
+
+def _unit_load(adapter: Hashable) -> float:
+    return DEFAULT_LOAD_S
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,10 @@ class SpeculationSettings:
     order: int = 2  # transition model context: 1 = the last step, 2 = the last two (backs off to 1)
     first_steps: int = 2  # likeliest session openers of the tenant offered per step (FirstSteps); 0 = off
     idle_timeout_s: float = 600.0  # a session idle this long opens anew at its next request
+    priced: bool = True  # prefetch only when prefetch_pays (saving > reload + link cost); False: should_speculate
+    max_inflight: int = 2  # per host: no new prefetch while this many are loading (0 = no limit)
+    lookahead: int = 1  # 2: also offer the step after the next (P(b) x P(c | b)) when at least min_p
+    working_set: int = 2  # SessionDemand also expects the session's last N other adapters back (0 = off)
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,8 @@ class Prefetch:
     victim: Hashable | None = None  # what the pool model evicted to make room (None: there was room)
     host: Hashable | None = None  # the ``name`` of the Speculator (host) it was offered to
     reason: str = "predicted"  # predicted: a session's next step; first_step: a tenant's session opener
+    use_probability: float = 0.0  # P(used within the horizon), what the decision weighed (>= probability)
+    victim_probability: float = 0.0  # the victim's P(used within the horizon); 0 without a victim
 
 
 @dataclass(frozen=True)
@@ -111,7 +127,8 @@ class Speculator:
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
         self.ledger = ledger if ledger is not None else PredictionLedger()
         self.pace = pace if pace is not None else StepPace(settings.horizon_s)
-        self.expected = expected if expected is not None else SessionDemand(settings.horizon_s)
+        self.expected = expected if expected is not None else SessionDemand(settings.horizon_s,
+                                                                             working_set=settings.working_set)
         self.horizon_s = settings.horizon_s
         self._decay = 1.0 / settings.horizon_s
         self._now = 0.0
@@ -169,12 +186,14 @@ class Speculator:
         st = self.settings
         predicted = self.model.predict_next(tenant, adapter, st.k, before=self.model.previous(tenant, session))
         if st.session_demand:
+            self.expected.step(tenant, session, adapter)
             self.expected.expect(tenant, session, predicted, now if now is not None else self._now)
         return [(b, p) for b, p in predicted if p >= st.min_p]
 
     def step(self, tenant: Hashable, session: Hashable | None, adapter: Hashable, now: float, *,
              load: LoadFn = _now_load, engine_at: float | None = None, may_load: bool = True,
-             place: Place | None = None, prefetch_load: LoadFn | None = None) -> StepResult:
+             place: Place | None = None, prefetch_load: LoadFn | None = None,
+             load_s: LoadSeconds = _unit_load) -> StepResult:
         """One request served by this host: the speculation loop, the one implementation
         the gateway (``extproc.prefetch_planner.SpeculationPlanner``) and ``bench.sim`` run.
 
@@ -201,7 +220,7 @@ class Speculator:
             return StepResult(ready, False, [])
         first = self.first_steps.observe(tenant, session, adapter, now) if self.settings.first_steps else False
         return StepResult(ready, first, self._predict(tenant, session, adapter, now, load=prefetch_load or load,
-                                                      may_load=may_load, place=place))
+                                                      may_load=may_load, place=place, load_s=load_s))
 
     def speculate(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
                   load: LoadFn = _now_load, may_load: bool = True, place: Place | None = None) -> list[Prefetch]:
@@ -209,10 +228,13 @@ class Speculator:
         return self._predict(tenant, session, adapter, now, load=load, may_load=may_load, place=place)
 
     def _predict(self, tenant: Hashable, session: Hashable, adapter: Hashable, now: float, *,
-                 load: LoadFn, may_load: bool, place: Place | None) -> list[Prefetch]:
+                 load: LoadFn, may_load: bool, place: Place | None,
+                 load_s: LoadSeconds = _unit_load) -> list[Prefetch]:
         predicted = self.learn(tenant, session, adapter, now)
         out: list[Prefetch] = []
         offers = [(b, p, "predicted") for b, p in predicted]
+        if self.settings.lookahead > 1:
+            offers += [(c, q, "predicted") for c, q in self._two_ahead(tenant, adapter, {b for b, _ in predicted})]
         if self.settings.first_steps:
             offers += [(b, p, "first_step") for b, p in
                        self.first_steps.likely(tenant, now, self.horizon_s, self.settings.first_steps)]
@@ -223,21 +245,56 @@ class Speculator:
             if target is not self and target.horizon_s != self.horizon_s:
                 target.set_horizon(self.horizon_s)
             got = target.offer(b, p, now, load=load, may_load=may_load,
-                               in_use=adapter if target is self else None, reason=reason)
+                               in_use=adapter if target is self else None, reason=reason, load_s=load_s)
             if got is not None:
                 out.append(got)
         self.ledger.record(tenant, session, tuple(b for b, _ in predicted if b != adapter))
         return out
 
+    def _two_ahead(self, tenant: Hashable, adapter: Hashable, skip: set) -> list[tuple[Hashable, float]]:
+        """The steps after the next: ``P(c) = sum over b of P(b | adapter) x P(c | b, adapter)``,
+        those with at least ``min_p``, not in ``skip`` and not ``adapter``."""
+        st = self.settings
+        model = self.model
+        # the session's context after this step: (previous, adapter) is in the model already
+        nxt = model.predict_next(tenant, adapter, st.k)
+        acc: dict[Hashable, float] = {}
+        for b, p in nxt:
+            for c, q in model.predict_next(tenant, b, st.k, before=adapter):
+                acc[c] = acc.get(c, 0.0) + p * q
+        return [(c, q) for c, q in sorted(acc.items(), key=lambda kv: -kv[1])
+                if q >= st.min_p and c not in skip and c != adapter]
+
+    def victims(self, now: float, n: int = 2) -> list[Hashable]:
+        """The ``n`` entries this host's model would evict first (lowest use probability,
+        ties to the least recently used), coldest first; loads in flight are not offered."""
+        self._now = now
+        scored = [(self.score(k, e), i, k) for i, (k, e) in enumerate(self.cache.entries.items())
+                  if not e.pinned and e.ready_at <= now]
+        return [k for _, _, k in sorted(scored)[:n]]
+
+    def inflight(self, now: float) -> list[Hashable]:
+        """The prefetches this host's model still sees loading at ``now``."""
+        return [k for k, e in self.cache.entries.items() if e.prefetched and e.ready_at > now]
+
     def offer(self, adapter: Hashable, p: float, now: float, *, load: LoadFn = _now_load,
-              may_load: bool = True, in_use: Hashable | None = None, reason: str = "predicted") -> Prefetch | None:
+              may_load: bool = True, in_use: Hashable | None = None, reason: str = "predicted",
+              load_s: LoadSeconds = _unit_load) -> Prefetch | None:
         """A prediction: ``adapter`` is needed soon with probability ``p``. Resident: the
         prediction is noted on its entry (it protects it from eviction). Absent: loaded if
-        ``should_speculate`` says it beats the victim it would evict; ``in_use`` (the
-        adapter of the request in flight) is never a victim. Returns the prefetch or None."""
+        it pays (``prefetch_pays``: the stall it saves, ``p_use x load_s(adapter)``, beats
+        the victim's ``p_use x load_s(victim)`` plus the link time it takes, ``link_busy``
+        = the seconds of prefetches in flight on this host over the horizon; with
+        ``priced=False``: ``should_speculate``) and fewer than ``max_inflight`` prefetches
+        are loading here; ``in_use`` (the adapter of the request in flight) is never a
+        victim. Returns the prefetch or None."""
         self._now = now
         cache = self.cache
         if cache.predict(adapter, p, now) or not may_load:
+            return None
+        st = self.settings
+        flying = self.inflight(now) if st.priced or st.max_inflight else []
+        if st.max_inflight and len(flying) >= st.max_inflight:
             return None
         current = cache.get(in_use) if in_use is not None else None
         was_pinned = current.pinned if current is not None else False
@@ -254,13 +311,18 @@ class Speculator:
             if self.settings.session_demand:
                 p = max(p, self.expected.need(adapter, now))
             c = candidate_score(p, self.popularity.rate(adapter, now), self.horizon_s)
-            if not should_speculate(c, v, min_score=self.settings.min_p):
+            if st.priced:
+                busy = sum(load_s(k) for k in flying) / self.horizon_s
+                case = PrefetchCase(c, load_s(adapter), v, load_s(victim) if victim is not None else 0.0, busy)
+                if not prefetch_pays(case, min_p=st.min_p):
+                    return None
+            elif not should_speculate(c, v, min_score=st.min_p):
                 return None
             if victim is not None:
                 cache.evict(victim)
             ready = load(adapter, now)
             cache.admit(adapter, ready, prefetched=True, score=p, scored_at=now)
-            return Prefetch(adapter, p, ready, victim, self.name, reason)
+            return Prefetch(adapter, p, ready, victim, self.name, reason, c, v)
         finally:
             if current is not None:
                 current.pinned = was_pinned
@@ -280,7 +342,9 @@ class Speculator:
             cache.capacity = len(resident)
         for key in list(cache):
             entry = cache.get(key)
-            if key not in resident and entry.ready_at <= now:
+            if key in resident:
+                entry.ready_at = min(entry.ready_at, now)  # the agent says it is loaded
+            elif entry.ready_at <= now:
                 cache.evict(key)
         for key in resident:
             if key not in cache and cache.used + 1 <= cache.capacity:

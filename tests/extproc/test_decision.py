@@ -93,3 +93,11 @@ def test_trace_metadata_is_the_entries_memoised(snapshot, queued):
         return dict(trace_metadata(d, None))["trace_multi_lora"]
     assert "swap_ms_saved=-0," in multi_lora(-0.0)
     assert "swap_ms_saved=0," in multi_lora(0.0)
+
+
+def test_the_ingress_prefetch_names_the_pools_first_victims(snapshot):
+    res = replace(_res("remote"), victims={"local-vllm": ("old-one", "older")})
+    d = _decide(snapshot, res, {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"})
+    assert d.prefetch_signal.evict == ("old-one", "older")
+    d = _decide(snapshot, _res("remote"), {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"})
+    assert d.prefetch_signal.evict == ()

@@ -9,6 +9,8 @@ from extproc.policy.prediction import (
     PredictionLedger,
     TransitionModel,
     candidate_score,
+    PrefetchCase,
+    prefetch_pays,
     should_speculate,
     use_probability,
     victim_score,
@@ -377,3 +379,44 @@ def test_first_steps_forget_old_habits_and_stay_bounded():
     assert [a for a, _ in fs.likely("acme", 120.0, 10.0, k=1)] == ["fresh"]
     fs.observe("acme", "x", "third", 121.0)
     assert len(fs.openers("acme")) <= 2 and len(fs._seen) <= 3
+
+
+@pytest.mark.parametrize(
+    "case, min_p, expected",
+    [
+        # a free slot, an idle link: pays when likely enough
+        (PrefetchCase(0.6, 0.1), 0.35, True),
+        (PrefetchCase(0.3, 0.1), 0.35, False),  # under min_p
+        # never evicts something at least as likely to be used
+        (PrefetchCase(0.6, 0.1, victim_p=0.6, victim_load_s=0.01), 0.0, False),
+        # a cheap candidate does not pay for evicting a costly one: 0.7*0.03 < 0.4*0.2
+        (PrefetchCase(0.7, 0.03, victim_p=0.4, victim_load_s=0.2), 0.0, False),
+        # a costly candidate evicting a cheap one: 0.7*0.2 > 0.4*0.03
+        (PrefetchCase(0.7, 0.2, victim_p=0.4, victim_load_s=0.03), 0.0, True),
+        # the link already busy most of the horizon: the saving does not cover it
+        (PrefetchCase(0.6, 0.1, link_busy=0.7), 0.0, False),
+        (PrefetchCase(0.9, 0.1, link_busy=0.5), 0.0, True),
+        (PrefetchCase(0.9, 0.1, link_busy=5.0), 0.0, False),  # over 1: capped, still no
+    ],
+)
+def test_prefetch_pays(case, min_p, expected):
+    assert prefetch_pays(case, min_p=min_p) is expected
+
+
+def test_session_demand_expects_the_sessions_working_set_back_at_the_measured_revisit_rate():
+    from extproc.policy.prediction import SessionDemand
+
+    demand = SessionDemand(horizon_s=10.0, working_set=2)
+    # one session alternates plan -> code -> plan -> code: every step after the second revisits
+    for i, a in enumerate(("plan", "code", "plan", "code", "plan")):
+        demand.step("t", "s", a)
+        demand.expect("t", "s", [], float(i))
+    assert (demand.steps, demand.revisits) == (4, 3)
+    # after "plan", the model predicts nothing, yet "code" (used before) is expected back
+    assert demand.need("code", 4.0) == pytest.approx(3 / 4)
+    assert demand.need("plan", 4.0) == 0.0  # the current step is not its own next
+    off = SessionDemand(horizon_s=10.0)
+    for i, a in enumerate(("plan", "code", "plan")):
+        off.step("t", "s", a)
+        off.expect("t", "s", [], float(i))
+    assert off.need("plan", 2.0) == 0.0 and off.need("code", 2.0) == 0.0

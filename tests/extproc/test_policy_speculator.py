@@ -191,3 +191,47 @@ def test_step_offers_each_prediction_to_the_host_place_names():
         sent += shared.step("acme", f"s{s}", "review", s + 0.5, place=lambda b: other).prefetches
     assert sent and {p.host for p in sent} == {"other"} and "review" in other.cache
     assert shared.step("acme", "n2", "code", 11.0, place=lambda b: None).prefetches == []
+
+
+def test_at_most_max_inflight_prefetches_load_on_a_host():
+    spec = Speculator(capacity=8, settings=SpeculationSettings(max_inflight=1, first_steps=0))
+    slow = lambda a, now: now + 5.0  # noqa: E731 - every load takes 5 s
+    assert spec.offer("a", 0.9, 0.0, load=slow) is not None
+    assert spec.offer("b", 0.9, 1.0, load=slow) is None  # "a" still loading
+    assert spec.inflight(1.0) == ["a"]
+    assert spec.offer("b", 0.9, 6.0, load=slow) is not None  # "a" is loaded by now
+
+
+def test_a_prefetch_that_would_evict_a_costlier_reload_is_not_sent():
+    spec = Speculator(capacity=1, settings=SpeculationSettings(max_inflight=0, first_steps=0, min_p=0.0))
+    spec.demand("big", 0.0)
+    spec.expected.expect("t", "s", [("big", 0.8)], 0.5)  # a session in flight comes back for it
+    cost = {"big": 0.2, "small": 0.02}.get
+    assert spec.offer("small", 0.9, 0.5, load_s=cost) is None
+    assert "big" in spec.cache
+    # the same case unpriced (should_speculate: 0.9 > 0.8) would have evicted it
+    unpriced = Speculator(capacity=1, settings=SpeculationSettings(max_inflight=0, first_steps=0, min_p=0.0,
+                                                                   priced=False))
+    unpriced.demand("big", 0.0)
+    unpriced.expected.expect("t", "s", [("big", 0.8)], 0.5)
+    assert unpriced.offer("small", 0.9, 0.5, load_s=cost) is not None
+
+
+def test_victims_are_the_coldest_first_never_a_load_in_flight():
+    spec = Speculator(capacity=4, settings=SpeculationSettings(first_steps=0))
+    for a, t in (("hot", 0.0), ("hot", 1.0), ("hot", 2.0), ("warm", 2.5), ("warm", 3.0), ("cold", 3.5)):
+        spec.demand(a, t)
+    spec.offer("loading", 0.9, 4.0, load=lambda a, now: now + 10.0)
+    assert spec.victims(4.0, n=3) == ["cold", "warm", "hot"]
+
+
+def test_lookahead_offers_the_step_after_the_next():
+    settings = SpeculationSettings(lookahead=2, first_steps=0, max_inflight=0)
+    spec = Speculator(capacity=8, settings=settings)
+    run_sessions(spec, 5, chain=("plan", "code", "test"))
+    spec.cache.evict("test")  # the engine let it go
+    got = spec.on_request("acme", "new", "plan", 100.0)
+    assert [p.adapter for p in got] == ["test"]  # code is resident; test is two steps ahead
+    spec_one = Speculator(capacity=8, settings=SpeculationSettings(first_steps=0, max_inflight=0))
+    run_sessions(spec_one, 5, chain=("plan", "code", "test"))
+    assert spec_one._two_ahead("acme", "plan", set()) == [("test", 1.0)]

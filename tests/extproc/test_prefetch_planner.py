@@ -452,3 +452,32 @@ def test_warm_set_waits_for_every_agent_host_and_follows_the_routing_placement(t
     now[0] = gs2.warm_wait_s + 1
     gs2._warm()
     assert {s.upstream for s in sink2.signals} == {"engine-1"} and len(sink2.signals) == len(names)
+
+
+def test_drain_publishes_each_pools_first_victims(snapshot):
+    sink = Sink()
+    gs = gateway_speculation(snapshot, sink)
+    gs.board.publish(pool("local-vllm", "code-python", "acme-legal"))
+    for i in range(3):
+        gs.observe(decision(snapshot, "code-python", PROD), "acme", f"s{i}")
+    gs.drain()
+    # acme-legal: resident, never asked for; code-python: asked three times
+    assert gs.board.current.victims["local-vllm"][0] == "acme-legal"
+    gs.board.publish(pool("local-vllm", "code-python"))  # the agents' next view keeps them
+    assert gs.board.current.victims["local-vllm"][0] == "acme-legal"
+
+
+def test_place_publishes_the_placement_by_demand_over_the_agents_hosts(snapshot):
+    gs = gateway_speculation(snapshot, Sink())
+    cold = TierReport("remote", None)
+    # 5 adapters over 2 hosts of (learned, at start) 2 slots: more than the pools hold
+    gs.board.publish(ResidencySnapshot.build({h: {a: cold for a in "abcde"} for h in ("h1", "h2")}))
+    assert gs.place() is True  # no counts yet: the ring's owners, one each
+    assert all(len(o) == 1 for o in gs.board.current.placement.values())
+    gs.counts.update({"a": 500.0, "b": 40.0, "c": 30.0, "d": 20.0, "e": 10.0})
+    gs.place()
+    placement = gs.board.current.placement
+    assert set(placement) == set("abcde")
+    assert len(placement["a"]) == 2  # most of all demand: more than half a host's share
+    assert gs.place() is False  # unchanged: nothing published again
+    assert gs.board.current.of("h1", "a").tier == "remote"  # the agents' view is kept

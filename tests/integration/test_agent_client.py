@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 
@@ -412,3 +413,26 @@ def test_discovery_adds_and_removes_agent_links(agent):
         assert link.agents["u1"] is not first
     finally:
         link.close()
+
+
+def test_a_speculations_bet_travels_to_the_agent_which_refuses_a_losing_one(tmp_path, caplog):
+    agent = AgentThread(tmp_path, free_port(), capacity=2)
+    agent.start()
+    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
+    caplog.set_level(logging.INFO, logger="extproc.agent_client")
+    try:
+        for name in ("a1", "a2"):
+            assert link.submit(signal(name))
+            wait_until(lambda n=name: link.board.current.of("u1", n).tier == "device")
+        # a 1% bet that would evict what is 99% sure to be used again: the agent's budget says no
+        assert link.submit(PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=0, reason="predicted",
+                                          evict=("a2",), probability=0.01, victim_reuse_probability=0.99))
+        wait_until(lambda: "rejected prefetch of a3: not_worth" in caplog.text, what="the agent's refusal")
+        assert link.board.current.of("u1", "a2").tier == "device"
+        # the same load without a bet (an older sender, or a request's own load): taken as before
+        assert link.submit(PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=0, reason="predicted",
+                                          evict=("a2",)))
+        wait_until(lambda: link.board.current.of("u1", "a3").tier == "device")
+    finally:
+        link.close()
+        agent.close()
