@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="random seed (800: 20261130; hundreds: 20261201)")
     ap.add_argument("--tenants", type=int, default=None, help="hundreds only: tenants (48)")
     ap.add_argument("--public", type=int, default=None, help="hundreds only: public adapters (112)")
+    ap.add_argument("--session-rate", type=float, default=None,
+                    help="hundreds only: sessions opened per second (0.5 per 48 tenants)")
     ap.add_argument("--out", default=None, help="output file (.json: one array; .jsonl: one object per line; "
                     "default: multi_lora_eval_800.json or hundreds.json beside this script)")
     args = ap.parse_args(argv)
@@ -191,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
 
         reqs = hundreds.generate_hundreds(
             args.n or hundreds.N_REQUESTS, hundreds.SEED if args.seed is None else args.seed,
-            args.tenants or hundreds.N_TENANTS, hundreds.N_PUBLIC if args.public is None else args.public)
+            args.tenants or hundreds.N_TENANTS, hundreds.N_PUBLIC if args.public is None else args.public,
+            args.session_rate)
         out = Path(args.out or here / "hundreds.json")
     else:
-        if args.tenants is not None or args.public is not None:
-            ap.error("--tenants and --public are for --scenario hundreds")
+        if args.tenants is not None or args.public is not None or args.session_rate is not None:
+            ap.error("--tenants, --public and --session-rate are for --scenario hundreds")
         reqs = generate(args.n or 800, 20261130 if args.seed is None else args.seed)
         out = Path(args.out or here / "multi_lora_eval_800.json")
     if out.suffix == ".jsonl":

@@ -1,7 +1,7 @@
 """The ``hundreds`` scenario: the mission's scale (``generate.py --scenario hundreds``).
 
     python data/multi_lora_eval/generate.py --scenario hundreds [--seed 20261201] [--n 2400]
-        [--tenants 48] [--public 112] [--out FILE]
+        [--tenants 48] [--public 112] [--session-rate R] [--out FILE]
 
 A world of tenants and adapters, then a day of their traffic, both drawn from the seed:
 
@@ -114,12 +114,12 @@ def world(rng: random.Random, tenants: int, public: int) -> tuple[dict, dict]:
 
 
 def generate_hundreds(n: int = N_REQUESTS, seed: int = SEED, tenants: int = N_TENANTS,
-                      public: int = N_PUBLIC) -> list[dict]:
+                      public: int = N_PUBLIC, session_rate: float | None = None) -> list[dict]:
     rng = random.Random(seed)
     adapters, profiles = world(rng, tenants, public)
     names = list(profiles)
     rates = [profiles[t]["activity"] for t in names]
-    rate = SESSION_RATE * tenants / N_TENANTS
+    rate = SESSION_RATE * tenants / N_TENANTS if session_rate is None else session_rate
     span = n / 6.0 / rate  # about the trace's duration: ~6 requests a session
     bursts = [(rng.uniform(0, span), rng.choice(names)) for _ in range(BURSTS)]
     bursts = [(s, s + rng.uniform(20, 60), t) for s, t in bursts]
