@@ -92,7 +92,7 @@ bench: $(STAMP) $(FIXTURES)/.done
 	$(if $(and $(SEED),$(filter hundreds,$(SCENARIO))),mkdir -p var && $(BIN)/python data/multi_lora_eval/generate.py --scenario hundreds --seed $(SEED) --out $(BENCH_TRACE),)
 	$(BIN)/python -m bench.multi_lora_eval --out $(BENCH_OUT) $(if $(BENCH_TRACE),--trace $(BENCH_TRACE),) \
 		$(if $(HOSTS),--hosts $(HOSTS),) $(if $(ARMS),--arms $(ARMS),) $(if $(WARM_FROM),--warm-from $(WARM_FROM),) \
-		$(if $(SLOTS),--slots $(SLOTS),) $(if $(SPEED),--speed $(SPEED),)
+		$(if $(SLOTS),--slots $(SLOTS),) $(if $(SPEED),--speed $(SPEED),) $(if $(SCENARIO),--scenario $(SCENARIO),)
 
 # On a machine with a CUDA GPU (not CI): the CUDA-only tests + bench-agent on the device,
 # with the python3 that holds torch+CUDA there (tools/gpu_check.sh; reports/agent_cuda.json).

@@ -602,8 +602,8 @@ def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top:
     data = yaml.safe_load(catalog.read_text())
     adapters = [a for a in data["adapters"] if a["name"] in names]
     common = {
-        "trace": str(args.trace), "sessions": len(sessions(requests)), "speed": args.speed, "slots": args.slots, "warm_from": str(args.warm_from) if args.warm_from else None,
-        "fleets": results, "checks": fleet_checks(results),
+        "trace": str(args.trace), "sessions": len(sessions(requests)), "speed": args.speed, "slots": args.slots, "scenario": args.scenario, "warm_from": str(args.warm_from) if args.warm_from else None,
+        "fleets": results, "checks": fleet_checks(results, args.scenario),
         "fleet_hosts": top, "pool_adapters": pool, "pool_mb": pool_mb, "pool_bytes": pool_mb << 20,
         "pool_bytes_needed": pool_needed, "adapters": len(names), "agent_cold_args": list(COLD_AGENT_ARGS),
         "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
@@ -657,6 +657,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speed", default="auto",
                     help="replay speed-up of the trace's clock: a number, or auto (default): per fleet size, the "
                          "speed at which the busiest engine is busy about half the time (bench.pacing), at most 8")
+    ap.add_argument("--scenario", choices=("800", "hundreds"), default="800",
+                    help="whose targets the 4-host checks hold the ace arm to (make bench SCENARIO=)")
     ap.add_argument("--slots", type=int, default=None,
                     help="adapter slots of each host's pool (default: half of the trace's adapters; make bench SLOTS=)")
     ap.add_argument("--open-loop", action="store_true",
