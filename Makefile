@@ -101,9 +101,17 @@ gpu-check:
 
 # The committed reports/sim.json: 300,000 single-host requests (about 12 min on 2 busy
 # cores); SIM_REQUESTS=1000000 for the 1M-request scale.
+# make sim TRACE=FILE HOSTS=N [SLOTS=S] [STACK_REPORT=FILE]: that bench trace through the fleet
+# simulator with the bench's fleet, pool, replay speed and measured load times, against the
+# stack's hit ratios (bench.sim_stack; merged into reports/sim_vs_stack.json).
 SIM_REQUESTS ?= 300000
 sim: $(STAMP)
+ifneq ($(and $(TRACE),$(HOSTS)),)
+	$(BIN)/python -m bench.sim_stack --trace $(TRACE) --hosts $(HOSTS) $(if $(SLOTS),--slots $(SLOTS),) \
+		$(if $(STACK_REPORT),--stack-report $(STACK_REPORT),)
+else
 	$(BIN)/python -m bench.sim --out reports/sim.json --requests $(SIM_REQUESTS) $(if $(TRACE),--trace $(TRACE),)
+endif
 
 # Regenerate the committed gRPC code under gpu_agent/_proto from protos/ (grpcio-tools).
 protos: $(STAMP)
