@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import random
 
-from generate import MIN_STEPS, NOMINAL_SERVICE_S, P_END, P_REPEAT, PROMPTS, TASKS
+from generate import PROMPTS, TASKS, opened_sessions, session_steps
 
 SEED = 20261201
 HELD_OUT_SEEDS = (20261202, 20261203)
@@ -124,17 +124,8 @@ def generate_hundreds(n: int = N_REQUESTS, seed: int = SEED, tenants: int = N_TE
     bursts = [(rng.uniform(0, span), rng.choice(names)) for _ in range(BURSTS)]
     bursts = [(s, s + rng.uniform(20, 60), t) for s, t in bursts]
     requests: list[dict] = []
-    clock = 0.0
-    sid = 0
-    while len(requests) < n * 2:  # overshoot, then keep the first n by time
-        clock += rng.expovariate(rate)
-        weights = list(rates)
-        for start, end, t in bursts:
-            if start <= clock < end:
-                weights[names.index(t)] *= 5.0
-        tenant = rng.choices(names, weights)[0]
+    for clock, tenant, sid in opened_sessions(rng, names, rates, rate, bursts, 5.0, lambda: len(requests) >= n * 2):
         prof = profiles[tenant]
-        sid += 1
         session = f"{tenant}-s{sid:05d}"
         if rng.random() < P_ONE_OFF:
             adapter = rng.choice(prof["visible"])
@@ -142,17 +133,8 @@ def generate_hundreds(n: int = N_REQUESTS, seed: int = SEED, tenants: int = N_TE
             continue
         flows = prof["flows"]
         chain = rng.choices([c for _, c in flows], [w for w, _ in flows])[0]
-        t, think, step = clock, 0.0, 0
-        for planned in chain:
-            adapter = rng.choice(prof["visible"]) if rng.random() < P_STRAY else planned
-            for _ in range(2 if rng.random() < P_REPEAT else 1):
-                requests.append(_request(rng, adapters, t, think if step else None, tenant, session, step,
-                                         "->".join(chain), adapter))
-                step += 1
-                think = round(min(8.0, max(0.2, rng.lognormvariate(0.3, 0.7))), 3)
-                t += NOMINAL_SERVICE_S + think
-            if step >= MIN_STEPS and rng.random() < P_END:
-                break
+        for t, think, step, adapter in session_steps(rng, clock, chain, prof["visible"], P_STRAY):
+            requests.append(_request(rng, adapters, t, think, tenant, session, step, "->".join(chain), adapter))
     requests.sort(key=lambda r: (r["t"], r["session"], r["step"]))
     requests = requests[:n]
     width = max(4, len(str(n - 1)))
