@@ -86,7 +86,7 @@ SIM_REQUESTS ?= 300000
 sim: $(STAMP)
 	$(BIN)/python -m bench.sim --out reports/sim.json --requests $(SIM_REQUESTS) $(if $(TRACE),--trace $(TRACE),)
 
-# Regenerate the committed gRPC code under gpu_agent/_proto from protos/ (grpcio-tools).
+# Regenerate the committed gRPC code under ace_common/proto from protos/ (grpcio-tools).
 protos: $(STAMP)
 	$(BIN)/python protos/generate.py
 

@@ -17,7 +17,7 @@ import os
 import sys
 
 from extproc.errors import GatewayError
-from extproc.state_db import open_state_db
+from extproc.state.db import open_state_db
 
 __all__ = ["main"]
 

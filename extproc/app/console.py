@@ -7,9 +7,9 @@
     POST /api/v1/tenant/skills      set them                           (admin key)
     GET  /api/v1/tenant/keys        the tenant's keys and their skills (admin key)
     GET  /api/v1/adapters           adapters this key can use, residency per engine host
-    GET  /api/v1/usage?window=3600  per adapter minute series (``extproc.usage``)
+    GET  /api/v1/usage?window=3600  per adapter minute series (``extproc.observe.usage``)
 
-Same authorisation as the rest of the API (``extproc.auth``): a key sees only its own
+Same authorisation as the rest of the API (``extproc.domain.auth``): a key sees only its own
 tenant; a write of tenant defaults needs ``role: admin`` (403 ``admin_required``).
 
 Writes are browser-safe without a CSRF token: the key travels only in ``Authorization:
@@ -26,18 +26,18 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any, Mapping
 from urllib.parse import parse_qs, urlsplit
 
-from extproc.auth import Principal, authenticate
+from extproc.domain.auth import Principal, authenticate
 from extproc.errors import Forbidden, InvalidField, MethodNotAllowed, UnsupportedMediaType
-from extproc.headers import TENANT_HEADER
-from extproc.outcomes import Outcome, Reply, RequestHead
-from extproc.handlers import Authenticated
+from extproc.domain.headers import TENANT_HEADER
+from extproc.app.outcomes import Outcome, Reply, RequestHead
+from extproc.app.handlers import Authenticated
 from extproc.policy.routing import RoutePolicy
-from extproc.residency_view import NONE, UNKNOWN_TIER
-from extproc.skills import SKILLS, resolve, resolve_sources
-from extproc.store import Snapshot
+from extproc.state.residency import NONE, UNKNOWN_TIER
+from extproc.domain.skills import SKILLS, resolve, resolve_sources
+from extproc.state.store import Snapshot
 
 if TYPE_CHECKING:
-    from extproc.processor import Gateway
+    from extproc.app.exchange import Gateway
 
 __all__ = ["CONSOLE_ROUTES", "skill_sources"]
 

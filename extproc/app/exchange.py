@@ -13,26 +13,26 @@ import time
 from urllib.parse import unquote
 from typing import TYPE_CHECKING, Any, Mapping
 
-from extproc.auth import Principal, authenticate
-from extproc.decision import InferenceRequest, decide
-from extproc.console import CONSOLE_ROUTES
+from extproc.domain.auth import Principal, authenticate
+from extproc.domain.decision import InferenceRequest, decide
+from extproc.app.console import CONSOLE_ROUTES
 from extproc.errors import Forbidden, GatewayError, InvalidField
-from extproc.handlers import Authenticated, Handler, parse_object
-from extproc.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER, session_of
-from extproc.metrics import GatewayMetrics
-from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
-from extproc.outcomes import CONTINUE, Continue, Outcome, Reply, RequestHead
-from extproc.prefetch import NullPrefetchSink, PrefetchSink
+from extproc.app.handlers import Authenticated, Handler, parse_object
+from extproc.domain.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER, session_of
+from extproc.observe.metrics import GatewayMetrics
+from extproc.app.native import chat_body_from_execute, new_execution_id, wrap_output
+from extproc.app.outcomes import CONTINUE, Continue, Outcome, Reply, RequestHead
+from extproc.domain.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.policy.routing import RoutePolicy, choose_upstream
-from extproc.residency_view import ResidencyBoard
+from extproc.state.residency import ResidencyBoard
 from extproc.rewrite import rewrite_request
-from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve
-from extproc.store import Store
-from extproc.trace import execute_trace, trace_metadata
-from extproc.usage import UsageRing
+from extproc.domain.skills import MULTI_LORA, SKILLS, parse_override_header, resolve
+from extproc.state.store import Store
+from extproc.app.trace import execute_trace, trace_metadata
+from extproc.observe.usage import UsageRing
 
 if TYPE_CHECKING:
-    from extproc.prefetch_planner import RequestObserver
+    from extproc.fleet.speculation import RequestObserver
 
 __all__ = ["Gateway", "Exchange", "ENGINE_ADMIN_PATHS", "OPEN_PATHS", "ROUTES"]
 
@@ -49,7 +49,7 @@ ENGINE_ADMIN_PATHS = frozenset({
     "/stop_profile", "/sleep", "/wake_up", "/collective_rpc", "/pause", "/resume", "/abort_request",
 })
 #: Open without a key, GET/HEAD only: liveness for load balancers; carries no tenant data.
-#: (The settings page's static files, /settings and its files, are open too: extproc.console answers them.)
+#: (The settings page's static files, /settings and its files, are open too: extproc.app.console answers them.)
 OPEN_PATHS = frozenset({"/health"})
 _SLASHES = re.compile(r"/{2,}")
 
@@ -67,7 +67,7 @@ class Gateway:
         self.residency = residency or ResidencyBoard()
         self.prefetch = prefetch or NullPrefetchSink()
         self.route = route
-        self.speculation = speculation  # extproc.prefetch_planner.GatewaySpeculation: one append per request
+        self.speculation = speculation  # extproc.fleet.speculation.GatewaySpeculation: one append per request
         self.metrics = metrics or GatewayMetrics()
         self.shed_load = shed_load      # endpoint picker protocol: 429 when every host carries this many (0: never)
         self.epp_fallbacks = epp_fallbacks   # endpoint picker protocol: fallback hosts after the pick
@@ -75,7 +75,7 @@ class Gateway:
 
     def exchange(self, route: RoutePolicy | None = None) -> "Exchange":
         """``route``: this request's routing policy when not the gateway's (the endpoint
-        picker protocol narrows the hosts to the gateway's subset hint, extproc.epp)."""
+        picker protocol narrows the hosts to the gateway's subset hint, extproc.protocols.epp)."""
         return Exchange(self, route)
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from extproc.catalog import Adapter, Upstream
-from extproc.decision import Decision
+from extproc.state.catalog import Adapter, Upstream
+from extproc.domain.decision import Decision
 from extproc.rewrite import builtin, sglang, vllm
 from extproc.rewrite.codec import encode
 from extproc.rewrite.hints import client_copies, wire_hints

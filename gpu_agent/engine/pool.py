@@ -33,9 +33,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
-from .eviction import Candidate, EvictionPolicy, EvictReason, LRUPolicy, Shortfall, plan_evictions
-from .peft import BaseModelSpec, LoraAdapter
+from gpu_agent.errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
+from gpu_agent.eviction import Candidate, EvictionPolicy, EvictReason, LRUPolicy, Shortfall, plan_evictions
+from gpu_agent.engine.peft import BaseModelSpec, LoraAdapter
 
 __all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT", "VictimChooser"]
 

@@ -55,7 +55,7 @@ from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, 
 from gpu_agent.load import LoadChange, LoadMonitor
 from gpu_agent.metrics import AgentMetrics, Gauge
 from gpu_agent.settings import SettingsError
-from gpu_agent.tiers import Tier
+from ace_common.tiers import Tier
 
 __all__ = ["AdapterView", "ResidencyOutcome", "ResidencyResult", "ResidencyManager",
            "ResidencyBudgets", "Subscription"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gpu_agent.errors import PoolExhausted
-from gpu_agent.lora_ops import apply_lora
-from gpu_agent.pool import AdapterPool
+from gpu_agent.engine.lora_ops import apply_lora
+from gpu_agent.engine.pool import AdapterPool
 
 from .lora_testing import SPEC, dense_reference, make_adapter
 
