@@ -113,7 +113,7 @@ else
 	$(BIN)/python -m bench.sim --out reports/sim.json --requests $(SIM_REQUESTS) $(if $(TRACE),--trace $(TRACE),)
 endif
 
-# Regenerate the committed gRPC code under gpu_agent/_proto from protos/ (grpcio-tools).
+# Regenerate the committed gRPC code under ace_common/proto from protos/ (grpcio-tools).
 protos: $(STAMP)
 	$(BIN)/python protos/generate.py
 

@@ -10,11 +10,11 @@ Every problem is a ``SchemaError`` naming the field's path::
     adapters[0].rank: expected an integer, got 'x'
     tenants[1].id: required field missing
 
-The catalog is read by the gateway (``extproc.store``), the agent
+The catalog is read by the gateway (``extproc.state.store``), the agent
 (``gpu_agent.artifacts``) and the builtin engine (``gpu_agent.engine.adapters``), all
-through ``read_catalog_file``; the gateway's state file (``extproc.state_schema``) uses
+through ``read_catalog_file``; the gateway's state file (``extproc.state.schema``) uses
 the same language. It lives here, with no dependency but ``yaml``, because the gateway
-already depends on the agent's published contracts (``gpu_agent._proto``) while the agent
+already depends on the agent's published contracts (``ace_common.proto``) while the agent
 never imports the gateway; each side turns ``SchemaError`` into its own error at its
 boundary (``ConfigError``, ``CatalogError``).
 """

@@ -33,10 +33,10 @@ from typing import Any, Callable
 import torch
 
 from gpu_agent.errors import PoolExhausted
-from gpu_agent.lora_ops import apply_lora
-from gpu_agent.peft import BaseModelSpec, LoraAdapter, clear_structure_cache, load_peft_dir
-from gpu_agent.pool import AdapterPool
-from gpu_agent.staging import AdapterTiers
+from gpu_agent.engine.lora_ops import apply_lora
+from gpu_agent.engine.peft import BaseModelSpec, LoraAdapter, clear_structure_cache, load_peft_dir
+from gpu_agent.engine.pool import AdapterPool
+from gpu_agent.engine.staging import AdapterTiers
 
 RANKS = (8, 16, 32, 64, 128)
 H = 4096

@@ -20,7 +20,7 @@ Every run also records each process's CPU per request (``cpu_us_per_request``: E
 ext_proc, upstream, load generator; from /proc): on 2 shared cores that, not waiting,
 sets the throughput, and ``throughput_ratio_if_ext_proc_were_free`` is the ratio the
 CPU accounting would allow with an ext_proc process that cost nothing.
-``decision_us_*`` times ``extproc.decision.decide`` in-process for a 2 KB body;
+``decision_us_*`` times ``extproc.domain.decision.decide`` in-process for a 2 KB body;
 ``body_phase_us_*`` times the whole body message (protobuf in -> protobuf out).
 """
 from __future__ import annotations
@@ -95,7 +95,7 @@ def serve_upstream(port: int) -> None:
 
 def serve_null_extproc(port: int, server: str = "aio") -> None:
     if server == "h2":   # the same bare HTTP/2 loop as ``--server h2``, answering empty responses
-        from extproc.server import serve_h2
+        from extproc.transport.grpc_servers import serve_h2
         asyncio.run(serve_h2(None, f"127.0.0.1:{port}", null=True))
         return
     import grpc
@@ -220,13 +220,13 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
 def measure_decision(state: Path, db: Path, key: str, body: bytes, n: int = 20000) -> dict:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from extproc.auth import authenticate
-    from extproc.decision import InferenceRequest, decide
-    from extproc.outcomes import RequestHead
-    from extproc.processor import Gateway
-    from extproc.residency_view import ResidencySnapshot, SentCounts
-    from extproc.store import Store
-    from extproc.wire import serialize_response
+    from extproc.domain.auth import authenticate
+    from extproc.domain.decision import InferenceRequest, decide
+    from extproc.app.outcomes import RequestHead
+    from extproc.app.exchange import Gateway
+    from extproc.state.residency import ResidencySnapshot, SentCounts
+    from extproc.state.store import Store
+    from extproc.protocols.wire import serialize_response
 
     store = Store(state, db)
     snap = store.snapshot

@@ -2,7 +2,7 @@
 
     python -m bench.gateway_profile [--streams 20000] [--sections] [--cprofile 30]   # from the repo root
 
-Feeds an ``extproc.h2server.H2Connection`` (with a transport that only counts writes) the
+Feeds an ``extproc.transport.h2server.H2Connection`` (with a transport that only counts writes) the
 bytes Envoy 1.40 sends for one request on the shipped config, as recorded on its ext_proc
 connection: one read with HEADERS + the one DATA frame holding the ``ProcessingRequest``
 (``request_body`` with the body, ``end_of_stream``, an empty ``metadata_context``, the
@@ -40,17 +40,17 @@ from pathlib import Path
 
 from hpack import Encoder
 
-import extproc.dispatch as dispatch
-import extproc.h2calls as h2calls
-import extproc.handlers as handlers
-import extproc.processor as processor
+import extproc.transport.dispatch as dispatch
+import extproc.transport.h2calls as h2calls
+import extproc.app.handlers as handlers
+import extproc.app.exchange as processor
 import extproc.rewrite as rewrite
 from bench.gateway_overhead import _chat_body
-from extproc.h2frames import DATA, END_HEADERS, END_STREAM, HEADERS, PREFACE, RST, SETTINGS, WINDOW, frame
-from extproc.h2server import H2Connection, H2Server
-from extproc.processor import Gateway
-from extproc.store import Store
-from extproc.wire import SERVICE, pb
+from extproc.transport.h2frames import DATA, END_HEADERS, END_STREAM, HEADERS, PREFACE, RST, SETTINGS, WINDOW, frame
+from extproc.transport.h2server import H2Connection, H2Server
+from extproc.app.exchange import Gateway
+from extproc.state.store import Store
+from extproc.protocols.wire import SERVICE, pb
 from tests.extproc.builders import KEYS, upstream, write_state
 
 # what Envoy sends as the ext_proc stream's request headers (Envoy's blocks, like the

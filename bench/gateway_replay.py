@@ -5,7 +5,7 @@
 What runs is the gateway's code, not a model of it: every request is routed by
 ``extproc.policy.routing.route`` (the ``RoutePolicy`` the gateway uses with several
 upstreams) over a ``ResidencySnapshot`` built from the simulated pools, and in the ``ace``
-arm every request is handed to ``extproc.prefetch_planner.SpeculationPlanner.step`` (the
+arm every request is handed to ``extproc.fleet.speculation.SpeculationPlanner.step`` (the
 speculation thread's decision), whose ``PrefetchSignal`` s the simulated agents carry
 out, hinted victim first. Only the hosts are simulated:
 
@@ -42,14 +42,14 @@ from pathlib import Path
 
 from bench.sim import LoadChannel
 from bench.trace import TraceError, load_trace
-from extproc.catalog import PUBLIC, Adapter, Tenant, Upstream
+from extproc.state.catalog import PUBLIC, Adapter, Tenant, Upstream
 from extproc.policy.routing import route
 from extproc.policy.speculator import SpeculationSettings
-from extproc.prefetch_planner import SpeculationPlanner, Step, demand_placement, route_by_policy
-from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
-from extproc.skills import OFF, PROD
-from extproc.store import Snapshot
-from gpu_agent.tiers import Tier
+from extproc.fleet.speculation import SpeculationPlanner, Step, demand_placement, route_by_policy
+from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport
+from extproc.domain.skills import OFF, PROD
+from extproc.state.store import Snapshot
+from ace_common.tiers import Tier
 
 __all__ = ["ARMS", "belady_hits", "replay"]
 

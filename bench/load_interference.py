@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from gpu_agent.lora_ops import apply_lora
-from gpu_agent.peft import BaseModelSpec, LoraAdapter, load_peft_dir
-from gpu_agent.pool import AdapterPool
+from gpu_agent.engine.lora_ops import apply_lora
+from gpu_agent.engine.peft import BaseModelSpec, LoraAdapter, load_peft_dir
+from gpu_agent.engine.pool import AdapterPool
 
 H = 4096
 BASE_H = 256

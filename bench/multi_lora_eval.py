@@ -22,7 +22,7 @@ Arms (``ARMS``):
 - **affinity**: ``extproc.policy.routing:route`` (placement + residency-aware routing),
   ``dynamic_lora_prefetch=off``: what a LoRA-affinity picker gives.
 - **ace**: the same routing, ``dynamic_lora_prefetch=prod``: ingress signals, the
-  gateway's speculation (``extproc.prefetch_planner``) and, with a learned state, the warm set.
+  gateway's speculation (``extproc.fleet.speculation``) and, with a learned state, the warm set.
 
 The pool of each host, as vLLM's ``--max-loras``: half of the trace's adapters as slots
 (``--device-max-adapters``; report field ``pool_adapters``), each able to hold any
@@ -86,7 +86,7 @@ from bench.report import build_report, fleet_checks, fleet_entry, format_fleets,
     ttft_breakdown
 from bench.scenario_fixtures import trace_catalog
 from bench.trace import TraceError, load_trace
-from gpu_agent.catalog_schema import read_catalog_file
+from ace_common.catalog_schema import read_catalog_file
 
 BASE_MODEL = "ace-tiny-llama"
 TOKEN = "bench-agent-token"
@@ -274,7 +274,7 @@ def learned_state(requests: list[dict], hosts: list[str], slots: int, out: Path)
     learned from the agents' residency is each host's ``slots``."""
     from extproc.policy.prediction import TransitionModel
     from extproc.policy.speculator import SpeculationSettings
-    from extproc.prefetch_planner import PopularityFile
+    from extproc.fleet.speculation import PopularityFile
 
     model = TransitionModel(order=SpeculationSettings().order)
     counts: Counter = Counter()
@@ -635,7 +635,7 @@ def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top:
             "loads_by_tier": {"baseline": aff["loads_by_tier"], "prefetch": ace["loads_by_tier"]},
             "store_fetches": {"baseline": aff["store_fetches"], "prefetch": ace["store_fetches"]},
             "model_shape": json.loads((catalog.parent / "model" / "config.json").read_text()),
-            "speculation_driver": "gateway: extproc.prefetch_planner.GatewaySpeculation (counters from its log)",
+            "speculation_driver": "gateway: extproc.fleet.speculation.GatewaySpeculation (counters from its log)",
             "replay_s": {"baseline": aff["replay_s"], "prefetch": ace["replay_s"]},
             "speculation": ace.get("speculation"),
         },

@@ -23,7 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from gpu_agent.catalog_schema import read_catalog_file
+from ace_common.catalog_schema import read_catalog_file
 
 __all__ = ["DEFAULT_CACHE", "trace_catalog", "wanted_adapters"]
 

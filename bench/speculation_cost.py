@@ -17,12 +17,12 @@ import pathlib
 import tempfile
 import time
 
-from extproc.auth import Principal
-from extproc.decision import InferenceRequest, decide
-from extproc.headers import session_of
-from extproc.prefetch_planner import GatewaySpeculation, SpeculationPlanner
-from extproc.residency_view import ResidencyBoard, ResidencySnapshot, SentCounts
-from extproc.store import Store
+from extproc.domain.auth import Principal
+from extproc.domain.decision import InferenceRequest, decide
+from extproc.domain.headers import session_of
+from extproc.fleet.speculation import GatewaySpeculation, SpeculationPlanner
+from extproc.state.residency import ResidencyBoard, ResidencySnapshot, SentCounts
+from extproc.state.store import Store
 from tests.extproc.builders import upstream, write_state
 
 

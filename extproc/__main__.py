@@ -8,19 +8,19 @@ import signal
 import sys
 from pathlib import Path
 
-from extproc.discovery import HostDiscovery, make_source
+from extproc.fleet.discovery import HostDiscovery, make_source
 from extproc.errors import ConfigError
-from extproc.health_port import HealthPort
-from extproc.metrics import (ConfigReloadCollector, GatewayCollector, GatewayMetrics, propagation_histogram,
+from extproc.transport.health_port import HealthPort
+from extproc.observe.metrics import (ConfigReloadCollector, GatewayCollector, GatewayMetrics, propagation_histogram,
                              serve_metrics)
-from extproc.prefetch import NullPrefetchSink
+from extproc.domain.prefetch import NullPrefetchSink
 from extproc.policy.routing import load_policy
-from extproc.processor import Gateway
-from extproc.server import serve, serve_aio, serve_h2
-from extproc.serving_cert import load_cert, self_signed
+from extproc.app.exchange import Gateway
+from extproc.transport.grpc_servers import serve, serve_aio, serve_h2
+from extproc.transport.serving_cert import load_cert, self_signed
 from extproc.settings import Settings
 from extproc.state_file_watch import StateFileWatch
-from extproc.store import Store
+from extproc.state.store import Store
 
 
 def popularity_path(db: Path) -> Path:
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         template = settings.upstream_template()
         if agents or (settings.discovers and template.agent_port):
             # upstreams with a GPU agent: prefetch to it, residency from it, speculate
-            from extproc.agent_client import AgentLink
-            from extproc.prefetch_planner import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
+            from extproc.fleet.agent_link import AgentLink
+            from extproc.fleet.speculation import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
                                                   route_by_policy)
             link = AgentLink(agents, token=os.environ.get("ACE_AGENT_TOKEN") or None,
                              tls=settings.agent_tls(), queue_size=settings.prefetch_queue).start()

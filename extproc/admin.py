@@ -33,7 +33,7 @@ from pathlib import Path
 
 from extproc.errors import AceError
 from extproc.key_lifecycle import ROLE_NAMES, find_key, issue, key_listing, parse_expiry, rotation
-from extproc.state_db import open_state_db
+from extproc.state.db import open_state_db
 
 __all__ = ["main"]
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _with_store(a: argparse.Namespace, target: Path | str) -> int:
-    from extproc.store import Store
+    from extproc.state.store import Store
     store = Store(Path(a.config), target, Path(a.catalog) if a.catalog else None, watch=False,
                   upstreams_required=False)
     try:

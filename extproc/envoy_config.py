@@ -13,7 +13,7 @@ from typing import Sequence
 
 import yaml
 
-from extproc.headers import hint_header
+from extproc.domain.headers import hint_header
 from extproc.rewrite.hints import HINT_FIELDS
 
 __all__ = ["API_PATHS", "SETTINGS_PATHS", "TEMPLATE", "decimal_at_most", "render"]
@@ -22,12 +22,12 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.template.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
 BUFFER = "envoy.filters.http.buffer"
 BODY_LIMIT_FILTERS = ("ace.body_drain", "ace.body_limit")   # Lua: an oversize body is read, then 413
-#: the gateway's own API, answered by ext_proc (extproc.processor and extproc.console
+#: the gateway's own API, answered by ext_proc (extproc.app.exchange and extproc.app.console
 #: register their handlers for exactly these; tests/extproc/test_envoy_config.py checks)
 API_PATHS = ("/api/v1/dev_key/skills", "/api/v1/me", "/api/v1/me/skills", "/api/v1/tenant/skills",
              "/api/v1/tenant/keys", "/api/v1/tenant/keys/rotate", "/api/v1/tenant/keys/revoke",
              "/api/v1/adapters", "/api/v1/usage")
-#: the settings page's files (extproc.console), answered by ext_proc without a key
+#: the settings page's files (extproc.app.console), answered by ext_proc without a key
 SETTINGS_PATHS = ("/settings", "/settings/", "/settings/app.js", "/settings/app.css")
 
 

@@ -3,8 +3,8 @@ with its HTTP status and OpenAI-shaped JSON body.
 
     AceError                         any error of extproc (catch this for "the gateway's own")
     ├── ConfigError                  the gateway's configuration is invalid (start-up only)
-    ├── DiscoveryError               a discovery source failed (extproc.discovery)
-    ├── ProtocolError                an HTTP/2 peer broke the protocol (extproc.h2frames)
+    ├── DiscoveryError               a discovery source failed (extproc.fleet.discovery)
+    ├── ProtocolError                an HTTP/2 peer broke the protocol (extproc.transport.h2frames)
     ├── InvalidMessage               an ext_proc message the protocol does not allow
     │                                (the gRPC stream ends with INVALID_ARGUMENT)
     └── GatewayError                 (500, internal: never raised on purpose)

@@ -3,7 +3,7 @@
 The one owner of what a key operation means, for both doors to it: the admin CLI
 (``python -m extproc.admin``, any tenant) and the settings API (a tenant admin's key, its
 own tenant only). A secret is made here, shown to its caller once and never kept: the
-state database stores its SHA-256 (``extproc.state_db.IssuedKey``).
+state database stores its SHA-256 (``extproc.state.db.IssuedKey``).
 
 - **create**: a new secret ``sk-ace-<43 url-safe chars>`` (256 random bits) for a tenant, a
   name, a role (``developer``, or ``admin`` for a tenant admin: ``tenant-admin`` is accepted
@@ -23,10 +23,10 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
-from extproc.auth import hash_key
-from extproc.catalog import ADMIN, DEVELOPER, DevKey
+from extproc.domain.auth import hash_key
+from extproc.state.catalog import ADMIN, DEVELOPER, DevKey
 from extproc.errors import Forbidden, InvalidField, NotFound
-from extproc.state_db import IssuedKey
+from extproc.state.db import IssuedKey
 
 __all__ = ["ROLE_NAMES", "check_grant", "find_key", "issue", "key_listing", "may_grant", "parse_expiry", "parse_role",
            "rotation"]

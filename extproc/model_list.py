@@ -22,14 +22,14 @@ import json
 from typing import Any
 from urllib.parse import unquote
 
-from extproc.auth import authenticate
-from extproc.catalog import PUBLIC
+from extproc.domain.auth import authenticate
+from extproc.state.catalog import PUBLIC
 from extproc.errors import MethodNotAllowed, NotFound
-from extproc.headers import TENANT_HEADER
-from extproc.handlers import HeadersOnly
-from extproc.outcomes import Outcome, Reply, RequestHead
+from extproc.domain.headers import TENANT_HEADER
+from extproc.app.handlers import HeadersOnly
+from extproc.app.outcomes import Outcome, Reply, RequestHead
 from extproc.paths import MODELS, MODELS_PREFIX
-from extproc.store import Snapshot
+from extproc.state.store import Snapshot
 
 __all__ = ["ModelList", "visible_models"]
 

@@ -12,12 +12,12 @@ import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from extproc.discovery import UpstreamTemplate, check_template, parse_discovery
+from extproc.fleet.discovery import UpstreamTemplate, check_template, parse_discovery
 from extproc.errors import ConfigError
 
 __all__ = ["AgentTLS", "Settings"]
 
-HEALTH_PORT = 9003   # extproc.health_port.DEFAULT_PORT (not imported: it pulls in grpc)
+HEALTH_PORT = 9003   # extproc.transport.health_port.DEFAULT_PORT (not imported: it pulls in grpc)
 
 _HELP = {
     "config": "state YAML (GitOps): adapters/include, tenants, keys, upstreams, skills, limits",
@@ -101,7 +101,7 @@ class Settings:
     prefetch_queue: int = 1024
     log_level: str = "INFO"
     server: str = "h2"
-    h2_max_streams: int = 4096      # extproc.h2server.MAX_STREAMS (not imported: it pulls in grpc)
+    h2_max_streams: int = 4096      # extproc.transport.h2server.MAX_STREAMS (not imported: it pulls in grpc)
     agent_tls_ca: Path | None = None
     agent_tls_cert: Path | None = None
     agent_tls_key: Path | None = None
@@ -205,7 +205,7 @@ class Settings:
                         self.agent_tls_server_name or None)
 
     def state_db(self) -> Path | str:
-        """What ``extproc.store.Store`` opens: the PostgreSQL URL when set, else the SQLite file."""
+        """What ``extproc.state.store.Store`` opens: the PostgreSQL URL when set, else the SQLite file."""
         return self.database_url or self.db
 
     @classmethod

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Iterable
 from extproc.errors import ConfigError
 
 if TYPE_CHECKING:
-    from extproc.store import Store
+    from extproc.state.store import Store
 
 __all__ = ["StateFileWatch", "fingerprint"]
 

@@ -23,7 +23,7 @@ async def run(settings) -> None:
     from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
     from gpu_agent.connectors import make_connector
     from gpu_agent.metrics import AgentMetrics
-    from gpu_agent.residency import ResidencyBudgets, ResidencyManager
+    from gpu_agent.residency.manager import ResidencyBudgets, ResidencyManager
     from gpu_agent.service import start_server
 
     catalog = Catalog.from_yaml(settings.catalog)

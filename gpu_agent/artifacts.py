@@ -30,7 +30,7 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
-from gpu_agent.catalog_schema import CatalogBaseModel, SchemaError, read_catalog_file
+from ace_common.catalog_schema import CatalogBaseModel, SchemaError, read_catalog_file
 from gpu_agent.errors import AdapterNotFound, AgentError, DigestMismatch
 from gpu_agent.eviction import EvictReason, Shortfall, ordered, plan_evictions
 
@@ -97,7 +97,7 @@ class Catalog:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Catalog":
-        """The catalog at ``path`` (``gpu_agent.catalog_schema``), with what the agent needs
+        """The catalog at ``path`` (``ace_common.catalog_schema``), with what the agent needs
         on top: safe names and a 64-hex digest per adapter."""
         path = Path(path)
         try:

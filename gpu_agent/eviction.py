@@ -2,11 +2,11 @@
 
 One place decides; the owners of the tiers ask it and carry the plan out:
 
-- the agent's device and host tiers: :class:`gpu_agent.residency.ResidencyManager`;
+- the agent's device and host tiers: :class:`gpu_agent.residency.manager.ResidencyManager`;
 - the builtin engine's pool and host copies: :class:`gpu_agent.engine.adapters.EngineAdapters`
   (it installs :func:`plan_evictions` as its pool's ``choose_victims``; the pool itself is
   mechanism: it frees the pages of the names it is given, never picks them);
-- the host copies of :class:`gpu_agent.staging.HostCache` and the agent's disk cache
+- the host copies of :class:`gpu_agent.engine.staging.HostCache` and the agent's disk cache
   (:class:`gpu_agent.artifacts.DiskCache`).
 
 A policy object (:class:`LRUPolicy`, :class:`FIFOPolicy`) is the record of use that orders

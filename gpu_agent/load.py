@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 #: Longest gap between two announcements of an unchanged known load; 0 = announce every
 #: measurement. The gateway counts the requests it sent to a host since the host's last
-#: announced measurement (extproc.residency_view.host_load): an unchanged measurement it never
+#: announced measurement (extproc.state.residency.host_load): an unchanged measurement it never
 #: hears would let that count run on. It forgets a load not heard about for 5 s.
 LOAD_HEARTBEAT_S = 0.0
 LOG_EVERY_S = 60.0

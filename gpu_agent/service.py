@@ -15,13 +15,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
-from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from gpu_agent.connectors.base import EngineLoad
 from gpu_agent.errors import AgentError
 from gpu_agent.load import LoadChange
-from gpu_agent.residency import AdapterView, ResidencyManager, ResidencyOutcome, ResidencyResult
-from gpu_agent.tiers import Tier
+from gpu_agent.residency.manager import AdapterView, ResidencyManager, ResidencyOutcome, ResidencyResult
+from ace_common.tiers import Tier
 
 __all__ = ["AgentService", "TokenAuth", "start_server", "view_to_pb", "load_to_pb", "SERVICE_NAME"]
 

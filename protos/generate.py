@@ -1,6 +1,6 @@
 """Regenerate the committed Python code for protos/ (run by `make protos`).
 
-The generated modules are committed under gpu_agent/_proto/ so that neither the gateway
+The generated modules are committed under ace_common/proto/ so that neither the gateway
 nor the agent needs grpcio-tools at run time. protoc writes absolute imports
 (`from ace.agent.v1 import agent_pb2`); they are rewritten to package-relative ones.
 """
@@ -26,7 +26,7 @@ def main() -> int:
             return rc
     for path in OUT.rglob("*.py*"):
         text = path.read_text()
-        fixed = re.sub(r"^from ace\.agent\.v1 import", "from gpu_agent._proto.ace.agent.v1 import",
+        fixed = re.sub(r"^from ace\.agent\.v1 import", "from ace_common.proto.ace.agent.v1 import",
                        text, flags=re.M)
         if fixed != text:
             path.write_text(fixed)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from extproc.envoy_config import render
-from extproc.store import load_state_file
+from extproc.state.store import load_state_file
 from tests.support.istio import ACE_VHOST, OTHER_VHOST, apply_envoyfilter, hcm_of, ingress_gateway
 from tools.istio_envoyfilter import DEFAULTS, ROUTER, dropin, render_envoyfilter
 from tools.localstack import validate

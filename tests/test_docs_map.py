@@ -104,14 +104,14 @@ SAMPLE = """# Title
 
 | job | owning file | around it |
 |---|---|---|
-| auth | `extproc/auth.py` | keys |
+| auth | `extproc/domain/auth.py` | keys |
 | rewrite | **`extproc/rewrite/`** | hints: `extproc/rewrite/hints.py`, codec |
-| pool | [gpu_agent/pool.py](../gpu_agent/pool.py). | |
+| pool | [gpu_agent/engine/pool.py](../gpu_agent/pool.py). | |
 
 ### Other modules
 
-- `extproc/wire.py`: protobuf.
-- gpu_agent/model.py, `gpu_agent/connectors/`: engine (the gpu_agent package, `gpu_agent.fixtures`).
+- `extproc/protocols/wire.py`: protobuf.
+- gpu_agent/engine/model.py, `gpu_agent/connectors/`: engine (the gpu_agent package, `gpu_agent.fixtures`).
 
 ## Fixtures
 `extproc/never.py` is outside both sections.
@@ -120,14 +120,14 @@ SAMPLE = """# Title
 
 def test_parser_reads_backticked_bold_linked_and_bare_paths():
     owners, in_table, others = named_paths(SAMPLE)
-    assert owners == ["extproc/auth.py", "extproc/rewrite/", "gpu_agent/pool.py"]
+    assert owners == ["extproc/domain/auth.py", "extproc/rewrite/", "gpu_agent/engine/pool.py"]
     assert "extproc/rewrite/hints.py" in in_table
-    assert others == ["extproc/wire.py", "gpu_agent/model.py", "gpu_agent/connectors/"]
+    assert others == ["extproc/protocols/wire.py", "gpu_agent/engine/model.py", "gpu_agent/connectors/"]
     assert "extproc/never.py" not in in_table + others
 
 
 def test_parser_refuses_an_owner_cell_without_exactly_one_path():
-    bad = SAMPLE.replace("| `extproc/auth.py` |", "| `extproc/auth.py`, `extproc/x.py` |")
+    bad = SAMPLE.replace("| `extproc/domain/auth.py` |", "| `extproc/domain/auth.py`, `extproc/x.py` |")
     try:
         named_paths(bad)
     except AssertionError as e:
@@ -137,9 +137,9 @@ def test_parser_refuses_an_owner_cell_without_exactly_one_path():
 
 
 def test_coverage_counts_a_named_directory_and_nothing_else():
-    named = {"extproc/auth.py", "gpu_agent/connectors/"}
+    named = {"extproc/domain/auth.py", "gpu_agent/connectors/"}
     assert covered("gpu_agent/connectors/vllm.py", named)
-    assert covered("extproc/auth.py", named)
+    assert covered("extproc/domain/auth.py", named)
     assert not covered("extproc/auth_extra.py", named)
     assert not covered("gpu_agent/connectorsx/a.py", named)
 

@@ -25,12 +25,12 @@ import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError
 
-from extproc.discovery import parse_discovery
+from extproc.fleet.discovery import parse_discovery
 from extproc.envoy_config import render
-from extproc.health_port import LIVENESS, READINESS
-from extproc.processor import PREFIX_ROUTES, ROUTES
+from extproc.transport.health_port import LIVENESS, READINESS
+from extproc.app.exchange import PREFIX_ROUTES, ROUTES
 from extproc.settings import Settings
-from extproc.store import load_state_file
+from extproc.state.store import load_state_file
 from gpu_agent.artifacts import Catalog
 from gpu_agent.settings import AgentSettings, parse_args as agent_parse_args
 from tools.localstack import validate as envoy_validate
@@ -485,7 +485,7 @@ def test_gateway_may_watch_pods_and_inferencepools_in_its_namespace():
 @pytest.mark.parametrize("overlay", GATEWAY_CLASSES)
 def test_inferencepool_overlays_run_the_picker_with_plaintext_health_probes(overlay, tmp_path, monkeypatch):
     """The pool's gateways call the endpoint-picker protocol over TLS; the kubelet's grpc
-    probes are plaintext: they go to the health port (extproc.health_port), by service."""
+    probes are plaintext: they go to the health port (extproc.transport.health_port), by service."""
     objs = rendered(f"overlays/{overlay}")
     c = container(objs, "ace-gateway", "extproc")
     s = discovery_settings(objs, tmp_path, monkeypatch)   # the real parser, on the container's env

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gpu_agent.catalog_schema import read_catalog_file
+from ace_common.catalog_schema import read_catalog_file
 from tools.localstack import REPO, gateway_stack
 
 TOKEN = "demo-agent-token"
@@ -127,8 +127,8 @@ def trace_of(headers: httpx.Headers) -> dict[str, str]:
 def prefetch(agent: str, adapter: str) -> str:
     import grpc
 
-    from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
-    from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+    from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+    from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 
     async def call():
         async with grpc.aio.insecure_channel(agent) as ch:
@@ -213,7 +213,7 @@ def metric(text: str, name: str) -> float:
 
 
 def show_memory(st: dict, fixtures: Path) -> None:
-    from gpu_agent.memory import account
+    from gpu_agent.engine.memory import account
 
     say("\n== 4. memory: one base model + the paged pool vs one instance per adapter ==")
     text = httpx.get(st["engine"] + "/metrics", timeout=10).text

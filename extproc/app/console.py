@@ -10,9 +10,9 @@
     POST /api/v1/tenant/keys/rotate a new secret for a key of the tenant, the old one revoked (admin key)
     POST /api/v1/tenant/keys/revoke revoke a key of the tenant (admin key)
     GET  /api/v1/adapters           adapters this key can use, residency per engine host
-    GET  /api/v1/usage?window=3600  per adapter minute series (``extproc.usage``)
+    GET  /api/v1/usage?window=3600  per adapter minute series (``extproc.observe.usage``)
 
-Same authorisation as the rest of the API (``extproc.auth``): a key sees only its own
+Same authorisation as the rest of the API (``extproc.domain.auth``): a key sees only its own
 tenant; a write of tenant defaults and the key operations need ``role: admin`` (403
 ``admin_required``), on the caller's own tenant only, granting no role above its own
 (``extproc.key_lifecycle``).
@@ -32,17 +32,17 @@ from importlib import resources
 from typing import Any, Mapping
 from urllib.parse import parse_qs, urlsplit
 
-from extproc.auth import Principal, authenticate
-from extproc.catalog import DevKey
+from extproc.domain.auth import Principal, authenticate
+from extproc.state.catalog import DevKey
 from extproc.errors import Forbidden, InvalidField, MethodNotAllowed, UnsupportedMediaType
 from extproc.key_lifecycle import check_grant, find_key, issue, key_listing, parse_expiry, parse_role, rotation
-from extproc.headers import TENANT_HEADER
-from extproc.outcomes import Outcome, Reply, RequestHead
-from extproc.handlers import Authenticated, HeadersOnly, parse_object
+from extproc.domain.headers import TENANT_HEADER
+from extproc.app.outcomes import Outcome, Reply, RequestHead
+from extproc.app.handlers import Authenticated, HeadersOnly, parse_object
 from extproc.policy.routing import RoutePolicy
-from extproc.residency_view import NONE, UNKNOWN_TIER
-from extproc.skills import SKILLS, resolve, resolve_sources
-from extproc.store import Snapshot
+from extproc.state.residency import NONE, UNKNOWN_TIER
+from extproc.domain.skills import SKILLS, resolve, resolve_sources
+from extproc.state.store import Snapshot
 
 __all__ = ["CONSOLE_ROUTES", "skill_sources"]
 

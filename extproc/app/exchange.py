@@ -12,30 +12,30 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from extproc.auth import Principal
-from extproc.catalog import Upstream
-from extproc.decision import InferenceRequest, decide
-from extproc.console import CONSOLE_ROUTES
+from extproc.domain.auth import Principal
+from extproc.state.catalog import Upstream
+from extproc.domain.decision import InferenceRequest, decide
+from extproc.app.console import CONSOLE_ROUTES
 from extproc.errors import GatewayError, InvalidField, MethodNotAllowed, NoUpstream, NotFound
-from extproc.handlers import Authenticated, Handler, HeadersOnly, parse_object
-from extproc.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, session_of
-from extproc.metrics import GatewayMetrics
+from extproc.app.handlers import Authenticated, Handler, HeadersOnly, parse_object
+from extproc.domain.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, session_of
+from extproc.observe.metrics import GatewayMetrics
 from extproc.model_list import ModelList
-from extproc.native import chat_body_from_execute, new_execution_id, wrap_output
-from extproc.outcomes import CONTINUE, Continue, Outcome, Reply, RequestHead
+from extproc.app.native import chat_body_from_execute, new_execution_id, wrap_output
+from extproc.app.outcomes import CONTINUE, Continue, Outcome, Reply, RequestHead
 from extproc.paths import (CHAT, COMPLETIONS, EMBEDDINGS, EXECUTE, MODELS, MODELS_PREFIX, OPEN_PATHS,
                            RESPONSES, normalize)
-from extproc.prefetch import NullPrefetchSink, PrefetchSink
+from extproc.domain.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.policy.routing import RoutePolicy, choose_upstream
-from extproc.residency_view import ResidencyBoard
+from extproc.state.residency import ResidencyBoard
 from extproc.rewrite import SERVED_ROUTES, rewrite_request
-from extproc.skills import MULTI_LORA, SKILLS, parse_override_header, resolve
-from extproc.store import Snapshot, Store
-from extproc.trace import execute_trace, trace_metadata
-from extproc.usage import UsageRing
+from extproc.domain.skills import MULTI_LORA, SKILLS, parse_override_header, resolve
+from extproc.state.store import Snapshot, Store
+from extproc.app.trace import execute_trace, trace_metadata
+from extproc.observe.usage import UsageRing
 
 if TYPE_CHECKING:
-    from extproc.prefetch_planner import RequestObserver
+    from extproc.fleet.speculation import RequestObserver
 
 __all__ = ["Gateway", "Exchange", "ROUTES", "PREFIX_ROUTES"]
 
@@ -55,7 +55,7 @@ class Gateway:
         self.residency = residency or ResidencyBoard()
         self.prefetch = prefetch or NullPrefetchSink()
         self.route = route
-        self.speculation = speculation  # extproc.prefetch_planner.GatewaySpeculation: one append per request
+        self.speculation = speculation  # extproc.fleet.speculation.GatewaySpeculation: one append per request
         self.metrics = metrics or GatewayMetrics()
         self.shed_load = shed_load      # endpoint picker protocol: 429 when every host carries this many (0: never)
         self.epp_fallbacks = epp_fallbacks   # endpoint picker protocol: fallback hosts after the pick
@@ -63,7 +63,7 @@ class Gateway:
 
     def exchange(self, route: RoutePolicy | None = None) -> "Exchange":
         """``route``: this request's routing policy when not the gateway's (the endpoint
-        picker protocol narrows the hosts to the gateway's subset hint, extproc.epp)."""
+        picker protocol narrows the hosts to the gateway's subset hint, extproc.protocols.epp)."""
         return Exchange(self, route)
 
 

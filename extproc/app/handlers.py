@@ -1,8 +1,8 @@
 """What every HTTP route handler of the gateway is, and the pieces they share.
 
-A handler answers one request's ext_proc phases (``Handler``); ``extproc.processor.Exchange``
-picks it by path from ``extproc.processor.ROUTES`` (inference and dev-key routes in
-``extproc.processor``, the settings page and its read API in ``extproc.console``) and is
+A handler answers one request's ext_proc phases (``Handler``); ``extproc.app.exchange.Exchange``
+picks it by path from ``extproc.app.exchange.ROUTES`` (inference and dev-key routes in
+``extproc.app.exchange``, the settings page and its read API in ``extproc.app.console``) and is
 the only place its errors become responses. ``Authenticated``: POST (or ``methods``), a
 valid key, a body within the limit, before the handler's own work.
 """
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
-from extproc.auth import Principal, authenticate
+from extproc.domain.auth import Principal, authenticate
 from extproc.errors import BadRequest, InvalidField, MethodNotAllowed, PayloadTooLarge, Unauthorized
-from extproc.headers import TENANT_HEADER
-from extproc.outcomes import CONTINUE, Outcome, RequestHead
+from extproc.domain.headers import TENANT_HEADER
+from extproc.app.outcomes import CONTINUE, Outcome, RequestHead
 from extproc.rewrite.codec import decode
-from extproc.skills import validate_skills
+from extproc.domain.skills import validate_skills
 
 if TYPE_CHECKING:
     from extproc.policy.routing import RoutePolicy
-    from extproc.processor import Gateway
-    from extproc.store import Snapshot
+    from extproc.app.exchange import Gateway
+    from extproc.state.store import Snapshot
 
 __all__ = ["Handler", "Authenticated", "HeadersOnly", "parse_object"]
 

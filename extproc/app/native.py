@@ -7,7 +7,7 @@ kept so ``extra_body.lora_name`` still selects the adapter; the gateway's hint f
 removed from both places by the rewrite, extproc.rewrite). The response is
 ``{"id": "exec-<hex>", "output": <upstream JSON, its id the execution id>, "trace": [...],
 "upstream_id": <the upstream's id>}``; ``skill_overrides`` take ``"prod"`` or
-``{"mode": "prod"}`` per skill (extproc.skills).
+``{"mode": "prod"}`` per skill (extproc.domain.skills).
 """
 from __future__ import annotations
 

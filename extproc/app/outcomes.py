@@ -1,6 +1,6 @@
 """What a request phase comes to, as plain objects: the application layer
-(``extproc.processor``) returns them, the protocol layer (``extproc.wire``,
-``extproc.dispatch``, ``extproc.epp``) writes them as ext_proc messages.
+(``extproc.app.exchange``) returns them, the protocol layer (``extproc.protocols.wire``,
+``extproc.transport.dispatch``, ``extproc.protocols.epp``) writes them as ext_proc messages.
 
 ``Continue``: let the request go on, maybe changed; ``Reply``: answer the client now.
 """

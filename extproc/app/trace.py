@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.decision import Decision
-from extproc.skills import DYNAMIC_LORA_PREFETCH, MULTI_LORA
-from gpu_agent.tiers import Tier
+from extproc.domain.decision import Decision
+from extproc.domain.skills import DYNAMIC_LORA_PREFETCH, MULTI_LORA
+from ace_common.tiers import Tier
 
 __all__ = ["trace_entries", "execute_trace", "trace_metadata"]
 

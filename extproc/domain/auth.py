@@ -10,11 +10,11 @@ import time
 
 from dataclasses import dataclass
 
-from extproc.catalog import DevKey, Tenant
+from extproc.state.catalog import DevKey, Tenant
 from extproc.errors import Forbidden, Unauthorized
 from extproc.frozen import fast_init
-from extproc.headers import TENANT_HEADER
-from extproc.store import Snapshot
+from extproc.domain.headers import TENANT_HEADER
+from extproc.state.store import Snapshot
 
 try:   # CPython's own SHA-256: the same digest as OpenSSL's, and on a cold cache (one request
     from _sha256 import sha256 as _sha256    # at a time) half the cost of OpenSSL's EVP path

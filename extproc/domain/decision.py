@@ -27,18 +27,18 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from extproc.auth import Principal
-from extproc.catalog import Adapter, Upstream
+from extproc.domain.auth import Principal
+from extproc.state.catalog import Adapter, Upstream
 from extproc.errors import NoUpstream
 from extproc.frozen import fast_init
-from extproc.prefetch import PrefetchSignal
+from extproc.domain.prefetch import PrefetchSignal
 from extproc.policy.routing import RoutePolicy, choose_upstream
-from extproc.residency_view import NONE, UNKNOWN, ResidencySnapshot, SentCounts, TierReport
-from extproc.selection import select_adapter
-from extproc.skills import (DYNAMIC_LORA_PREFETCH, MULTI_LORA, OFF, PROD, SHADOW, resolve,
+from extproc.state.residency import NONE, UNKNOWN, ResidencySnapshot, SentCounts, TierReport
+from extproc.domain.selection import select_adapter
+from extproc.domain.skills import (DYNAMIC_LORA_PREFETCH, MULTI_LORA, OFF, PROD, SHADOW, resolve,
                             validate_skills)
-from extproc.store import Snapshot
-from gpu_agent.tiers import Tier
+from extproc.state.store import Snapshot
+from ace_common.tiers import Tier
 
 __all__ = ["InferenceRequest", "Decision", "decide"]
 
@@ -67,7 +67,7 @@ class Decision:
     multi_lora_would: str | None
     prefetch_action: str
     prefetch_signal: PrefetchSignal | None
-    #: the body's ``model`` names no model of this tenant (extproc.selection): never sent on
+    #: the body's ``model`` names no model of this tenant (extproc.domain.selection): never sent on
     foreign_model: bool = False
 
     @property

@@ -5,7 +5,7 @@ Request headers a client may send: ``TENANT_HEADER`` (checked against the key's 
 semantics, so a client or an engine cannot supply them): the seeds' hints on the upstream
 request (``hint_header``), the trace and ``SERVED_BY_HEADER`` on the response. ace's Envoy
 config turns the decision's dynamic metadata into them (envoy/envoy.template.yaml);
-the endpoint picker protocol sets them itself (``extproc.epp``).
+the endpoint picker protocol sets them itself (``extproc.protocols.epp``).
 
 Nothing of the gateway is imported here: every layer may read these names.
 """
@@ -25,7 +25,7 @@ TRACE_MULTI_LORA_HEADER = "x-ace-trace-multi-lora"
 TRACE_PREFETCH_HEADER = "x-ace-trace-dynamic-lora-prefetch"
 HINT_HEADER_PREFIX = "x-ace-hint-"
 
-#: dynamic metadata key (``extproc.trace.trace_metadata``) -> the response header it becomes
+#: dynamic metadata key (``extproc.app.trace.trace_metadata``) -> the response header it becomes
 TRACE_METADATA_HEADERS = {"trace_multi_lora": TRACE_MULTI_LORA_HEADER,
                           "trace_dynamic_lora_prefetch": TRACE_PREFETCH_HEADER}
 

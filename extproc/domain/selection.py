@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from extproc.catalog import Adapter, Tenant
+from extproc.state.catalog import Adapter, Tenant
 from extproc.errors import InvalidField, NotFound
 from extproc.frozen import fast_init
-from extproc.store import Snapshot
+from extproc.state.store import Snapshot
 
 __all__ = ["Selection", "select_adapter"]
 

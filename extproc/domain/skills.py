@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Mapping, Sequence, overload
 
 from extproc.errors import InvalidField
-from extproc.headers import SKILL_OVERRIDE_HEADER
+from extproc.domain.headers import SKILL_OVERRIDE_HEADER
 
 __all__ = ["SKILLS", "MODES", "MULTI_LORA", "DYNAMIC_LORA_PREFETCH", "OFF", "SHADOW", "PROD",
            "parse_override_header", "validate_skills", "resolve", "resolve_sources"]

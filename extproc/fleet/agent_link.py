@@ -24,7 +24,7 @@ TLS when ``AgentTLS`` is given (``--agent-tls-ca/-cert/-key``: mTLS, what an age
 with ``--auth mtls`` requires). ``stream_errors``/``last_error`` per agent say why a link
 is not connected.
 
-Agent tiers are the gateway's (``gpu_agent.tiers.Tier``): device, host, disk, remote;
+Agent tiers are the gateway's (``ace_common.tiers.Tier``): device, host, disk, remote;
 absent -> ``none`` (the gateway's word for it). Only the gRPC stubs and the tier
 vocabulary are imported from gpu_agent (no torch).
 """
@@ -39,12 +39,12 @@ from typing import Mapping
 
 import grpc
 
-from extproc.prefetch import PrefetchQueue, PrefetchSignal
-from extproc.residency_view import NONE, UNKNOWN_TIER, ResidencyBoard, ResidencySnapshot, TierReport
+from extproc.domain.prefetch import PrefetchQueue, PrefetchSignal
+from extproc.state.residency import NONE, UNKNOWN_TIER, ResidencyBoard, ResidencySnapshot, TierReport
 from extproc.settings import AgentTLS
-from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
-from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
-from gpu_agent.tiers import Tier
+from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from ace_common.tiers import Tier
 
 __all__ = ["AgentLink", "AgentTLS", "event_load", "to_residency"]
 

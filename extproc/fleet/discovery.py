@@ -9,7 +9,7 @@
   objects), re-read every ``--discovery-interval-s`` (for whatever writes a file);
 - ``inferencepool:[<namespace>/]<name>``: the ready Pods an ``InferencePool`` selects, one
   endpoint per ``targetPorts`` entry, followed with the Kubernetes API's watch
-  (``extproc.inferencepool``).
+  (``extproc.fleet.inferencepool``).
 
 A source runs in a background thread and calls ``publish(endpoints)`` with the whole
 current set whenever it changes. ``HostDiscovery`` turns that set into ``Upstream``
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
-from extproc.catalog import FLAVOURS, HINT_MODES, Upstream
+from extproc.state.catalog import FLAVOURS, HINT_MODES, Upstream
 from extproc.errors import AceError, ConfigError
 
 __all__ = ["DiscoveryError", "Endpoint", "HostDiscovery", "HostSource", "PollingSource", "UpstreamTemplate",
@@ -246,6 +246,6 @@ def make_source(spec: str, interval_s: float = 5.0) -> HostSource | None:
     if parsed.kind == "file":
         return PollingSource(file_lookup(Path(parsed.name)), interval_s, f"file:{parsed.name}")
     if parsed.kind == "inferencepool":
-        from extproc.inferencepool import InferencePoolSource
+        from extproc.fleet.inferencepool import InferencePoolSource
         return InferencePoolSource(parsed.name, parsed.namespace)
     return None

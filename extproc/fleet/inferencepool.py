@@ -14,7 +14,7 @@ The shell, ``InferencePoolSource``: two threads with the official ``kubernetes``
 other lists the Pods matching the current selector and watches from the list's
 ``resourceVersion``, resuming from the last one seen after a watch ends; an ``ERROR``
 410 (Gone: that version is too old) relists. A selector change restarts the Pod watch.
-Every change publishes the whole endpoint set (``extproc.discovery``).
+Every change publishes the whole endpoint set (``extproc.fleet.discovery``).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
-from extproc.discovery import DiscoveryError, Endpoint, Publish, endpoint_address
+from extproc.fleet.discovery import DiscoveryError, Endpoint, Publish, endpoint_address
 from extproc.errors import ConfigError
 
 __all__ = ["GROUP", "PLURAL", "VERSION", "InferencePoolSource", "PoolSpec", "PoolState", "WatchExpired",

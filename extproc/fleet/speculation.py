@@ -56,16 +56,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
-from extproc.decision import Decision
+from extproc.domain.decision import Decision
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
 from extproc.policy.routing import RoutePolicy, place_by_demand
 from extproc.policy.speculator import DEFAULT_LOAD_S, SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
-from extproc.prefetch import PrefetchSignal, PrefetchSink
-from extproc.residency_view import ResidencySnapshot, SentCounts
-from extproc.skills import DYNAMIC_LORA_PREFETCH, OFF, PROD
-from extproc.store import Snapshot
-from gpu_agent.tiers import Tier
+from extproc.domain.prefetch import PrefetchSignal, PrefetchSink
+from extproc.state.residency import ResidencySnapshot, SentCounts
+from extproc.domain.skills import DYNAMIC_LORA_PREFETCH, OFF, PROD
+from extproc.state.store import Snapshot
+from ace_common.tiers import Tier
 
 __all__ = ["GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
            "SpeculationPlanner", "Step", "demand_placement", "route_by_policy", "warm_signals"]

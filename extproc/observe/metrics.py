@@ -26,9 +26,9 @@ from prometheus_client.registry import Collector
 from extproc.errors import ConfigError
 
 if TYPE_CHECKING:   # annotations only: the gateway without agents never imports grpc here
-    from extproc.agent_client import AgentLink
-    from extproc.prefetch_planner import GatewaySpeculation
-    from extproc.residency_view import ResidencyBoard
+    from extproc.fleet.agent_link import AgentLink
+    from extproc.fleet.speculation import GatewaySpeculation
+    from extproc.state.residency import ResidencyBoard
     from extproc.state_file_watch import StateFileWatch
 
 __all__ = ["DECISION_BUCKETS_S", "ConfigReloadCollector", "GatewayMetrics", "GatewayCollector", "serve_metrics"]

@@ -15,7 +15,7 @@ own wait):
 - ``prefetch_used``: the request found it on the device because a prefetch put it there
   (``is_prefetch_hit`` in the trace header).
 
-Writes are per thread (like ``extproc.metrics``): a thread records into its own shard,
+Writes are per thread (like ``extproc.observe.metrics``): a thread records into its own shard,
 found through a ``threading.local``, so the request path takes no lock after a thread's
 first request. A shard's series is a ring of 60 minute buckets; a bucket from another
 minute is replaced by a fresh list (one reference swap), so a reader sees either bucket
@@ -29,10 +29,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from gpu_agent.tiers import Tier
+from ace_common.tiers import Tier
 
 if TYPE_CHECKING:
-    from extproc.decision import Decision
+    from extproc.domain.decision import Decision
 
 __all__ = ["STALL_BOUNDS_MS", "WINDOW_MINUTES", "UsageRing", "stall_percentile"]
 

@@ -3,7 +3,7 @@
 A routing policy (``RoutePolicy``) is a function
 ``(upstreams, adapter, residency, sent) -> Upstream``: the configured upstreams, the
 selected adapter (None: the base model, or the request may not move), the agents'
-residency view (``extproc.residency_view.ResidencySnapshot``) and the requests this
+residency view (``extproc.state.residency.ResidencySnapshot``) and the requests this
 gateway routed to each host (``SentCounts``, the board's, passed beside the snapshot).
 ``load_policy`` picks one: ``--routing-policy module:function`` when given, else
 ``route`` (adapter affinity) with several upstreams and ``choose_upstream`` (the first
@@ -74,10 +74,10 @@ from functools import lru_cache
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Sequence
 
-from extproc.catalog import Adapter, Upstream
+from extproc.state.catalog import Adapter, Upstream
 from extproc.errors import ConfigError
-from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport, host_load
-from gpu_agent.tiers import Tier
+from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport, host_load
+from ace_common.tiers import Tier
 
 __all__ = ["LOAD_FLOOR", "RoutePolicy", "RoundRobin", "RoutingDecision", "choose_endpoint",
            "choose_upstream", "load_bound", "load_policy", "place", "place_by_demand", "replicas_of",

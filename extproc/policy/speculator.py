@@ -17,7 +17,7 @@ a fleet. ``step`` is the loop, per request:
    ``should_speculate`` says it is likelier to be used within ``horizon_s`` than the
    victim it would evict.
 
-The gateway (``extproc.prefetch_planner.SpeculationPlanner.step``) and ``bench.sim`` (the
+The gateway (``extproc.fleet.speculation.SpeculationPlanner.step``) and ``bench.sim`` (the
 ``speculative`` policy and the fleet's ``ace`` arm) call this same ``step``, so the
 simulator measures the code the gateway runs. Time is passed in (``now``): no clock, no
 I/O, no threads. ``load(adapter, now) -> ready_at`` says when a load started now
@@ -195,7 +195,7 @@ class Speculator:
              place: Place | None = None, prefetch_load: LoadFn | None = None,
              load_s: LoadSeconds = _unit_load) -> StepResult:
         """One request served by this host: the speculation loop, the one implementation
-        the gateway (``extproc.prefetch_planner.SpeculationPlanner``) and ``bench.sim`` run.
+        the gateway (``extproc.fleet.speculation.SpeculationPlanner``) and ``bench.sim`` run.
 
         1. ``demand``: the adapter enters this host's pool model;
         2. without a session, nothing else (it teaches no transition);

@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Sequence
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
-from extproc.catalog import Upstream
+from extproc.state.catalog import Upstream
 from extproc.errors import GatewayError, NoUpstream, PayloadTooLarge, TooManyRequests
-from extproc.headers import SERVED_BY_HEADER, TENANT_HEADER, TRACE_METADATA_HEADERS, hint_header
-from extproc.outcomes import Continue, Reply
-from extproc.residency_view import host_load
+from extproc.domain.headers import SERVED_BY_HEADER, TENANT_HEADER, TRACE_METADATA_HEADERS, hint_header
+from extproc.app.outcomes import Continue, Reply
+from extproc.state.residency import host_load
 from extproc.rewrite.hints import HINT_FIELDS
-from extproc.wire import METADATA_NAMESPACE, pb, request_head, to_response
+from extproc.protocols.wire import METADATA_NAMESPACE, pb, request_head, to_response
 
 if TYPE_CHECKING:
-    from extproc.processor import Gateway
+    from extproc.app.exchange import Gateway
 
 __all__ = ["EppStream", "EppStats", "subset_hint", "eligible_upstreams", "pick_order",
            "ENDPOINT_HEADER", "LB_NAMESPACE", "SUBSET_NAMESPACE", "SUBSET_KEY", "SERVED_KEY", "CHUNK"]

@@ -5,7 +5,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
-from extproc.outcomes import Continue, Outcome, Reply, RequestHead
+from extproc.app.outcomes import Continue, Outcome, Reply, RequestHead
 
 __all__ = ["request_head", "head_from_attributes", "to_response", "serialize_response", "pb",
            "METADATA_NAMESPACE", "SERVICE", "NO_PHASE", "HEALTH_SERVICES"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from extproc.catalog import Adapter, Upstream
-from extproc.decision import Decision
+from extproc.state.catalog import Adapter, Upstream
+from extproc.domain.decision import Decision
 from extproc.frozen import fast_init
 from extproc.rewrite import builtin, sglang, vllm
 from extproc.rewrite.codec import encode

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from extproc.decision import Decision
-from gpu_agent.tiers import Tier
+from extproc.domain.decision import Decision
+from ace_common.tiers import Tier
 
 __all__ = ["HINT_FIELDS", "wire_hints", "client_copies"]
 

@@ -1,7 +1,7 @@
 """SGLang selects a LoRA adapter with ``"model": "<base>:<adapter>"``."""
 from __future__ import annotations
 
-from extproc.catalog import Adapter, Upstream
+from extproc.state.catalog import Adapter, Upstream
 from extproc.paths import CHAT, COMPLETIONS, EMBEDDINGS
 
 #: the inference routes ace sends to SGLang. Not ``/v1/responses``: SGLang serves it, but its

@@ -1,7 +1,7 @@
 """vLLM selects a LoRA adapter by serving it under its own model name."""
 from __future__ import annotations
 
-from extproc.catalog import Adapter, Upstream
+from extproc.state.catalog import Adapter, Upstream
 from extproc.paths import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 
 #: the inference routes vLLM's OpenAI server serves, each selecting the adapter by ``model``

@@ -1,7 +1,7 @@
 """What the gateway knows about adapters, tenants and keys: plain immutable values.
 
 The adapter entry follows the catalog format of docs/contracts.md (parsed and checked by
-``gpu_agent.catalog_schema``). ``sha256`` is the digest of the adapter weights: it is the
+``ace_common.catalog_schema``). ``sha256`` is the digest of the adapter weights: it is the
 cache key, so a changed adapter is a new key.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Mapping
 from extproc.errors import ConfigError
 
 if TYPE_CHECKING:
-    from gpu_agent.catalog_schema import CatalogAdapter
+    from ace_common.catalog_schema import CatalogAdapter
 
 __all__ = ["Adapter", "Tenant", "DevKey", "Upstream", "PUBLIC", "FLAVOURS", "HINT_MODES", "ROLES",
            "DEVELOPER", "ADMIN", "KeyOrigin"]

@@ -10,7 +10,7 @@ counter that every write increments in the write's own transaction; ``read`` ret
 ``Overlay``, the tables at one version.
 
 PostgreSQL: every write also sends ``NOTIFY ace_state, '<version>'`` in that transaction.
-``watch`` (a background thread of ``extproc.store.Store``) LISTENs on a dedicated
+``watch`` (a background thread of ``extproc.state.store.Store``) LISTENs on a dedicated
 connection, re-reads on a notification and, as a fallback for a missed one, compares the
 version every ``poll_s``; it reconnects with backoff and resyncs after an outage.
 SQLite: ``watch`` compares the version every ``poll_s`` (another process, such as the

@@ -1,11 +1,11 @@
 """The gateway's view of where each adapter lives on each upstream, as the agents report it.
 
-``ResidencySnapshot`` is immutable data: a background task (``extproc.agent_client``)
+``ResidencySnapshot`` is immutable data: a background task (``extproc.fleet.agent_link``)
 builds a new one and swaps the reference (``ResidencyBoard.publish``); a request reads
 ``ResidencyBoard.current`` once. Unknown is a value (``UNKNOWN``), so the trace can say
 ``unknown`` instead of inventing a number.
 
-Tiers are ``gpu_agent.tiers.Tier`` values (``device``, ``host``, ``disk``, ``remote``),
+Tiers are ``ace_common.tiers.Tier`` values (``device``, ``host``, ``disk``, ``remote``),
 plus two states only the gateway has: ``NONE`` (the agent does not have the adapter in
 its catalog: its ``absent``) and ``UNKNOWN_TIER`` (no agent report).
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-from gpu_agent.tiers import Tier
+from ace_common.tiers import Tier
 
 __all__ = ["NONE", "TIERS", "UNKNOWN", "UNKNOWN_TIER", "ResidencyBoard", "ResidencySnapshot",
            "SentCounts", "TierReport", "host_load"]

@@ -1,8 +1,8 @@
 """The gateway's state file (docs/gateway.md "State file"), as a typed schema.
 
-Checked with the project's one schema language (``gpu_agent.catalog_schema.parse``): its
+Checked with the project's one schema language (``ace_common.catalog_schema.parse``): its
 ``adapters`` entries are the catalog's own ``CatalogAdapter``. What the schema cannot say
-(a key's tenant exists, a hash is 64 hex digits, skill names and modes) ``extproc.store``
+(a key's tenant exists, a hash is 64 hex digits, skill names and modes) ``extproc.state.store``
 checks next, with the same field paths. Every problem is a ``ConfigError`` whose
 ``field`` is the path, e.g. ``tenants[1].id: required field missing``.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
-from extproc.catalog import DEVELOPER, FLAVOURS, HINT_MODES, ROLES
+from extproc.state.catalog import DEVELOPER, FLAVOURS, HINT_MODES, ROLES
 from extproc.errors import ConfigError
-from gpu_agent.catalog_schema import (CatalogAdapter, CatalogBaseModel, CatalogFile, SchemaError, parse,
+from ace_common.catalog_schema import (CatalogAdapter, CatalogBaseModel, CatalogFile, SchemaError, parse,
                                       read_catalog_file, read_yaml_mapping)
 
 __all__ = ["KeyEntry", "Limits", "StateFile", "TenantEntry", "UpstreamEntry", "config_error", "read_catalog",

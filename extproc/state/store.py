@@ -3,12 +3,12 @@
 The YAML file is the source of truth for adapters, tenants, keys and upstreams; it is
 read at start-up and again by ``reload_file`` (``extproc.state_file_watch`` calls it when
 the file changes, or on SIGHUP): validated whole first, so a bad edit changes nothing. The
-upstreams may come from a discovery source instead (``extproc.discovery``,
+upstreams may come from a discovery source instead (``extproc.fleet.discovery``,
 ``Store.set_upstreams``). Changes made at runtime (a developer key's skills, set through
 ``POST /api/v1/dev_key/skills``; a tenant's default skills, set by its admin key through
 ``POST /api/v1/tenant/skills``; a key issued, rotated or revoked with ``python -m
 extproc.admin`` or the settings API, ``extproc.key_lifecycle``) are written to the state
-database (``extproc.state_db``: SQLite for one node, PostgreSQL shared by several
+database (``extproc.state.db``: SQLite for one node, PostgreSQL shared by several
 replicas) and overlay the file's values, so they survive a restart and reach every
 replica. Every change builds a new immutable
 ``Snapshot`` and swaps one reference: the request path only ever reads ``Store.snapshot``,
@@ -25,13 +25,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from extproc.catalog import Adapter, DevKey, KeyOrigin, Tenant, Upstream
+from extproc.state.catalog import Adapter, DevKey, KeyOrigin, Tenant, Upstream
 from extproc.errors import ConfigError, GatewayError
 from extproc.paths import check_allow_path
-from extproc.skills import validate_skills
-from extproc.state_db import IssuedKey, Overlay, is_postgres_url, open_state_db
-from extproc.state_schema import config_error, read_catalog, read_state
-from gpu_agent.catalog_schema import CatalogAdapter
+from extproc.domain.skills import validate_skills
+from extproc.state.db import IssuedKey, Overlay, is_postgres_url, open_state_db
+from extproc.state.schema import config_error, read_catalog, read_state
+from ace_common.catalog_schema import CatalogAdapter
 
 __all__ = ["Snapshot", "Store", "load_state_file"]
 
@@ -61,7 +61,7 @@ def _skills(raw: Mapping[str, str], source: Path, where: str) -> Mapping[str, st
 def load_state_file(path: Path, catalog: Path | None = None, *, upstreams_required: bool = True) -> dict[str, Any]:
     """Read the state file and its catalog(s) into plain values (validated: every error a
     ``ConfigError`` naming the file and the field's path). ``upstreams_required``: False
-    when a discovery source gives the upstreams (``extproc.discovery``)."""
+    when a discovery source gives the upstreams (``extproc.fleet.discovery``)."""
     state = read_state(path)
     adapters: dict[str, Adapter] = {}
     base_models: set[str] = set()
@@ -122,7 +122,7 @@ def load_state_file(path: Path, catalog: Path | None = None, *, upstreams_requir
 
 
 class Store:
-    """Owns the state database (``extproc.state_db``) and publishes snapshots: the state
+    """Owns the state database (``extproc.state.db``) and publishes snapshots: the state
     file's values with the database's runtime changes over them."""
 
     def __init__(self, state_file: Path, db: Path | str, catalog: Path | None = None, *,
@@ -236,7 +236,7 @@ class Store:
         return self.snapshot
 
     def set_upstreams(self, upstreams: tuple[Upstream, ...]) -> Snapshot:
-        """The engine hosts a discovery source found (``extproc.discovery``): a new snapshot;
+        """The engine hosts a discovery source found (``extproc.fleet.discovery``): a new snapshot;
         requests in flight keep the one they read."""
         with self._lock:
             self._upstreams = tuple(upstreams)

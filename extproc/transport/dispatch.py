@@ -1,15 +1,15 @@
 """What every server flavour serves, written once: the ext_proc streams (phase dispatch, in
 both protocols) and the gRPC health status.
 
-The servers are transports (``extproc.h2server`` + ``extproc.h2calls``: ``--server h2``;
-``extproc.server``: ``aio`` and ``threads`` on grpcio). For each ``Process`` call they
+The servers are transports (``extproc.transport.h2server`` + ``extproc.transport.h2calls``: ``--server h2``;
+``extproc.transport.grpc_servers``: ``aio`` and ``threads`` on grpcio). For each ``Process`` call they
 ``open()`` a stream, hand it each ProcessingRequest (``answer``), write the answers it
 returns in order, and end the gRPC stream (status OK) once ``ended`` is true; an
 ``InvalidMessage`` ends it with INVALID_ARGUMENT and the error's text. Nothing else.
 
 - protocol ``ace`` (``ExchangeStream``): one answer per message from the request's
   ``processor.Exchange``; the stream ends with the exchange's last answer (``done_after``).
-- protocol ``epp`` (``PickerStream``): ``extproc.epp.EppStream``'s zero or more answers;
+- protocol ``epp`` (``PickerStream``): ``extproc.protocols.epp.EppStream``'s zero or more answers;
   the stream ends when Envoy half-closes it.
 
 Answers are ``ProcessingResponse`` messages (grpcio serializes them) or, ``as_bytes``, their
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from grpc_health.v1 import health, health_pb2
 
-from extproc.epp import EppStats, EppStream
+from extproc.protocols.epp import EppStats, EppStream
 from extproc.errors import InvalidMessage
-from extproc.outcomes import CONTINUE
-from extproc.wire import (HEALTH_SERVICES, NO_PHASE, head_from_attributes, pb, request_head,
+from extproc.app.outcomes import CONTINUE
+from extproc.protocols.wire import (HEALTH_SERVICES, NO_PHASE, head_from_attributes, pb, request_head,
                           serialize_response, to_response)
 
 if TYPE_CHECKING:
-    from extproc.processor import Gateway
+    from extproc.app.exchange import Gateway
 
 __all__ = ["Dispatcher", "ExchangeStream", "PickerStream", "ServingHealth", "SERVING", "NOT_SERVING"]
 
@@ -69,7 +69,7 @@ class ExchangeStream:
 
 
 class PickerStream:
-    """One ext_proc stream in the endpoint picker protocol (``extproc.epp``)."""
+    """One ext_proc stream in the endpoint picker protocol (``extproc.protocols.epp``)."""
 
     __slots__ = ("stream", "as_bytes")
     ended = False   # Envoy half-closes it

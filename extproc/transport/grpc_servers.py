@@ -1,7 +1,7 @@
-"""The grpcio servers: ext_proc streams (``extproc.dispatch``) and the standard health service.
+"""The grpcio servers: ext_proc streams (``extproc.transport.dispatch``) and the standard health service.
 
 Transports only: they know nothing about OpenAI nor the phases. Three flavours: ``h2``
-(the default, ``extproc.h2server``) and two on grpcio (``aio``, ``threads``: the reference
+(the default, ``extproc.transport.h2server``) and two on grpcio (``aio``, ``threads``: the reference
 behaviour, slower here). ``serve(settings)`` blocks until SIGTERM/SIGINT, then marks the
 service NOT_SERVING and drains in-flight streams for a grace period.
 """
@@ -18,14 +18,14 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from extproc.dispatch import Dispatcher, ServingHealth
+from extproc.transport.dispatch import Dispatcher, ServingHealth
 from extproc.errors import InvalidMessage
-from extproc.h2server import H2Server, serve_h2
-from extproc.health_port import ServerLifecycle
-from extproc.serving_cert import ServingCert
+from extproc.transport.h2server import H2Server, serve_h2
+from extproc.transport.health_port import ServerLifecycle
+from extproc.transport.serving_cert import ServingCert
 
 if TYPE_CHECKING:
-    from extproc.processor import Gateway
+    from extproc.app.exchange import Gateway
 
 __all__ = ["ExternalProcessor", "AioExternalProcessor", "H2Server", "build_server", "serve",
            "serve_aio", "serve_h2"]
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """``Process`` on grpcio's thread pool: a stream of ``extproc.dispatch`` per call."""
+    """``Process`` on grpcio's thread pool: a stream of ``extproc.transport.dispatch`` per call."""
 
     def __init__(self, gateway: Gateway, protocol: str = "ace") -> None:
         self.dispatcher = Dispatcher(gateway, protocol)

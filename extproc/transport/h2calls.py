@@ -2,16 +2,16 @@
 
 A call sees whole gRPC messages (``on_message``) and the client's half-close; it answers
 with ``send_message`` and ``finish`` (the trailers' status). Framing and flow control are
-the connection's (``extproc.h2server``).
+the connection's (``extproc.transport.h2server``).
 """
 from __future__ import annotations
 
 from grpc_health.v1 import health_pb2
 
 from extproc.errors import InvalidMessage
-from extproc.h2frames import (HEADERS, END_HEADERS, RESPONSE_HEADERS, TRAILERS_OK, RecvWindow, frame,
+from extproc.transport.h2frames import (HEADERS, END_HEADERS, RESPONSE_HEADERS, TRAILERS_OK, RecvWindow, frame,
                               status_block)
-from extproc.wire import pb
+from extproc.protocols.wire import pb
 
 __all__ = ["Call", "ProcessCall", "NullProcessCall", "HealthCheckCall", "UnknownCall"]
 
@@ -60,7 +60,7 @@ class Call:
 
 
 class ProcessCall(Call):
-    """``ExternalProcessor/Process``: a stream of ``extproc.dispatch`` (either protocol), the
+    """``ExternalProcessor/Process``: a stream of ``extproc.transport.dispatch`` (either protocol), the
     same as the grpcio flavours serve."""
 
     __slots__ = ("stream",)

@@ -3,7 +3,7 @@
 Why: on this kind of VM every syscall and thread wake-up is expensive. grpc.aio spends
 ~50 syscalls and several thread hand-offs (C-core poller thread <-> event loop) per
 ext_proc stream; the loop below does one recv and one send per message on a single
-asyncio protocol, and serves the same streams (extproc.dispatch). It speaks just the HTTP/2 + gRPC that
+asyncio protocol, and serves the same streams (extproc.transport.dispatch). It speaks just the HTTP/2 + gRPC that
 Envoy's and grpc's clients use: h2c with prior knowledge, no compression, no server push.
 A peer that breaks the protocol gets GOAWAY and loses its connection, nothing else.
 What one connection may cost us is bounded: streams (SETTINGS_MAX_CONCURRENT_STREAMS),
@@ -26,21 +26,21 @@ from typing import TYPE_CHECKING
 from google.protobuf.message import DecodeError
 from hpack import Decoder, HPACKError
 
-from extproc.dispatch import Dispatcher, ServingHealth
+from extproc.transport.dispatch import Dispatcher, ServingHealth
 from extproc.errors import ConfigError
-from extproc.h2calls import (INTERNAL, RESOURCE_EXHAUSTED, UNIMPLEMENTED, Call, HealthCheckCall,
+from extproc.transport.h2calls import (INTERNAL, RESOURCE_EXHAUSTED, UNIMPLEMENTED, Call, HealthCheckCall,
                              NullProcessCall, ProcessCall, UnknownCall)
-from extproc.h2frames import (ACK, COMPRESSION_ERROR, CONT, DATA, END_HEADERS, END_STREAM,
+from extproc.transport.h2frames import (ACK, COMPRESSION_ERROR, CONT, DATA, END_HEADERS, END_STREAM,
                               FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS,
                               INTERNAL_ERROR, MAX_FRAME, MAX_WINDOW, PADDED, PING, PREFACE,
                               PRIO_FLAG, PROTOCOL_ERROR, PUSH, REFUSED_STREAM, RST, SETTINGS,
                               STREAM_CLOSED, WINDOW, ProtocolError, RecvWindow, frame, hpack_int)
-from extproc.health_port import ServerLifecycle
-from extproc.serving_cert import ServingCert
-from extproc.wire import SERVICE
+from extproc.transport.health_port import ServerLifecycle
+from extproc.transport.serving_cert import ServingCert
+from extproc.protocols.wire import SERVICE
 
 if TYPE_CHECKING:
-    from extproc.processor import Gateway
+    from extproc.app.exchange import Gateway
 
 __all__ = ["H2Server", "serve_h2", "MAX_MESSAGE", "MAX_STREAMS", "STREAM_WINDOW", "CONNECTION_WINDOW"]
 
@@ -608,7 +608,7 @@ async def serve_h2(gateway: Gateway | None, listen: str, grace_s: float = 5.0, n
                    max_streams: int = MAX_STREAMS, protocol: str = "ace", tls: ServingCert | None = None,
                    lifecycle: ServerLifecycle | None = None) -> None:
     """``null=True``: the benchmark's do-nothing ext_proc on the same loop. ``lifecycle``
-    (extproc.health_port): told once listening, and when the drain starts."""
+    (extproc.transport.health_port): told once listening, and when the drain starts."""
     h2 = H2Server(gateway, null=null, max_streams=max_streams, protocol=protocol, tls=tls)
     server = await h2.start(listen)
     log.info("ext_proc (h2) listening on %s", listen)

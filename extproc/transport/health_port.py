@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.errors import ConfigError
-from extproc.wire import SERVICE
+from extproc.protocols.wire import SERVICE
 
 __all__ = ["DEFAULT_PORT", "LIVENESS", "READINESS", "HealthPort", "ServerLifecycle"]
 
@@ -46,7 +46,7 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class ServerLifecycle(Protocol):
-    """What an ext_proc server tells whoever reports its health (``extproc.server``)."""
+    """What an ext_proc server tells whoever reports its health (``extproc.transport.grpc_servers``)."""
 
     def serving(self) -> None:
         """The ext_proc port listens and answers."""

@@ -144,7 +144,7 @@ class BuiltinConnector(EngineConnector):
             path = self.store.local_path(spec)
             if path is None:
                 return False
-            from gpu_agent.peft import load_peft_dir
+            from gpu_agent.engine.peft import load_peft_dir
             try:
                 adapter = await asyncio.to_thread(load_peft_dir, path, pool.spec, None, name=spec.name)
             except Exception:  # noqa: BLE001 - see the docstring

@@ -27,12 +27,12 @@ it moves up.
   loaded again (the agent drops its disk copy there when the disk tier keeps only what
   is resident).
 
-Tiers (``gpu_agent.tiers.Tier`` values): ``device`` (its pages in the paged pool), ``host``
+Tiers (``ace_common.tiers.Tier`` values): ``device`` (its pages in the paged pool), ``host``
 (a parsed copy in host memory), ``disk`` (a local directory), ``remote`` (an http(s) uri
 the source must fetch). A host budget of 0 keeps no parsed copy: an adapter that leaves
 the pool comes back from disk (or remote).
 
-The host and device tiers are ``gpu_agent.staging.AdapterTiers`` (host LRU + paged pool,
+The host and device tiers are ``gpu_agent.engine.staging.AdapterTiers`` (host LRU + paged pool,
 with per-tier timings); this module adds what an engine needs on top: names from the
 catalog, a pluggable source for the outer tiers, holds that keep an adapter in the pool
 while its sequences run, and async waits. Pool calls are thread-safe (the pool has its
@@ -54,7 +54,7 @@ from gpu_agent import errors as core
 from gpu_agent.engine.errors import AdapterUnavailable, EngineError, ModelNotFound
 from gpu_agent.engine.load_order import LoadOrder, LoadThreads, LoadTicket
 from gpu_agent.eviction import Candidate, EvictReason, Shortfall, plan_evictions
-from gpu_agent.tiers import ORDER, Tier
+from ace_common.tiers import ORDER, Tier
 
 __all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "EngineAdapters",
            "TIERS"]
@@ -102,9 +102,9 @@ class CatalogEntry:
 
 def read_catalog(path: str | Path) -> tuple[str, Path | None, dict[str, CatalogEntry]]:
     """``(base model name, base model dir or None, adapters by name)`` of a catalog.yaml
-    (checked by ``gpu_agent.catalog_schema``: a ``SchemaError``, a ``ValueError``, names
+    (checked by ``ace_common.catalog_schema``: a ``SchemaError``, a ``ValueError``, names
     the field)."""
-    from gpu_agent.catalog_schema import CatalogBaseModel, read_catalog_file
+    from ace_common.catalog_schema import CatalogBaseModel, read_catalog_file
 
     p = Path(path)
     doc = read_catalog_file(p)
@@ -152,7 +152,7 @@ class EngineAdapters:
     def __init__(self, pool: Any, spec: Any, entries: Mapping[str, CatalogEntry], *,
                  source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30,
                  room_timeout_s: float = 30.0, prefetch_nice: int = 0):
-        from gpu_agent.staging import AdapterTiers
+        from gpu_agent.engine.staging import AdapterTiers
 
         self.pool = pool
         self.spec = spec
@@ -561,7 +561,7 @@ class EngineAdapters:
             raise _unavailable(name, exc) from exc
 
     async def _to_host_from_source(self, name: str) -> None:
-        from gpu_agent.peft import load_peft_dir
+        from gpu_agent.engine.peft import load_peft_dir
 
         entry = self.entry(name)
         path, verify = await self.source.local_dir(entry)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
-from gpu_agent.model import LlamaModel, Step
+from gpu_agent.engine.model import LlamaModel, Step
 
 __all__ = ["GenerationRequest", "TokenEvent", "Batcher", "BatcherStats"]
 
@@ -233,7 +233,7 @@ class Batcher:
         if self.pool is None or not any(row_adapters):
             logits = self.model.forward(steps)
         else:
-            from gpu_agent.lora_ops import apply_lora
+            from gpu_agent.engine.lora_ops import apply_lora
 
             pool = self.pool
             with pool.batch(row_adapters) as lb:

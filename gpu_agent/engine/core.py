@@ -103,10 +103,10 @@ class Engine:
     def create(cls, settings: EngineSettings, *, source: AdapterSource | None = None) -> "Engine":
         import torch
 
-        from gpu_agent.model import LlamaModel
-        from gpu_agent.peft import BaseModelSpec
-        from gpu_agent.pool import AdapterPool
-        from gpu_agent.tokenizer import ModelTokenizer
+        from gpu_agent.engine.model import LlamaModel
+        from gpu_agent.engine.peft import BaseModelSpec
+        from gpu_agent.engine.pool import AdapterPool
+        from gpu_agent.engine.tokenizer import ModelTokenizer
 
         settings.validate()
         entries: dict = {}
@@ -166,7 +166,7 @@ class Engine:
         self.adapters.close()
 
     def memory(self, n_instances: int | None = None):
-        from gpu_agent.memory import account
+        from gpu_agent.engine.memory import account
 
         sizes = {n: e.size_bytes for n, e in self.adapters._entries.items()}
         return account(self.model.nbytes, self.pool.stats()["pool_bytes"], sizes, n_instances)

@@ -1,6 +1,6 @@
 """Batched mixed-rank LoRA: one call for a batch whose rows use different adapters.
 
-The torch formulation is SGMV-style: :class:`~gpu_agent.pool.LoraBatch` groups the rows
+The torch formulation is SGMV-style: :class:`~gpu_agent.engine.pool.LoraBatch` groups the rows
 by adapter once per batch; per adapter segment we run two small matmuls straight on the
 pool pages (``A`` and ``B^T`` are views of consecutive pages), so every adapter weight is
 read exactly once, no weight is copied or padded to the max rank, and rows without an
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .pool import AdapterPool, LoraBatch
+from gpu_agent.engine.pool import AdapterPool, LoraBatch
 
 __all__ = ["apply_lora", "lora_delta_reference"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
 
-from .errors import (
+from gpu_agent.errors import (
     AdapterInvalid,
     AdapterNotFound,
     BaseModelMismatch,

@@ -39,10 +39,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
-from .eviction import Candidate, EvictionPolicy, EvictReason, LRUPolicy, Shortfall, plan_evictions
-from .peft import BaseModelSpec, LoraAdapter
-from .pool_copy import COPY_CHUNK_BYTES, CopyDone, copy_into_pages
+from gpu_agent.errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
+from gpu_agent.eviction import Candidate, EvictionPolicy, EvictReason, LRUPolicy, Shortfall, plan_evictions
+from gpu_agent.engine.peft import BaseModelSpec, LoraAdapter
+from gpu_agent.pool_copy import COPY_CHUNK_BYTES, CopyDone, copy_into_pages
 
 __all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT", "VictimChooser",
            "COPY_CHUNK_BYTES"]

@@ -146,7 +146,7 @@ def _prompt_ids(engine: Engine, body: dict) -> list[int]:
 
 
 def _chat_ids(engine: Engine, body: dict) -> list[int]:
-    from gpu_agent.tokenizer import ChatTemplateError
+    from gpu_agent.engine.tokenizer import ChatTemplateError
 
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -220,7 +220,7 @@ class _Completion:
 
     async def text_deltas(self) -> AsyncIterator[tuple[str, str | None, int]]:
         """(text delta, finish_reason or None, completion tokens so far)."""
-        from gpu_agent.tokenizer import IncrementalDecoder
+        from gpu_agent.engine.tokenizer import IncrementalDecoder
 
         dec = IncrementalDecoder(self.engine.tokenizer, self.ids)
         stop = StopText(self.sp.stop)

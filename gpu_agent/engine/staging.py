@@ -1,7 +1,7 @@
 """Adapter staging: disk -> host memory -> device (the paged pool), with the measured time of every step.
 
 ``AdapterTiers.ensure(name, path, sha256)`` makes an adapter resident in the pool and
-says where it came from (``device``, ``host`` or ``disk``: ``gpu_agent.tiers.Tier`` values) and how long each tier took
+says where it came from (``device``, ``host`` or ``disk``: ``ace_common.tiers.Tier`` values) and how long each tier took
 (:class:`LoadTimings`). The host tier is an LRU of parsed adapters with a byte budget;
 its buffers are pinned when the pool lives on CUDA so the H2D copy (on the pool's side
 stream) runs at full PCIe speed. Remote fetching is the agent service's job: it puts the
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import AdapterNotFound, AdapterNotResident, LoadYielded
-from .eviction import Shortfall, ordered, plan_evictions
-from .peft import LoraAdapter, load_peft_dir
-from .pool import AdapterPool, PoolEntry
-from .tiers import Tier
+from gpu_agent.errors import AdapterNotFound, AdapterNotResident, LoadYielded
+from gpu_agent.eviction import Shortfall, ordered, plan_evictions
+from gpu_agent.engine.peft import LoraAdapter, load_peft_dir
+from gpu_agent.engine.pool import AdapterPool, PoolEntry
+from ace_common.tiers import Tier
 
 __all__ = ["LoadTimings", "HostCache", "AdapterTiers", "TIERS"]
 

@@ -59,7 +59,7 @@ from gpu_agent.metrics import AgentMetrics, Gauge
 from gpu_agent.prefetch_budget import (DEFAULT_LINK_BUDGET_MS, DEFAULT_LINK_BYTES_PER_MS, HintBet, HintVerdict,
                                        LinkState, decide_hint)
 from gpu_agent.settings import SettingsError
-from gpu_agent.tiers import Tier
+from ace_common.tiers import Tier
 
 __all__ = ["AdapterView", "ResidencyOutcome", "ResidencyResult", "ResidencyManager",
            "ResidencyBudgets", "Subscription"]

@@ -3,8 +3,8 @@ import random
 from bench import fleet, sim
 from bench.workload import WorkloadSpec, synthetic
 from extproc.policy.routing import LOAD_FLOOR, choose_endpoint
-from extproc.residency_view import ResidencySnapshot, TierReport
-from gpu_agent.tiers import Tier
+from extproc.state.residency import ResidencySnapshot, TierReport
+from ace_common.tiers import Tier
 
 
 def test_fleet_router_agrees_with_choose_endpoint():

@@ -65,7 +65,7 @@ def test_800_only_options_are_refused_for_the_800_scenario(tmp_path):
 def test_trace_catalog_makes_missing_adapters_once(tmp_path, tmp_path_factory):
     pytest.importorskip("torch")
     from bench.scenario_fixtures import trace_catalog
-    from gpu_agent.catalog_schema import read_catalog_file
+    from ace_common.catalog_schema import read_catalog_file
     from tests.support.vllm import fixtures_dir
 
     fixtures = fixtures_dir(tmp_path_factory)

@@ -53,8 +53,8 @@ def test_sessions_group_steps_in_order_and_think_time():
 def test_speculation_counters_read_the_last_log_line(tmp_path):
     from bench.multi_lora_eval import speculation_counters
     log = tmp_path / "extproc.log"
-    log.write_text('x INFO extproc.prefetch_planner: speculation counters: {"observed": 1}\n'
-                   'noise\nx INFO extproc.prefetch_planner: speculation counters: {"observed": 7}\n')
+    log.write_text('x INFO extproc.fleet.speculation: speculation counters: {"observed": 1}\n'
+                   'noise\nx INFO extproc.fleet.speculation: speculation counters: {"observed": 7}\n')
     assert speculation_counters(log) == {"observed": 7}
     assert speculation_counters(tmp_path / "missing.log") is None
 
@@ -133,7 +133,7 @@ def test_preemptions_sum_counters_named_preempt_or_none():
 def test_learned_state_is_the_gateways_own_file_from_another_trace(tmp_path):
     from bench.multi_lora_eval import learned_state
     from extproc.policy.prediction import TransitionModel
-    from extproc.prefetch_planner import PopularityFile
+    from extproc.fleet.speculation import PopularityFile
     reqs = [{"t": 0.0, "tenant": "acme", "session": "s1", "step": 0, "adapter": "a"},
             {"t": 3.0, "tenant": "acme", "session": "s1", "step": 1, "adapter": "b"},
             {"t": 1.0, "tenant": "acme", "session": "s2", "step": 0, "adapter": "a"},

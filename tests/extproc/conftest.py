@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.store import Store
+from extproc.state.store import Store
 from tests.extproc.builders import upstream, write_state
 
 

@@ -1,12 +1,12 @@
-"""extproc.console without sockets: the settings page's API on plain objects (the same
+"""extproc.app.console without sockets: the settings page's API on plain objects (the same
 Exchange the servers drive), its authorisation and its write guards."""
 from __future__ import annotations
 
 import json
 
 from extproc.errors import StoreUnavailable
-from extproc.processor import ROUTES, Gateway, Reply, RequestHead
-from extproc.residency_view import TierReport, ResidencySnapshot
+from extproc.app.exchange import ROUTES, Gateway, Reply, RequestHead
+from extproc.state.residency import TierReport, ResidencySnapshot
 from tests.extproc.builders import KEYS, sha
 
 HOST = "127.0.0.1:8080"
@@ -186,7 +186,7 @@ def test_usage_counts_this_tenants_requests_only(store):
 
 
 def test_envoy_sends_exactly_the_gateway_api_paths_to_ext_proc_with_their_bodies():
-    from extproc.console import CONSOLE_ROUTES, SettingsPage
+    from extproc.app.console import CONSOLE_ROUTES, SettingsPage
     from extproc.envoy_config import API_PATHS, SETTINGS_PATHS
     assert set(API_PATHS) == {p for p in ROUTES if p.startswith("/api/v1/")}
     assert set(SETTINGS_PATHS) == {p for p, handler in CONSOLE_ROUTES.items() if handler is SettingsPage}

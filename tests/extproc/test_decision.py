@@ -4,11 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from extproc.auth import Principal
-from extproc.catalog import Upstream
-from extproc.decision import InferenceRequest, decide
-from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
-from extproc.trace import trace_metadata
+from extproc.domain.auth import Principal
+from extproc.state.catalog import Upstream
+from extproc.domain.decision import InferenceRequest, decide
+from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport
+from extproc.app.trace import trace_metadata
 
 
 def _decide(snapshot, residency, skills, body=None, route=None):
@@ -40,7 +40,7 @@ def test_actions_from_residency(snapshot, tier, action, saved, pf):
     assert d.multi_lora_action == action and d.prefetch_action == pf
     meta = dict(trace_metadata(d, None))
     assert f"swap_ms_saved={saved}" in meta["trace_multi_lora"]
-    # the tier as the whole project names it (gpu_agent.tiers.Tier): the top one is "device"
+    # the tier as the whole project names it (ace_common.tiers.Tier): the top one is "device"
     assert f",residency={tier or 'unknown'}," in meta["trace_multi_lora"]
     assert f",residency={tier or 'unknown'}" in meta["trace_dynamic_lora_prefetch"]
     assert meta["served_by"] == "local-vllm"
@@ -74,7 +74,7 @@ def test_route_policy_seam_gets_adapter_only_in_prod(snapshot):
 def test_trace_metadata_is_the_entries_memoised(snapshot, queued):
     """The header values are the trace entries joined, on the first call and from the memo;
     residencies that compare equal but print differently (-0.0 / 0.0 ms) keep apart."""
-    from extproc.trace import trace_entries
+    from extproc.app.trace import trace_entries
     residencies = [ResidencySnapshot(), _res("device", 35.0), _res("device", -0.0), _res("device", 0.0),
                    _res("host"), _res("disk", 12.5)]
     skill_sets = [{"multi_lora": "prod", "dynamic_lora_prefetch": "prod"},

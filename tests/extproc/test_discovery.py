@@ -9,13 +9,13 @@ import socket
 
 import pytest
 
-from extproc.discovery import (DiscoveryError, Endpoint, HostDiscovery, PollingSource, UpstreamTemplate,
+from extproc.fleet.discovery import (DiscoveryError, Endpoint, HostDiscovery, PollingSource, UpstreamTemplate,
                                dns_lookup, file_lookup, make_source, parse_discovery)
 from extproc.errors import ConfigError
-from extproc.outcomes import Continue, Reply, RequestHead
-from extproc.processor import Gateway
+from extproc.app.outcomes import Continue, Reply, RequestHead
+from extproc.app.exchange import Gateway
 from extproc.settings import Settings
-from extproc.store import Store
+from extproc.state.store import Store
 from tests.extproc.builders import KEYS, write_state
 
 TEMPLATE = UpstreamTemplate(flavour="vllm", base_model="ace-tiny-llama", agent_port=50061)
@@ -59,7 +59,7 @@ def test_a_failing_lookup_keeps_the_last_set_and_logs_once(caplog):
     source.poll(published.append)                      # the same answer: nothing published
     assert published == [frozenset({Endpoint("10.0.0.1:8000"), Endpoint("10.0.0.2:8000")})]
     del dns.records["svc"]
-    with caplog.at_level(logging.WARNING, logger="extproc.discovery"):
+    with caplog.at_level(logging.WARNING, logger="extproc.fleet.discovery"):
         for _ in range(3):
             source.poll(published.append)
     assert len(published) == 1 and source.current == published[0] and source.failures == 3
@@ -144,7 +144,7 @@ def test_applying_a_set_swaps_the_upstreams_and_the_agent_links(tmp_path):
 
 def test_a_host_without_an_ip_is_skipped_not_fatal(tmp_path, caplog):
     store = _store(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="extproc.discovery"):
+    with caplog.at_level(logging.WARNING, logger="extproc.fleet.discovery"):
         HostDiscovery(store, UpstreamTemplate(base_model="m")).publish({Endpoint("engine:8000"), Endpoint("10.0.0.1:1")})
     assert [u.address for u in store.snapshot.upstreams] == ["10.0.0.1:1"]
     assert "skipping engine:8000" in caplog.text

@@ -1,4 +1,4 @@
-"""The one phase dispatcher (extproc.dispatch) every server flavour serves, without sockets."""
+"""The one phase dispatcher (extproc.transport.dispatch) every server flavour serves, without sockets."""
 from __future__ import annotations
 
 import json
@@ -6,10 +6,10 @@ import json
 import pytest
 from grpc_health.v1 import health_pb2
 
-from extproc.dispatch import NOT_SERVING, SERVING, Dispatcher, ServingHealth
+from extproc.transport.dispatch import NOT_SERVING, SERVING, Dispatcher, ServingHealth
 from extproc.errors import InvalidMessage
-from extproc.processor import Gateway
-from extproc.wire import HEALTH_SERVICES, NO_PHASE, pb
+from extproc.app.exchange import Gateway
+from extproc.protocols.wire import HEALTH_SERVICES, NO_PHASE, pb
 from tests.extproc.builders import KEYS
 
 

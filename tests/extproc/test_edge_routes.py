@@ -7,9 +7,9 @@ import json
 import pytest
 
 from extproc.errors import ConfigError
-from extproc.outcomes import CONTINUE, Continue, Reply, RequestHead
-from extproc.processor import Gateway
-from extproc.store import Store
+from extproc.app.outcomes import CONTINUE, Continue, Reply, RequestHead
+from extproc.app.exchange import Gateway
+from extproc.state.store import Store
 from tests.extproc.builders import KEYS, upstream, write_state
 
 

@@ -1,4 +1,4 @@
-"""The endpoint picker protocol layer (extproc.epp) with real ext_proc protobuf messages."""
+"""The endpoint picker protocol layer (extproc.protocols.epp) with real ext_proc protobuf messages."""
 from __future__ import annotations
 
 import json
@@ -6,12 +6,12 @@ import json
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
-from extproc.epp import CHUNK, ENDPOINT_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE, EppStats, EppStream
+from extproc.protocols.epp import CHUNK, ENDPOINT_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE, EppStats, EppStream
 from extproc.policy.routing import route
-from extproc.processor import Gateway
-from extproc.residency_view import ResidencySnapshot
-from extproc.store import Store
-from extproc.wire import pb
+from extproc.app.exchange import Gateway
+from extproc.state.residency import ResidencySnapshot
+from extproc.state.store import Store
+from extproc.protocols.wire import pb
 from tests.extproc.builders import KEYS, upstream, write_state
 
 A, B, C = "127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"

@@ -6,12 +6,12 @@ import inspect
 
 import pytest
 
-from extproc.auth import Principal
-from extproc.decision import Decision, InferenceRequest
+from extproc.domain.auth import Principal
+from extproc.domain.decision import Decision, InferenceRequest
 from extproc.frozen import fast_init
-from extproc.outcomes import Continue, Reply, RequestHead
+from extproc.app.outcomes import Continue, Reply, RequestHead
 from extproc.rewrite import Rewrite
-from extproc.selection import Selection
+from extproc.domain.selection import Selection
 
 HOT = (Decision, InferenceRequest, Principal, Selection, RequestHead, Continue, Reply, Rewrite)
 

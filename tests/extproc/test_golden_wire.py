@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
-from extproc.dispatch import Dispatcher
-from extproc.processor import Gateway
-from extproc.residency_view import ResidencySnapshot, TierReport
-from extproc.store import Store
-from extproc.wire import pb
+from extproc.transport.dispatch import Dispatcher
+from extproc.app.exchange import Gateway
+from extproc.state.residency import ResidencySnapshot, TierReport
+from extproc.state.store import Store
+from extproc.protocols.wire import pb
 from tests.extproc.builders import KEYS, upstream, write_state
 
 GOLDEN = Path(__file__).parent / "golden" / "wire.json"

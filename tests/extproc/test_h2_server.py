@@ -1,4 +1,4 @@
-"""``--server h2`` (extproc.h2server) against grpcio's own client, and against broken peers.
+"""``--server h2`` (extproc.transport.h2server) against grpcio's own client, and against broken peers.
 
 The server runs in-process on an ephemeral loopback port (its own event loop in a thread),
 except where the CLI matters (the grpc.aio reference, SIGTERM): there ``python -m extproc``
@@ -26,14 +26,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.errors import ConfigError
-from extproc.h2calls import NullProcessCall
-from extproc.h2frames import (CONT, DATA, END_HEADERS, END_STREAM, FLOW_CONTROL_ERROR, GOAWAY, HEADERS,
+from extproc.transport.h2calls import NullProcessCall
+from extproc.transport.h2frames import (CONT, DATA, END_HEADERS, END_STREAM, FLOW_CONTROL_ERROR, GOAWAY, HEADERS,
                               PREFACE, REFUSED_STREAM, RST, SETTINGS, WINDOW, RecvWindow, frame)
-from extproc.h2server import (CONNECTION_WINDOW, FLUSH_AT, MAX_STREAMS, STREAM_WINDOW, WRITE_HIGH,
+from extproc.transport.h2server import (CONNECTION_WINDOW, FLUSH_AT, MAX_STREAMS, STREAM_WINDOW, WRITE_HIGH,
                               H2Server)
-from extproc.processor import Gateway
-from extproc.store import Store
-from extproc.wire import NO_PHASE, SERVICE
+from extproc.app.exchange import Gateway
+from extproc.state.store import Store
+from extproc.protocols.wire import NO_PHASE, SERVICE
 from tests.extproc.builders import KEYS, upstream, write_state
 from tests.support.procs import extproc_process, free_port, python, running, wait_port
 from tests.support.wait import scaled, wait_until
@@ -143,7 +143,7 @@ def no_errors_logged(caplog):
     caplog.set_level(logging.WARNING)
     yield caplog
     errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR
-              and r.name in ("extproc.h2server", "extproc.h2calls", "extproc.server", "asyncio")]
+              and r.name in ("extproc.transport.h2server", "extproc.transport.h2calls", "extproc.transport.grpc_servers", "asyncio")]
     assert not errors, [r.getMessage() for r in errors]
 
 

@@ -1,4 +1,4 @@
-"""The plaintext gRPC health port (extproc.health_port) and its setting, with a real
+"""The plaintext gRPC health port (extproc.transport.health_port) and its setting, with a real
 grpcio client: what each service answers in each phase of the ext_proc server."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.errors import ConfigError
-from extproc.health_port import HealthPort
+from extproc.transport.health_port import HealthPort
 from extproc.settings import Settings
-from extproc.wire import SERVICE
+from extproc.protocols.wire import SERVICE
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 READY_SERVICES = ("readiness", SERVICE, "")

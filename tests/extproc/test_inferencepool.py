@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.discovery import DiscoveryError, Endpoint
-from extproc.inferencepool import PoolState, WatchExpired, pod_endpoints, pool_spec
+from extproc.fleet.discovery import DiscoveryError, Endpoint
+from extproc.fleet.inferencepool import PoolState, WatchExpired, pod_endpoints, pool_spec
 
 STREAM = json.loads((Path(__file__).parent / "fixtures" / "inferencepool_watch.json").read_text())["steps"]
 
@@ -122,7 +122,7 @@ def test_ipv6_pods_are_bracketed_and_a_malformed_pool_serves_nothing():
 
 def test_no_kubernetes_api_config_is_a_config_error(tmp_path, monkeypatch):
     from extproc.errors import ConfigError
-    from extproc.inferencepool import InferencePoolSource
+    from extproc.fleet.inferencepool import InferencePoolSource
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
     with pytest.raises(ConfigError, match="no Kubernetes API config"):

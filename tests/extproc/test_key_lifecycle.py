@@ -10,12 +10,12 @@ import time
 import pytest
 
 from extproc import admin
-from extproc.auth import authenticate
+from extproc.domain.auth import authenticate
 from extproc.errors import Forbidden, InvalidField, Unauthorized
 from extproc.key_lifecycle import check_grant, issue, may_grant, parse_expiry
-from extproc.outcomes import RequestHead
-from extproc.processor import Gateway
-from extproc.store import Store
+from extproc.app.outcomes import RequestHead
+from extproc.app.exchange import Gateway
+from extproc.state.store import Store
 from tests.extproc.builders import KEYS, sha
 from tests.extproc.test_console import call, err, ok
 from tests.support.wait import wait_until

@@ -36,7 +36,7 @@ def _imports(tree: ast.AST, typing: bool = False):
             for alias in node.names:
                 yield alias.name, (), typing
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            for alias in node.names:   # ``from extproc import processor`` imports extproc.processor
+            for alias in node.names:   # ``from extproc import processor`` imports extproc.app.exchange
                 sub = f"{node.module}.{alias.name}"
                 if node.module == "extproc":
                     yield sub, (), typing
@@ -56,10 +56,10 @@ def _runtime(name: str) -> set[str]:
 
 @pytest.mark.parametrize("name", PROTOCOL)
 def test_protocol_layer_never_imports_the_application(name):
-    assert "extproc.processor" not in _runtime(name), (
-        f"extproc/{name}.py imports extproc.processor: the protocol layer may name the "
-        "Gateway type under TYPE_CHECKING only (outcome types: extproc.outcomes, header "
-        "names: extproc.headers)")
+    assert "extproc.app.exchange" not in _runtime(name), (
+        f"extproc/{name}.py imports extproc.app.exchange: the protocol layer may name the "
+        "Gateway type under TYPE_CHECKING only (outcome types: extproc.app.outcomes, header "
+        "names: extproc.domain.headers)")
 
 
 @pytest.mark.parametrize("name", sorted(LEAVES))
@@ -69,7 +69,7 @@ def test_shared_types_import_nothing_of_the_gateway(name):
 
 
 def test_processor_does_not_load_the_speculation_runtime():
-    assert not {m for m in _runtime("processor") if m.startswith("extproc.prefetch_planner")}
+    assert not {m for m in _runtime("processor") if m.startswith("extproc.fleet.speculation")}
 
 
 def test_phase_dispatch_is_written_once():
@@ -117,7 +117,7 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 
 def test_gateway_header_names_are_spelled_once():
-    """Every ``x-ace-*`` header name in code comes from extproc.headers."""
+    """Every ``x-ace-*`` header name in code comes from extproc.domain.headers."""
     spelled = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.name == "headers.py":
@@ -133,4 +133,4 @@ def test_gateway_header_names_are_spelled_once():
 @pytest.mark.parametrize("name", ("handlers", "console"))
 def test_route_handlers_beside_the_processor_do_not_import_it(name):
     """The processor builds its route table from these modules; an import back would be a cycle."""
-    assert "extproc.processor" not in _runtime(name)
+    assert "extproc.app.exchange" not in _runtime(name)

@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.errors import ConfigError
-from extproc.metrics import GatewayCollector, propagation_histogram, serve_metrics
-from extproc.outcomes import Reply, RequestHead
-from extproc.processor import Gateway
-from extproc.residency_view import ResidencyBoard, ResidencySnapshot
+from extproc.observe.metrics import GatewayCollector, propagation_histogram, serve_metrics
+from extproc.app.outcomes import Reply, RequestHead
+from extproc.app.exchange import Gateway
+from extproc.state.residency import ResidencyBoard, ResidencySnapshot
 from extproc.settings import Settings
 from tests.extproc.builders import KEYS, sha
 
@@ -133,7 +133,7 @@ def test_request_path_takes_no_lock_and_never_calls_prometheus(store):
     finally:
         sys.setprofile(None)
     assert not isinstance(out, Reply)
-    assert any(c.endswith("extproc/metrics.py") for c in calls)      # counted, and seen counting
+    assert any(c.endswith("extproc/observe/metrics.py") for c in calls)      # counted, and seen counting
     assert not [c for c in calls if "prometheus_client" in c]
     assert lock.taken == 1
     assert _samples(_registry(gw))[("ace_gateway_decision_seconds_count", ())] == 2
@@ -174,8 +174,8 @@ def test_predictions_links_and_snapshot_age_are_read_at_scrape_time(store):
 
 def test_agent_links_report_up_and_prefetch_signals(store):
     """A real AgentLink towards an address nothing listens on: down, its signal fails."""
-    from extproc.agent_client import AgentLink
-    from extproc.prefetch import PrefetchSignal
+    from extproc.fleet.agent_link import AgentLink
+    from extproc.domain.prefetch import PrefetchSignal
     from tests.support.procs import free_port
     from tests.support.wait import wait_until
 

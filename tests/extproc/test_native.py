@@ -5,12 +5,12 @@ import json
 import re
 from dataclasses import replace
 
-from extproc.auth import Principal
-from extproc.catalog import Upstream
-from extproc.decision import InferenceRequest, decide
-from extproc.native import new_execution_id, wrap_output
-from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
-from extproc.trace import execute_trace, trace_entries
+from extproc.domain.auth import Principal
+from extproc.state.catalog import Upstream
+from extproc.domain.decision import InferenceRequest, decide
+from extproc.app.native import new_execution_id, wrap_output
+from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport
+from extproc.app.trace import execute_trace, trace_entries
 
 BODY = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
         "lora_name": "code-python"}

@@ -3,7 +3,7 @@ choose_endpoint, and the board keeping the published placement."""
 import pytest
 
 from extproc.policy.routing import choose_endpoint, place_by_demand, replicas_of
-from extproc.residency_view import ResidencyBoard, ResidencySnapshot, TierReport
+from extproc.state.residency import ResidencyBoard, ResidencySnapshot, TierReport
 
 HOSTS = ("h0", "h1", "h2", "h3")
 

@@ -1,9 +1,9 @@
 import pytest
 
-from extproc.catalog import Upstream
+from extproc.state.catalog import Upstream
 from extproc.policy.routing import choose_endpoint, ring_walk
 from extproc.policy.warmset import warm_set
-from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport, host_load
+from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport, host_load
 
 
 def Res(tier: str) -> TierReport:
@@ -108,7 +108,7 @@ def test_warm_set_replicates_the_hottest():
 
 
 def test_route_plugs_into_the_gateway_seam():
-    from extproc.catalog import Adapter, Upstream
+    from extproc.state.catalog import Adapter, Upstream
     from extproc.policy.routing import load_policy, route
 
     assert load_policy("extproc.policy.routing:route") is route
@@ -175,7 +175,7 @@ def test_min_bound_keeps_a_lightly_loaded_resident_host():
 
 
 def _route_fixture():
-    from extproc.catalog import Adapter, Upstream
+    from extproc.state.catalog import Adapter, Upstream
 
     ups = [Upstream(f"e{i}", f"127.0.0.1:{9000 + i}", "builtin", "tiny") for i in range(3)]
     ad = Adapter("code-sql", "tiny", 32, ("q_proj",), 100, "public", "adapters/code-sql", "ab" * 32)
@@ -357,7 +357,7 @@ def test_round_robin_cycles_hosts_whatever_the_adapter():
 
 
 def lora(name: str):
-    from extproc.catalog import Adapter
+    from extproc.state.catalog import Adapter
     return Adapter(name, "m", 8, ("q_proj",), 1, "public", f"adapters/{name}", name)
 
 

@@ -6,14 +6,14 @@ from dataclasses import replace
 
 import pytest
 
-from extproc.auth import Principal
-from extproc.catalog import Upstream
-from extproc.decision import InferenceRequest, decide
-from extproc.headers import session_of
-from extproc.outcomes import RequestHead
-from extproc.processor import Gateway
-from extproc.residency_view import ResidencyBoard, ResidencySnapshot, SentCounts, TierReport
-from extproc.prefetch_planner import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, Step,
+from extproc.domain.auth import Principal
+from extproc.state.catalog import Upstream
+from extproc.domain.decision import InferenceRequest, decide
+from extproc.domain.headers import session_of
+from extproc.app.outcomes import RequestHead
+from extproc.app.exchange import Gateway
+from extproc.state.residency import ResidencyBoard, ResidencySnapshot, SentCounts, TierReport
+from extproc.fleet.speculation import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, Step,
                                       route_by_policy, warm_signals)
 from tests.extproc.builders import KEYS
 from tests.support.wait import wait_until
@@ -423,7 +423,7 @@ def test_routing_policy_defaults_to_affinity_with_several_upstreams():
 
 
 def test_warm_set_waits_for_every_agent_host_and_follows_the_routing_placement(tmp_path, snapshot):
-    from extproc.catalog import Upstream
+    from extproc.state.catalog import Upstream
     from extproc.policy.routing import place
     hosts = ["engine-1", "engine-2"]
     names = sorted(snapshot.adapters)

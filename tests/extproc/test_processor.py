@@ -6,12 +6,12 @@ import json
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.auth import hash_key
-from extproc.outcomes import CONTINUE, Continue, Reply, RequestHead
-from extproc.prefetch import PrefetchQueue, PrefetchSignal
-from extproc.processor import Gateway
-from extproc.server import ExternalProcessor
-from extproc.wire import serialize_response, to_response
+from extproc.domain.auth import hash_key
+from extproc.app.outcomes import CONTINUE, Continue, Reply, RequestHead
+from extproc.domain.prefetch import PrefetchQueue, PrefetchSignal
+from extproc.app.exchange import Gateway
+from extproc.transport.grpc_servers import ExternalProcessor
+from extproc.protocols.wire import serialize_response, to_response
 from tests.extproc.builders import KEYS
 
 
@@ -222,10 +222,10 @@ def test_response_bytes_are_the_ones_upb_writes():
 def test_a_burst_within_one_load_measurement_spreads_across_hosts(tmp_path):
     """Two hosts whose agents both last measured 0: the gateway adds what it routed since,
     so the burst leaves the resident host at the floor; the next measurement resets."""
-    from extproc.agent_client import AgentLink
+    from extproc.fleet.agent_link import AgentLink
     from extproc.policy.routing import LOAD_FLOOR, route
-    from extproc.residency_view import TierReport, host_load
-    from extproc.store import Store
+    from extproc.state.residency import TierReport, host_load
+    from extproc.state.store import Store
     from tests.extproc.builders import upstream, write_state
 
     state = write_state(tmp_path / "two", [upstream("u0", "127.0.0.1:8000"), upstream("u1", "127.0.0.1:8001")])

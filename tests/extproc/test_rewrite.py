@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from extproc.auth import Principal
-from extproc.catalog import Upstream
-from extproc.decision import InferenceRequest, decide
-from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
+from extproc.domain.auth import Principal
+from extproc.state.catalog import Upstream
+from extproc.domain.decision import InferenceRequest, decide
+from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport
 from extproc.rewrite import rewrite_request
 from extproc.rewrite.codec import decode, encode
 from tests.support.seeds import SEED_EXECUTE, SEED_HINTS
@@ -85,7 +85,7 @@ def test_hint_fields_cover_wire_hints(snapshot):
 
 
 def test_execute_seed_body_engine_sees_only_gateway_hints(snapshot):
-    from extproc.native import chat_body_from_execute
+    from extproc.app.native import chat_body_from_execute
     chat = chat_body_from_execute(SEED_EXECUTE)
     d = _decision(snapshot, "vllm", "body", body=chat)
     sent = json.loads(rewrite_request(chat, d, force=True).body)

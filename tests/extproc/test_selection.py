@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.errors import InvalidField, NotFound
-from extproc.selection import select_adapter
+from extproc.domain.selection import select_adapter
 
 CASES = [
     # body, tenant, expected adapter, source

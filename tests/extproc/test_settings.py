@@ -98,6 +98,6 @@ def test_invalid_epp_settings_are_config_errors(state_file, args):
 
 
 def test_self_signed_serving_cert_is_pem():
-    from extproc.serving_cert import self_signed
+    from extproc.transport.serving_cert import self_signed
     cert = self_signed()
     assert cert.cert_pem.startswith(b"-----BEGIN CERTIFICATE-----") and b"PRIVATE KEY" in cert.key_pem

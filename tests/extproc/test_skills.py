@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.errors import InvalidField
-from extproc.skills import parse_override_header, resolve, validate_skills
+from extproc.domain.skills import parse_override_header, resolve, validate_skills
 
 
 def test_header_parse():
@@ -63,7 +63,7 @@ def test_object_form_errors_name_the_field(raw, param):
 
 
 def test_resolve_sources_names_the_layer_each_mode_came_from():
-    from extproc.skills import resolve_sources
+    from extproc.domain.skills import resolve_sources
     layers = (("key", {"multi_lora": "shadow"}), ("tenant", {"dynamic_lora_prefetch": "prod", "multi_lora": "off"}),
               ("default", {}))
     assert resolve_sources(layers) == {"multi_lora": ("shadow", "key"), "dynamic_lora_prefetch": ("prod", "tenant")}

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.auth import Principal
-from extproc.decision import InferenceRequest, decide
-from extproc.residency_view import ResidencySnapshot, SentCounts, TierReport
-from extproc.trace import trace_entries
+from extproc.domain.auth import Principal
+from extproc.domain.decision import InferenceRequest, decide
+from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport
+from extproc.app.trace import trace_entries
 
 
 def _trace(snapshot, tier, prefetched, pf_mode, ml_mode="prod"):

@@ -1,13 +1,13 @@
-"""Runtime changes in the state database (extproc.state_db): SQLite here; PostgreSQL with
+"""Runtime changes in the state database (extproc.state.db): SQLite here; PostgreSQL with
 several replicas in test_state_db_postgres.py."""
 from __future__ import annotations
 
 import pytest
 
 from extproc import admin
-from extproc.auth import authenticate
+from extproc.domain.auth import authenticate
 from extproc.errors import Unauthorized
-from extproc.store import Store
+from extproc.state.store import Store
 from tests.extproc.builders import KEYS, sha
 from tests.support.wait import wait_until
 
@@ -50,7 +50,7 @@ def test_admin_cli_refuses_what_is_not_a_sha256(tmp_path, capsys):
 
 
 def test_an_older_overlay_never_replaces_a_newer_snapshot(tmp_path, state_file):
-    from extproc.state_db import Overlay
+    from extproc.state.db import Overlay
     s = Store(state_file, tmp_path / "gw.sqlite3", watch=False)
     s.set_key_skills(sha(KEYS["alice"]), {"multi_lora": "off"})
     newer = s.snapshot

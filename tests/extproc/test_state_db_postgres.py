@@ -9,10 +9,10 @@ import time
 import pytest
 
 from extproc import admin
-from extproc.auth import authenticate
-from extproc.state_db import WATCH_APP
+from extproc.domain.auth import authenticate
+from extproc.state.db import WATCH_APP
 from extproc.errors import ConfigError, StoreUnavailable, Unauthorized
-from extproc.store import Store
+from extproc.state.store import Store
 from tests.extproc.builders import KEYS, sha
 from tests.support.postgres import real_postgres
 from tests.support.wait import wait_until

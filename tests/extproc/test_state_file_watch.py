@@ -11,11 +11,11 @@ import time
 import pytest
 import yaml
 
-from extproc.auth import authenticate
+from extproc.domain.auth import authenticate
 from extproc.errors import Unauthorized
 from extproc.key_lifecycle import issue
 from extproc.state_file_watch import StateFileWatch
-from extproc.store import Store
+from extproc.state.store import Store
 from tests.extproc.builders import KEYS, sha, upstream, write_state
 
 DAVE = "sk-dave-0004"

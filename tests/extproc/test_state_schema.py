@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from extproc.errors import ConfigError
-from extproc.store import Store
+from extproc.state.store import Store
 from tests.extproc.builders import upstream, write_state
 from tests.gpu_agent.test_catalog_schema import REQUIRED as CATALOG_REQUIRED
 from tests.gpu_agent.test_catalog_schema import WRONG_TYPES as CATALOG_WRONG_TYPES

@@ -5,11 +5,11 @@ import json
 import pytest
 import yaml
 
-from extproc.auth import authenticate
+from extproc.domain.auth import authenticate
 from extproc.errors import (BadRequest, ConfigError, Forbidden, GatewayError, InvalidField,
                             MethodNotAllowed, NotFound, PayloadTooLarge, StoreUnavailable,
                             Unauthorized)
-from extproc.store import Store
+from extproc.state.store import Store
 from tests.extproc.builders import KEYS, sha, upstream, write_state
 
 
@@ -110,6 +110,6 @@ def test_fixtures_catalog_loads_unchanged(tmp_path):
 def test_key_hash_is_sha256_hex():
     import hashlib
 
-    from extproc.auth import hash_key
+    from extproc.domain.auth import hash_key
     for key in ("sk-alice-0001", "", "ключ-é-🔑", "x" * 1000):
         assert hash_key(key) == hashlib.sha256(key.encode()).hexdigest()

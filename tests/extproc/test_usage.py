@@ -1,13 +1,13 @@
-"""extproc.usage: the per (tenant, adapter) minute ring, with a fake clock and plain decisions."""
+"""extproc.observe.usage: the per (tenant, adapter) minute ring, with a fake clock and plain decisions."""
 from __future__ import annotations
 
 import threading
 
-from extproc.catalog import Adapter, Upstream
-from extproc.decision import Decision
-from extproc.prefetch import PrefetchSignal
-from extproc.residency_view import UNKNOWN, TierReport
-from extproc.usage import STALL_BOUNDS_MS, WINDOW_MINUTES, UsageRing, stall_percentile
+from extproc.state.catalog import Adapter, Upstream
+from extproc.domain.decision import Decision
+from extproc.domain.prefetch import PrefetchSignal
+from extproc.state.residency import UNKNOWN, TierReport
+from extproc.observe.usage import STALL_BOUNDS_MS, WINDOW_MINUTES, UsageRing, stall_percentile
 
 UP = Upstream(name="h1", address="127.0.0.1:1", flavour="vllm", base_model="b")
 A = Adapter(name="a1", base_model="b", rank=8, target_modules=("q_proj",), size_bytes=1, owner="public",

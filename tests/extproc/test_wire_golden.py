@@ -25,10 +25,10 @@ import pytest
 
 from bench.gateway_overhead import _chat_body
 from bench.gateway_profile import Feed
-from extproc.processor import Gateway
-from extproc.residency_view import ResidencyBoard, ResidencySnapshot, TierReport
-from extproc.store import Store
-from extproc.wire import pb
+from extproc.app.exchange import Gateway
+from extproc.state.residency import ResidencyBoard, ResidencySnapshot, TierReport
+from extproc.state.store import Store
+from extproc.protocols.wire import pb
 from tests.extproc.builders import KEYS, upstream, write_state
 
 GOLDEN = Path(__file__).parent / "fixtures" / "wire_golden.json"

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gpu_agent.artifacts import AdapterSpec, ArtifactStore, Catalog, DiskCache
 from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineLoad, EngineUnavailable
-from gpu_agent.residency import ResidencyBudgets, ResidencyManager
+from gpu_agent.residency.manager import ResidencyBudgets, ResidencyManager
 
 
 def write_adapter(directory: Path, name: str, nbytes: int = 4096) -> tuple[str, int]:

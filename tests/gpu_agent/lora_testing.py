@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gpu_agent.peft import BaseModelSpec, LoraAdapter
+from gpu_agent.engine.peft import BaseModelSpec, LoraAdapter
 
 # GQA-like: k/v narrower than hidden, an MLP module wider than hidden.
 SPEC = BaseModelSpec(

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from gpu_agent.artifacts import Catalog, CatalogError
-from gpu_agent.catalog_schema import SchemaError, read_catalog_file
+from ace_common.catalog_schema import SchemaError, read_catalog_file
 from gpu_agent.engine.adapters import read_catalog
 
 CATALOG = {

@@ -8,8 +8,8 @@ import pytest
 
 from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.connectors.builtin import BuiltinConnector
-from gpu_agent.residency import ResidencyBudgets, ResidencyManager, ResidencyOutcome, ResidencyResult
-from gpu_agent.tiers import Tier
+from gpu_agent.residency.manager import ResidencyBudgets, ResidencyManager, ResidencyOutcome, ResidencyResult
+from ace_common.tiers import Tier
 from tests.support.wait import async_wait_until
 
 DONE = ResidencyResult(ResidencyOutcome.DONE)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gpu_agent.errors import PoolExhausted
-from gpu_agent.lora_ops import apply_lora
-from gpu_agent.pool import AdapterPool
+from gpu_agent.engine.lora_ops import apply_lora
+from gpu_agent.engine.pool import AdapterPool
 
 from .lora_testing import SPEC, dense_reference, make_adapter
 
@@ -92,7 +92,7 @@ def test_a_load_does_not_wait_for_its_copy_and_the_first_batch_waits_on_its_even
     """The copy is queued on the side stream from pinned memory and the load returns with
     the copy's event recorded (``entry.ready``); the compute stream waits on it before the
     adapter's first batch, so the batch reads every byte without any synchronize."""
-    from gpu_agent.peft import load_peft_dir
+    from gpu_agent.engine.peft import load_peft_dir
     from gpu_agent.pool_copy import CopyDone
 
     from .lora_testing import write_peft_dir
@@ -125,7 +125,7 @@ def test_a_batch_runs_on_the_device_while_another_load_is_held_mid_copy(tmp_path
     """The CPU test's contract on CUDA: the pool's lock is not held across the copy."""
     import threading
 
-    from gpu_agent.peft import load_peft_dir
+    from gpu_agent.engine.peft import load_peft_dir
     from tests.support.wait import scaled, wait_until
 
     from .lora_testing import write_peft_dir

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gpu_agent.eviction import FIFOPolicy, LRUPolicy, make_policy
-from gpu_agent.pool import AdapterPool
+from gpu_agent.engine.pool import AdapterPool
 
 from .lora_testing import SPEC, make_adapter
 

@@ -51,7 +51,7 @@ def test_model_dir_is_a_llama_checkpoint(fx):
 
 
 def test_tokenizer_is_printable_ascii_metaspace_with_chat_template(fx):
-    from gpu_agent.tokenizer import ModelTokenizer
+    from gpu_agent.engine.tokenizer import ModelTokenizer
 
     tj = json.loads((fx / "model/tokenizer.json").read_text())
     assert tj["model"]["type"] == "BPE" and tj["pre_tokenizer"]["type"] == "Metaspace"
@@ -99,9 +99,9 @@ def test_adapter_tensors_follow_peft_naming(fx):
 
 
 def test_every_adapter_changes_greedy_output(fx):
-    from gpu_agent.model import LlamaModel, greedy_generate, merge_adapter
-    from gpu_agent.peft import BaseModelSpec, load_peft_dir
-    from gpu_agent.tokenizer import ModelTokenizer
+    from gpu_agent.engine.model import LlamaModel, greedy_generate, merge_adapter
+    from gpu_agent.engine.peft import BaseModelSpec, load_peft_dir
+    from gpu_agent.engine.tokenizer import ModelTokenizer
 
     model = LlamaModel.from_dir(fx / "model")
     spec = BaseModelSpec(BASE_MODEL_NAME, 2, 128, model.cfg.module_shapes())

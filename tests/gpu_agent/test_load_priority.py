@@ -55,7 +55,7 @@ class LoadHook:
 async def _builtin_agent(fixtures: Path, tmp_path: Path, base: str, max_adapters: int):
     from gpu_agent.connectors.builtin import BuiltinConnector
     from gpu_agent.engine.core import EngineSettings
-    from gpu_agent.residency import ResidencyBudgets, ResidencyManager
+    from gpu_agent.residency.manager import ResidencyBudgets, ResidencyManager
 
     cat_path = remote_catalog(fixtures, tmp_path, base)
     catalog = Catalog.from_yaml(cat_path)
@@ -196,7 +196,7 @@ def _preempted_by_a_request(fixtures, stage: str, hold_at: int):
 def test_a_prefetch_yields_mid_copy_to_a_request_that_arrives(fixtures):
     """Held between two chunks of its pool copy: the request's load arrives, the prefetch
     stops there (its partial copy freed), the request loads, then the prefetch loads."""
-    from gpu_agent.pool import COPY_CHUNK_BYTES
+    from gpu_agent.engine.pool import COPY_CHUNK_BYTES
 
     assert 919616 > 2 * COPY_CHUNK_BYTES
     loads, text = _preempted_by_a_request(fixtures, "copy", hold_at=2)  # 1st: before it evicts anything

@@ -139,8 +139,8 @@ def test_request_and_prefetch_of_one_remote_adapter_at_once_both_succeed(fixture
     of the same remote adapter at the same moment; before the fix the request got a 500."""
     from gpu_agent.connectors.builtin import BuiltinConnector
     from gpu_agent.engine.core import EngineSettings
-    from gpu_agent.residency import ResidencyBudgets, ResidencyManager
-    from gpu_agent.tiers import Tier
+    from gpu_agent.residency.manager import ResidencyBudgets, ResidencyManager
+    from ace_common.tiers import Tier
 
     async def main():
         async with slow_server(fixtures / "adapters", delay_s=0.3) as (base, hits):
@@ -205,9 +205,9 @@ def _pool(fixtures: Path, max_adapters: int | None):
     import torch
 
     from gpu_agent.engine.adapters import read_catalog
-    from gpu_agent.model import LlamaModel
-    from gpu_agent.peft import BaseModelSpec, load_peft_dir
-    from gpu_agent.pool import AdapterPool
+    from gpu_agent.engine.model import LlamaModel
+    from gpu_agent.engine.peft import BaseModelSpec, load_peft_dir
+    from gpu_agent.engine.pool import AdapterPool
 
     _, model_dir, entries = read_catalog(fixtures / "catalog.yaml")
     model = LlamaModel.from_dir(model_dir, device="cpu", dtype=torch.float32)

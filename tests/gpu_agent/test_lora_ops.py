@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from gpu_agent.lora_ops import apply_lora
-from gpu_agent.pool import AdapterPool
+from gpu_agent.engine.lora_ops import apply_lora
+from gpu_agent.engine.pool import AdapterPool
 
 from .lora_testing import SPEC, dense_reference, make_adapter
 
@@ -93,7 +93,7 @@ def test_scattered_pages_give_same_result():
 
 def test_matrix_split_over_free_runs_is_gathered():
     """A matrix bigger than every free run spans several runs and is gathered."""
-    from gpu_agent.peft import LoraAdapter
+    from gpu_agent.engine.peft import LoraAdapter
 
     pool = AdapterPool(SPEC, 4 * 112 * 32 * 4, dtype=torch.float32)
     for i in range(4):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpu_agent.fixtures import make_fixtures
-from gpu_agent.model import LlamaModel, Step, greedy_generate, merge_adapter
-from gpu_agent.peft import BaseModelSpec, load_peft_dir
-from gpu_agent.tokenizer import ModelTokenizer
+from gpu_agent.engine.model import LlamaModel, Step, greedy_generate, merge_adapter
+from gpu_agent.engine.peft import BaseModelSpec, load_peft_dir
+from gpu_agent.engine.tokenizer import ModelTokenizer
 
 torch.set_num_threads(1)
 
@@ -68,7 +68,7 @@ def test_mixed_batch_greedy_equals_merged_reference(model, spec, fx):
     """Each row of one batch uses another adapter (ranks 8-128, one without): every row's
     greedy tokens equal those of the model with that adapter merged into its weights."""
     from gpu_agent.engine.batcher import Batcher, GenerationRequest
-    from gpu_agent.pool import AdapterPool
+    from gpu_agent.engine.pool import AdapterPool
 
     tok = ModelTokenizer(fx / "model")
     pool = AdapterPool(spec, 8 << 20)
@@ -102,8 +102,8 @@ def test_mixed_batch_greedy_equals_merged_reference(model, spec, fx):
 
 
 def test_batched_lora_logits_match_merged(model, spec, fx):
-    from gpu_agent.lora_ops import apply_lora
-    from gpu_agent.pool import AdapterPool
+    from gpu_agent.engine.lora_ops import apply_lora
+    from gpu_agent.engine.pool import AdapterPool
 
     pool = AdapterPool(spec, 8 << 20)
     names = ["code-sql", "tr-fr-en", None, "med-triage"]
@@ -122,7 +122,7 @@ def test_batched_lora_logits_match_merged(model, spec, fx):
 
 def test_a_sequence_without_its_adapter_resident_ends_alone(model, spec, fx):
     from gpu_agent.engine.batcher import Batcher, GenerationRequest
-    from gpu_agent.pool import AdapterPool
+    from gpu_agent.engine.pool import AdapterPool
 
     pool = AdapterPool(spec, 4 << 20)
     pool.load(load_peft_dir(fx / "adapters/code-python", spec))

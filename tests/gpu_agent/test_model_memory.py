@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_agent.fixtures import ADAPTERS, make_fixtures
-from gpu_agent.memory import account, model_dir_bytes, safetensors_bytes
+from gpu_agent.engine.memory import account, model_dir_bytes, safetensors_bytes
 
 torch.set_num_threads(1)
 
@@ -20,8 +20,8 @@ def fx(tmp_path_factory) -> Path:
 
 
 def test_sizes_come_from_the_tensors(fx):
-    from gpu_agent.model import LlamaModel
-    from gpu_agent.peft import BaseModelSpec, load_peft_dir
+    from gpu_agent.engine.model import LlamaModel
+    from gpu_agent.engine.peft import BaseModelSpec, load_peft_dir
 
     model = LlamaModel.from_dir(fx / "model")
     assert model_dir_bytes(fx / "model") == model.nbytes

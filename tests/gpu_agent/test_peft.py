@@ -5,7 +5,7 @@ import torch
 
 from gpu_agent.errors import (AdapterInvalid, AdapterNotFound, BaseModelMismatch,
                               DigestMismatch, UnsupportedFeature)
-from gpu_agent.peft import adapter_dir, load_peft_dir
+from gpu_agent.engine.peft import adapter_dir, load_peft_dir
 
 from .lora_testing import SPEC, make_adapter, write_peft_dir
 
@@ -137,7 +137,7 @@ def test_unparseable_keys_rejected(tmp_path, key):
 
 def test_same_header_structure_keeps_each_adapters_own_bytes(tmp_path):
     """Adapters of one rank share a cached header structure, never each other's data."""
-    from gpu_agent.pool import AdapterPool
+    from gpu_agent.engine.pool import AdapterPool
 
     one, two = make_adapter("one", 16, seed=1), make_adapter("two", 16, seed=2)
     p1, p2 = write_peft_dir(tmp_path, one), write_peft_dir(tmp_path, two)
@@ -157,8 +157,8 @@ def test_core_modules_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, gpu_agent, gpu_agent.errors, gpu_agent.peft, gpu_agent.eviction, "
-            "gpu_agent.pool, gpu_agent.lora_ops, gpu_agent.staging; print('torch' in sys.modules)")
+    code = ("import sys, gpu_agent, gpu_agent.errors, gpu_agent.engine.peft, gpu_agent.eviction, "
+            "gpu_agent.engine.pool, gpu_agent.engine.lora_ops, gpu_agent.engine.staging; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -166,7 +166,7 @@ def test_core_modules_import_without_torch():
 def test_header_read_in_pieces_and_digest_still_enforced(tmp_path, monkeypatch):
     """The header comes from pread (one read when it fits _HEAD_READ, else a second one);
     the weights are the file's bytes either way, and a digest is still checked."""
-    import gpu_agent.peft as peft_mod
+    import gpu_agent.engine.peft as peft_mod
 
     ad = make_adapter("hdr", 8, modules=("q_proj", "k_proj", "up_proj"))
     path = write_peft_dir(tmp_path, ad)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gpu_agent.errors import AdapterBusy, AdapterInvalid, AdapterNotResident, PoolExhausted
-from gpu_agent.peft import BaseModelSpec
-from gpu_agent.pool import EMPTY_SLOT, AdapterPool
+from gpu_agent.engine.peft import BaseModelSpec
+from gpu_agent.engine.pool import EMPTY_SLOT, AdapterPool
 
 from .lora_testing import SPEC, make_adapter
 
@@ -136,7 +136,7 @@ def test_batch_grouping_and_in_use_counts():
     (3, torch.float32, torch.float32),    # k/v B [16, 3] does not fill whole pages
 ])
 def test_loaded_from_disk_all_copy_paths(tmp_path, rank, file_dtype, pool_dtype):
-    from gpu_agent.peft import load_peft_dir
+    from gpu_agent.engine.peft import load_peft_dir
 
     from .lora_testing import write_peft_dir
 
@@ -170,7 +170,7 @@ def test_concurrent_batches_do_not_share_index_tensors():
 def test_disk_load_into_scattered_pages_same_bytes(tmp_path):
     """A file-backed adapter placed in scattered free pages holds the same bytes as the
     one-memcpy path (contiguous) and as the in-memory adapter; releases keep the bitmap."""
-    from gpu_agent.peft import load_peft_dir
+    from gpu_agent.engine.peft import load_peft_dir
 
     from .lora_testing import write_peft_dir
 
@@ -211,7 +211,7 @@ def test_pread_into_pages_same_bytes_as_mapping(tmp_path, monkeypatch, part_min,
     """CPU one-copy loads pread the file into the page run (in parts when large); with
     the file closed they copy from the mapping. Same bytes either way."""
     import gpu_agent.pool_copy as pool_mod
-    from gpu_agent.peft import load_peft_dir
+    from gpu_agent.engine.peft import load_peft_dir
 
     from .lora_testing import write_peft_dir
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gpu_agent.errors import AdapterNotResident, PoolExhausted
-from gpu_agent.lora_ops import apply_lora
-from gpu_agent.peft import BaseModelSpec, load_peft_dir
-from gpu_agent.pool import COPY_CHUNK_BYTES, AdapterPool
+from gpu_agent.engine.lora_ops import apply_lora
+from gpu_agent.engine.peft import BaseModelSpec, load_peft_dir
+from gpu_agent.engine.pool import COPY_CHUNK_BYTES, AdapterPool
 from tests.support.wait import scaled, wait_until
 
 from .lora_testing import make_adapter, write_peft_dir

@@ -7,8 +7,8 @@ import pytest
 
 from gpu_agent.artifacts import ArtifactStore, Catalog, CatalogError, DiskCache
 from gpu_agent.errors import AdapterNotFound, DigestMismatch
-from gpu_agent.residency import ResidencyOutcome, ResidencyResult
-from gpu_agent.tiers import Tier
+from gpu_agent.residency.manager import ResidencyOutcome, ResidencyResult
+from ace_common.tiers import Tier
 
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, static_server
 from tests.support.wait import async_wait_until

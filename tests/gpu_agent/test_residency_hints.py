@@ -6,9 +6,9 @@ import asyncio
 
 import yaml
 
-from gpu_agent.residency import ResidencyOutcome, ResidencyResult
+from gpu_agent.residency.manager import ResidencyOutcome, ResidencyResult
 
-from gpu_agent.tiers import Tier
+from ace_common.tiers import Tier
 
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager, write_adapter
 from tests.support.wait import async_wait_until

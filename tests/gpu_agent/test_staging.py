@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gpu_agent.errors import AdapterNotFound, DigestMismatch
-from gpu_agent.pool import AdapterPool
-from gpu_agent.staging import AdapterTiers, HostCache
+from gpu_agent.engine.pool import AdapterPool
+from gpu_agent.engine.staging import AdapterTiers, HostCache
 
 from .lora_testing import SPEC, make_adapter, write_peft_dir
 

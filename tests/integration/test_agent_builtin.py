@@ -12,8 +12,8 @@ import grpc
 import httpx
 import pytest
 
-from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
-from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.agent import AUTH, agent_process
 from tests.support.procs import free_port, wait_http
 from tests.support.vllm import fixtures_dir

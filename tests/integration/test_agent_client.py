@@ -16,11 +16,11 @@ import time
 import grpc
 import pytest
 
-from extproc.agent_client import AgentLink, AgentTLS
-from extproc.prefetch import PrefetchSignal
+from extproc.fleet.agent_link import AgentLink, AgentTLS
+from extproc.domain.prefetch import PrefetchSignal
 from extproc.settings import Settings
-from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
-from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from gpu_agent.service import start_server
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager
 from tests.extproc.builders import write_state
@@ -283,8 +283,8 @@ def test_python_m_extproc_reaches_an_mtls_agent_with_the_agent_tls_flags(tmp_pat
 # ---- what the gateway's trace makes of agent residency (pure) ----
 
 def _decision(res, mode="prod"):
-    from extproc.catalog import Adapter, Upstream
-    from extproc.decision import Decision, _applied_action
+    from extproc.state.catalog import Adapter, Upstream
+    from extproc.domain.decision import Decision, _applied_action
     up = Upstream("u1", "127.0.0.1:1", "vllm", "ace-tiny-llama")
     ad = Adapter("code-python", "ace-tiny-llama", 8, ("q_proj",), 4096, "public", "adapters/x", "a" * 64)
     action = _applied_action(res)
@@ -305,25 +305,25 @@ def _decision(res, mode="prod"):
     (dict(tier="unknown", cold_load_ms=None, bytes=None), "adapter_applied", "unknown", "unknown", "unknown"),
 ])
 def test_trace_reports_prefetch_hits_from_agent_residency(res, action, hit, saved, vram):
-    from extproc.residency_view import TierReport
-    from extproc.trace import trace_entries
+    from extproc.state.residency import TierReport
+    from extproc.app.trace import trace_entries
     ml, _ = trace_entries(_decision(TierReport(**res)), None)
     assert (ml["action"], ml["is_prefetch_hit"], ml["swap_ms_saved"], ml["vram_mb_saved"]) == (
         action, hit, saved, vram)
 
 
 def test_shadow_trace_says_what_prod_would_have_done():
-    from extproc.residency_view import TierReport
-    from extproc.trace import trace_entries
+    from extproc.state.residency import TierReport
+    from extproc.app.trace import trace_entries
     res = TierReport("device", 12.0, 4096, prefetched=True, base_model_bytes=1 << 20)
     ml, _ = trace_entries(_decision(res, mode="shadow"), None)
     assert (ml["action"], ml["would"], ml["swap_ms_saved"]) == ("shadow", "adapter_prefetched_applied", "12")
 
 
 def test_the_engines_load_travels_into_the_gateways_snapshot_while_fresh(tmp_path):
-    from extproc.catalog import Adapter, Upstream
+    from extproc.state.catalog import Adapter, Upstream
     from extproc.policy.routing import route
-    from extproc.residency_view import ResidencySnapshot, SentCounts
+    from extproc.state.residency import ResidencySnapshot, SentCounts
     from gpu_agent.connectors.base import EngineLoad
 
     agent = AgentThread(tmp_path, free_port(), load_interval_s=0.02)
@@ -419,7 +419,7 @@ def test_a_speculations_bet_travels_to_the_agent_which_refuses_a_losing_one(tmp_
     agent = AgentThread(tmp_path, free_port(), capacity=2)
     agent.start()
     link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
-    caplog.set_level(logging.INFO, logger="extproc.agent_client")
+    caplog.set_level(logging.INFO, logger="extproc.fleet.agent_link")
     try:
         for name in ("a1", "a2"):
             assert link.submit(signal(name))

@@ -13,8 +13,8 @@ import grpc
 import httpx
 import pytest
 
-from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
-from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.integration.test_vllm_e2e import HEADERS, trace, write_state
 from tools.localstack import gateway_front
 from tests.support.agent import AUTH, TOKEN, agent_process

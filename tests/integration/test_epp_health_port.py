@@ -1,5 +1,5 @@
 """``python -m extproc --protocol epp`` with TLS on its ext_proc port and the plaintext
-gRPC health port beside it (extproc.health_port), each server flavour, real grpcio
+gRPC health port beside it (extproc.transport.health_port), each server flavour, real grpcio
 clients: what the kubelet's ``grpc:`` probes see while it serves and while SIGTERM drains
 an open stream, and the served-endpoint counts on /metrics."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.epp import ENDPOINT_HEADER, LB_NAMESPACE, SERVED_KEY
-from extproc.wire import SERVICE, pb
+from extproc.protocols.epp import ENDPOINT_HEADER, LB_NAMESPACE, SERVED_KEY
+from extproc.protocols.wire import SERVICE, pb
 from tests.extproc.builders import KEYS, upstream, write_state
 from tests.support.wait import scaled, wait_until
 from tools.localstack import extproc_process, free_port

@@ -53,7 +53,7 @@ def test_dropin_example_validates():
 def test_one_message_route_sends_every_header_the_gateway_reads():
     """On the one-message route ext_proc sees only the request_attributes Envoy sends:
     each request header the processor reads must be listed there."""
-    from extproc.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER
+    from extproc.domain.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER
 
     text = (ENVOY_DIR / "envoy.template.yaml").read_text()
     for header in ("authorization", TENANT_HEADER, SKILL_OVERRIDE_HEADER, SESSION_HEADER):

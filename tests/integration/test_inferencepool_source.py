@@ -16,8 +16,8 @@ from aiohttp import web
 pytest.importorskip("kubernetes")
 from kubernetes import client  # noqa: E402
 
-from extproc.discovery import Endpoint  # noqa: E402
-from extproc.inferencepool import InferencePoolSource  # noqa: E402
+from extproc.fleet.discovery import Endpoint  # noqa: E402
+from extproc.fleet.inferencepool import InferencePoolSource  # noqa: E402
 from tests.support.wait import scaled, wait_until  # noqa: E402
 
 STREAM = json.loads((Path(__file__).parents[1] / "extproc" / "fixtures" / "inferencepool_watch.json")

@@ -15,8 +15,8 @@ import grpc
 import httpx
 import pytest
 
-from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
-from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.agent import AUTH, agent_process
 from tests.support.vllm import BASE_MODEL, VLLMServer, fixtures_dir, vllm_python
 from tests.support.wait import scaled, wait_until

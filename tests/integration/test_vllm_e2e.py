@@ -18,8 +18,8 @@ import httpx
 import pytest
 import yaml
 
-from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
-from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tools.localstack import gateway_front
 from tests.support.agent import AUTH, TOKEN, agent_process
 from tests.support.procs import free_port

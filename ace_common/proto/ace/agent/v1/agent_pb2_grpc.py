@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from gpu_agent._proto.ace.agent.v1 import agent_pb2 as ace_dot_agent_dot_v1_dot_agent__pb2
+from ace_common.proto.ace.agent.v1 import agent_pb2 as ace_dot_agent_dot_v1_dot_agent__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
