@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CONSOLE_ROUTES", "skill_sources"]
 
-_STATIC = resources.files("extproc") / "console_static"
+_STATIC = resources.files("extproc.app") / "console_static"
 _SECURITY_HEADERS = (
     ("cache-control", "no-store"),
     ("x-content-type-options", "nosniff"),
