@@ -33,7 +33,8 @@ from extproc.app.outcomes import Outcome, Reply, RequestHead
 from extproc.app.handlers import Authenticated
 from extproc.policy.routing import RoutePolicy
 from extproc.state.residency import NONE, UNKNOWN_TIER
-from extproc.domain.skills import SKILLS, resolve, resolve_sources
+from extproc.state.skill_modes import SKILLS
+from extproc.domain.skills import resolve, resolve_sources
 from extproc.state.store import Snapshot
 
 if TYPE_CHECKING:

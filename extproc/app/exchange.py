@@ -14,7 +14,7 @@ from urllib.parse import unquote
 from typing import TYPE_CHECKING, Any, Mapping
 
 from extproc.domain.auth import Principal, authenticate
-from extproc.domain.decision import InferenceRequest, decide
+from extproc.domain.decision import Decision, InferenceRequest, decide
 from extproc.app.console import CONSOLE_ROUTES
 from extproc.errors import Forbidden, GatewayError, InvalidField
 from extproc.app.handlers import Authenticated, Handler, parse_object
@@ -26,7 +26,8 @@ from extproc.domain.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.policy.routing import RoutePolicy, choose_upstream
 from extproc.state.residency import ResidencyBoard
 from extproc.rewrite import rewrite_request
-from extproc.domain.skills import MULTI_LORA, SKILLS, parse_override_header, resolve
+from extproc.state.skill_modes import MULTI_LORA, SKILLS
+from extproc.domain.skills import parse_override_header, resolve
 from extproc.state.store import Store
 from extproc.app.trace import execute_trace, trace_metadata
 from extproc.observe.usage import UsageRing
@@ -266,6 +267,16 @@ class Exchange:
             return CONTINUE
         return self._guard(self.handler.on_response_body, body)
 
+    @property
+    def decision(self) -> "Decision | None":
+        """The request's decision once its body was decided (inference routes), else None."""
+        return getattr(self.handler, "decision", None)
+
+    @property
+    def headers_only(self) -> bool:
+        """Whether the route needs nothing of the body (it streams through untouched)."""
+        return getattr(self.handler, "headers_only", False)
+
     def done_after(self, phase: str) -> bool:
         """Whether the answer to ``phase`` (an ext_proc phase name: ``request_body``,
         ``response_body``, ...) is this exchange's last. The servers then end the gRPC stream
@@ -274,6 +285,6 @@ class Exchange:
         if phase == "response_body":
             return True
         if phase == "request_headers":
-            return getattr(self.handler, "headers_only", False)
+            return self.headers_only
         return phase == "request_body" and (self.handler is None or not self.handler.response_body_phase)
 

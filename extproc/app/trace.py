@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.domain.decision import Decision
-from extproc.domain.skills import DYNAMIC_LORA_PREFETCH, MULTI_LORA
+from extproc.state.skill_modes import DYNAMIC_LORA_PREFETCH, MULTI_LORA
 from ace_common.tiers import Tier
 
 __all__ = ["trace_entries", "execute_trace", "trace_metadata"]

@@ -34,8 +34,8 @@ from extproc.domain.prefetch import PrefetchSignal
 from extproc.policy.routing import RoutePolicy, choose_upstream
 from extproc.state.residency import NONE, UNKNOWN, ResidencySnapshot, SentCounts, TierReport
 from extproc.domain.selection import select_adapter
-from extproc.domain.skills import (DYNAMIC_LORA_PREFETCH, MULTI_LORA, OFF, PROD, SHADOW, resolve,
-                            validate_skills)
+from extproc.state.skill_modes import DYNAMIC_LORA_PREFETCH, MULTI_LORA, OFF, PROD, SHADOW, validate_skills
+from extproc.domain.skills import resolve
 from extproc.state.store import Snapshot
 from ace_common.tiers import Tier
 

@@ -63,7 +63,7 @@ from extproc.policy.speculator import SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.domain.prefetch import PrefetchSignal, PrefetchSink
 from extproc.state.residency import ResidencySnapshot, SentCounts
-from extproc.domain.skills import DYNAMIC_LORA_PREFETCH, OFF, PROD
+from extproc.state.skill_modes import DYNAMIC_LORA_PREFETCH, OFF, PROD
 from extproc.state.store import Snapshot
 from ace_common.tiers import Tier
 

@@ -67,8 +67,8 @@ from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport, h
 from ace_common.tiers import Tier
 
 __all__ = ["LOAD_FLOOR", "RoutePolicy", "RoundRobin", "RoutingDecision", "choose_endpoint",
-           "choose_upstream", "load_bound", "load_policy", "place", "ring_walk", "round_robin",
-           "route"]
+           "choose_upstream", "eligible_upstreams", "load_bound", "load_policy", "pick_order", "place",
+           "ring_walk", "round_robin", "route"]
 
 RoutePolicy = Callable[[Sequence[Upstream], "Adapter | None", ResidencySnapshot, SentCounts], Upstream]
 
@@ -292,3 +292,28 @@ class RoundRobin:
 
 
 round_robin = RoundRobin()
+
+
+def eligible_upstreams(upstreams: Sequence[Upstream], subset: tuple[str, ...] | None) -> list[Upstream]:
+    """ace's upstreams allowed by a gateway's subset hint (``ip:port``, or a bare ``ip`` for every port)."""
+    if subset is None:
+        return list(upstreams)
+    allowed = set(subset)
+    return [u for u in upstreams if u.address in allowed or u.address.rpartition(":")[0] in allowed]
+
+
+def pick_order(route: RoutePolicy, eligible: Sequence[Upstream], first: Upstream | None,
+               adapter: Adapter | None, residency: ResidencySnapshot, sent: SentCounts,
+               count: int) -> list[Upstream]:
+    """The fallback order (the endpoint picker protocol's pick list): ``first`` (the
+    decision's upstream; None: ask ``route``), then the other eligible hosts as ``route``
+    would rank them once the earlier ones are gone; ``count`` at most."""
+    left = list(eligible)
+    order: list[Upstream] = []
+    while left and len(order) < count:
+        nxt = first if first is not None and not order and first in left else route(left, adapter, residency, sent)
+        if nxt not in left:   # a policy that answers outside the list: keep the list's order
+            nxt = left[0]
+        order.append(nxt)
+        left.remove(nxt)
+    return order

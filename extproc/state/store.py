@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 from extproc.state.catalog import Adapter, DevKey, Tenant, Upstream
 from extproc.errors import ConfigError, GatewayError
-from extproc.domain.skills import validate_skills
+from extproc.state.skill_modes import validate_skills
 from extproc.state.db import Overlay, is_postgres_url, open_state_db
 from extproc.state.schema import config_error, read_catalog, read_state
 from ace_common.catalog_schema import CatalogAdapter
