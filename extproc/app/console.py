@@ -32,9 +32,10 @@ from extproc.domain.headers import TENANT_HEADER
 from extproc.app.outcomes import Outcome, Reply, RequestHead
 from extproc.app.handlers import Authenticated
 from extproc.policy.routing import RoutePolicy
-from extproc.state.residency import NONE, UNKNOWN_TIER
+from extproc.state.residency import UNKNOWN_TIER, public_tier
 from extproc.state.skill_modes import SKILLS
 from extproc.domain.skills import resolve, resolve_sources
+from ace_common.tiers import Tier
 from extproc.state.store import Snapshot
 
 if TYPE_CHECKING:
@@ -212,9 +213,10 @@ class Adapters(_ConsoleCall):
                 if table is None:          # no agent data for that host: never a guess
                     residency[u.name] = {"tier": UNKNOWN_TIER, "cold_load_ms": None, "prefetched": False}
                 elif r is None:            # its agent reports it nowhere on that host
-                    residency[u.name] = {"tier": NONE, "cold_load_ms": None, "prefetched": False}
+                    residency[u.name] = {"tier": public_tier(Tier.ABSENT), "cold_load_ms": None,
+                                         "prefetched": False}
                 else:
-                    residency[u.name] = {"tier": r.tier, "cold_load_ms": r.cold_load_ms, "prefetched": r.prefetched}
+                    residency[u.name] = {"tier": r.public_tier, "cold_load_ms": r.cold_load_ms, "prefetched": r.prefetched}
             out.append({"name": name, "rank": a.rank, "owner": a.owner, "domain": a.domain,
                         "size_bytes": a.size_bytes, "residency": residency})
         return _json({"tenant": self.principal.tenant.id, "hosts": hosts, "adapters": out})

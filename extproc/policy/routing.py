@@ -78,9 +78,10 @@ LOAD_FLOOR = 16
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    """Where to send the request (``host:port`` for ``x-ace-destination-endpoint``) and why."""
+    """Where to send the request and why: ``endpoint`` is the upstream's name (a key of the
+    residency snapshot; its ``Upstream.address`` is what ``x-ace-destination-endpoint`` carries)."""
 
-    endpoint: str | None
+    endpoint: str | None   # an upstream name, None: no candidate
     reason: str  # resident | staged | hashed | none
 
 
