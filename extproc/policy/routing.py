@@ -10,7 +10,7 @@ gateway routed to each host (``SentCounts``, the board's, passed beside the snap
 upstream serving the adapter's base model) with one.
 
 Adapter-affinity routing (``route``, ranked by ``choose_endpoint``) is a pure function
-over the residency view and each host's load (``residency_view.host_load``: the requests
+over the residency view and each host's load (``extproc.state.residency.host_load``: the requests
 its engine runs and queues as its agent last measured them, plus the requests this
 gateway routed there since that measurement arrived); a host whose load is unknown
 counts as 0. Hosts absent from the snapshot do not exist for routing: the residency

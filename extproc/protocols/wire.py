@@ -159,7 +159,7 @@ def _header_mutation(headers: tuple[tuple[str, str], ...]) -> bytes:
         name = _KEYS.get(key)
         if name is None:
             name = _field(b"\x0a", key.encode()) if key else b""
-            if len(_KEYS) < _METADATA_CACHE_SIZE:   # the processor sets a handful of names
+            if len(_KEYS) < _METADATA_CACHE_SIZE:   # the exchange sets a handful of names
                 _KEYS[key] = name
         raw = value.encode()
         header = name + _field(b"\x1a", raw) if raw else name

@@ -33,7 +33,7 @@ def _imports(tree: ast.AST, typing: bool = False):
             for alias in node.names:
                 yield alias.name, (), typing
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            for alias in node.names:   # ``from extproc import processor`` imports extproc.app.exchange
+            for alias in node.names:   # ``from extproc.app import exchange`` imports extproc.app.exchange
                 sub = f"{node.module}.{alias.name}"
                 if node.module == "extproc":
                     yield sub, (), typing
