@@ -198,8 +198,8 @@ class ResidencyManager:
         self.metrics.add_gauges(self._gauges)
         self.metrics.add_collector(self._collect_engine_counters)
         # every disk-cache eviction (the engine's own fetches included) spares what we protect
-        store.protect_providers.append(self._protected_digests)
-        store.eviction_listeners.append(lambda spec, reason: self._evicted(spec.name, Tier.DISK, reason))
+        store.protect_with(self._protected_digests)
+        store.on_eviction(lambda spec, reason: self._evicted(spec.name, Tier.DISK, reason))
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
