@@ -1,13 +1,13 @@
 # The gateway's ext_proc service. No torch: the gateway never needs it (it imports only
-# the agent's published contracts: its generated gRPC stubs, gpu_agent/_proto, and the
-# catalog's schema, gpu_agent/catalog_schema.py).
+# the agent's published contracts: its generated gRPC stubs, ace_common/proto, and the
+# catalog's schema, ace_common/catalog_schema.py).
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
 COPY gpu_agent/__init__.py ./gpu_agent/__init__.py
-COPY gpu_agent/_proto ./gpu_agent/_proto
-COPY gpu_agent/catalog_schema.py ./gpu_agent/catalog_schema.py
+COPY ace_common/proto ./gpu_agent/_proto
+COPY ace_common/catalog_schema.py ./gpu_agent/catalog_schema.py
 <<<<<<< HEAD
 # the postgres extra (psycopg): the replicas share their state through PostgreSQL
 # (--database-url; deploy/kubernetes sets it)
