@@ -238,3 +238,34 @@ def test_the_folders_table_lists_the_layers_in_the_contracts_order():
         assert all(layer in listed for layer in layers), (container, [x for x in layers if x not in listed])
         positions = [listed.index(layer) for layer in layers]
         assert positions == sorted(positions), f"{container}: the table's order is not the layers' order"
+
+
+_DOTTED = re.compile(r"(?<![\w./-])((?:%s)(?:\.\w+)+)" % "|".join(PACKAGES))
+
+
+def _resolves(dotted: str) -> bool:
+    """``dotted`` is a module, or a module's attribute (``extproc.policy.routing.pick_order``)."""
+    import importlib
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_the_docs_name_only_modules_and_paths_that_exist():
+    """After a move, no page names a module, a module's name or a file that is gone."""
+    stale = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text()
+        stale += [f"{page.name}: {d}" for d in sorted(set(_DOTTED.findall(text))) if not _resolves(d.rstrip("."))]
+        stale += [f"{page.name}: {p}" for p in sorted(set(paths_in(text)))
+                  if not (REPO / p.rstrip("/")).exists() and "*" not in p]
+    assert not stale
