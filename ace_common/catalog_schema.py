@@ -13,9 +13,8 @@ Every problem is a ``SchemaError`` naming the field's path::
 The catalog is read by the gateway (``extproc.state.store``), the agent
 (``gpu_agent.artifacts``) and the builtin engine (``gpu_agent.engine.adapters``), all
 through ``read_catalog_file``; the gateway's state file (``extproc.state.schema``) uses
-the same language. It lives here, with no dependency but ``yaml``, because the gateway
-already depends on the agent's published contracts (``ace_common.proto``) while the agent
-never imports the gateway; each side turns ``SchemaError`` into its own error at its
+the same language. It lives in the shared vocabulary (``ace_common``, which imports neither deployable),
+with no dependency but ``yaml``; each side turns ``SchemaError`` into its own error at its
 boundary (``ConfigError``, ``CatalogError``).
 """
 from __future__ import annotations
@@ -26,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from gpu_agent.errors import AgentError  # standard library only: the gateway imports this module
+from ace_common.errors import CommonError
 
 __all__ = ["CatalogAdapter", "CatalogBaseModel", "CatalogFile", "SchemaError", "parse", "read_catalog_file",
            "read_yaml_mapping"]
@@ -34,7 +33,7 @@ __all__ = ["CatalogAdapter", "CatalogBaseModel", "CatalogFile", "SchemaError", "
 T = TypeVar("T")
 
 
-class SchemaError(AgentError, ValueError):
+class SchemaError(CommonError, ValueError):
     """A YAML file does not match its schema: ``field`` is the path (``keys[2].tenant``),
     ``source`` the file when known. A ``ValueError`` too: the gateway and the engine's
     catalog reader catch it as one."""

@@ -45,9 +45,9 @@ from bench.trace import TraceError, load_trace
 from extproc.state.catalog import PUBLIC, Adapter, Tenant, Upstream
 from extproc.policy.routing import route
 from extproc.policy.speculator import SpeculationSettings
-from extproc.fleet.speculation import SpeculationPlanner, Step, demand_placement, route_by_policy
+from extproc.fleet.speculation import ObservedRequest, SpeculationPlanner, demand_placement, route_by_policy
 from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport
-from extproc.domain.skills import OFF, PROD
+from extproc.state.skill_modes import OFF, PROD
 from extproc.state.store import Snapshot
 from ace_common.tiers import Tier
 
@@ -238,7 +238,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
             host.load(a, now, load_s[a], hint=residency.victims.get(up, ()))
         if planner is not None:
             planner.sync(residency, now)
-            step = Step(upstream=up, tenant=r["tenant"], session=str(r["session"]), adapter=a, mode=mode)
+            step = ObservedRequest(upstream=up, tenant=r["tenant"], session=str(r["session"]), adapter=a, mode=mode)
             for sig in planner.step(step, snapshot, residency, sent, now):
                 target = sim[sig.upstream]
                 if sig.adapter not in target.pool:

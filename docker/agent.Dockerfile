@@ -4,7 +4,7 @@ FROM python:3.11-slim
 WORKDIR /app
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
-COPY extproc ./extproc
+COPY ace_common ./ace_common
 COPY gpu_agent ./gpu_agent
 COPY protos ./protos
 RUN pip install --no-cache-dir '.[agent]'

@@ -19,7 +19,7 @@ from extproc.app.exchange import Gateway
 from extproc.transport.grpc_servers import serve, serve_aio, serve_h2
 from extproc.transport.serving_cert import load_cert, self_signed
 from extproc.settings import Settings
-from extproc.state_file_watch import StateFileWatch
+from extproc.state.file_watch import StateFileWatch
 from extproc.state.store import Store
 
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_server = health = reloads = None
         store = Store(settings.config, settings.state_db(), settings.catalog,
                       upstreams_required=not settings.discovers)
-        # the state file again on a change or SIGHUP (never half-applied: extproc.state_file_watch)
+        # the state file again on a change or SIGHUP (never half-applied: extproc.state.file_watch)
         reloads = StateFileWatch(store, settings.config_poll_s).start()
         signal.signal(signal.SIGHUP, lambda signum, frame: reloads.wake())
         agents = {u.name: u.agent for u in store.snapshot.upstreams if u.agent}

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from extproc.errors import AceError
-from extproc.key_lifecycle import ROLE_NAMES, find_key, issue, key_listing, parse_expiry, rotation
+from extproc.domain.key_lifecycle import ROLE_NAMES, find_key, issue, key_listing, parse_expiry, rotation
 from extproc.state.db import open_state_db
 
 __all__ = ["main"]

@@ -24,7 +24,7 @@ with its HTTP status and OpenAI-shaped JSON body.
                                           down): nothing was changed, retry
 
 ``GatewayError`` s are raised anywhere in the request path and turned into a response at
-exactly one boundary per protocol: ``processor.Exchange`` (via ``GatewayError.to_json``),
+exactly one boundary per protocol: ``extproc.app.exchange.Exchange`` (via ``GatewayError.to_json``),
 and ``epp.EppStream`` for what the endpoint picker protocol refuses before a handler runs.
 """
 from __future__ import annotations

@@ -94,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_agent.settings import SettingsError, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python -m gpu_agent serve --catalog CATALOG [--engine builtin|vllm|sglang] ..."
+    if argv in (["-h"], ["--help"]):
+        print(usage + "\n(python -m gpu_agent serve --help: every option)")
+        return 0
     if not argv or argv[0] != "serve":
-        print("usage: python -m gpu_agent serve --catalog CATALOG [--engine builtin|vllm|sglang] ...",
-              file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     try:
         settings = parse_args(argv[1:])

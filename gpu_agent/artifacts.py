@@ -257,13 +257,22 @@ class ArtifactStore:
         # One fetch per digest (one first hash per local adapter) at a time: concurrent
         # callers (a prefetch and the engine's on-demand load of one adapter) await one task.
         self._inflight: dict[str, asyncio.Task] = {}
-        # Extra digests no disk eviction may remove (set by the residency manager and the
-        # builtin connector: adapters being loaded, pinned or on a higher tier).
-        self.protect_providers: list = []
-        # Told of every disk eviction the store decides itself: (spec, reason) with reason
-        # BUDGET (room for a fetch) or LEFT_DEVICE (a resident-only cache); the residency
-        # manager counts them. An operator's `forget_local` is counted by its caller.
-        self.eviction_listeners: list[Callable[[AdapterSpec, EvictReason], None]] = []
+        # Extra digests no disk eviction may remove (given by the residency manager and the
+        # builtin connector through `protect_with`: adapters being loaded, pinned or on a
+        # higher tier).
+        self._protect_providers: list[Callable[[], set[str]]] = []
+        # Told of every disk eviction the store decides itself (`on_eviction`).
+        self._eviction_listeners: list[Callable[[AdapterSpec, EvictReason], None]] = []
+
+    def protect_with(self, provider: Callable[[], set[str]]) -> None:
+        """``provider()``: more digests the disk tier must keep, asked at each eviction."""
+        self._protect_providers.append(provider)
+
+    def on_eviction(self, listener: Callable[[AdapterSpec, EvictReason], None]) -> None:
+        """``listener(spec, reason)`` for every disk eviction the store decides itself, reason
+        BUDGET (room for a fetch) or LEFT_DEVICE (a resident-only cache); the residency
+        manager counts them. An operator's `forget_local` is counted by its caller."""
+        self._eviction_listeners.append(listener)
 
     def _evicted(self, digests: Iterable[str], reason: EvictReason) -> None:
         by_digest = {spec.sha256: spec for spec in self.catalog}
@@ -271,13 +280,13 @@ class ArtifactStore:
             spec = by_digest.get(digest)
             if spec is None:
                 continue
-            for listener in self.eviction_listeners:
+            for listener in self._eviction_listeners:
                 listener(spec, reason)
 
     def protected(self, extra: set[str] = frozenset()) -> set[str]:
         """Digests the disk tier must keep now: `extra`, every provider's, and in-flight fetches."""
         out = set(extra) | {k for k in self._inflight if not k.startswith("local:")}
-        for provider in self.protect_providers:
+        for provider in self._protect_providers:
             out |= provider()
         return out
 

@@ -15,8 +15,6 @@ statuses at exactly one boundary::
     ├── LoadYielded             a prefetch's load stopped at a checkpoint for a request's
     │                           load (internal: the engine resumes it afterwards)
     ├── SettingsError           (gpu_agent.settings; also a ValueError) bad flag / env / file
-    ├── SchemaError             (ace_common.catalog_schema; also a ValueError) a YAML file
-    │                           does not match its schema
     ├── ChatTemplateError       (gpu_agent.engine.tokenizer; also a ValueError)
     ├── CatalogError, FetchError  (gpu_agent.artifacts)
     ├── ConnectorError          (gpu_agent.connectors.base) the engine refused a load/unload
@@ -25,7 +23,8 @@ statuses at exactly one boundary::
 
 Every exception the package raises on purpose derives from ``AgentError``; the ones
 callers (the gateway among them) catch as ``ValueError`` keep it as a second base. No
-imports: the gateway imports ``ace_common.catalog_schema``, which imports this module.
+imports. A catalog that does not match its schema is ``ace_common``'s ``SchemaError``
+(its own root, ``ace_common.errors.CommonError``), turned into a ``CatalogError`` here.
 """
 
 from __future__ import annotations

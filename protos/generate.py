@@ -13,7 +13,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent
-OUT = ROOT.parent / "gpu_agent" / "_proto"
+OUT = ROOT.parent / "ace_common" / "proto"
 PROTOS = ["ace/agent/v1/agent.proto"]
 
 

@@ -3,18 +3,27 @@
 The table says which file owns each decision; "Other modules" lists the rest. Both rot
 silently when a module is renamed or added, so this test reads them back: every path they
 name must exist (a file, or a directory when written with a trailing ``/``), and every
-Python module under ``extproc/`` and ``gpu_agent/`` (not ``__init__``, ``__main__`` or the
-generated ``_proto``) must be named in the table, in the list, or sit under a directory
-one of them names.
+Python module under ``extproc/``, ``gpu_agent/`` and ``ace_common/`` (not ``__init__``,
+``__main__`` or the generated ``ace_common/proto``) must be named in the table, in the list,
+or sit under a directory one of them names. No decision's owner sits under the transport or
+protocol layers (they translate, never decide).
+
+"Folders" maps each folder (and each layer that is a module) to what it owns: it names
+exactly the package's folders, and its order is the import-linter layers' order.
 """
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONTRACTS = REPO / "docs" / "contracts.md"
-PACKAGES = ("extproc", "gpu_agent")
+PACKAGES = ("ace_common", "extproc", "gpu_agent")
+GENERATED = "ace_common/proto/"
+#: folders that translate and never decide: no owner of the table sits under them
+NO_DECISIONS = ("extproc/transport/", "extproc/protocols/")
+FOLDERS_HEADING = "Folders"
 TABLE_HEADING = "Where does X happen"
 OTHER_HEADING = "Other modules"
 
@@ -84,7 +93,7 @@ def modules() -> list[str]:
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
             rel = path.relative_to(REPO)
-            if "_proto" in rel.parts or path.name in ("__init__.py", "__main__.py"):
+            if rel.as_posix().startswith(GENERATED) or path.name in ("__init__.py", "__main__.py"):
                 continue
             if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
                 continue
@@ -166,3 +175,97 @@ def test_every_module_is_in_the_map_or_the_other_modules_list():
     unnamed = [m for m in found if not covered(m, named)]
     assert not unnamed, ("modules named neither in docs/contracts.md's table nor in its "
                          f"'Other modules' list: {unnamed}")
+
+
+def test_no_decision_is_owned_by_the_transport_or_protocol_layers():
+    owners, _, _ = named_paths(CONTRACTS.read_text())
+    assert [o for o in owners if o.startswith(NO_DECISIONS)] == []
+
+
+def folder_rows(text: str) -> list[str]:
+    """The first column of the "Folders" table, one path each."""
+    body = re.split(r"^#+\s", _section(text, FOLDERS_HEADING), maxsplit=1, flags=re.M)[0]
+    rows = [_split_row(line) for line in body.splitlines() if line.lstrip().startswith("|")][2:]
+    out = []
+    for row in rows:
+        found = paths_in(row[0])
+        assert len(found) == 1, f"a folder row names exactly one path: {row}"
+        out.append(found[0])
+    return out
+
+
+def _tree_folders() -> set[str]:
+    """Every package folder of the three packages (the generated protos' inner folders aside)."""
+    found = set()
+    for package in PACKAGES:
+        for init in (REPO / package).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO).as_posix() + "/"
+            if rel.startswith(GENERATED) and rel != GENERATED:
+                continue
+            found.add(rel)
+    return found
+
+
+def _layers() -> dict[str, list[str]]:
+    """container -> its layers' paths, top first, from pyproject.toml's import-linter contracts."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    out = {}
+    for c in config["contracts"]:
+        if c["type"] == "layers":
+            (container,) = c["containers"]
+            paths = []
+            for layer in c["layers"]:
+                for name in (n.strip() for n in re.split(r"[|:]", layer)):
+                    base = REPO / container / name
+                    paths.append(f"{container}/{name}/" if base.is_dir() else f"{container}/{name}.py")
+            out[container] = paths
+    return out
+
+
+def test_the_folders_table_is_the_tree():
+    listed = folder_rows(CONTRACTS.read_text())
+    assert len(listed) == len(set(listed)), "a folder is listed twice"
+    folders = {p for p in listed if p.endswith("/")}
+    assert folders == _tree_folders(), (f"in the tree, not in the table: {sorted(_tree_folders() - folders)}; "
+                                        f"in the table, not in the tree: {sorted(folders - _tree_folders())}")
+    missing = [p for p in listed if not (REPO / p.rstrip("/")).exists()]
+    assert not missing
+
+
+def test_the_folders_table_lists_the_layers_in_the_contracts_order():
+    listed = folder_rows(CONTRACTS.read_text())
+    for container, layers in _layers().items():
+        assert all(layer in listed for layer in layers), (container, [x for x in layers if x not in listed])
+        positions = [listed.index(layer) for layer in layers]
+        assert positions == sorted(positions), f"{container}: the table's order is not the layers' order"
+
+
+_DOTTED = re.compile(r"(?<![\w./-])((?:%s)(?:\.\w+)+)" % "|".join(PACKAGES))
+
+
+def _resolves(dotted: str) -> bool:
+    """``dotted`` is a module, or a module's attribute (``extproc.policy.routing.pick_order``)."""
+    import importlib
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_the_docs_name_only_modules_and_paths_that_exist():
+    """After a move, no page names a module, a module's name or a file that is gone."""
+    stale = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text()
+        stale += [f"{page.name}: {d}" for d in sorted(set(_DOTTED.findall(text))) if not _resolves(d.rstrip("."))]
+        stale += [f"{page.name}: {p}" for p in sorted(set(paths_in(text)))
+                  if not (REPO / p.rstrip("/")).exists() and "*" not in p]
+    assert not stale

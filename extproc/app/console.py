@@ -15,7 +15,7 @@
 Same authorisation as the rest of the API (``extproc.domain.auth``): a key sees only its own
 tenant; a write of tenant defaults and the key operations need ``role: admin`` (403
 ``admin_required``), on the caller's own tenant only, granting no role above its own
-(``extproc.key_lifecycle``).
+(``extproc.domain.key_lifecycle``).
 
 Writes are browser-safe without a CSRF token: the key travels only in ``Authorization:
 Bearer`` (the page keeps it in sessionStorage; no cookie, so a browser never adds it to a
@@ -35,18 +35,20 @@ from urllib.parse import parse_qs, urlsplit
 from extproc.domain.auth import Principal, authenticate
 from extproc.state.catalog import DevKey
 from extproc.errors import Forbidden, InvalidField, MethodNotAllowed, UnsupportedMediaType
-from extproc.key_lifecycle import check_grant, find_key, issue, key_listing, parse_expiry, parse_role, rotation
+from extproc.domain.key_lifecycle import check_grant, find_key, issue, key_listing, parse_expiry, parse_role, rotation
 from extproc.domain.headers import TENANT_HEADER
 from extproc.app.outcomes import Outcome, Reply, RequestHead
 from extproc.app.handlers import Authenticated, HeadersOnly, parse_object
 from extproc.policy.routing import RoutePolicy
-from extproc.state.residency import NONE, UNKNOWN_TIER
-from extproc.domain.skills import SKILLS, resolve, resolve_sources
+from extproc.state.residency import UNKNOWN_TIER, public_tier
+from extproc.state.skill_modes import SKILLS
+from extproc.domain.skills import resolve, resolve_sources
+from ace_common.tiers import Tier
 from extproc.state.store import Snapshot
 
 __all__ = ["CONSOLE_ROUTES", "skill_sources"]
 
-_STATIC = resources.files("extproc") / "console_static"
+_STATIC = resources.files("extproc.app") / "console_static"
 _SECURITY_HEADERS = (
     ("cache-control", "no-store"),
     ("x-content-type-options", "nosniff"),
@@ -275,9 +277,10 @@ class Adapters(_ConsoleCall):
                 if table is None:          # no agent data for that host: never a guess
                     residency[u.name] = {"tier": UNKNOWN_TIER, "cold_load_ms": None, "prefetched": False}
                 elif r is None:            # its agent reports it nowhere on that host
-                    residency[u.name] = {"tier": NONE, "cold_load_ms": None, "prefetched": False}
+                    residency[u.name] = {"tier": public_tier(Tier.ABSENT), "cold_load_ms": None,
+                                         "prefetched": False}
                 else:
-                    residency[u.name] = {"tier": r.tier, "cold_load_ms": r.cold_load_ms, "prefetched": r.prefetched}
+                    residency[u.name] = {"tier": r.public_tier, "cold_load_ms": r.cold_load_ms, "prefetched": r.prefetched}
             out.append({"name": name, "rank": a.rank, "owner": a.owner, "domain": a.domain,
                         "size_bytes": a.size_bytes, "residency": residency})
         return _json({"tenant": self.principal.tenant.id, "hosts": hosts, "adapters": out})

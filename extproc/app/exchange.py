@@ -1,7 +1,7 @@
 """ext_proc phases as plain objects: one ``Exchange`` per HTTP request (= per gRPC stream).
 
 Handlers are registered per route path (``ROUTES``, ``PREFIX_ROUTES``); any other path is
-default-deny (``extproc.paths``): ``GET /health`` open, an upstream's ``allow_paths``
+default-deny (``extproc.state.paths``): ``GET /health`` open, an upstream's ``allow_paths``
 key-checked and routed (``EngineRoute``), anything else 404 after the key check. Errors
 raised anywhere below become an OpenAI-shaped immediate response here, and only here.
 """
@@ -14,22 +14,23 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from extproc.domain.auth import Principal
 from extproc.state.catalog import Upstream
-from extproc.domain.decision import InferenceRequest, decide
+from extproc.domain.decision import Decision, InferenceRequest, decide
 from extproc.app.console import CONSOLE_ROUTES
 from extproc.errors import GatewayError, InvalidField, MethodNotAllowed, NoUpstream, NotFound
 from extproc.app.handlers import Authenticated, Handler, HeadersOnly, parse_object
 from extproc.domain.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, session_of
 from extproc.observe.metrics import GatewayMetrics
-from extproc.model_list import ModelList
+from extproc.app.model_list import ModelList
 from extproc.app.native import chat_body_from_execute, new_execution_id, wrap_output
 from extproc.app.outcomes import CONTINUE, Continue, Outcome, Reply, RequestHead
-from extproc.paths import (CHAT, COMPLETIONS, EMBEDDINGS, EXECUTE, MODELS, MODELS_PREFIX, OPEN_PATHS,
+from extproc.state.paths import (CHAT, COMPLETIONS, EMBEDDINGS, EXECUTE, MODELS, MODELS_PREFIX, OPEN_PATHS,
                            RESPONSES, normalize)
 from extproc.domain.prefetch import NullPrefetchSink, PrefetchSink
 from extproc.policy.routing import RoutePolicy, choose_upstream
 from extproc.state.residency import ResidencyBoard
 from extproc.rewrite import SERVED_ROUTES, rewrite_request
-from extproc.domain.skills import MULTI_LORA, SKILLS, parse_override_header, resolve
+from extproc.state.skill_modes import MULTI_LORA, SKILLS
+from extproc.domain.skills import parse_override_header, resolve
 from extproc.state.store import Snapshot, Store
 from extproc.app.trace import execute_trace, trace_metadata
 from extproc.observe.usage import UsageRing
@@ -263,7 +264,7 @@ PREFIX_ROUTES: Mapping[str, type[Handler]] = {MODELS_PREFIX: ModelList}
 
 
 def _handler_for(path: str) -> Callable[[Gateway, RoutePolicy], Handler]:
-    """The handler of ``path``: its own, else default deny (``extproc.paths``)."""
+    """The handler of ``path``: its own, else default deny (``extproc.state.paths``)."""
     handler = ROUTES.get(path)
     if handler is not None:
         return handler
@@ -330,6 +331,16 @@ class Exchange:
             return CONTINUE
         return self._guard(self.handler.on_response_body, body)
 
+    @property
+    def decision(self) -> "Decision | None":
+        """The request's decision once its body was decided (inference routes), else None."""
+        return getattr(self.handler, "decision", None)
+
+    @property
+    def headers_only(self) -> bool:
+        """Whether the route needs nothing of the body (it streams through untouched)."""
+        return getattr(self.handler, "headers_only", False)
+
     def done_after(self, phase: str) -> bool:
         """Whether the answer to ``phase`` (an ext_proc phase name: ``request_body``,
         ``response_body``, ...) is this exchange's last. The servers then end the gRPC stream
@@ -338,6 +349,6 @@ class Exchange:
         if phase == "response_body":
             return True
         if phase == "request_headers":
-            return getattr(self.handler, "headers_only", False)
+            return self.headers_only
         return phase == "request_body" and (self.handler is None or not self.handler.response_body_phase)
 

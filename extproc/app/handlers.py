@@ -15,7 +15,7 @@ from extproc.errors import BadRequest, InvalidField, MethodNotAllowed, PayloadTo
 from extproc.domain.headers import TENANT_HEADER
 from extproc.app.outcomes import CONTINUE, Outcome, RequestHead
 from extproc.rewrite.codec import decode
-from extproc.domain.skills import validate_skills
+from extproc.state.skill_modes import validate_skills
 
 if TYPE_CHECKING:
     from extproc.policy.routing import RoutePolicy

@@ -11,41 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.domain.decision import Decision
-from extproc.domain.skills import DYNAMIC_LORA_PREFETCH, MULTI_LORA
-from ace_common.tiers import Tier
+from extproc.domain.decision import Decision, MultiLoraAction
+from extproc.state.skill_modes import DYNAMIC_LORA_PREFETCH, MULTI_LORA
 
 __all__ = ["trace_entries", "execute_trace", "trace_metadata"]
 
 _MIB = 1 << 20
 
 
-def _swap_ms_saved(d: Decision) -> float | None:
-    """None: unknown (host tier, whose saving is not measured yet, or residency unknown)."""
-    action = d.multi_lora_would or d.multi_lora_action
-    if action == "adapter_resident_applied" or (action == "adapter_prefetched_applied"
-                                                and d.residency.tier == Tier.DEVICE):
-        return d.residency.cold_load_ms  # the agent's measured cold load of this adapter
-    if action in ("adapter_cold_loaded", "passthrough"):
-        return 0.0
-    return None
-
-
-def _is_prefetch_hit(d: Decision) -> bool | None:
-    """True: the adapter was on the device because a prefetch put it there before the request,
-    and the request's prefetch skill is prod (``decide`` claims no prefetch otherwise)."""
-    if d.adapter is None or d.multi_lora_action == "passthrough":
-        return False
-    if not d.residency.known:
-        return None
-    action = d.multi_lora_would or d.multi_lora_action
-    return action == "adapter_prefetched_applied" and d.residency.tier == Tier.DEVICE
-
-
 def _vram_mb_saved(d: Decision) -> float | None:
     """Serving the adapter on the shared base instead of a dedicated instance saves the base
     model's weights (as the upstream's agent measured them)."""
-    if d.adapter is None or d.multi_lora_action == "passthrough":
+    if d.adapter is None or d.multi_lora_action == MultiLoraAction.PASSTHROUGH:
         return 0.0
     base = d.residency.base_model_bytes
     return base / _MIB if base else None
@@ -66,12 +43,12 @@ def trace_entries(d: Decision, prefetch_queued: bool | None) -> list[dict[str, s
     ml = {"skill": MULTI_LORA, "mode": d.skills[MULTI_LORA], "action": d.multi_lora_action}
     if d.multi_lora_would:
         ml["would"] = d.multi_lora_would
-    ml.update(adapter=adapter, residency=d.residency.tier, swap_ms_saved=_num(_swap_ms_saved(d)),
-              is_prefetch_hit=_flag(_is_prefetch_hit(d)),
+    ml.update(adapter=adapter, residency=d.residency.public_tier, swap_ms_saved=_num(d.swap_ms_saved),
+              is_prefetch_hit=_flag(d.prefetch_hit),
               vram_mb_saved="unknown" if vram is None else f"{vram:.3g}",
               upstream=d.upstream.name)
     pf = {"skill": DYNAMIC_LORA_PREFETCH, "mode": d.skills[DYNAMIC_LORA_PREFETCH],
-          "action": d.prefetch_action, "adapter": adapter, "residency": d.residency.tier}
+          "action": d.prefetch_action, "adapter": adapter, "residency": d.residency.public_tier}
     if prefetch_queued is not None:
         pf["queued"] = "true" if prefetch_queued else "dropped"
     return [ml, pf]
@@ -94,17 +71,17 @@ def execute_trace(d: Decision, prefetch_queued: bool | None) -> list[dict[str, A
     base weights a dedicated instance would repeat; ``dynamic_lora_prefetch`` saves the
     swap only on a prefetch hit, and no memory."""
     adapter = d.adapter.name if d.adapter is not None else None
-    hit = _is_prefetch_hit(d)
+    hit = d.prefetch_hit
     ml: dict[str, Any] = {"skill": MULTI_LORA, "mode": d.skills[MULTI_LORA],
                           "action": d.multi_lora_action}
     if d.multi_lora_would:
         ml["would"] = d.multi_lora_would
-    ml.update(adapter_name=adapter, residency=d.residency.tier,
-              **_savings(hit, _swap_ms_saved(d), _vram_mb_saved(d)), upstream=d.upstream.name)
-    pf_swap = None if hit is None else (_swap_ms_saved(d) if hit else 0.0)
+    ml.update(adapter_name=adapter, residency=d.residency.public_tier,
+              **_savings(hit, d.swap_ms_saved, _vram_mb_saved(d)), upstream=d.upstream.name)
+    pf_swap = None if hit is None else (d.swap_ms_saved if hit else 0.0)
     pf: dict[str, Any] = {"skill": DYNAMIC_LORA_PREFETCH, "mode": d.skills[DYNAMIC_LORA_PREFETCH],
                           "action": d.prefetch_action, "adapter_name": adapter,
-                          "residency": d.residency.tier, **_savings(hit, pf_swap, 0.0)}
+                          "residency": d.residency.public_tier, **_savings(hit, pf_swap, 0.0)}
     if prefetch_queued is not None:
         pf["queued"] = "true" if prefetch_queued else "dropped"
     return [ml, pf]

@@ -1,8 +1,8 @@
 """Out-of-band prefetch signals from the gateway to the agents.
 
 The request path only calls ``PrefetchSink.submit``, which never blocks: signals go into
-a bounded queue and a background thread hands them to a ``send`` callable (the agent
-issue plugs in a gRPC sender). A full queue drops the signal and says so (False).
+a bounded queue and a background thread hands them to a ``send`` callable (the agents'
+gRPC sender, ``extproc.fleet.agent_link.AgentLink``). A full queue drops the signal and says so (False).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from typing import Mapping
 import grpc
 
 from extproc.domain.prefetch import PrefetchQueue, PrefetchSignal
-from extproc.state.residency import NONE, UNKNOWN_TIER, ResidencyBoard, ResidencySnapshot, TierReport
+from extproc.state.residency import UNKNOWN_TIER, ResidencyBoard, ResidencySnapshot, TierReport
 from extproc.settings import AgentTLS
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
@@ -50,8 +50,8 @@ __all__ = ["AgentLink", "AgentTLS", "event_load", "to_residency"]
 
 log = logging.getLogger(__name__)
 
-_TIERS = {pb.TIER_DEVICE: Tier.DEVICE.value, pb.TIER_HOST: Tier.HOST.value, pb.TIER_DISK: Tier.DISK.value,
-          pb.TIER_REMOTE: Tier.REMOTE.value, pb.TIER_ABSENT: NONE}
+_TIERS = {pb.TIER_DEVICE: Tier.DEVICE, pb.TIER_HOST: Tier.HOST, pb.TIER_DISK: Tier.DISK,
+          pb.TIER_REMOTE: Tier.REMOTE, pb.TIER_ABSENT: Tier.ABSENT}
 
 
 def to_residency(status: pb.AdapterStatus, base_model_bytes: int = 0) -> TierReport:

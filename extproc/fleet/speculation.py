@@ -4,7 +4,7 @@ learn each request's session step, prefetch the next.
 ```
  request path (ext_proc)                      background thread "speculation"
  decide() -> Decision ─ observe() ─ deque ──▶ SpeculationPlanner.sync(ResidencySnapshot)
-            (one append, bounded)             SpeculationPlanner.step(Step) -> [PrefetchSignal]
+            (one append, bounded)             SpeculationPlanner.step(ObservedRequest) -> [PrefetchSignal]
                                               ─ PrefetchSink.submit (AgentLink: bounded queue)
 ```
 
@@ -63,12 +63,12 @@ from extproc.policy.speculator import DEFAULT_LOAD_S, SpeculationSettings, Specu
 from extproc.policy.warmset import warm_set
 from extproc.domain.prefetch import PrefetchSignal, PrefetchSink
 from extproc.state.residency import ResidencySnapshot, SentCounts
-from extproc.domain.skills import DYNAMIC_LORA_PREFETCH, OFF, PROD
+from extproc.state.skill_modes import DYNAMIC_LORA_PREFETCH, OFF, PROD
 from extproc.state.store import Snapshot
 from ace_common.tiers import Tier
 
 __all__ = ["GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
-           "SpeculationPlanner", "Step", "demand_placement", "route_by_policy", "warm_signals"]
+           "SpeculationPlanner", "ObservedRequest", "demand_placement", "route_by_policy", "warm_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class RequestObserver(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Step:
+class ObservedRequest:
     """One observed request: served by ``upstream`` for ``tenant``, its prefetch ``mode``."""
 
     upstream: str
@@ -130,7 +130,7 @@ class SpeculationPlanner:
             pooled = [a for a, r in table.items() if r.tier == Tier.DEVICE]
             self.speculator(upstream).sync(pooled, now, learn_capacity=True)
 
-    def step(self, step: Step, snapshot: Snapshot, residency: ResidencySnapshot, sent: SentCounts,
+    def step(self, step: ObservedRequest, snapshot: Snapshot, residency: ResidencySnapshot, sent: SentCounts,
              now: float) -> list[PrefetchSignal]:
         """``Speculator.step`` on the serving host (the one speculation loop), wrapped with
         the gateway's parts: a predicted adapter must exist and be visible to the tenant,
@@ -344,7 +344,7 @@ class GatewaySpeculation:
         pending = self._pending
         while pending:
             item = pending.popleft()
-            self._handle(Step(*item))
+            self._handle(ObservedRequest(*item))
             n += 1
             time.sleep(0)  # release the GIL between steps: a request waits one step at most
         if n:
@@ -387,7 +387,7 @@ class GatewaySpeculation:
             self.planner.sync(residency, now)
         return residency
 
-    def _handle(self, step: Step) -> None:
+    def _handle(self, step: ObservedRequest) -> None:
         now = self.clock()
         residency = self._sync(now)
         self.counts[step.adapter] = self.counts.get(step.adapter, 0.0) + 1.0

@@ -29,7 +29,7 @@ if TYPE_CHECKING:   # annotations only: the gateway without agents never imports
     from extproc.fleet.agent_link import AgentLink
     from extproc.fleet.speculation import GatewaySpeculation
     from extproc.state.residency import ResidencyBoard
-    from extproc.state_file_watch import StateFileWatch
+    from extproc.state.file_watch import StateFileWatch
 
 __all__ = ["DECISION_BUCKETS_S", "ConfigReloadCollector", "GatewayMetrics", "GatewayCollector", "serve_metrics"]
 
@@ -190,7 +190,7 @@ class GatewayCollector(Collector):
 
 
 class ConfigReloadCollector(Collector):
-    """The state file's reloads (``extproc.state_file_watch.StateFileWatch``), read at scrape time."""
+    """The state file's reloads (``extproc.state.file_watch.StateFileWatch``), read at scrape time."""
 
     def __init__(self, watch: "StateFileWatch") -> None:
         self.watch = watch

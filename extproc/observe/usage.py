@@ -106,7 +106,7 @@ class UsageRing:
                 bucket[_HITS] += 1
             if stall is not None:
                 bucket[_STALL + bisect.bisect_left(STALL_BOUNDS_MS, stall)] += 1
-            if res.tier == Tier.DEVICE and res.prefetched and d.multi_lora_action == "adapter_prefetched_applied":
+            if d.prefetch_used:
                 bucket[_USED] += 1
         if d.prefetch_signal is not None and prefetch_queued:
             bucket[_SIGNALLED] += 1

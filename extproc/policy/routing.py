@@ -10,7 +10,7 @@ gateway routed to each host (``SentCounts``, the board's, passed beside the snap
 upstream serving the adapter's base model) with one.
 
 Adapter-affinity routing (``route``, ranked by ``choose_endpoint``) is a pure function
-over the residency view and each host's load (``residency_view.host_load``: the requests
+over the residency view and each host's load (``extproc.state.residency.host_load``: the requests
 its engine runs and queues as its agent last measured them, plus the requests this
 gateway routed there since that measurement arrived); a host whose load is unknown
 counts as 0. Hosts absent from the snapshot do not exist for routing: the residency
@@ -80,7 +80,8 @@ from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport, h
 from ace_common.tiers import Tier
 
 __all__ = ["LOAD_FLOOR", "RoutePolicy", "RoundRobin", "RoutingDecision", "choose_endpoint",
-           "choose_upstream", "load_bound", "load_policy", "place", "place_by_demand", "replicas_of",
+           "choose_upstream", "eligible_upstreams", "load_bound", "load_policy", "pick_order", "place",
+           "place_by_demand", "replicas_of",
            "ring_walk", "round_robin", "route"]
 
 RoutePolicy = Callable[[Sequence[Upstream], "Adapter | None", ResidencySnapshot, SentCounts], Upstream]
@@ -93,9 +94,10 @@ BALANCE_MIN_REQUESTS = 16  # ... once this many requests per host were counted (
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    """Where to send the request (``host:port`` for ``x-ace-destination-endpoint``) and why."""
+    """Where to send the request and why: ``endpoint`` is the upstream's name (a key of the
+    residency snapshot; its ``Upstream.address`` is what ``x-ace-destination-endpoint`` carries)."""
 
-    endpoint: str | None
+    endpoint: str | None   # an upstream name, None: no candidate
     reason: str  # placed | resident | staged | hashed | none
 
 
@@ -398,3 +400,28 @@ class RoundRobin:
 
 
 round_robin = RoundRobin()
+
+
+def eligible_upstreams(upstreams: Sequence[Upstream], subset: tuple[str, ...] | None) -> list[Upstream]:
+    """ace's upstreams allowed by a gateway's subset hint (``ip:port``, or a bare ``ip`` for every port)."""
+    if subset is None:
+        return list(upstreams)
+    allowed = set(subset)
+    return [u for u in upstreams if u.address in allowed or u.address.rpartition(":")[0] in allowed]
+
+
+def pick_order(route: RoutePolicy, eligible: Sequence[Upstream], first: Upstream | None,
+               adapter: Adapter | None, residency: ResidencySnapshot, sent: SentCounts,
+               count: int) -> list[Upstream]:
+    """The fallback order (the endpoint picker protocol's pick list): ``first`` (the
+    decision's upstream; None: ask ``route``), then the other eligible hosts as ``route``
+    would rank them once the earlier ones are gone; ``count`` at most."""
+    left = list(eligible)
+    order: list[Upstream] = []
+    while left and len(order) < count:
+        nxt = first if first is not None and not order and first in left else route(left, adapter, residency, sent)
+        if nxt not in left:   # a policy that answers outside the list: keep the list's order
+            nxt = left[0]
+        order.append(nxt)
+        left.remove(nxt)
+    return order

@@ -2,7 +2,9 @@
 
 Spec: ``docs/proposals/004-endpoint-picker-protocol`` of kubernetes-sigs/
 gateway-api-inference-extension (see docs/epp.md). The same ``Exchange`` decides (auth,
-adapter, skills, rewrite, routing, prefetch); this module only speaks the protocol:
+adapter, skills, rewrite, routing, prefetch); admission (load shedding) is
+``extproc.policy.admission``'s, the eligible hosts and the fallback order
+``extproc.policy.routing``'s. This module is the protocol's state machine only:
 
 - the pick goes out as header ``x-gateway-destination-endpoint`` and as dynamic metadata
   ``envoy.lb`` / ``x-gateway-destination-endpoint``, the same ``ip:port[,ip:port...]``
@@ -23,24 +25,23 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
-from extproc.state.catalog import Upstream
-from extproc.errors import GatewayError, NoUpstream, PayloadTooLarge, TooManyRequests
-from extproc.domain.headers import SERVED_BY_HEADER, TENANT_HEADER, TRACE_METADATA_HEADERS, hint_header
 from extproc.app.outcomes import Continue, Reply
-from extproc.state.residency import host_load
+from extproc.domain.headers import SERVED_BY_HEADER, TENANT_HEADER, TRACE_METADATA_HEADERS, hint_header
+from extproc.errors import GatewayError, NoUpstream, PayloadTooLarge
+from extproc.policy.admission import admit
+from extproc.policy.routing import eligible_upstreams, pick_order
+from extproc.protocols.wire import METADATA_NAMESPACE, pb, request_head, set_headers, to_response
 from extproc.rewrite.hints import HINT_FIELDS
-from extproc.protocols.wire import METADATA_NAMESPACE, pb, request_head, to_response
+from extproc.state.catalog import Upstream
 
 if TYPE_CHECKING:
     from extproc.app.exchange import Gateway
 
-__all__ = ["EppStream", "EppStats", "subset_hint", "eligible_upstreams", "pick_order",
-           "ENDPOINT_HEADER", "LB_NAMESPACE", "SUBSET_NAMESPACE", "SUBSET_KEY", "SERVED_KEY", "CHUNK"]
+__all__ = ["EppStream", "EppStats", "subset_hint", "ENDPOINT_HEADER", "LB_NAMESPACE", "SUBSET_NAMESPACE", "SUBSET_KEY", "SERVED_KEY", "CHUNK"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,6 @@ CHUNK = 62_000   # bytes per streamed body answer, as the reference picker split
 _REQUEST_HEADERS = {"tenant": TENANT_HEADER, **{"hint_" + f: hint_header(f) for f in HINT_FIELDS}}
 _RESPONSE_HEADERS = TRACE_METADATA_HEADERS
 _DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
-_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 class EppStats:
@@ -83,41 +83,6 @@ def subset_hint(metadata: pb.ProcessingRequest) -> tuple[str, ...] | None:
     else:
         items = []
     return tuple(p.strip() for item in items for p in item.split(",") if p.strip())
-
-
-def eligible_upstreams(upstreams: Sequence[Upstream], subset: tuple[str, ...] | None) -> list[Upstream]:
-    """ace's upstreams allowed by the hint (``ip:port``, or a bare ``ip`` for every port)."""
-    if subset is None:
-        return list(upstreams)
-    allowed = set(subset)
-    return [u for u in upstreams if u.address in allowed or u.address.rpartition(":")[0] in allowed]
-
-
-def pick_order(route, eligible: Sequence[Upstream], first: Upstream | None, adapter, residency, sent,
-               count: int) -> list[Upstream]:
-    """``first`` (the decision's upstream; None: ask ``route``), then the other eligible
-    hosts as ``route`` would rank them once the earlier ones are gone; ``count`` at most."""
-    left = list(eligible)
-    order: list[Upstream] = []
-    while left and len(order) < count:
-        nxt = first if first is not None and not order and first in left else route(left, adapter, residency, sent)
-        if nxt not in left:   # a policy that answers outside the list: keep the list's order
-            nxt = left[0]
-        order.append(nxt)
-        left.remove(nxt)
-    return order
-
-
-def _set_headers(mutation, headers, metadata=(), owned=None) -> None:
-    """Overwrite semantics: a client cannot smuggle the pick (or ace's headers) in.
-    ``owned``: metadata key -> header name; those of ``metadata`` are set, the others removed."""
-    if owned:
-        values = dict(metadata)
-        headers = (*headers, *((name, values[key]) for key, name in owned.items() if key in values))
-        mutation.remove_headers.extend(name for key, name in owned.items() if key not in values)
-    for key, value in headers:
-        mutation.set_headers.add(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                 append_action=_OVERWRITE)
 
 
 def _body_chunks(phase: str, body: bytes, end: bool = True) -> list[pb.ProcessingResponse]:
@@ -213,8 +178,9 @@ class EppStream:
         outcome = self.exchange.on_request_headers(head)
         if isinstance(outcome, Reply):
             return self._immediate(outcome)
-        self._shed()   # authenticated, bound upstream: before anything is decided or signalled
-        if head.end_of_stream or getattr(self.exchange.handler, "headers_only", False):
+        # authenticated, bound upstream: admitted before anything is decided or signalled
+        admit(self.eligible, self.gw.residency.current, self.gw.residency.sent, self.gw.shed_load)
+        if head.end_of_stream or self.exchange.headers_only:
             # nothing of the body is needed: pick now, let the body stream through
             self.echo_request = not head.end_of_stream
             return [self._headers_answer("request_headers", outcome, self._pick(None))]
@@ -240,8 +206,7 @@ class EppStream:
         outcome = self.exchange.on_request_body(body)
         if isinstance(outcome, Reply):
             return self._immediate(outcome)
-        decision = getattr(self.exchange.handler, "decision", None)
-        pick = self._pick(decision)
+        pick = self._pick(self.exchange.decision)
         held = self.held.headers if self.held is not None else ()
         merged = Continue(held + outcome.headers, outcome.body, outcome.metadata)
         if not self.duplex_request:
@@ -270,21 +235,12 @@ class EppStream:
                                 self.gw.residency.sent, 1 + self.gw.epp_fallbacks)
         return ",".join(u.address for u in self.picks)
 
-    def _shed(self) -> None:
-        """429 when every eligible host is at the shedding bound (``Gateway.shed_load``)."""
-        bound = self.gw.shed_load
-        if not bound:
-            return
-        snap, sent = self.gw.residency.current, self.gw.residency.sent
-        if all((host_load(snap, sent, u.name) or 0) >= bound for u in self.eligible):
-            raise TooManyRequests(f"every eligible endpoint has {bound} or more requests in flight")
-
     def _headers_answer(self, phase: str, outcome: Continue, pick: str) -> pb.ProcessingResponse:
         resp = pb.ProcessingResponse()
         common = getattr(resp, phase).response
         common.clear_route_cache = True
         self.metadata = outcome.metadata
-        _set_headers(common.header_mutation, (*outcome.headers, (ENDPOINT_HEADER, pick)),
+        set_headers(common.header_mutation, (*outcome.headers, (ENDPOINT_HEADER, pick)),
                      outcome.metadata, _REQUEST_HEADERS)
         if outcome.body is not None:
             common.body_mutation.body = outcome.body
@@ -327,7 +283,7 @@ class EppStream:
             return []   # held: the body's rewrite may change its length
         self.echo_response = not wants_body
         resp = pb.ProcessingResponse()
-        _set_headers(resp.response_headers.response.header_mutation, served, self.metadata, _RESPONSE_HEADERS)
+        set_headers(resp.response_headers.response.header_mutation, served, self.metadata, _RESPONSE_HEADERS)
         return [resp]
 
     def _response_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[pb.ProcessingResponse]:
@@ -348,10 +304,10 @@ class EppStream:
         if not self.duplex_response:
             resp = pb.ProcessingResponse()
             common = resp.response_body.response
-            _set_headers(common.header_mutation, headers, self.metadata, _RESPONSE_HEADERS)
+            set_headers(common.header_mutation, headers, self.metadata, _RESPONSE_HEADERS)
             if outcome.body is not None:
                 common.body_mutation.body = outcome.body
             return [resp]
         resp = pb.ProcessingResponse()
-        _set_headers(resp.response_headers.response.header_mutation, headers, self.metadata, _RESPONSE_HEADERS)
+        set_headers(resp.response_headers.response.header_mutation, headers, self.metadata, _RESPONSE_HEADERS)
         return [resp, *_body_chunks("response_body", new_body, not trailers)]

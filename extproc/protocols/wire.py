@@ -7,7 +7,7 @@ from envoy.type.v3 import http_status_pb2
 
 from extproc.app.outcomes import Continue, Outcome, Reply, RequestHead
 
-__all__ = ["request_head", "head_from_attributes", "to_response", "serialize_response", "pb",
+__all__ = ["request_head", "head_from_attributes", "to_response", "serialize_response", "set_headers", "pb",
            "METADATA_NAMESPACE", "SERVICE", "NO_PHASE", "HEALTH_SERVICES"]
 
 # ImmediateResponse.details of every answer the gateway makes itself: Envoy's local-reply
@@ -60,7 +60,14 @@ def head_from_attributes(msg: pb.ProcessingRequest) -> RequestHead | None:
     return RequestHead(method, path, headers, False)
 
 
-def _set_headers(mutation: pb.HeaderMutation, headers) -> None:
+def set_headers(mutation: pb.HeaderMutation, headers, metadata=(), owned=None) -> None:
+    """Overwrite semantics: a client cannot smuggle a gateway-owned header in. ``owned``
+    (the endpoint picker protocol): metadata key -> header name; those of ``metadata`` are
+    set, the others removed."""
+    if owned:
+        values = dict(metadata)
+        headers = (*headers, *((name, values[key]) for key, name in owned.items() if key in values))
+        mutation.remove_headers.extend(name for key, name in owned.items() if key not in values)
     for key, value in headers:
         mutation.set_headers.add(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
                                  append_action=_OVERWRITE)
@@ -74,7 +81,7 @@ def to_response(phase: str, outcome: Outcome) -> pb.ProcessingResponse:
         imm.status.code = outcome.status
         imm.details = GATEWAY_REPLY_DETAILS
         imm.body = outcome.body
-        _set_headers(imm.headers, outcome.headers)
+        set_headers(imm.headers, outcome.headers)
         return resp
     if not outcome.headers and outcome.body is None and not outcome.metadata:
         return _EMPTY[phase]
@@ -86,7 +93,7 @@ def to_response(phase: str, outcome: Outcome) -> pb.ProcessingResponse:
     common = getattr(resp, phase).response
     common.SetInParent()   # the phase must be set even when only metadata changes
     if outcome.headers:
-        _set_headers(common.header_mutation, outcome.headers)
+        set_headers(common.header_mutation, outcome.headers)
     if outcome.body is not None:
         common.body_mutation.body = outcome.body
     return resp
@@ -152,7 +159,7 @@ def _header_mutation(headers: tuple[tuple[str, str], ...]) -> bytes:
         name = _KEYS.get(key)
         if name is None:
             name = _field(b"\x0a", key.encode()) if key else b""
-            if len(_KEYS) < _METADATA_CACHE_SIZE:   # the processor sets a handful of names
+            if len(_KEYS) < _METADATA_CACHE_SIZE:   # the exchange sets a handful of names
                 _KEYS[key] = name
         raw = value.encode()
         header = name + _field(b"\x1a", raw) if raw else name

@@ -1,7 +1,7 @@
 """The agent's builtin engine selects adapters exactly as vLLM does (docs/contracts.md)."""
 from __future__ import annotations
 
-from extproc.paths import CHAT, COMPLETIONS, RESPONSES
+from extproc.state.paths import CHAT, COMPLETIONS, RESPONSES
 from extproc.rewrite.vllm import model_for
 
 __all__ = ["model_for", "ROUTES"]

@@ -31,14 +31,14 @@ def wire_hints(d: Decision) -> dict[str, Any]:
     if not d.applies_adapter:
         return {}
     adapter = d.adapter
-    prefetch = d.prefetch_action == "prefetch_signalled"
+    prefetch = d.signals_prefetch
     hints: dict[str, Any] = {"lora_name": adapter.name, "lora_adapter": adapter.name,
                              "lora_prefetch": prefetch, "enable_lora_prefetch": prefetch}
     if prefetch:
         hints["prefetch_adapter_id"] = adapter.sha256
     if d.residency.tier == Tier.DEVICE and d.residency.bytes is not None:
         hints["vram_allocated_mb"] = round(d.residency.bytes / _MIB, 3)
-    hints["prefetch_status"] = d.residency.tier
+    hints["prefetch_status"] = d.residency.public_tier
     return hints
 
 

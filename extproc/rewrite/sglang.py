@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from extproc.state.catalog import Adapter, Upstream
-from extproc.paths import CHAT, COMPLETIONS, EMBEDDINGS
+from extproc.state.paths import CHAT, COMPLETIONS, EMBEDDINGS
 
 #: the inference routes ace sends to SGLang. Not ``/v1/responses``: SGLang serves it, but its
 #: handler (srt/entrypoints/openai/serving_responses.py) builds the generate request without

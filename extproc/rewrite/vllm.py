@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from extproc.state.catalog import Adapter, Upstream
-from extproc.paths import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from extproc.state.paths import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 
 #: the inference routes vLLM's OpenAI server serves, each selecting the adapter by ``model``
 #: (``/v1/embeddings`` answers only for a pooling model: vLLM's own error otherwise)

@@ -96,7 +96,7 @@ class Upstream:
     base_model: str
     hints: str = "body"  # body | headers | off
     agent: str | None = None
-    allow_paths: frozenset[str] = frozenset()   # engine routes beyond the inference ones (extproc.paths)
+    allow_paths: frozenset[str] = frozenset()   # engine routes beyond the inference ones (extproc.state.paths)
 
     def __post_init__(self) -> None:
         if self.flavour not in FLAVOURS:

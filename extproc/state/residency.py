@@ -5,9 +5,10 @@ builds a new one and swaps the reference (``ResidencyBoard.publish``); a request
 ``ResidencyBoard.current`` once. Unknown is a value (``UNKNOWN``), so the trace can say
 ``unknown`` instead of inventing a number.
 
-Tiers are ``ace_common.tiers.Tier`` values (``device``, ``host``, ``disk``, ``remote``),
-plus two states only the gateway has: ``NONE`` (the agent does not have the adapter in
-its catalog: its ``absent``) and ``UNKNOWN_TIER`` (no agent report).
+Tiers are ``ace_common.tiers.Tier`` values (``device``, ``host``, ``disk``, ``remote``,
+``absent``: the agent does not have the adapter in its catalog), plus one state only the
+gateway has: ``UNKNOWN_TIER`` (no agent report). What the gateway's clients read
+(``TierReport.public_tier``) writes ``absent`` as ``none``, the published word.
 
 A host's load, as routing sees it (``host_load``), is the engine's load (running +
 waiting requests) as its agent last measured it (``ResidencySnapshot.loads``, only while
@@ -28,19 +29,24 @@ from typing import Mapping
 
 from ace_common.tiers import Tier
 
-__all__ = ["NONE", "TIERS", "UNKNOWN", "UNKNOWN_TIER", "ResidencyBoard", "ResidencySnapshot",
-           "SentCounts", "TierReport", "host_load"]
+__all__ = ["UNKNOWN", "UNKNOWN_TIER", "ResidencyBoard", "ResidencySnapshot", "SentCounts", "TierReport",
+           "host_load", "public_tier"]
 
-NONE = "none"              # the agent reports the adapter absent (not in its catalog)
 UNKNOWN_TIER = "unknown"   # no report from the upstream's agent
-TIERS = (Tier.DEVICE.value, Tier.HOST.value, Tier.DISK.value, Tier.REMOTE.value, NONE)
+#: the gateway's published words that differ from the tier vocabulary's
+_PUBLIC = {Tier.ABSENT: "none"}
+
+
+def public_tier(tier: str) -> str:
+    """``tier`` as the gateway's clients read it: ``absent`` is ``none`` there."""
+    return _PUBLIC.get(tier, tier)
 
 
 @dataclass(frozen=True, slots=True)
 class TierReport:
     """One adapter on one upstream, as the upstream's agent last reported it."""
 
-    tier: str                      # a Tier value, NONE or UNKNOWN_TIER
+    tier: str                      # a Tier or UNKNOWN_TIER
     cold_load_ms: float | None     # measured time to load from where it is; None = unknown
     bytes: int | None = None
     prefetched: bool = False       # on the device because a prefetch put it there (agent's loaded_by)
@@ -49,6 +55,11 @@ class TierReport:
     @property
     def known(self) -> bool:
         return self.tier != UNKNOWN_TIER
+
+    @property
+    def public_tier(self) -> str:
+        """The tier in what the gateway writes (trace, ``/v1/execute``, wire hints, settings API)."""
+        return _PUBLIC.get(self.tier, self.tier)
 
 
 UNKNOWN = TierReport(tier=UNKNOWN_TIER, cold_load_ms=None, bytes=None)

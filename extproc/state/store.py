@@ -1,13 +1,13 @@
 """Gateway state: a YAML file (GitOps) plus a database of runtime changes.
 
 The YAML file is the source of truth for adapters, tenants, keys and upstreams; it is
-read at start-up and again by ``reload_file`` (``extproc.state_file_watch`` calls it when
+read at start-up and again by ``reload_file`` (``extproc.state.file_watch`` calls it when
 the file changes, or on SIGHUP): validated whole first, so a bad edit changes nothing. The
 upstreams may come from a discovery source instead (``extproc.fleet.discovery``,
 ``Store.set_upstreams``). Changes made at runtime (a developer key's skills, set through
 ``POST /api/v1/dev_key/skills``; a tenant's default skills, set by its admin key through
 ``POST /api/v1/tenant/skills``; a key issued, rotated or revoked with ``python -m
-extproc.admin`` or the settings API, ``extproc.key_lifecycle``) are written to the state
+extproc.admin`` or the settings API, ``extproc.domain.key_lifecycle``) are written to the state
 database (``extproc.state.db``: SQLite for one node, PostgreSQL shared by several
 replicas) and overlay the file's values, so they survive a restart and reach every
 replica. Every change builds a new immutable
@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping
 
 from extproc.state.catalog import Adapter, DevKey, KeyOrigin, Tenant, Upstream
 from extproc.errors import ConfigError, GatewayError
-from extproc.paths import check_allow_path
-from extproc.domain.skills import validate_skills
+from extproc.state.paths import check_allow_path
+from extproc.state.skill_modes import validate_skills
 from extproc.state.db import IssuedKey, Overlay, is_postgres_url, open_state_db
 from extproc.state.schema import config_error, read_catalog, read_state
 from ace_common.catalog_schema import CatalogAdapter
@@ -46,7 +46,7 @@ class Snapshot:
     default_skills: Mapping[str, str]
     max_body_bytes: int
     revoked_keys: Mapping[str, DevKey] = field(default_factory=dict)   # known keys revoked: listings only
-    public_model_list: bool = False     # GET /v1/models without a key (extproc.model_list)
+    public_model_list: bool = False     # GET /v1/models without a key (extproc.app.model_list)
 
 
 def _skills(raw: Mapping[str, str], source: Path, where: str) -> Mapping[str, str]:

@@ -8,7 +8,7 @@ returns in order, and end the gRPC stream (status OK) once ``ended`` is true; an
 ``InvalidMessage`` ends it with INVALID_ARGUMENT and the error's text. Nothing else.
 
 - protocol ``ace`` (``ExchangeStream``): one answer per message from the request's
-  ``processor.Exchange``; the stream ends with the exchange's last answer (``done_after``).
+  ``extproc.app.exchange.Exchange``; the stream ends with the exchange's last answer (``done_after``).
 - protocol ``epp`` (``PickerStream``): ``extproc.protocols.epp.EppStream``'s zero or more answers;
   the stream ends when Envoy half-closes it.
 

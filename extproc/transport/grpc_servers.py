@@ -2,8 +2,9 @@
 
 Transports only: they know nothing about OpenAI nor the phases. Three flavours: ``h2``
 (the default, ``extproc.transport.h2server``) and two on grpcio (``aio``, ``threads``: the reference
-behaviour, slower here). ``serve(settings)`` blocks until SIGTERM/SIGINT, then marks the
-service NOT_SERVING and drains in-flight streams for a grace period.
+behaviour, slower here). ``serve(gateway, listen, workers, ...)`` (threads) and
+``serve_aio(gateway, listen, ...)`` block until SIGTERM/SIGINT, then mark the service
+NOT_SERVING and drain in-flight streams for a grace period.
 """
 from __future__ import annotations
 

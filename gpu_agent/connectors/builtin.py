@@ -66,8 +66,8 @@ class BuiltinConnector(EngineConnector):
             from gpu_agent.engine.core import Engine
             self.engine = Engine.create(self._settings, source=StoreSource(self.store))
         # the disk tier never evicts the files of an adapter the engine holds or is loading
-        self.store.protect_providers.append(self._engine_digests)
-        self.engine.adapters.left_pool_listeners.append(self._left_pool)
+        self.store.protect_with(self._engine_digests)
+        self.engine.adapters.on_left_pool(self._left_pool)
         host, port = self._http
         if port is not None and self._runner is None:
             from gpu_agent.engine import server as engine_server

@@ -22,7 +22,7 @@ it moves up.
   adapter) and frees exactly those pages. Every eviction is counted by tier and reason
   (``evictions_by()``: ``ace_engine_adapter_evictions_total``).
 - ``register`` / ``unregister``: adapters added at run time (vLLM-style load endpoint).
-- ``left_pool_listeners``: called on the event loop with the name of every adapter that
+- ``on_left_pool(listener)``: ``listener`` is called on the event loop with the name of every adapter that
   left the pool (its LRU, its count cap, or :meth:`evict`) and is neither back nor being
   loaded again (the agent drops its disk copy there when the disk tier keeps only what
   is resident).
@@ -177,7 +177,7 @@ class EngineAdapters:
         # seconds spent in the tiers' load work (read, parse, copy into the pool), prefetch or
         # demand, counted when a load ends: what a request's TTFT window shares with loads
         self.load_seconds = 0.0
-        self.left_pool_listeners: list[Callable[[str], None]] = []
+        self._left_pool_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         # evictions by (tier, reason): the pool's (its owner's choice below, or evict) and the
         # host copies' (their byte budget)
@@ -405,11 +405,15 @@ class EngineAdapters:
         key = (tier, reason.value)
         self.evictions[key] = self.evictions.get(key, 0) + 1
 
+    def on_left_pool(self, listener: Callable[[str], None]) -> None:
+        """``listener(name)`` on the event loop for every adapter that left the pool for good."""
+        self._left_pool_listeners.append(listener)
+
     def _pool_released(self, name: str, reason: EvictReason) -> None:
         """Pool release hook (pool lock held, any thread): count it, hand the name to the loop."""
         self._count_eviction(DEVICE, reason)
         loop = self._loop
-        if loop is None or not self.left_pool_listeners:
+        if loop is None or not self._left_pool_listeners:
             return
         try:
             loop.call_soon_threadsafe(self._left_pool, name)
@@ -419,7 +423,7 @@ class EngineAdapters:
     def _left_pool(self, name: str) -> None:
         if self.pool.contains(name) or name in self._inflight:
             return  # back already, or on its way back
-        for listener in list(self.left_pool_listeners):
+        for listener in list(self._left_pool_listeners):
             try:
                 listener(name)
             except Exception:  # noqa: BLE001 - a listener's failure must not stop the engine

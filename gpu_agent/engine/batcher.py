@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
-from gpu_agent.engine.model import LlamaModel, Step
+from gpu_agent.engine.model import LlamaModel, SequenceStep
 
 __all__ = ["GenerationRequest", "TokenEvent", "Batcher", "BatcherStats"]
 
@@ -228,7 +228,7 @@ class Batcher:
     # -- on the worker thread -----------------------------------------------------------
 
     def _step(self, seqs: list[_Seq]) -> list[int]:
-        steps = [Step(s.next_tokens, s.cache) for s in seqs]
+        steps = [SequenceStep(s.next_tokens, s.cache) for s in seqs]
         row_adapters = [s.req.adapter for s in seqs for _ in s.next_tokens]
         if self.pool is None or not any(row_adapters):
             logits = self.model.forward(steps)

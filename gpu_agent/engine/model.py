@@ -100,7 +100,7 @@ class KVCache:
 
 
 @dataclass
-class Step:
+class SequenceStep:
     """One sequence's part of a forward: its new token ids and its cache."""
 
     tokens: Sequence[int]
@@ -183,7 +183,7 @@ class LlamaModel:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def forward(self, steps: Sequence[Step], lora: LoraHook | None = None):
+    def forward(self, steps: Sequence[SequenceStep], lora: LoraHook | None = None):
         """Run one step; returns the logits of each sequence's last new token ``[S, vocab]``.
 
         Caches are written at positions ``cache.length ...`` and their lengths advanced.
@@ -281,7 +281,7 @@ def greedy_generate(model: LlamaModel, prompt: Sequence[int], max_tokens: int,
     out: list[int] = []
     tokens = list(prompt)
     for _ in range(max_tokens):
-        logits = model.forward([Step(tokens, cache)], lora)
+        logits = model.forward([SequenceStep(tokens, cache)], lora)
         nxt = int(logits[0].argmax())
         out.append(nxt)
         if nxt in stop_ids:

@@ -1,7 +1,7 @@
 """PEFT LoRA adapters: read, validate against the served base model, hold on the host.
 
 An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors``
-(see ``shared/ENGINES.md``). :func:`load_peft_dir` maps the safetensors file (or copies
+(docs/contracts.md, "Fixtures"; ``gpu_agent.fixtures`` writes them). :func:`load_peft_dir` maps the safetensors file (or copies
 it once into pinned memory for CUDA hosts), hashes those same bytes when a digest is
 given, and returns tensors that are zero-copy views of them: the copy into the pool
 is the only memcpy of a cold load.

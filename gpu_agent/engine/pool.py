@@ -19,7 +19,7 @@ whose pages are not consecutive is gathered (``index_select``) when a batch uses
 
 A load takes the pool's lock twice, briefly: to reserve its pages (evicting what the
 owner chooses) and to publish its entry; the copy runs between, with the lock released
-(``gpu_agent.pool_copy``). So a forward step's ``batch()`` never waits behind a load in
+(``gpu_agent.engine.pool_copy``). So a forward step's ``batch()`` never waits behind a load in
 flight, reserved pages belong to no entry (no batch reads them, no eviction frees them),
 and an adapter is visible to batches only once all of its bytes are in place (on CUDA:
 once the compute stream is ordered after its copy's event).
@@ -42,7 +42,7 @@ import numpy as np
 from gpu_agent.errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
 from gpu_agent.eviction import Candidate, EvictionPolicy, EvictReason, LRUPolicy, Shortfall, plan_evictions
 from gpu_agent.engine.peft import BaseModelSpec, LoraAdapter
-from gpu_agent.pool_copy import COPY_CHUNK_BYTES, CopyDone, copy_into_pages
+from gpu_agent.engine.pool_copy import COPY_CHUNK_BYTES, CopyDone, copy_into_pages
 
 __all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT", "VictimChooser",
            "COPY_CHUNK_BYTES"]
@@ -366,7 +366,7 @@ class AdapterPool:
         raises ``LoadYielded`` (stage ``copy``).
 
         The lock is held only to reserve the pages and to publish the entry, never across
-        the copy (``gpu_agent.pool_copy``): batches of resident adapters go on meanwhile.
+        the copy (``gpu_agent.engine.pool_copy``): batches of resident adapters go on meanwhile.
         """
         while True:
             with self._lock:

@@ -24,7 +24,7 @@ with reason ``engine_gone``.
 
 Prefetches go into a bounded priority queue (duplicates coalesce with the queued or
 running load) and are worked off by background tasks; a hint that says how likely it is
-(``probability``) is first put to the speculation budget (``gpu_agent.prefetch_budget``,
+(``probability``) is first put to the speculation budget (``gpu_agent.residency.prefetch_budget``,
 fed here with measured load times, the queue and the engine's own request loads); `ensure_resident` is the same
 load awaited, as a request's (on demand): it goes before every queued prefetch (the
 workers take no new prefetch while one is in flight, and a prefetch waits for it, and
@@ -56,7 +56,7 @@ from gpu_agent.errors import AgentError, DigestMismatch, PoolExhausted
 from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, plan_evictions
 from gpu_agent.load import LoadChange, LoadMonitor
 from gpu_agent.metrics import AgentMetrics, Gauge
-from gpu_agent.prefetch_budget import (DEFAULT_LINK_BUDGET_MS, DEFAULT_LINK_BYTES_PER_MS, HintBet, HintVerdict,
+from gpu_agent.residency.prefetch_budget import (DEFAULT_LINK_BUDGET_MS, DEFAULT_LINK_BYTES_PER_MS, HintBet, HintVerdict,
                                        LinkState, decide_hint)
 from gpu_agent.settings import SettingsError
 from ace_common.tiers import Tier
@@ -204,8 +204,8 @@ class ResidencyManager:
         self.metrics.add_gauges(self._gauges)
         self.metrics.add_collector(self._collect_engine_counters)
         # every disk-cache eviction (the engine's own fetches included) spares what we protect
-        store.protect_providers.append(self._protected_digests)
-        store.eviction_listeners.append(lambda spec, reason: self._evicted(spec.name, Tier.DISK, reason))
+        store.protect_with(self._protected_digests)
+        store.on_eviction(lambda spec, reason: self._evicted(spec.name, Tier.DISK, reason))
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -282,7 +282,7 @@ class ResidencyManager:
         the queued hints with its own when it has any. ``probability`` (the sender's
         chance that a request needs it here; None: an older sender, taken as before) and
         ``victim_reuse_probability`` feed the speculation budget
-        (``gpu_agent.prefetch_budget``): a hint it refuses is REJECTED with its verdict."""
+        (``gpu_agent.residency.prefetch_budget``): a hint it refuses is REJECTED with its verdict."""
         spec = self.catalog.get(name)
         if spec is None:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_unknown")

@@ -1,4 +1,4 @@
-"""Default deny at the edge (extproc.paths), without sockets: which paths reach an engine,
+"""Default deny at the edge (extproc.state.paths), without sockets: which paths reach an engine,
 which the gateway answers (the model list), and 404 for the rest."""
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ def test_shedding_when_every_eligible_host_is_at_the_bound(gateway):
 
 def test_shedding_counts_the_requests_routed_since_each_measurement(gateway):
     """The shedding bound reads a host's load as routing does: its agent's measurement plus
-    what this gateway routed there since that measurement arrived (residency_view.host_load)."""
+    what this gateway routed there since that measurement arrived (extproc.state.residency.host_load)."""
     gateway.shed_load = 4
     for u in ("a", "b", "c"):
         gateway.residency.sent.record(u)           # before the measurement: not counted

@@ -20,11 +20,13 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
+from extproc.fleet.agent_link import to_residency
 from extproc.transport.dispatch import Dispatcher
 from extproc.app.exchange import Gateway
 from extproc.state.residency import ResidencySnapshot, TierReport
 from extproc.state.store import Store
 from extproc.protocols.wire import pb
+from ace_common.proto.ace.agent.v1 import agent_pb2 as agent_pb
 from tests.extproc.builders import KEYS, upstream, write_state
 
 GOLDEN = Path(__file__).parent / "golden" / "wire.json"
@@ -97,6 +99,13 @@ CASES = {
     # shed_load 3: other-vllm carries 2 (routed to), local-vllm 5; then both at 5 (shed)
     "epp-loaded": ("epp", _req("/v1/chat/completions", "bob", _chat("code-python")) + _response()),
     "epp-shed": ("epp", _req("/v1/chat/completions", "bob", _chat("code-python"))),
+    # the agent reports code-python absent on local-vllm (the gateway writes it "none")
+    "chat-absent": ("ace", _req("/v1/chat/completions", "bob", _chat("code-python"),
+                                **{"x-ace-skill-override": "dynamic_lora_prefetch=prod"})),
+    "execute-absent": ("ace", _req("/v1/execute", "bob", json.dumps({"input": {"messages": []},
+                                                                   "target": {"model": "code-python"}}).encode())
+                       + _response()),
+    "console-adapters": ("ace", _req("/api/v1/adapters", "bob", None, "GET")),
     "epp-models": ("epp", _req("/v1/models", "bob", None, "GET") + _response(b"{}")),
 }
 
@@ -109,8 +118,11 @@ def _gateway(tmp: Path, name: str) -> tuple[Gateway, Store]:
                               upstream("other-vllm", "127.0.0.2:8000", "sglang", "headers")])
     store = Store(state, tmp / "gw.sqlite3")
     gw = Gateway(store, epp_fallbacks=1, shed_load=3 if name in LOADS else 0)
+    absent = name in ("chat-absent", "execute-absent", "console-adapters")
+    local = (to_residency(agent_pb.AdapterStatus(adapter="code-python", tier=agent_pb.TIER_ABSENT)) if absent
+             else TierReport(tier="device", cold_load_ms=4.5, bytes=1 << 20, prefetched=True))
     gw.residency.publish(ResidencySnapshot.build({
-        "local-vllm": {"code-python": TierReport(tier="device", cold_load_ms=4.5, bytes=1 << 20, prefetched=True)},
+        "local-vllm": {"code-python": local},
         "other-vllm": {"acme-legal": TierReport(tier="host", cold_load_ms=12.0, bytes=1 << 21)},
     }, loads=LOADS.get(name)))
     return gw, store

@@ -1,4 +1,4 @@
-"""Keys issued at runtime (extproc.key_lifecycle) on a real SQLite state database: the
+"""Keys issued at runtime (extproc.domain.key_lifecycle) on a real SQLite state database: the
 admin CLI (any tenant) and the settings API (a tenant admin, its own tenant only), expiry,
 rotation, revocation, and never a secret stored or listed. PostgreSQL across replicas:
 test_state_db_postgres.py; through Envoy: tests/integration/test_settings_api.py."""
@@ -12,7 +12,7 @@ import pytest
 from extproc import admin
 from extproc.domain.auth import authenticate
 from extproc.errors import Forbidden, InvalidField, Unauthorized
-from extproc.key_lifecycle import check_grant, issue, may_grant, parse_expiry
+from extproc.domain.key_lifecycle import check_grant, issue, may_grant, parse_expiry
 from extproc.app.outcomes import RequestHead
 from extproc.app.exchange import Gateway
 from extproc.state.store import Store

@@ -13,7 +13,7 @@ from extproc.domain.headers import session_of
 from extproc.app.outcomes import RequestHead
 from extproc.app.exchange import Gateway
 from extproc.state.residency import ResidencyBoard, ResidencySnapshot, SentCounts, TierReport
-from extproc.fleet.speculation import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, Step,
+from extproc.fleet.speculation import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, ObservedRequest,
                                       route_by_policy, warm_signals)
 from tests.extproc.builders import KEYS
 from tests.support.wait import wait_until
@@ -51,7 +51,7 @@ def teach(planner, snapshot, steps, *, upstream="local-vllm", residency=Residenc
     """Run (session, adapter) steps through the planner; returns all signals and the clock."""
     out, now = [], start
     for session, adapter in steps:
-        out += planner.step(Step(upstream, "acme", session, adapter, "prod"), snapshot, residency, SentCounts(), now)
+        out += planner.step(ObservedRequest(upstream, "acme", session, adapter, "prod"), snapshot, residency, SentCounts(), now)
         now += 1.0
     return out, now
 
@@ -97,7 +97,7 @@ def test_planner_without_session_counts_demand_but_learns_nothing(snapshot):
     planner = SpeculationPlanner()
     for _ in range(5):
         for a in ("code-python", "acme-legal"):
-            assert planner.step(Step("local-vllm", "acme", None, a, "prod"), snapshot, ResidencySnapshot(), SentCounts(), 0.0) == []
+            assert planner.step(ObservedRequest("local-vllm", "acme", None, a, "prod"), snapshot, ResidencySnapshot(), SentCounts(), 0.0) == []
     assert planner.model.predict_next("acme", "code-python") == []
     assert "code-python" in planner.speculator("local-vllm").cache
 
@@ -107,8 +107,8 @@ def test_planner_never_predicts_an_adapter_the_tenant_cannot_see(snapshot):
     # another tenant's habit code-python -> globex-secret, learned from globex's traffic
     for i in range(5):
         for a in ("code-python", "globex-secret"):
-            planner.step(Step("local-vllm", "globex", f"g{i}", a, "prod"), snapshot, ResidencySnapshot(), SentCounts(), i)
-    got = planner.step(Step("local-vllm", "acme", "a1", "code-python", "prod"), snapshot, ResidencySnapshot(), SentCounts(), 9.0)
+            planner.step(ObservedRequest("local-vllm", "globex", f"g{i}", a, "prod"), snapshot, ResidencySnapshot(), SentCounts(), i)
+    got = planner.step(ObservedRequest("local-vllm", "acme", "a1", "code-python", "prod"), snapshot, ResidencySnapshot(), SentCounts(), 9.0)
     assert got == []
 
 
@@ -137,8 +137,8 @@ def test_horizon_follows_the_sessions_pace(snapshot):
     assert planner.speculator("local-vllm").horizon_s == 10.0
     now = 0.0
     for i in range(40):          # 40 sessions, 2 steps 0.5 s apart
-        planner.step(Step("local-vllm", "acme", f"s{i}", "code-python", "prod"), snapshot, ResidencySnapshot(), SentCounts(), now)
-        planner.step(Step("local-vllm", "acme", f"s{i}", "acme-legal", "prod"), snapshot, ResidencySnapshot(), SentCounts(), now + 0.5)
+        planner.step(ObservedRequest("local-vllm", "acme", f"s{i}", "code-python", "prod"), snapshot, ResidencySnapshot(), SentCounts(), now)
+        planner.step(ObservedRequest("local-vllm", "acme", f"s{i}", "acme-legal", "prod"), snapshot, ResidencySnapshot(), SentCounts(), now + 0.5)
         now += 3.0
     assert planner.pace.horizon_s == 1.0 and planner.speculator("local-vllm").horizon_s == 1.0
     assert planner.speculator("other").horizon_s == 1.0

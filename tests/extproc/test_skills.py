@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from extproc.errors import InvalidField
-from extproc.domain.skills import parse_override_header, resolve, validate_skills
+from extproc.domain.skills import parse_override_header, resolve
+from extproc.state.skill_modes import validate_skills
 
 
 def test_header_parse():

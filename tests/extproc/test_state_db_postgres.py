@@ -161,7 +161,7 @@ def test_a_key_created_with_the_cli_on_one_replica_authenticates_on_the_other(re
     assert rows == [(sha(secret), "globex", "ci", "developer", 32472144000.0)]
     # rotated on B: the old secret fails on A as soon as A applies it, the new one works there
     old = b.snapshot.keys[sha(secret)]
-    from extproc.key_lifecycle import rotation
+    from extproc.domain.key_lifecycle import rotation
     new_secret, new = rotation(old, time.time())
     b.add_key(new, revoke=old.sha256)
     wait_until(lambda: sha(new_secret) in a.snapshot.keys, timeout=10, what="A applies the rotation")

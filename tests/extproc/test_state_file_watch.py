@@ -1,4 +1,4 @@
-"""The state file read again without a restart (extproc.state_file_watch, Store.reload_file):
+"""The state file read again without a restart (extproc.state.file_watch, Store.reload_file):
 a real Store on SQLite, one poll at a time (``check``), so each step is deterministic. The
 same through the real process and Envoy, under load and on SIGHUP:
 tests/integration/test_state_reload.py."""
@@ -13,8 +13,8 @@ import yaml
 
 from extproc.domain.auth import authenticate
 from extproc.errors import Unauthorized
-from extproc.key_lifecycle import issue
-from extproc.state_file_watch import StateFileWatch
+from extproc.domain.key_lifecycle import issue
+from extproc.state.file_watch import StateFileWatch
 from extproc.state.store import Store
 from tests.extproc.builders import KEYS, sha, upstream, write_state
 
@@ -75,7 +75,7 @@ def test_a_bad_edit_is_refused_whole_counted_and_logged_once_naming_the_field(wa
     else:      # dave added AND a bad field: nothing of it may apply (no half-applied keys list)
         _edit(state_file, lambda s: (_add_dave(s), s.__setitem__("keys", s["keys"] + bad["keys"])
                                      if "keys" in bad else s.update(bad)))
-    with caplog.at_level(logging.INFO, logger="extproc.state_file_watch"):
+    with caplog.at_level(logging.INFO, logger="extproc.state.file_watch"):
         assert watch.check() is False
         assert watch.check() is None                       # the same bad file is not reported again
     assert store.snapshot is before

@@ -93,7 +93,7 @@ def test_a_load_does_not_wait_for_its_copy_and_the_first_batch_waits_on_its_even
     the copy's event recorded (``entry.ready``); the compute stream waits on it before the
     adapter's first batch, so the batch reads every byte without any synchronize."""
     from gpu_agent.engine.peft import load_peft_dir
-    from gpu_agent.pool_copy import CopyDone
+    from gpu_agent.engine.pool_copy import CopyDone
 
     from .lora_testing import write_peft_dir
 

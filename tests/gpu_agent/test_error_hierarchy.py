@@ -23,7 +23,6 @@ def test_every_exception_the_package_defines_derives_from_agent_error():
 
 
 @pytest.mark.parametrize("where, name", [("gpu_agent.settings", "SettingsError"),
-                                         ("ace_common.catalog_schema", "SchemaError"),
                                          ("gpu_agent.engine.tokenizer", "ChatTemplateError")])
 def test_errors_callers_catch_as_value_error_still_are(where, name):
     assert issubclass(getattr(importlib.import_module(where), name), ValueError)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_agent.fixtures import make_fixtures
-from gpu_agent.engine.model import LlamaModel, Step, greedy_generate, merge_adapter
+from gpu_agent.engine.model import LlamaModel, SequenceStep, greedy_generate, merge_adapter
 from gpu_agent.engine.peft import BaseModelSpec, load_peft_dir
 from gpu_agent.engine.tokenizer import ModelTokenizer
 
@@ -38,18 +38,18 @@ def spec(model) -> BaseModelSpec:
 def test_kv_cache_decode_matches_full_recompute(model):
     ids = [1, 40, 41, 42, 43, 44, 45, 46]
     cache = model.new_cache(len(ids))
-    model.forward([Step(ids[:5], cache)])
-    step_logits = [model.forward([Step([t], cache)])[0] for t in ids[5:]]
+    model.forward([SequenceStep(ids[:5], cache)])
+    step_logits = [model.forward([SequenceStep([t], cache)])[0] for t in ids[5:]]
     for i, got in enumerate(step_logits):
-        full = model.forward([Step(ids[:6 + i], model.new_cache(len(ids)))])[0]
+        full = model.forward([SequenceStep(ids[:6 + i], model.new_cache(len(ids)))])[0]
         torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
 
 
 def test_ragged_batch_rows_are_independent(model):
     a, b = [1, 50, 60, 70], [1, 99]
-    alone_a = model.forward([Step(a, model.new_cache(8))])[0]
-    alone_b = model.forward([Step(b, model.new_cache(8))])[0]
-    both = model.forward([Step(a, model.new_cache(8)), Step(b, model.new_cache(8))])
+    alone_a = model.forward([SequenceStep(a, model.new_cache(8))])[0]
+    alone_b = model.forward([SequenceStep(b, model.new_cache(8))])[0]
+    both = model.forward([SequenceStep(a, model.new_cache(8)), SequenceStep(b, model.new_cache(8))])
     torch.testing.assert_close(both[0], alone_a, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(both[1], alone_b, rtol=1e-4, atol=1e-4)
 
@@ -111,12 +111,12 @@ def test_batched_lora_logits_match_merged(model, spec, fx):
     for ad in ads.values():
         pool.load(ad)
     prompts = [[1, 10 + i, 20 + i, 30 + i, 40 + i][: 3 + i % 3] for i in range(len(names))]
-    steps = [Step(p, model.new_cache(8)) for p in prompts]
+    steps = [SequenceStep(p, model.new_cache(8)) for p in prompts]
     rows = [n for n, p in zip(names, prompts) for _ in p]
     with pool.batch(rows) as lb:
         logits = model.forward(steps, lambda y, x, layer, m: apply_lora(y, x, pool, lb, layer, m))
     for i, n in enumerate(names):
-        ref = (model if n is None else merge_adapter(model, ads[n])).forward([Step(prompts[i], model.new_cache(8))])[0]
+        ref = (model if n is None else merge_adapter(model, ads[n])).forward([SequenceStep(prompts[i], model.new_cache(8))])[0]
         torch.testing.assert_close(logits[i], ref, rtol=1e-3, atol=1e-3)
 
 

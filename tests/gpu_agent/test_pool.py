@@ -210,7 +210,7 @@ def test_disk_load_into_scattered_pages_same_bytes(tmp_path):
 def test_pread_into_pages_same_bytes_as_mapping(tmp_path, monkeypatch, part_min, close_file):
     """CPU one-copy loads pread the file into the page run (in parts when large); with
     the file closed they copy from the mapping. Same bytes either way."""
-    import gpu_agent.pool_copy as pool_mod
+    import gpu_agent.engine.pool_copy as pool_mod
     from gpu_agent.engine.peft import load_peft_dir
 
     from .lora_testing import write_peft_dir

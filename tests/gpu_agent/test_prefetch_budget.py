@@ -10,7 +10,7 @@ import pytest
 
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
-from gpu_agent.prefetch_budget import HintBet, HintVerdict, LinkState, decide_hint
+from gpu_agent.residency.prefetch_budget import HintBet, HintVerdict, LinkState, decide_hint
 from gpu_agent.service import start_server
 from tests.gpu_agent.agent_support import FakeConnector, make_catalog, make_manager
 from tests.support.wait import async_wait_until

@@ -1,7 +1,7 @@
 """Start and stop a real vLLM (CPU build, its own venv) on the test fixtures.
 
 `ACE_VLLM_PYTHON` names that venv's python (`make test-vllm` sets it); without it the
-tests that need vLLM are skipped with that reason. Flags follow ../shared/ENGINES.md:
+tests that need vLLM are skipped with that reason. Flags as docs/agent.md says vLLM must run (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``):
 runtime LoRA updating on, tiny KV cache, eager mode, loopback only.
 """
 from __future__ import annotations

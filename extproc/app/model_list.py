@@ -28,7 +28,7 @@ from extproc.errors import MethodNotAllowed, NotFound
 from extproc.domain.headers import TENANT_HEADER
 from extproc.app.handlers import HeadersOnly
 from extproc.app.outcomes import Outcome, Reply, RequestHead
-from extproc.paths import MODELS, MODELS_PREFIX
+from extproc.state.paths import MODELS, MODELS_PREFIX
 from extproc.state.store import Snapshot
 
 __all__ = ["ModelList", "visible_models"]

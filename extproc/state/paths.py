@@ -6,7 +6,7 @@
 - An upstream's ``allow_paths`` (state file) add engine routes such as ``/tokenize``:
   key-checked and routed to an upstream that lists them. ``check_allow_path`` refuses the
   engines' administration, their metrics and the gateway's own paths there.
-- ``GET /v1/models`` and ``/v1/models/{id}`` are the gateway's answer (``extproc.model_list``).
+- ``GET /v1/models`` and ``/v1/models/{id}`` are the gateway's answer (``extproc.app.model_list``).
 - ``OPEN_PATHS``: liveness, no key.
 - Anything else: 404 from the gateway, after the key check (an unauthenticated caller
   cannot tell which paths an upstream allow-lists).

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import AdapterInvalid
+from gpu_agent.errors import AdapterInvalid
 
 __all__ = ["copy_into_pages", "CopyDone", "COPY_CHUNK_BYTES", "PREAD_PART_MIN"]
 
