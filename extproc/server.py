@@ -3,7 +3,8 @@
 Transports only: they know nothing about OpenAI nor the phases. Three flavours: ``h2``
 (the default, ``extproc.h2server``) and two on grpcio (``aio``, ``threads``: the reference
 behaviour, slower here). ``serve(settings)`` blocks until SIGTERM/SIGINT, then marks the
-service NOT_SERVING and drains in-flight streams for a grace period.
+service NOT_SERVING, serves on until a successor listens (``handover_s``: extproc.handover)
+and drains in-flight streams for a grace period.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from extproc.dispatch import Dispatcher, ServingHealth
 from extproc.errors import InvalidMessage
+from extproc.handover import await_handover, wait_handover
 from extproc.h2server import H2Server, serve_h2
 from extproc.health_port import ServerLifecycle
 from extproc.serving_cert import ServingCert
@@ -77,9 +79,14 @@ def _add_port(server, listen: str, tls: ServingCert | None) -> int:
     return server.add_secure_port(listen, grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)]))
 
 
+# SO_REUSEPORT: a successor binds beside us while we hand over (extproc.handover)
+_OPTIONS = [("grpc.so_reuseport", 1)]
+
+
 async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protocol: str = "ace",
-                    tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+                    tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None,
+                    handover_s: float = 0.0) -> None:
+    server = grpc.aio.server(options=_OPTIONS)
     pb_grpc.add_ExternalProcessorServicer_to_server(AioExternalProcessor(gateway, protocol), server)
     health_servicer = await ServingHealth().grpcio_aio_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -96,14 +103,14 @@ async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protoco
     if lifecycle is not None:
         lifecycle.draining()
     await health_servicer.enter_graceful_shutdown()
+    await await_handover(listen, handover_s)
     await server.stop(grace_s)
     log.info("ext_proc stopped")
 
 
 def build_server(gateway: Gateway, listen: str, workers: int, protocol: str = "ace",
                  tls: ServingCert | None = None) -> tuple[grpc.Server, health.HealthServicer, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                         options=[("grpc.so_reuseport", 0)])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_OPTIONS)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, protocol), server)
     health_servicer = ServingHealth().grpcio_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -112,7 +119,8 @@ def build_server(gateway: Gateway, listen: str, workers: int, protocol: str = "a
 
 
 def serve(gateway: Gateway, listen: str, workers: int, grace_s: float = 5.0, protocol: str = "ace",
-          tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None) -> None:
+          tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None,
+          handover_s: float = 0.0) -> None:
     server, health_servicer, port = build_server(gateway, listen, workers, protocol, tls)
     server.start()
     log.info("ext_proc listening on %s (port %d)", listen, port)
@@ -129,5 +137,6 @@ def serve(gateway: Gateway, listen: str, workers: int, grace_s: float = 5.0, pro
     if lifecycle is not None:
         lifecycle.draining()
     health_servicer.enter_graceful_shutdown()
+    wait_handover(listen, handover_s)
     server.stop(grace_s).wait()
     log.info("ext_proc stopped")

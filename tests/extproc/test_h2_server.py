@@ -860,10 +860,13 @@ def _refused(address: str) -> bool:
     return False
 
 
+NO_HANDOVER = ["--drain-handover-s", "0"]   # the drain itself (the handover: test_handover.py)
+
+
 def test_sigterm_drains_an_open_stream_and_exits_0(state, tmp_path):
     _, path = state
     log = tmp_path / "extproc.log"
-    with extproc_process(tmp_path, path) as (address, proc):
+    with extproc_process(tmp_path, path, extproc_args=NO_HANDOVER) as (address, proc):
         release = threading.Event()
 
         def messages():
@@ -886,7 +889,7 @@ def test_sigterm_drains_an_open_stream_and_exits_0(state, tmp_path):
 def test_sigterm_drain_is_bounded(state, tmp_path):
     _, path = state
     log = tmp_path / "extproc.log"
-    with extproc_process(tmp_path, path) as (address, proc):
+    with extproc_process(tmp_path, path, extproc_args=NO_HANDOVER) as (address, proc):
         release = threading.Event()
 
         def messages():
