@@ -29,7 +29,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
 from extproc.catalog import Upstream
-from extproc.errors import GatewayError, NoUpstream, PayloadTooLarge, TooManyRequests
+from extproc.errors import GatewayError, InvalidMessage, NoUpstream, PayloadTooLarge, TooManyRequests
 from extproc.headers import SERVED_BY_HEADER, TENANT_HEADER, TRACE_METADATA_HEADERS, hint_header
 from extproc.outcomes import Continue, Reply
 from extproc.residency_view import host_load
@@ -195,6 +195,8 @@ class EppStream:
         except GatewayError as exc:
             self.finished = True
             return _reply(exc)
+        except InvalidMessage:   # a phase out of order: the servers end the stream INVALID_ARGUMENT
+            raise
         except Exception:   # a bug: say so in the log, answer a clean JSON error, never hang
             log.exception("endpoint picker stream failed")
             self.finished = True
