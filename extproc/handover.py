@@ -30,7 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 
 __all__ = ["HandoverEnd", "PortSocket", "await_handover", "handover_done", "read_port_sockets",
-           "own_socket_inodes", "wait_handover"]
+           "own_socket_inodes"]
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,9 @@ def handover_done(sockets: list[PortSocket] | None, own: set[int] | None) -> Han
     return None
 
 
-def _handover(listen: str, handover_s: float):
-    """Yields while the handover of ``listen`` goes on (the caller sleeps ``POLL_S`` and
-    serves meanwhile); returns how it ended."""
+async def await_handover(listen: str, handover_s: float) -> HandoverEnd:
+    """Serve on (the event loop runs; the thread-pool server's threads serve meanwhile under
+    ``asyncio.run``) until the handover of ``listen`` is over; how it ended."""
     port, started = int(listen.rpartition(":")[2]), time.monotonic()
     if handover_s <= 0 or port == 0:
         return HandoverEnd.OFF
@@ -112,28 +112,6 @@ def _handover(listen: str, handover_s: float):
         if time.monotonic() >= deadline:
             end = HandoverEnd.TIMEOUT
             break
-        yield
+        await asyncio.sleep(POLL_S)
     log.info("handover of %s over after %.2fs: %s", listen, time.monotonic() - started, end.value)
     return end
-
-
-async def await_handover(listen: str, handover_s: float) -> HandoverEnd:
-    """Serve on (the event loop runs) until the handover of ``listen`` is over."""
-    steps = _handover(listen, handover_s)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as over:
-            return over.value
-        await asyncio.sleep(POLL_S)
-
-
-def wait_handover(listen: str, handover_s: float) -> HandoverEnd:
-    """``await_handover`` for the thread-pool server (its threads serve meanwhile)."""
-    steps = _handover(listen, handover_s)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as over:
-            return over.value
-        time.sleep(POLL_S)

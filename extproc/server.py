@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from extproc.dispatch import Dispatcher, ServingHealth
 from extproc.errors import InvalidMessage
-from extproc.handover import await_handover, wait_handover
+from extproc.handover import await_handover
 from extproc.h2server import H2Server, serve_h2
 from extproc.health_port import ServerLifecycle
 from extproc.serving_cert import ServingCert
@@ -137,6 +137,6 @@ def serve(gateway: Gateway, listen: str, workers: int, grace_s: float = 5.0, pro
     if lifecycle is not None:
         lifecycle.draining()
     health_servicer.enter_graceful_shutdown()
-    wait_handover(listen, handover_s)
+    asyncio.run(await_handover(listen, handover_s))   # the pool's threads serve meanwhile
     server.stop(grace_s).wait()
     log.info("ext_proc stopped")

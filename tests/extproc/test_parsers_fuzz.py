@@ -31,7 +31,7 @@ from extproc.h2server import H2Connection, H2Server
 from extproc.processor import Gateway
 from extproc.store import Store
 from extproc.wire import SERVICE
-from tests.extproc.builders import KEYS, upstream, write_state
+from tests.extproc.builders import KEYS, body_request, upstream, write_state
 
 MAX_EXAMPLES = int(os.environ.get("ACE_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
@@ -311,19 +311,6 @@ def test_header_table_size_changes_keep_our_blocks_decodable(gateway, ops):
 
 
 # ---------------------------------------------------------------- ext_proc protobuf decoding
-
-def body_request(body: bytes, path: str = "/v1/chat/completions", method: str = "POST",
-                 **headers: str) -> pb.ProcessingRequest:
-    msg = pb.ProcessingRequest()
-    msg.request_body.body = body
-    msg.request_body.end_of_stream = True
-    fields = msg.attributes["envoy.filters.http.ext_proc"].fields
-    fields["request.url_path"].string_value = path
-    fields["request.method"].string_value = method
-    for name, value in headers.items():
-        fields[f"request.headers['{name}']"].string_value = value
-    return msg
-
 
 def headers_request(headers: dict[str, bytes], eos: bool) -> pb.ProcessingRequest:
     msg = pb.ProcessingRequest()
