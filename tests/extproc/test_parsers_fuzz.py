@@ -350,10 +350,12 @@ def answer_all(gateway: Gateway, protocol: str, messages: list[bytes]) -> None:
 
 PATHS = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/execute", "/api/v1/dev_key/skills",
                          "/v1/models", "/settings", "/api/v1/usage", "/", "", "/v1/chat/completions?x=1"])
+def _json_containers(inner):
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
-                                                                                 max_size=4),
-                    max_leaves=20)
+                    _json_containers, max_leaves=20)
 CHAT_KEYS = st.sampled_from(["model", "messages", "lora_name", "extra_body", "adapter_rank", "stream",
                              "input", "target", "skills", "prompt", "max_tokens"])
 BODY = st.one_of(
