@@ -33,7 +33,7 @@ from extproc.store import Store
 from extproc.wire import SERVICE
 from tests.extproc.builders import KEYS, body_request, upstream, write_state
 
-MAX_EXAMPLES = int(os.environ.get("ACE_FUZZ_EXAMPLES", "200"))
+MAX_EXAMPLES = int(os.environ.get("ACE_FUZZ_EXAMPLES", "100"))
 FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PROCESS = f"/{SERVICE}/Process"
