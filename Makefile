@@ -12,7 +12,7 @@ FIXTURES := .fixtures
 TRACE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv fixtures browser test test-unit test-vllm demo bench bench-gateway bench-agent sim protos gpu-check clean
+.PHONY: venv fixtures browser test test-unit test-random test-vllm demo bench bench-gateway bench-agent sim protos gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,6 +51,15 @@ browser:
 
 test-unit: $(STAMP) $(FIXTURES)/.done browser
 	$(BIN)/python -m pytest -q -m "not vllm" $(PYTEST_ARGS) tests
+
+# The suite (not vllm) in random order under fixed seeds (pytest-randomly, off otherwise):
+# make test-random [SEEDS="1 2 3"]; a failure names its seed (rerun: -p randomly --randomly-seed=N).
+SEEDS ?= 1 2 3
+test-random: $(STAMP) $(FIXTURES)/.done browser
+	@set -e; for seed in $(SEEDS); do \
+	  echo "== pytest -p randomly --randomly-seed=$$seed"; \
+	  $(BIN)/python -m pytest -q -m "not vllm" -p randomly --randomly-seed=$$seed $(PYTEST_ARGS) tests; \
+	done
 
 test-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP)
 	ACE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -m vllm $(PYTEST_ARGS) tests

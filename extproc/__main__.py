@@ -88,13 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if settings.server == "aio":
             asyncio.run(serve_aio(gateway, settings.listen, protocol=settings.protocol, tls=tls,
-                                  lifecycle=health))
+                                  lifecycle=health, handover_s=settings.drain_handover_s))
         elif settings.server == "h2":
             asyncio.run(serve_h2(gateway, settings.listen, max_streams=settings.h2_max_streams,
-                                 protocol=settings.protocol, tls=tls, lifecycle=health))
+                                 protocol=settings.protocol, tls=tls, lifecycle=health,
+                                 handover_s=settings.drain_handover_s))
         else:
             serve(gateway, settings.listen, settings.workers, protocol=settings.protocol, tls=tls,
-                  lifecycle=health)
+                  lifecycle=health, handover_s=settings.drain_handover_s)
     finally:
         if health is not None:
             health.stop()

@@ -72,6 +72,9 @@ _HELP = {
     "health_listen": "host:port of a plaintext grpc.health.v1 port beside the ext_proc port, for "
                      "the kubelet's grpc probes (services liveness, readiness; docs/epp.md \"The plaintext health port\"), "
                      "or off; auto: off with --protocol ace, --listen's host and port 9003 with epp",
+    "drain_handover_s": "SIGTERM: seconds to go on serving (health NOT_SERVING) until a successor "
+                        "listens on --listen's port, before the drain; ends early when one does or "
+                        "no connection is open (extproc/transport/handover.py); 0: drain at once",
 }
 
 
@@ -119,6 +122,7 @@ class Settings:
     discovery_hints: str = "body"
     discovery_agent_port: int = 0
     health_listen: str = "auto"
+    drain_handover_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
@@ -162,6 +166,8 @@ class Settings:
             raise ConfigError("--agent-tls-server-name needs --agent-tls-ca or --agent-tls-cert")
         if parse_discovery(self.discovery).kind != "static":
             check_template(self.upstream_template())
+        if not 0 <= self.drain_handover_s <= 3600:
+            raise ConfigError(f"--drain-handover-s must be in 0..3600, got {self.drain_handover_s}")
         if self.health_listen not in ("auto", "off"):
             host, _, port = self.health_listen.rpartition(":")
             if not host or not port.isdigit() or int(port) > 65535:
@@ -247,7 +253,8 @@ class Settings:
                        discovery_base_model=ns["discovery_base_model"] or None,
                        discovery_hints=str(ns["discovery_hints"]),
                        discovery_agent_port=int(ns["discovery_agent_port"] or 0),
-                       health_listen=str(ns["health_listen"]).lower())
+                       health_listen=str(ns["health_listen"]).lower(),
+                       drain_handover_s=float(ns["drain_handover_s"]))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 

@@ -155,13 +155,13 @@ def _envoy(tmp: Path, name: str, port: int, admin: int, config_text: str) -> Ite
 
 @contextlib.contextmanager
 def extproc_process(work: Path, state: Path, *, env: dict[str, str] | None = None,
-                    extproc_args: Sequence[str] = (),
-                    metrics_port: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``python -m extproc`` with ``state`` on an ephemeral loopback port (log
-    ``work/extproc.log``, db ``work/gw.sqlite3``); yields its ``host:port`` and process
-    once it listens, stops it on exit. /metrics on ``metrics_port`` (default: a free one); no
+                    extproc_args: Sequence[str] = (), metrics_port: int | None = None,
+                    port: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m extproc`` with ``state`` on an ephemeral loopback port (``port``: that
+    one, e.g. a restart's; log ``work/extproc.log``, db ``work/gw.sqlite3``); yields its
+    ``host:port`` and process once the port accepts connections, stops it on exit. /metrics on ``metrics_port`` (default: a free one); no
     plaintext health port unless ``extproc_args`` asks (``--health-listen``: the later flag wins)."""
-    port = free_port()
+    port = port or free_port()
     log = work / "extproc.log"
     cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(work / "gw.sqlite3"),
            "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics_port or free_port()}",

@@ -4,24 +4,51 @@
     python -m tools.report_tables --update   # rewrite it in README.md (between the markers)
 
 Every figure comes from `reports/*.json` as the benchmarks wrote them; nothing here is
-typed by hand. `tests/test_readme.py` checks that the README shows what the reports say.
+typed by hand. `tests/test_readme.py` checks that the README shows what the reports say
+(``stale_section``): the committed reports, or the working tree's once the README has been
+updated from them, so `make bench && make test` passes before anyone commits a new run.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-REPORTS = REPO / "reports"
 BEGIN = "<!-- numbers:begin (python -m tools.report_tables --update) -->"
 END = "<!-- numbers:end -->"
 
 
-def _load(name: str) -> dict | None:
-    path = REPORTS / name
-    return json.loads(path.read_text()) if path.exists() else None
+REPORT_FILES = ("gateway_overhead.json", "agent.json", "hundreds_eval.json", "multi_lora_eval.json", "sim.json",
+                "sim_vs_stack.json")
+Loader = Callable[[str], "dict | None"]
+
+
+def working_tree_reports(repo: Path) -> Loader:
+    """Reports as they are on disk (what a benchmark has just written)."""
+    def load(name: str) -> dict | None:
+        path = repo / "reports" / name
+        return json.loads(path.read_text()) if path.exists() else None
+    return load
+
+
+def committed_reports(repo: Path) -> Loader | None:
+    """Reports as committed at ``HEAD`` (``git show``); None when ``repo`` is not a git
+    checkout (a source tarball) or git is missing."""
+    try:
+        subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "HEAD"], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+    def load(name: str) -> dict | None:
+        shown = subprocess.run(["git", "-C", str(repo), "show", f"HEAD:reports/{name}"],
+                               capture_output=True, timeout=30)
+        return json.loads(shown.stdout) if shown.returncode == 0 else None   # not committed: absent
+    return load
 
 
 def _ok(flag: bool) -> str:
@@ -379,15 +406,35 @@ def sim(r: dict) -> list[str]:
     return lines + ["", "![hit ratio per policy over the budget sweep](reports/sim.png)"]
 
 
-def render() -> str:
+def render(load: Loader | None = None) -> str:
+    """The section from ``load``'s reports (default: this checkout's working tree)."""
+    load = load or working_tree_reports(REPO)
     parts: list[str] = []
-    for name, fn in (("gateway_overhead.json", gateway), ("agent.json", agent),
-                     ("hundreds_eval.json", hundreds), ("multi_lora_eval.json", eval800), ("sim.json", sim),
-                     ("sim_vs_stack.json", sim_vs_stack)):
-        report = _load(name)
+    for name, fn in zip(REPORT_FILES, (gateway, agent, hundreds, eval800, sim, sim_vs_stack)):
+        report = load(name)
         if report is not None:
             parts += fn(report) + [""]
     return "\n".join(parts).rstrip() + "\n"
+
+
+def readme_section(readme: str) -> str:
+    """The README's numbers section, between the markers."""
+    return readme.split(BEGIN, 1)[1].split(END, 1)[0]
+
+
+def stale_section(repo: Path = REPO) -> str | None:
+    """None when the README's numbers section is rendered from the committed reports or from
+    the working tree's (updated after a new run, not yet committed); else what to run. A
+    benchmark that has just rewritten a report leaves the committed README true: it shows
+    the committed reports until someone runs ``--update``."""
+    section = readme_section((repo / "README.md").read_text()).strip()
+    if section == render(working_tree_reports(repo)).strip():
+        return None
+    committed = committed_reports(repo)
+    if committed is not None and section == render(committed).strip():
+        return None
+    return ("README.md's numbers section matches neither the committed reports nor the "
+            "working tree's: run python -m tools.report_tables --update")
 
 
 def update(readme: Path) -> None:

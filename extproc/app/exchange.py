@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from extproc.domain.auth import Principal
 from extproc.state.catalog import Upstream
 from extproc.domain.decision import Decision, InferenceRequest, decide
 from extproc.app.console import CONSOLE_ROUTES
-from extproc.errors import GatewayError, InvalidField, MethodNotAllowed, NoUpstream, NotFound
+from extproc.errors import GatewayError, InvalidField, InvalidMessage, MethodNotAllowed, NoUpstream, NotFound
 from extproc.app.handlers import Authenticated, Handler, HeadersOnly, parse_object
 from extproc.domain.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, session_of
 from extproc.observe.metrics import GatewayMetrics
@@ -287,15 +288,26 @@ def _count_error(gw: Gateway, handler: "Handler | None", exc: GatewayError) -> N
         gw.metrics.request(principal.tenant.id if principal is not None else "", "", exc.code, "")
 
 
-class Exchange:
-    """One HTTP request's phases. The only place errors become responses."""
+class Stage(IntEnum):
+    """Where an ``Exchange`` is in its request: each phase may come once, in this order."""
+    NEW = 0            # nothing yet
+    HEADERS = 1        # the headers were answered and the request goes on
+    BODY = 2           # the request body was answered and the request goes on
+    OVER = 3           # a final answer went out (a reply, or the response body's)
 
-    __slots__ = ("gw", "route", "handler")
+
+class Exchange:
+    """One HTTP request's phases. The only place errors become responses. A phase out of
+    order (a body after the gateway's reply, a response before the request's body: never
+    from Envoy, only from a broken peer) is ``InvalidMessage``, not a handler's bug."""
+
+    __slots__ = ("gw", "route", "handler", "stage")
 
     def __init__(self, gw: Gateway, route: RoutePolicy | None = None) -> None:
         self.gw = gw
         self.route = route or gw.route
         self.handler: Handler | None = None
+        self.stage = Stage.NEW
 
     def _guard(self, phase, arg) -> Outcome:
         try:
@@ -309,9 +321,18 @@ class Exchange:
             _count_error(self.gw, self.handler, exc)
             return _error_reply(exc)
 
+    def _enter(self, expected: Stage, phase: str) -> None:
+        if self.stage is not expected:
+            raise InvalidMessage(f"{phase} out of order: after {self.stage.name.lower()}")
+
+    def _after(self, outcome: Outcome, next_stage: Stage) -> Outcome:
+        self.stage = Stage.OVER if isinstance(outcome, Reply) else next_stage
+        return outcome
+
     def on_request_headers(self, head: RequestHead) -> Outcome:
+        self._enter(Stage.NEW, "request_headers")
         self.handler = _handler_for(head.path)(self.gw, self.route)
-        return self._guard(self.handler.on_request_headers, head)
+        return self._after(self._guard(self.handler.on_request_headers, head), Stage.HEADERS)
 
     def on_request_body(self, body: bytes, head: RequestHead | None = None) -> Outcome:
         """``head``: built from request_attributes when the headers were not sent to us."""
@@ -324,12 +345,14 @@ class Exchange:
             first = self.on_request_headers(head)
             if isinstance(first, Reply):
                 return first
-        return self._guard(self.handler.on_request_body, body)
+        self._enter(Stage.HEADERS, "request_body")
+        return self._after(self._guard(self.handler.on_request_body, body), Stage.BODY)
 
     def on_response_body(self, body: bytes) -> Outcome:
         if self.handler is None:
             return CONTINUE
-        return self._guard(self.handler.on_response_body, body)
+        self._enter(Stage.BODY, "response_body")
+        return self._after(self._guard(self.handler.on_response_body, body), Stage.OVER)
 
     @property
     def decision(self) -> "Decision | None":

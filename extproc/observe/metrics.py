@@ -212,11 +212,31 @@ def propagation_histogram(registry: CollectorRegistry) -> Histogram:
 
 def serve_metrics(registry: CollectorRegistry, listen: str):
     """Start ``GET /metrics`` on ``listen`` (host:port, port 0: any) in a daemon thread;
-    returns the HTTP server (``server_address`` says the port; ``shutdown()`` stops it)."""
-    from prometheus_client import start_http_server
+    returns the HTTP server (``server_address`` says the port; ``shutdown()`` stops it).
+    prometheus_client's server, bound with SO_REUSEPORT: a successor started on the same
+    ports binds while this replica hands over (extproc.transport.handover)."""
+    import socket
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    class MetricsServer(ThreadingWSGIServer):
+        allow_reuse_port = True
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format, *args) -> None:   # noqa: A002 (the base's signature)
+            pass
+
     host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
     try:
-        server, _thread = start_http_server(int(port), host.strip("[]"), registry)
+        MetricsServer.address_family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0][0]
+        server = make_server(host, int(port), make_wsgi_app(registry), MetricsServer,
+                             handler_class=QuietHandler)
     except OSError as exc:
         raise ConfigError(f"--metrics-listen {listen}: {exc}") from exc
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

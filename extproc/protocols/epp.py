@@ -31,7 +31,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 
 from extproc.app.outcomes import Continue, Reply
 from extproc.domain.headers import SERVED_BY_HEADER, TENANT_HEADER, TRACE_METADATA_HEADERS, hint_header
-from extproc.errors import GatewayError, NoUpstream, PayloadTooLarge
+from extproc.errors import GatewayError, InvalidMessage, NoUpstream, PayloadTooLarge
 from extproc.policy.admission import admit
 from extproc.policy.routing import eligible_upstreams, pick_order
 from extproc.protocols.wire import METADATA_NAMESPACE, pb, request_head, set_headers, to_response
@@ -160,6 +160,8 @@ class EppStream:
         except GatewayError as exc:
             self.finished = True
             return _reply(exc)
+        except InvalidMessage:   # a phase out of order: the servers end the stream INVALID_ARGUMENT
+            raise
         except Exception:   # a bug: say so in the log, answer a clean JSON error, never hang
             log.exception("endpoint picker stream failed")
             self.finished = True

@@ -3,8 +3,9 @@
 Transports only: they know nothing about OpenAI nor the phases. Three flavours: ``h2``
 (the default, ``extproc.transport.h2server``) and two on grpcio (``aio``, ``threads``: the reference
 behaviour, slower here). ``serve(gateway, listen, workers, ...)`` (threads) and
-``serve_aio(gateway, listen, ...)`` block until SIGTERM/SIGINT, then mark the service
-NOT_SERVING and drain in-flight streams for a grace period.
+``serve_aio(gateway, listen, ...)`` block until SIGTERM/SIGINT, then mark the
+service NOT_SERVING, serves on until a successor listens (``handover_s``: extproc.transport.handover)
+and drains in-flight streams for a grace period.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from extproc.transport.dispatch import Dispatcher, ServingHealth
 from extproc.errors import InvalidMessage
+from extproc.transport.handover import await_handover
 from extproc.transport.h2server import H2Server, serve_h2
 from extproc.transport.health_port import ServerLifecycle
 from extproc.transport.serving_cert import ServingCert
@@ -78,9 +80,14 @@ def _add_port(server, listen: str, tls: ServingCert | None) -> int:
     return server.add_secure_port(listen, grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)]))
 
 
+# SO_REUSEPORT: a successor binds beside us while we hand over (extproc.transport.handover)
+_OPTIONS = [("grpc.so_reuseport", 1)]
+
+
 async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protocol: str = "ace",
-                    tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+                    tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None,
+                    handover_s: float = 0.0) -> None:
+    server = grpc.aio.server(options=_OPTIONS)
     pb_grpc.add_ExternalProcessorServicer_to_server(AioExternalProcessor(gateway, protocol), server)
     health_servicer = await ServingHealth().grpcio_aio_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -97,14 +104,14 @@ async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protoco
     if lifecycle is not None:
         lifecycle.draining()
     await health_servicer.enter_graceful_shutdown()
+    await await_handover(listen, handover_s)
     await server.stop(grace_s)
     log.info("ext_proc stopped")
 
 
 def build_server(gateway: Gateway, listen: str, workers: int, protocol: str = "ace",
                  tls: ServingCert | None = None) -> tuple[grpc.Server, health.HealthServicer, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                         options=[("grpc.so_reuseport", 0)])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_OPTIONS)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, protocol), server)
     health_servicer = ServingHealth().grpcio_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -113,7 +120,8 @@ def build_server(gateway: Gateway, listen: str, workers: int, protocol: str = "a
 
 
 def serve(gateway: Gateway, listen: str, workers: int, grace_s: float = 5.0, protocol: str = "ace",
-          tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None) -> None:
+          tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None,
+          handover_s: float = 0.0) -> None:
     server, health_servicer, port = build_server(gateway, listen, workers, protocol, tls)
     server.start()
     log.info("ext_proc listening on %s (port %d)", listen, port)
@@ -130,5 +138,6 @@ def serve(gateway: Gateway, listen: str, workers: int, grace_s: float = 5.0, pro
     if lifecycle is not None:
         lifecycle.draining()
     health_servicer.enter_graceful_shutdown()
+    asyncio.run(await_handover(listen, handover_s))   # the pool's threads serve meanwhile
     server.stop(grace_s).wait()
     log.info("ext_proc stopped")

@@ -35,6 +35,7 @@ from extproc.transport.h2frames import (ACK, COMPRESSION_ERROR, CONT, DATA, END_
                               INTERNAL_ERROR, MAX_FRAME, MAX_WINDOW, PADDED, PING, PREFACE,
                               PRIO_FLAG, PROTOCOL_ERROR, PUSH, REFUSED_STREAM, RST, SETTINGS,
                               STREAM_CLOSED, WINDOW, ProtocolError, RecvWindow, frame, hpack_int)
+from extproc.transport.handover import await_handover
 from extproc.transport.health_port import ServerLifecycle
 from extproc.transport.serving_cert import ServingCert
 from extproc.protocols.wire import SERVICE
@@ -569,7 +570,9 @@ class H2Server:
         ssl_context = None
         if self.tls is not None:
             ssl_context = server_ssl_context(self.tls)
-        return await loop.create_server(lambda: H2Connection(self), host or None, int(port), ssl=ssl_context)
+        # SO_REUSEPORT: a successor binds beside us while we hand over (extproc.transport.handover)
+        return await loop.create_server(lambda: H2Connection(self), host or None, int(port), ssl=ssl_context,
+                                        reuse_port=True)
 
     async def shutdown(self, server: asyncio.AbstractServer, grace_s: float) -> None:
         """NOT_SERVING, GOAWAY to every connection, wait up to ``grace_s`` for open streams."""
@@ -606,9 +609,11 @@ def server_ssl_context(tls: ServingCert) -> ssl.SSLContext:
 
 async def serve_h2(gateway: Gateway | None, listen: str, grace_s: float = 5.0, null: bool = False,
                    max_streams: int = MAX_STREAMS, protocol: str = "ace", tls: ServingCert | None = None,
-                   lifecycle: ServerLifecycle | None = None) -> None:
+                   lifecycle: ServerLifecycle | None = None, handover_s: float = 0.0) -> None:
     """``null=True``: the benchmark's do-nothing ext_proc on the same loop. ``lifecycle``
-    (extproc.transport.health_port): told once listening, and when the drain starts."""
+    (extproc.transport.health_port): told once listening, and when the drain starts. SIGTERM:
+    NOT_SERVING, serve on until a successor listens (``handover_s``, extproc.transport.handover),
+    then GOAWAY and drain for ``grace_s``."""
     h2 = H2Server(gateway, null=null, max_streams=max_streams, protocol=protocol, tls=tls)
     server = await h2.start(listen)
     log.info("ext_proc (h2) listening on %s", listen)
@@ -621,5 +626,7 @@ async def serve_h2(gateway: Gateway | None, listen: str, grace_s: float = 5.0, n
     await stop.wait()
     if lifecycle is not None:
         lifecycle.draining()
+    h2.health.drain()
+    await await_handover(listen, handover_s)
     await h2.shutdown(server, grace_s)
     log.info("ext_proc stopped")

@@ -69,8 +69,9 @@ class HealthPort:
         self.port = 0
 
     def start(self) -> "HealthPort":
+        # SO_REUSEPORT: a successor binds beside us while we hand over (extproc.transport.handover)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
-                             options=[("grpc.so_reuseport", 0)])
+                             options=[("grpc.so_reuseport", 1)])
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         try:
             self.port = server.add_insecure_port(self.listen)

@@ -1,4 +1,5 @@
-"""Builders for gateway test state: a catalog, tenants, keys and upstreams on disk."""
+"""Builders for gateway test state: a catalog, tenants, keys and upstreams on disk; the
+ext_proc message Envoy sends on the one-message route."""
 from __future__ import annotations
 
 import hashlib
@@ -65,3 +66,18 @@ def upstream(name: str = "local", address: str = "127.0.0.1:1", flavour: str = "
     if allow_paths is not None:
         entry["allow_paths"] = allow_paths
     return entry
+
+
+def body_request(body: bytes, path: str = "/v1/chat/completions", method: str = "POST", **headers: str):
+    """The one-message route's ``ProcessingRequest``: the body plus request_attributes, as
+    Envoy sends it (``content_type=`` is the header ``content-type``)."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    msg = pb.ProcessingRequest()
+    msg.request_body.body = body
+    msg.request_body.end_of_stream = True
+    fields = msg.attributes["envoy.filters.http.ext_proc"].fields
+    fields["request.url_path"].string_value = path
+    fields["request.method"].string_value = method
+    for name, value in headers.items():
+        fields[f"request.headers['{name.replace('_', '-')}']"].string_value = value
+    return msg

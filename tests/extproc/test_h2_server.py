@@ -34,7 +34,7 @@ from extproc.transport.h2server import (CONNECTION_WINDOW, FLUSH_AT, MAX_STREAMS
 from extproc.app.exchange import Gateway
 from extproc.state.store import Store
 from extproc.protocols.wire import NO_PHASE, SERVICE
-from tests.extproc.builders import KEYS, upstream, write_state
+from tests.extproc.builders import KEYS, body_request, upstream, write_state
 from tests.support.procs import extproc_process, free_port, python, running, wait_port
 from tests.support.wait import scaled, wait_until
 
@@ -169,20 +169,6 @@ def assert_still_serving(srv: ServerThread) -> None:
 def chat(content: str = "hi", **extra) -> bytes:
     """A chat request body; without ``model`` the tenant's default adapter applies."""
     return json.dumps({"messages": [{"role": "user", "content": content}], **extra}).encode()
-
-
-def body_request(body: bytes, path: str = "/v1/chat/completions", method: str = "POST",
-                 **headers: str) -> pb.ProcessingRequest:
-    """The one-message route: the body plus request_attributes, as Envoy sends it."""
-    msg = pb.ProcessingRequest()
-    msg.request_body.body = body
-    msg.request_body.end_of_stream = True
-    fields = msg.attributes["envoy.filters.http.ext_proc"].fields
-    fields["request.url_path"].string_value = path
-    fields["request.method"].string_value = method
-    for name, value in headers.items():
-        fields[f"request.headers['{name.replace('_', '-')}']"].string_value = value
-    return msg
 
 
 def headers_request(path: str, method: str = "POST", eos: bool = False, **headers: str) -> pb.ProcessingRequest:
@@ -860,10 +846,13 @@ def _refused(address: str) -> bool:
     return False
 
 
+NO_HANDOVER = ["--drain-handover-s", "0"]   # the drain itself (the handover: test_handover.py)
+
+
 def test_sigterm_drains_an_open_stream_and_exits_0(state, tmp_path):
     _, path = state
     log = tmp_path / "extproc.log"
-    with extproc_process(tmp_path, path) as (address, proc):
+    with extproc_process(tmp_path, path, extproc_args=NO_HANDOVER) as (address, proc):
         release = threading.Event()
 
         def messages():
@@ -886,7 +875,7 @@ def test_sigterm_drains_an_open_stream_and_exits_0(state, tmp_path):
 def test_sigterm_drain_is_bounded(state, tmp_path):
     _, path = state
     log = tmp_path / "extproc.log"
-    with extproc_process(tmp_path, path) as (address, proc):
+    with extproc_process(tmp_path, path, extproc_args=NO_HANDOVER) as (address, proc):
         release = threading.Event()
 
         def messages():

@@ -2,6 +2,8 @@
 grpcio client: what each service answers in each phase of the ext_proc server."""
 from __future__ import annotations
 
+import socket
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -55,10 +57,20 @@ def test_unknown_service_is_not_found(port):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_a_port_in_use_is_a_configuration_error(port):
+def test_a_port_in_use_is_a_configuration_error():
+    with socket.socket() as other:      # held by another program (no SO_REUSEPORT)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        with pytest.raises(ConfigError, match="--health-listen"):
+            HealthPort(f"127.0.0.1:{other.getsockname()[1]}").start()
+
+
+def test_a_successor_binds_beside_a_draining_replica(port):
+    """A restart on the same address (extproc.transport.handover): the new process's health port binds
+    while the old one still serves its own."""
     hp, _ = port
-    with pytest.raises(ConfigError, match="--health-listen"):
-        HealthPort(f"127.0.0.1:{hp.port}").start()
+    successor = HealthPort(f"127.0.0.1:{hp.port}").start()
+    successor.stop()
 
 
 @pytest.mark.parametrize("args, address", [

@@ -2,6 +2,8 @@
 scrape time, and that counting stays off prometheus_client and locks per request."""
 from __future__ import annotations
 
+import socket
+
 import sys
 import threading
 
@@ -211,8 +213,14 @@ def test_metrics_are_served_on_their_own_port(store):
         port = server.server_address[1]
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert 'ace_gateway_requests_total{action="passthrough",adapter="",mode="prod",tenant="globex"} 1.0' in text
-        with pytest.raises(ConfigError, match="metrics-listen"):   # the port is taken
-            serve_metrics(_registry(gw), f"127.0.0.1:{port}")
+        with socket.socket() as other:     # a port another program holds (no SO_REUSEPORT)
+            other.bind(("127.0.0.1", 0))
+            other.listen()
+            with pytest.raises(ConfigError, match="metrics-listen"):
+                serve_metrics(_registry(gw), f"127.0.0.1:{other.getsockname()[1]}")
+        successor = serve_metrics(_registry(gw), f"127.0.0.1:{port}")   # a restart binds beside it
+        successor.shutdown()
+        successor.server_close()
     finally:
         server.shutdown()
         server.server_close()

@@ -72,6 +72,11 @@ def test_prefetched_and_cold_adapters_side_by_side(agent):
 
 
 def test_metrics_endpoint_reports_tiers_and_pool_pages(agent):
+    """Alone or after the other tests: it makes the events whose series it reads, an
+    accepted prefetch (a cold load) and a request for an adapter not on the device (a miss)."""
+    assert rpc(agent, "Prefetch", pb.PrefetchRequest(adapter="tr-de-en")).outcome == pb.PrefetchReply.ACCEPTED
+    wait_until(lambda: on_device(agent, "tr-de-en"), what="tr-de-en on the device")
+    assert complete(agent, "code-python").headers["x-ace-adapter-tier"] != "device"
     text = agent.metrics()
     for series in ('ace_agent_tier_misses_total{tier="device"}', "ace_agent_pool_pages_used",
                    "ace_agent_pool_pages_free", 'ace_agent_load_seconds_bucket{le="+Inf",stage="cold"}',

@@ -9,23 +9,18 @@ of them stopped (SIGTERM) or killed (SIGKILL) under load, and no request fails.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
-import threading
-from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.extproc.builders import KEYS, upstream, write_state
+from tests.extproc.builders import upstream, write_state
 from tests.support.envoy import run_envoy
+from tests.support.gateway_load import ALICE, CHAT, Load, chunks, replica_stats, served
 from tests.support.procs import extproc_process, free_port
 from tests.support.upstream import RecordingUpstream
 from tests.support.wait import scaled, wait_until
-
-ALICE = {"authorization": f"Bearer {KEYS['alice']}"}
-CHAT = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def _err(r: httpx.Response, status: int, code: str) -> dict:
@@ -34,10 +29,6 @@ def _err(r: httpx.Response, status: int, code: str) -> dict:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
     return err
-
-
-def _chunks(body: dict):   # no content-length: the headers-first route (2 ext_proc messages)
-    yield json.dumps(body).encode()
 
 
 def test_fail_closed_by_default_when_extproc_is_dead(tmp_path):
@@ -53,7 +44,7 @@ def test_fail_closed_by_default_when_extproc_is_dead(tmp_path):
                     assert err["type"] == "service_unavailable"
                     _err(c.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers),
                          503, "service_unavailable")
-                    _err(c.post("/v1/chat/completions", content=_chunks(CHAT), headers=headers), 503,
+                    _err(c.post("/v1/chat/completions", content=chunks(CHAT), headers=headers), 503,
                          "service_unavailable")
                 _err(c.post("/v1/execute", json={}, headers=ALICE), 503, "service_unavailable")
                 _err(c.get("/api/v1/dev_key/skills", headers=ALICE), 503, "service_unavailable")
@@ -86,69 +77,6 @@ def test_fail_open_only_when_asked_and_then_unauthenticated(tmp_path):
 
 # ---------- replicas: one stopped or killed under load ----------
 
-def _replica_stats(admin: int) -> dict[str, dict[str, str]]:
-    """Envoy's view of each ace_extproc endpoint (admin /clusters)."""
-    out: dict[str, dict[str, str]] = {}
-    text = httpx.get(f"http://127.0.0.1:{admin}/clusters", timeout=scaled(5)).text
-    for line in text.splitlines():
-        parts = line.split("::")
-        if len(parts) == 4 and parts[0] == "ace_extproc":
-            out.setdefault(parts[1], {})[parts[2]] = parts[3]
-    return out
-
-
-def _served(admin: int, address: str) -> int:
-    return int(_replica_stats(admin).get(address, {}).get("rq_total", "0"))
-
-
-class Load:
-    """``threads`` clients posting until stopped or ``limit`` requests are done; each
-    response is recorded as its status, ``decided`` when ext_proc's decision is on it."""
-
-    def __init__(self, port: int, threads: int = 4, limit: int = 3000, chunked_every: int = 0) -> None:
-        self.base, self.limit, self.chunked_every = f"http://127.0.0.1:{port}", limit, chunked_every
-        self.results: Counter = Counter()
-        self.failures: list[str] = []
-        self.done = 0
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.base, timeout=scaled(20)) as c:
-            n = 0
-            while not self.stop.is_set():
-                n += 1
-                chunked = self.chunked_every and n % self.chunked_every == 0
-                try:
-                    if chunked:
-                        r = c.post("/v1/chat/completions", content=_chunks(CHAT), headers=ALICE)
-                    else:
-                        r = c.post("/v1/chat/completions", json=CHAT, headers=ALICE)
-                    ok = r.status_code == 200 and r.headers.get("x-ace-served-by") == "local-vllm"
-                    outcome = "decided" if ok else f"{r.status_code}"
-                    detail = "" if ok else r.text[:300]
-                except httpx.HTTPError as exc:
-                    outcome, detail = type(exc).__name__, str(exc)
-                with self.lock:
-                    self.results[outcome] += 1
-                    if detail:
-                        self.failures.append(detail)
-                    self.done += 1
-                    if self.done >= self.limit:
-                        self.stop.set()
-
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=scaled(30))
-
-
 @contextlib.contextmanager
 def two_replicas(tmp: Path, up: RecordingUpstream):
     """Two ext_proc processes behind one fail-closed Envoy; yields (port, admin, replicas)
@@ -158,7 +86,7 @@ def two_replicas(tmp: Path, up: RecordingUpstream):
         admin = free_port()
         with run_envoy(tmp, extproc=[a[0], b[0]], default_upstream=up.address, admin_port=admin,
                        message_timeout="5s") as port:
-            wait_until(lambda: all(_replica_stats(admin).get(addr, {}).get("health_flags") == "healthy"
+            wait_until(lambda: all(replica_stats(admin).get(addr, {}).get("health_flags") == "healthy"
                                    for addr in (a[0], b[0])), what="both replicas healthy in Envoy")
             yield port, admin, (a, b)
 
@@ -176,17 +104,18 @@ def test_one_of_two_replicas_stops_under_load_and_no_request_fails(tmp_path, how
     with RecordingUpstream() as up, two_replicas(tmp_path, up) as (port, admin, replicas):
         (victim, proc), (survivor, _) = replicas
         with Load(port, chunked_every=5 if sig == signal.SIGTERM else 0) as load:
-            wait_until(lambda: min(_served(admin, victim), _served(admin, survivor)) >= 20 or load.stop.is_set(),
+            wait_until(lambda: min(served(admin, victim), served(admin, survivor)) >= 20 or load.stop.is_set(),
                        what="both replicas serving under load")
             assert not load.stop.is_set(), load.results
             proc.send_signal(sig)
             at_kill = load.done
             wait_until(lambda: load.done >= at_kill + 300 or load.stop.is_set(), timeout=60,
                        what="300 requests after the stop")
-            assert proc.wait(timeout=scaled(15)) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+            # SIGTERM: it serves on (NOT_SERVING) for the handover, no successor comes, it drains
+            assert proc.wait(timeout=scaled(30)) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
         assert load.done >= at_kill + 300, load.results
         assert set(load.results) == {"decided"}, (load.results, load.failures[:5])
         assert len(up.requests) == load.done                  # each one went upstream once
-        stats = _replica_stats(admin)
+        stats = replica_stats(admin)
         assert stats[victim]["health_flags"] != "healthy"    # out of the rotation
         assert int(stats[survivor]["rq_total"]) > 300

@@ -73,22 +73,28 @@ def test_a_key_revoked_by_the_admin_cli_gets_401_on_both_replicas(replicas):
 
 
 def test_postgres_down_serves_requests_refuses_writes_with_503_then_recovers(replicas):
+    """Alone or after the other tests, in any order: what each replica serves before the
+    outage is what it serves during it."""
     pg, a, b = replicas
+    before = _effective(a, ALICE)
+    wait_until(lambda: _effective(b, ALICE) == before, timeout=10, interval=0.02,
+               what="both replicas serve the same skills before the outage")
+    change = "prod" if before["multi_lora"] == "shadow" else "shadow"
     pg.stop()
     try:
         for client in (a, b):       # served from the last snapshot
             assert client.post("/v1/chat/completions", json=CHAT, headers=ALICE).status_code == 200
-            assert _effective(client, ALICE)["dynamic_lora_prefetch"] == "prod"
-        r = a.post("/api/v1/dev_key/skills", json={"skills": {"multi_lora": "shadow"}}, headers=ALICE)
+            assert _effective(client, ALICE) == before
+        r = a.post("/api/v1/dev_key/skills", json={"skills": {"multi_lora": change}}, headers=ALICE)
         assert r.status_code == 503, r.text
         error = r.json()["error"]
         assert error["code"] == "store_unavailable" and error["type"] == "server_error", r.text
-        assert _effective(a, ALICE)["multi_lora"] == "prod"      # the refused write changed nothing
+        assert _effective(a, ALICE) == before      # the refused write changed nothing
     finally:
         pg.start()
-    r = a.post("/api/v1/dev_key/skills", json={"skills": {"multi_lora": "shadow"}}, headers=ALICE)
+    r = a.post("/api/v1/dev_key/skills", json={"skills": {"multi_lora": change}}, headers=ALICE)
     assert r.status_code == 200, r.text
-    wait_until(lambda: _effective(b, ALICE)["multi_lora"] == "shadow", timeout=30, interval=0.05,
+    wait_until(lambda: _effective(b, ALICE)["multi_lora"] == change, timeout=30, interval=0.05,
                what="replica B reconnects and applies the retried write")
 
 
