@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from extproc.transport.dispatch import Dispatcher, ServingHealth
 from extproc.errors import InvalidMessage
-from extproc.transport.handover import await_handover
+from extproc.transport.handover import await_handover, serve_until_signal
 from extproc.transport.h2server import H2Server, serve_h2
 from extproc.transport.health_port import ServerLifecycle
 from extproc.transport.serving_cert import ServingCert
@@ -94,15 +94,7 @@ async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protoco
     port = _add_port(server, listen, tls)
     await server.start()
     log.info("ext_proc (aio) listening on %s (port %d)", listen, port)
-    if lifecycle is not None:
-        lifecycle.serving()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    if lifecycle is not None:
-        lifecycle.draining()
+    await serve_until_signal(lifecycle)
     await health_servicer.enter_graceful_shutdown()
     await await_handover(listen, handover_s)
     await server.stop(grace_s)

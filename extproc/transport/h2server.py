@@ -16,7 +16,6 @@ import asyncio
 import collections
 import logging
 import os
-import signal
 import ssl
 import struct
 import tempfile
@@ -35,7 +34,7 @@ from extproc.transport.h2frames import (ACK, COMPRESSION_ERROR, CONT, DATA, END_
                               INTERNAL_ERROR, MAX_FRAME, MAX_WINDOW, PADDED, PING, PREFACE,
                               PRIO_FLAG, PROTOCOL_ERROR, PUSH, REFUSED_STREAM, RST, SETTINGS,
                               STREAM_CLOSED, WINDOW, ProtocolError, RecvWindow, frame, hpack_int)
-from extproc.transport.handover import await_handover
+from extproc.transport.handover import await_handover, serve_until_signal
 from extproc.transport.health_port import ServerLifecycle
 from extproc.transport.serving_cert import ServingCert
 from extproc.protocols.wire import SERVICE
@@ -617,15 +616,7 @@ async def serve_h2(gateway: Gateway | None, listen: str, grace_s: float = 5.0, n
     h2 = H2Server(gateway, null=null, max_streams=max_streams, protocol=protocol, tls=tls)
     server = await h2.start(listen)
     log.info("ext_proc (h2) listening on %s", listen)
-    if lifecycle is not None:
-        lifecycle.serving()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    if lifecycle is not None:
-        lifecycle.draining()
+    await serve_until_signal(lifecycle)
     h2.health.drain()
     await await_handover(listen, handover_s)
     await h2.shutdown(server, grace_s)

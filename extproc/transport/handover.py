@@ -24,12 +24,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["HandoverEnd", "PortSocket", "await_handover", "handover_done", "read_port_sockets",
+if TYPE_CHECKING:
+    from extproc.transport.health_port import ServerLifecycle
+
+__all__ = ["HandoverEnd", "PortSocket", "await_handover", "serve_until_signal", "handover_done", "read_port_sockets",
            "own_socket_inodes"]
 
 log = logging.getLogger(__name__)
@@ -115,3 +120,17 @@ async def await_handover(listen: str, handover_s: float) -> HandoverEnd:
         await asyncio.sleep(POLL_S)
     log.info("handover of %s over after %.2fs: %s", listen, time.monotonic() - started, end.value)
     return end
+
+
+async def serve_until_signal(lifecycle: "ServerLifecycle | None") -> None:
+    """Tell ``lifecycle`` the server listens, wait for SIGTERM or SIGINT, then tell it the
+    drain starts: every server flavour's life between listening and its handover."""
+    if lifecycle is not None:
+        lifecycle.serving()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    if lifecycle is not None:
+        lifecycle.draining()
