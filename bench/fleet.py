@@ -126,7 +126,8 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
     chans = [LoadChannel(channels) for _ in range(hosts)]
     if arm == "ace":
         shared = dict(model=TransitionModel(order=settings.order), ledger=PredictionLedger(),
-                      pace=StepPace(settings.horizon_s), expected=SessionDemand(settings.horizon_s),
+                      pace=StepPace(settings.horizon_s),
+                      expected=SessionDemand(settings.horizon_s, working_set=settings.working_set),
                       first_steps=FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s))
         specs = [Speculator(budget, settings, name=h, **shared) for h in range(hosts)]
         pools = [sp.cache for sp in specs]
