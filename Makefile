@@ -8,11 +8,16 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION ?= 0.32.0
+# vLLM's own router, as a vLLM user installs it (PyPI, a Rust binary), for make bench ENGINE=vllm
+ROUTER_VENV := .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
+VLLM_ROUTER_VERSION ?= 0.1.17
+ENGINE ?= builtin
 FIXTURES := .fixtures
 TRACE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv fixtures browser test test-unit test-vllm demo bench bench-gateway bench-agent sim protos gpu-check clean
+.PHONY: venv fixtures browser test test-unit test-vllm demo bench bench-vllm bench-gateway bench-agent sim protos gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -67,6 +72,24 @@ bench-gateway: $(STAMP) $(FIXTURES)/.done
 bench-agent: $(STAMP) $(FIXTURES)/.done
 	$(BIN)/python -m bench.agent --out reports/agent.json
 
+$(ROUTER_STAMP):
+	@test -x $(ROUTER_VENV)/bin/python || $(PY) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install -q vllm-router==$(VLLM_ROUTER_VERSION)
+	@touch $@
+
+# make bench ENGINE=vllm [ARMS=round_robin,vllm_router,vllm_router_session,affinity,ace]
+#   [VLLM_HOSTS=2] [VLLM_REQUESTS=120] [VLLM_S=2]: real vLLM hosts (bench/vllm_eval.py,
+#   sizes in docs/engine.md "Real vLLM hosts") -> reports/vllm_eval.json
+VLLM_HOSTS ?= 2
+VLLM_REQUESTS ?= 120
+VLLM_S ?= 2
+bench-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP)
+	$(BIN)/python -m bench.vllm_eval --out reports/vllm_eval.json --hosts $(VLLM_HOSTS) --requests $(VLLM_REQUESTS) \
+		--max-cpu-loras $(VLLM_S) $(if $(TRACE),--trace $(TRACE),) $(if $(ARMS),--arms $(ARMS),)
+
+ifeq ($(ENGINE),vllm)
+bench: bench-vllm
+else
 # make bench [HOSTS=1,2,4] [ARMS=round_robin,affinity,ace] [TRACE=FILE] [WARM_FROM=FILE]
 # The committed 800-request report: the ace arm starts from the state learned on the
 # generator's previous day (WARM_FROM's default when TRACE is not given); WARM_FROM= : cold.
@@ -74,6 +97,7 @@ WARM_FROM ?= $(if $(TRACE),,data/multi_lora_eval/multi_lora_eval_800_prev.json)
 bench: $(STAMP) $(FIXTURES)/.done
 	$(BIN)/python -m bench.multi_lora_eval --out reports/multi_lora_eval.json $(if $(TRACE),--trace $(TRACE),) \
 		$(if $(HOSTS),--hosts $(HOSTS),) $(if $(ARMS),--arms $(ARMS),) $(if $(WARM_FROM),--warm-from $(WARM_FROM),)
+endif
 
 # On a machine with a CUDA GPU (not CI): the CUDA-only tests + bench-agent on the device,
 # with the python3 that holds torch+CUDA there (tools/gpu_check.sh; reports/agent_cuda.json).
@@ -91,4 +115,4 @@ protos: $(STAMP)
 	$(BIN)/python protos/generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(FIXTURES) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(ROUTER_VENV) $(FIXTURES) .pytest_cache
