@@ -90,13 +90,32 @@ bench-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP)
 ifeq ($(ENGINE),vllm)
 bench: bench-vllm
 else
-# make bench [HOSTS=1,2,4] [ARMS=round_robin,affinity,ace] [TRACE=FILE] [WARM_FROM=FILE]
+# make bench [HOSTS=1,2,4] [ARMS=round_robin,affinity,ace] [TRACE=FILE] [WARM_FROM=FILE] [SLOTS=N] [SPEED=auto|N]
 # The committed 800-request report: the ace arm starts from the state learned on the
 # generator's previous day (WARM_FROM's default when TRACE is not given); WARM_FROM= : cold.
+# make bench SCENARIO=hundreds [SEED=N] [HOSTS=4] [SLOTS=16]: the mission's scale (226 adapters,
+# 48 tenants), every arm cold, into reports/hundreds_eval.json; SEED= another generator seed
+# (the held-out ones: 20261202, 20261203), generated into var/ and reported there.
+SCENARIO ?=
+SEED ?=
+ifeq ($(SCENARIO),hundreds)
+BENCH_TRACE := $(if $(SEED),var/hundreds_$(SEED).json,data/multi_lora_eval/hundreds.json)
+BENCH_OUT := $(if $(SEED),var/hundreds_$(SEED)_eval.json,reports/hundreds_eval.json)
+HOSTS ?= 4
+SLOTS ?= 16
+WARM_FROM ?=
+else ifeq ($(SCENARIO),)
+BENCH_TRACE := $(TRACE)
+BENCH_OUT := reports/multi_lora_eval.json
 WARM_FROM ?= $(if $(TRACE),,data/multi_lora_eval/multi_lora_eval_800_prev.json)
+else
+$(error SCENARIO=$(SCENARIO): the scenarios are hundreds (or none: the 800 trace))
+endif
 bench: $(STAMP) $(FIXTURES)/.done
-	$(BIN)/python -m bench.multi_lora_eval --out reports/multi_lora_eval.json $(if $(TRACE),--trace $(TRACE),) \
-		$(if $(HOSTS),--hosts $(HOSTS),) $(if $(ARMS),--arms $(ARMS),) $(if $(WARM_FROM),--warm-from $(WARM_FROM),)
+	$(if $(and $(SEED),$(filter hundreds,$(SCENARIO))),mkdir -p var && $(BIN)/python data/multi_lora_eval/generate.py --scenario hundreds --seed $(SEED) --out $(BENCH_TRACE),)
+	$(BIN)/python -m bench.multi_lora_eval --out $(BENCH_OUT) $(if $(BENCH_TRACE),--trace $(BENCH_TRACE),) \
+		$(if $(HOSTS),--hosts $(HOSTS),) $(if $(ARMS),--arms $(ARMS),) $(if $(WARM_FROM),--warm-from $(WARM_FROM),) \
+		$(if $(SLOTS),--slots $(SLOTS),) $(if $(SPEED),--speed $(SPEED),) $(if $(SCENARIO),--scenario $(SCENARIO),)
 endif
 
 # On a machine with a CUDA GPU (not CI): the CUDA-only tests + bench-agent on the device,
@@ -106,9 +125,17 @@ gpu-check:
 
 # The committed reports/sim.json: 300,000 single-host requests (about 12 min on 2 busy
 # cores); SIM_REQUESTS=1000000 for the 1M-request scale.
+# make sim TRACE=FILE HOSTS=N [SLOTS=S] [STACK_REPORT=FILE]: that bench trace through the fleet
+# simulator with the bench's fleet, pool, replay speed and measured load times, against the
+# stack's hit ratios (bench.sim_stack; merged into reports/sim_vs_stack.json).
 SIM_REQUESTS ?= 300000
 sim: $(STAMP)
+ifneq ($(and $(TRACE),$(HOSTS)),)
+	$(BIN)/python -m bench.sim_stack --trace $(TRACE) --hosts $(HOSTS) $(if $(SLOTS),--slots $(SLOTS),) \
+		$(if $(STACK_REPORT),--stack-report $(STACK_REPORT),)
+else
 	$(BIN)/python -m bench.sim --out reports/sim.json --requests $(SIM_REQUESTS) $(if $(TRACE),--trace $(TRACE),)
+endif
 
 # Regenerate the committed gRPC code under gpu_agent/_proto from protos/ (grpcio-tools).
 protos: $(STAMP)

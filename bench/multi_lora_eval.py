@@ -80,7 +80,11 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.report import build_report, fleet_checks, fleet_entry, format_fleets, format_report, percentiles
+from bench.bounds import fleet_bounds
+from bench.pacing import engine_seconds, pilot_compute_s, replay_speed
+from bench.report import build_report, fleet_checks, fleet_entry, format_fleets, format_report, percentiles, \
+    ttft_breakdown
+from bench.scenario_fixtures import trace_catalog
 from bench.trace import TraceError, load_trace
 from gpu_agent.catalog_schema import read_catalog_file
 
@@ -95,24 +99,6 @@ def log(msg: str) -> None:
 
 # ---------------------------------------------------------------- fixtures and config
 
-def bench_fixtures(requests: list[dict], fixtures: Path, work: Path) -> Path:
-    """A catalog with every adapter the trace names, at its rank: the committed fixtures
-    when they match, else freshly made ones (deterministic, public)."""
-    from gpu_agent.fixtures import AdapterDef, make_fixtures
-
-    wanted = {}
-    for r in requests:
-        wanted.setdefault(r["adapter"], (r["rank"], r["domain"]))
-    catalog = fixtures / "catalog.yaml"
-    if catalog.exists():
-        have = {a.name: a.rank for a in read_catalog_file(catalog).adapters}
-        if all(have.get(name) == rank for name, (rank, _) in wanted.items()):
-            return catalog
-    log(f"making fixture adapters for {len(wanted)} adapters under {work / 'fixtures'}")
-    defs = [AdapterDef(name, rank, domain, "public") for name, (rank, domain) in wanted.items()]
-    return make_fixtures(work / "fixtures", defs)
-
-
 def remote_catalog(catalog: Path, store_url: str, out: Path, names: set[str]) -> dict:
     """The catalog with every adapter's uri on the artifact store; base model path absolute."""
     read_catalog_file(catalog)      # checked; rewritten as plain YAML below
@@ -125,10 +111,11 @@ def remote_catalog(catalog: Path, store_url: str, out: Path, names: set[str]) ->
     return data
 
 
-def pool_size(names: set[str], sizes: dict[str, int]) -> tuple[int, int, int]:
-    """``(slots, bytes needed, MiB)`` of a pool with vLLM ``--max-loras`` semantics: half of
-    the adapters (at least 1) as slots, room for the largest that many at once."""
-    slots = max(1, len(names) // 2)
+def pool_size(names: set[str], sizes: dict[str, int], slots: int | None = None) -> tuple[int, int, int]:
+    """``(slots, bytes needed, MiB)`` of a pool with vLLM ``--max-loras`` semantics:
+    ``slots`` (default half of the adapters, at least 1), room for the largest that many
+    at once."""
+    slots = max(1, len(names) // 2) if slots is None else min(slots, len(names))
     needed = sum(sorted((sizes[n] for n in names), reverse=True)[:slots])
     return slots, needed, max(1, math.ceil(needed / (1 << 20)))
 
@@ -301,30 +288,45 @@ def learned_state(requests: list[dict], hosts: list[str], slots: int, out: Path)
 # ---------------------------------------------------------------- replay
 
 async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -> dict:
+    """One streamed request: TTFT is the time to the first chunk carrying a token (the
+    chat stream's opening role chunk comes before any compute); the engine's
+    ``ace_timing`` chunk (``stream_options.include_timing``) splits it."""
     session = f"{r['tenant']}/{r['session']}"
     body = {"model": r["adapter"], "messages": r["messages"], "max_tokens": int(r.get("max_tokens", 16)),
-            "temperature": 0, "stream": True, "user": session}
+            "temperature": 0, "stream": True, "stream_options": {"include_timing": True}, "user": session}
     headers = {"authorization": f"Bearer {key}", "x-ace-session-id": session}
     t0 = time.perf_counter()
-    ttft = None
+    ttft = first_byte = None
+    timing: dict = {}
     try:
         async with client.stream("POST", base + "/v1/chat/completions", json=body, headers=headers) as resp:
-            async for chunk in resp.aiter_bytes():
-                if ttft is None and chunk.strip():
+            async for line in resp.aiter_lines():
+                if first_byte is None:
+                    first_byte = (time.perf_counter() - t0) * 1000
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if ttft is None and any(c.get("delta", {}).get("content") or c.get("finish_reason")
+                                        for c in chunk.get("choices") or ()):
                     ttft = (time.perf_counter() - t0) * 1000
+                timing = chunk.get("ace_timing") or timing
             status = resp.status_code
             h = resp.headers
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, ValueError) as exc:
         return {"id": r.get("id"), "error": str(exc)}
     trace = dict(kv.split("=", 1) for kv in h.get("x-ace-trace-multi-lora", "").split(",") if "=" in kv)
     wait = h.get("x-ace-adapter-wait-ms")
+    engine_ms = timing.get("first_token_ms")
     return {
         "id": r.get("id"), "tenant": r["tenant"], "session": r["session"], "step": r.get("step"),
         "adapter": r["adapter"],
         "domain": r["domain"], "status": status, "tier": h.get("x-ace-adapter-tier", "unknown"),
-        "wait_ms": float(wait) if wait is not None else None, "ttft_ms": ttft,
+        "wait_ms": float(wait) if wait is not None else None, "ttft_ms": ttft, "first_byte_ms": first_byte,
         "total_ms": (time.perf_counter() - t0) * 1000, "action": trace.get("action"),
-        "host": trace.get("upstream"),
+        "host": trace.get("upstream"), "sent_s": t0,
+        "queue_ms": timing.get("queue_ms"), "compute_ms": timing.get("compute_ms"),
+        "loads_ms": timing.get("loads_ms"), "engine_ttft_ms": engine_ms,
+        "outside_engine_ms": ttft - engine_ms if ttft is not None and engine_ms is not None else None,
     }
 
 
@@ -424,8 +426,11 @@ def ok_rows(rows: list[dict]) -> list[dict]:
 
 
 def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[str], store: tuple[int, Path],
-            hosts: int, arm: str, pool: int, pool_mb: int, warm_file: Path | None, probe: bool) -> tuple[list, dict]:
-    """One arm on one fleet: a fresh stack, the whole trace, then the counters."""
+            hosts: int, arm: str, pool: int, pool_mb: int, warm_file: Path | None, probe: bool,
+            speed: float | None) -> tuple[list, dict, float, dict | None]:
+    """One arm on one fleet: a fresh stack, the whole trace, then the counters. With
+    ``speed`` None, a pilot on this stack chooses it first (``bench.pacing``); returns the
+    rows, the entry, the speed and the calibration (None when given)."""
     store_port, store_log = store
     run_dir = work / f"{hosts}-{arm}"
     run_dir.mkdir()
@@ -443,7 +448,21 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
         async def go():
             ready = await fleet_ready(st["hosts"], expect_prefetches=warm_file is not None)
             log(f"{label}ready after {ready:.1f}s")
-            rows = await replay(requests, st, args.speed, closed_loop=not args.open_loop, label=label)
+            calibration = None
+            run_speed = speed
+            if run_speed is None:
+                compute_s = await pilot_compute_s(st["hosts"], requests, BASE_MODEL)
+                run_speed, calibration = replay_speed(requests, hosts, compute_s)
+                log(f"{label}pilot: {1000 * compute_s:.1f} ms of forward passes per request -> speed x{run_speed} "
+                    f"(busiest host predicted {calibration['predicted_busiest_busy']:.0%} busy)")
+            async with httpx.AsyncClient(timeout=10) as client:
+                before = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
+                t0 = time.monotonic()
+                rows = await replay(requests, st, run_speed, closed_loop=not args.open_loop, label=label)
+                elapsed = time.monotonic() - t0
+                after = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
+            busy = {n: round((after[n][0] - before[n][0]) / elapsed, 4) for n in before}
+            load_busy = {n: round((after[n][1] - before[n][1]) / elapsed, 4) for n in before}
             loads: Counter = Counter()
             by_host = {}
             for h in st["hosts"]:  # before the overhead probe's requests
@@ -454,11 +473,12 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
             if probe:
                 t = requests[0]
                 ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
-            return rows, dict(loads), by_host, preempted, ov, ready
+            return rows, dict(loads), by_host, preempted, ov, ready, run_speed, calibration, busy, load_busy
 
         t_replay = time.monotonic()
         load_avg = os.getloadavg()[0]
-        rows, loads, loads_by_host, preempted, overhead, ready = asyncio.run(go())
+        (rows, loads, loads_by_host, preempted, overhead, ready, speed, calibration, busy,
+         load_busy) = asyncio.run(go())
         replay_s = time.monotonic() - t_replay
         fetches, _ = store_fetches(store_log, log_at)
     counters = speculation_counters(run_dir / "extproc.log") or {}  # the gateway has stopped
@@ -473,11 +493,14 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                "ready_wait_s": round(ready, 2),
                "machine_load_avg_1m": [round(load_avg, 2), round(os.getloadavg()[0], 2)],
                "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
-               "speculation": counters or None, "gateway_overhead_ms": overhead})
+               "speculation": counters or None, "gateway_overhead_ms": overhead,
+               "speed": speed, "engine_busy": busy, "engine_load_busy": load_busy,
+               "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool)})
     log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "
         f"effective {entry['effective_hits']}, errors {entry['errors']}, stall p99 {entry['stall_ms']['p99']}, "
-        f"ttft p99 {entry['ttft_ms']['p99']}, per host {entry['requests_per_host']}, loads {loads}")
-    return rows, entry
+        f"ttft p99 {entry['ttft_ms']['p99']}, per host {entry['requests_per_host']}, loads {loads}, "
+        f"engine busy {busy}, Belady {entry['bounds']['belady_hits']}")
+    return rows, entry, speed, calibration
 
 
 def parse_list(text: str, allowed: tuple, kind) -> list:
@@ -496,16 +519,25 @@ def run(args) -> int:
         arms = parse_list(args.arms, tuple(ARMS), str)
         if any(n < 1 for n in hosts_list):
             raise ValueError("--hosts: at least 1 host")
+        if args.slots is not None and args.slots < 1:
+            raise ValueError("--slots: at least 1 slot")
+        if args.speed != "auto":
+            try:
+                ok = float(args.speed) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--speed: a positive number or auto, got {args.speed!r}")
     except (TraceError, ValueError) as exc:
         log(f"error: {exc}")
         return 2
     work = Path(tempfile.mkdtemp(prefix="ace-bench-"))
     t_all = time.monotonic()
     try:
-        catalog = bench_fixtures(requests + (warm_requests or []), Path(args.fixtures), work)
+        catalog = trace_catalog(requests + (warm_requests or []), Path(args.fixtures), log=log)
         names = {r["adapter"] for r in requests}
         sizes_all = {a.name: a.size_bytes for a in read_catalog_file(catalog).adapters}
-        pool, pool_needed, pool_mb = pool_size(names, sizes_all)
+        pool, pool_needed, pool_mb = pool_size(names, sizes_all, args.slots)
         from tests.support.procs import free_port, python, running, wait_port
 
         store_port = free_port()
@@ -514,11 +546,13 @@ def run(args) -> int:
         store_log = work / "store.log"
         runs = [(n, arm) for n in hosts_list for arm in arms]
         log(f"fleet benchmark: {len(requests)} requests, hosts {hosts_list}, arms {arms}, pool {pool} of "
-            f"{len(names)} adapters / {pool_mb} MiB per host, speed x{args.speed}, ace learns "
+            f"{len(names)} adapters / {pool_mb} MiB per host, speed {args.speed}, ace learns "
             f"{'from ' + str(args.warm_from) if args.warm_from else 'online from a cold start'}")
         top = max(hosts_list)
         results: dict[str, dict[str, dict]] = {}
         all_rows: dict[tuple[int, str], list] = {}
+        speeds: dict[int, float | None] = {n: None if args.speed == "auto" else float(args.speed) for n in hosts_list}
+        calibrations: dict[str, dict] = {}
         with running(cmd, store_log) as store:
             wait_port(store_port, timeout=30, proc=store, log=store_log)
             for i, (n, arm) in enumerate(runs, 1):
@@ -527,11 +561,16 @@ def run(args) -> int:
                 if warm_requests is not None and ARMS[arm][1]:
                     warm_file = learned_state(warm_requests, [f"engine-{k}" for k in range(1, n + 1)], pool,
                                               work / f"learned-{n}.popularity.json")
-                rows, entry = run_arm(args, requests, work, catalog, names, (store_port, store_log), n, arm,
-                                      pool, pool_mb, warm_file, probe=(n == top and arm == "ace"))
+                rows, entry, speeds[n], cal = run_arm(args, requests, work, catalog, names, (store_port, store_log),
+                                                      n, arm, pool, pool_mb, warm_file,
+                                                      probe=(n == top and arm == "ace"), speed=speeds[n])
+                if cal is not None:
+                    calibrations[str(n)] = cal
                 results.setdefault(str(n), {})[arm] = entry
                 all_rows[(n, arm)] = rows
         report = fleet_report(args, requests, results, all_rows, top, catalog, names, pool, pool_needed, pool_mb)
+        report["speed_by_hosts"] = {str(n): speeds[n] for n in hosts_list}
+        report["speed_calibration"] = calibrations
         report["wall_s"] = round(time.monotonic() - t_all, 1)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -563,8 +602,8 @@ def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top:
     data = yaml.safe_load(catalog.read_text())
     adapters = [a for a in data["adapters"] if a["name"] in names]
     common = {
-        "trace": str(args.trace), "sessions": len(sessions(requests)), "speed": args.speed, "warm_from": str(args.warm_from) if args.warm_from else None,
-        "fleets": results, "checks": fleet_checks(results),
+        "trace": str(args.trace), "sessions": len(sessions(requests)), "speed": args.speed, "slots": args.slots, "scenario": args.scenario, "warm_from": str(args.warm_from) if args.warm_from else None,
+        "fleets": results, "checks": fleet_checks(results, args.scenario),
         "fleet_hosts": top, "pool_adapters": pool, "pool_mb": pool_mb, "pool_bytes": pool_mb << 20,
         "pool_bytes_needed": pool_needed, "adapters": len(names), "agent_cold_args": list(COLD_AGENT_ARGS),
         "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
@@ -615,7 +654,13 @@ def main(argv=None) -> int:
     ap.add_argument("--warm-from", default=None,
                     help="a trace of another day: the ace arm's gateway starts with the state learned on it "
                          "(default: it starts cold and learns online; make bench WARM_FROM=)")
-    ap.add_argument("--speed", type=float, default=8.0, help="replay speed-up of the trace's clock")
+    ap.add_argument("--speed", default="auto",
+                    help="replay speed-up of the trace's clock: a number, or auto (default): per fleet size, the "
+                         "speed at which the busiest engine is busy about half the time (bench.pacing), at most 8")
+    ap.add_argument("--scenario", choices=("800", "hundreds"), default="800",
+                    help="whose targets the 4-host checks hold the ace arm to (make bench SCENARIO=)")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="adapter slots of each host's pool (default: half of the trace's adapters; make bench SLOTS=)")
     ap.add_argument("--open-loop", action="store_true",
                     help="send every request at its own t (default: sessions closed-loop, think_s after each answer)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")

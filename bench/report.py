@@ -52,6 +52,7 @@ __all__ = [
     "hit_counts",
     "percentiles",
     "swap_speedup",
+    "ttft_breakdown",
     "vram_savings_pct",
 ]
 
@@ -60,6 +61,7 @@ __all__ = [
 RESIDENT_TIERS = ("device", "pool")
 
 QUANTILES = (50, 90, 95, 99)
+BUSY_LIMIT = 0.7  # share of the replay an engine may spend in forward passes: above, it measures queueing
 NOISE_FACTOR, NOISE_MS = 1.05, 1.0
 # the seeds' figures for 4 hosts, 800 items: ace's effective / resident hit ratios, and
 # affinity's stall p99 over ace's at least this
@@ -267,15 +269,62 @@ def fleet_entry(rows: Sequence[Mapping], *, errors: int, requests_per_host: Mapp
     return entry
 
 
+# the engine's ``ace_timing`` fields a row carries, and the report's name for each part
+BREAKDOWN_PARTS = {"queue_ms": "queue_ms", "stall_ms": "wait_ms", "compute_ms": "compute_ms",
+                   "loads_ms": "loads_ms", "outside_engine_ms": "outside_engine_ms"}
+
+
+def ttft_breakdown(rows: Sequence[Mapping]) -> dict:
+    """Where each request's TTFT went, from the engine's ``ace_timing``: ``stall_ms``
+    (waiting for the adapter), ``queue_ms`` (then waiting for the first forward pass),
+    ``compute_ms`` (that pass), ``outside_engine_ms`` (TTFT minus the engine's time to
+    the first token: gateway, Envoy, loopback, the engine's HTTP handling), and
+    ``loads_ms``: the engine's load work that ended in the request's window, prefetch or
+    demand (it overlaps the others: loads run beside the forward loop or block it).
+    Percentiles of each part over all rows, and the median of each part over the worst
+    1% of TTFTs (at least one row): what the tail is made of."""
+    timed = [r for r in rows if r.get("compute_ms") is not None and r.get("ttft_ms") is not None]
+    if not timed:
+        return {"rows": 0}
+    out: dict = {"rows": len(timed), "ttft_ms": percentiles(r["ttft_ms"] for r in timed)}
+    for name, field in BREAKDOWN_PARTS.items():
+        out[name] = {**percentiles(r[field] for r in timed), "mean": sum(r[field] for r in timed) / len(timed)}
+    worst = sorted(timed, key=lambda r: r["ttft_ms"])[-max(1, len(timed) // 100):]
+    out["worst_1pct"] = {"rows": len(worst), "ttft_ms_p50": percentiles(r["ttft_ms"] for r in worst)["p50"],
+                         **{f"{name}_p50": percentiles(r[field] for r in worst)["p50"]
+                            for name, field in BREAKDOWN_PARTS.items()}}
+    return out
+
+
 def _no_worse(ace: float | None, affinity: float | None) -> bool | None:
     if ace is None or affinity is None:
         return None
     return ace <= NOISE_FACTOR * affinity + NOISE_MS
 
 
-def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]]) -> dict:
+def hundreds_targets(ace: Mapping, aff: Mapping) -> dict:
+    """Issue 21's targets for the hundreds scenario at 4 hosts: ace's effective hits >= 0.90,
+    >= affinity + 0.12 and >= Belady's demand optimum of its own per-host sequences; stall
+    p99 at least 3x lower than affinity's; TTFT no worse at any percentile; no errors."""
+    b, p = aff["stall_ms"]["p99"], ace["stall_ms"]["p99"]
+    belady = (ace.get("bounds") or {}).get("belady_hit_ratio")
+    got = {"effective_hit_ratio": ace["effective_hit_ratio"],
+           "over_affinity": ace["effective_hit_ratio"] - aff["effective_hit_ratio"],
+           "over_own_belady": None if belady is None else ace["effective_hit_ratio"] - belady,
+           "stall_p99_reduction": (b / p) if b is not None and p else (math.inf if b else None)}
+    want = {"effective_hit_ratio": 0.90, "over_affinity": 0.12, "over_own_belady": 0.0, "stall_p99_reduction": 3.0}
+    out = {k: {"want": v, "got": got[k], "met": got[k] is not None and got[k] >= v} for k, v in want.items()}
+    ttft = {q: _no_worse(ace["ttft_ms"][q], aff["ttft_ms"][q]) for q in aff["ttft_ms"]}
+    out["ttft_no_worse"] = {"want": "<= 1.05 x affinity + 1 ms at p50/p90/p95/p99", "got": ttft,
+                            "met": all(v is True for v in ttft.values())}
+    out["no_errors"] = {"want": 0, "got": ace["errors"], "met": ace["errors"] == 0}
+    return out
+
+
+def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "800") -> dict:
     """What the report can check about itself: per fleet, ``ace`` against ``affinity`` at
-    every stall and TTFT percentile, errors per arm; for 4 hosts, the seeds' targets."""
+    every stall and TTFT percentile, errors per arm; for 4 hosts, the scenario's targets
+    (``TARGETS`` for the 800 trace, ``hundreds_targets``)."""
     out: dict = {}
     for n, arms in fleets.items():
         c: dict = {"errors": {arm: e["errors"] for arm, e in arms.items()},
@@ -287,7 +336,13 @@ def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]]) -> dict:
                 for metric in ("stall_ms", "ttft_ms")}
             c["ace_no_worse_everywhere"] = all(
                 v is not False for m in c["ace_no_worse_than_affinity"].values() for v in m.values())
-        if n == "4" and ace and aff:
+        if aff and aff.get("engine_busy"):
+            busiest = max(aff["engine_busy"].values())
+            c["affinity_busiest_engine_busy"] = busiest
+            c["below_saturation"] = busiest < BUSY_LIMIT
+        if n == "4" and ace and aff and scenario == "hundreds":
+            c["targets"] = hundreds_targets(ace, aff)
+        elif n == "4" and ace and aff:
             b, p = aff["stall_ms"]["p99"], ace["stall_ms"]["p99"]
             got = {"effective_hit_ratio": ace["effective_hit_ratio"], "resident_hit_ratio": ace["resident_hit_ratio"],
                    "stall_p99_reduction": (b / p) if b is not None and p else (math.inf if b else None)}

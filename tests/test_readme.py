@@ -44,3 +44,48 @@ def test_sim_section_renders_the_fleet_the_bounds_and_the_one_host_check():
     assert "| 8 | 0.500 (0.400) | 0.500 (0.400) | 0.500 (0.400) | 0.300 / 0.300 / 0.300 | 0.600 | 0.900 |" in text
     assert "ace (speculative) 0.810 vs Belady's demand optimum 0.795 (met)" in text
     assert "reports/sim_fleet.png" in text
+
+
+def _arm(hits, stall99, ttft):
+    return {"total": 100, "errors": 0, "resident_hits": hits, "effective_hits": hits,
+            "effective_hit_ratio": hits / 100, "stall_ms": {"p50": 0.0, "p99": stall99},
+            "ttft_ms": {"p50": ttft, "p90": ttft, "p95": ttft, "p99": ttft},
+            "first_step": {"total": 10, "effective_hits": 5}, "requests_per_host": {"engine-1": 60, "engine-2": 40},
+            "loads_by_tier": {"remote": 30}, "prefetch": {"sent": 0, "used": 0, "wasted": 0, "preempted": None},
+            "engine_busy": {"engine-1": 0.42, "engine-2": 0.3},
+            "bounds": {"belady_hit_ratio": 0.8, "compulsory_hit_ratio": 0.9},
+            "ttft_breakdown": {"rows": 100, **{k: {"p50": 1.0, "p99": 9.0} for k in
+                                               ("queue_ms", "stall_ms", "compute_ms", "loads_ms", "outside_engine_ms")},
+                               "worst_1pct": {"rows": 1, "ttft_ms_p50": 50.0, "queue_ms_p50": 40.0, "stall_ms_p50": 0.0,
+                                              "compute_ms_p50": 5.0, "loads_ms_p50": 30.0,
+                                              "outside_engine_ms_p50": 5.0}}}
+
+
+def test_hundreds_section_renders_targets_breakdown_bounds_and_plot():
+    from bench.report import fleet_checks
+    from tools.report_tables import hundreds
+
+    fleets = {"4": {"affinity": _arm(70, 60.0, 10.0), "ace": _arm(91, 10.0, 10.0)}}
+    r = {"trace": "data/multi_lora_eval/hundreds.json", "sessions": 40, "adapters": 226, "pool_adapters": 16,
+         "pool_mb": 15, "fleet_hosts": 4, "warm_from": None, "wall_s": 600.0, "speed": "auto",
+         "speed_by_hosts": {"4": 2.5}, "scenario": "hundreds", "fleets": fleets,
+         "checks": fleet_checks(fleets, "hundreds")}
+    text = "\n".join(hundreds(r))
+    assert "226 adapters" in text and "replay ×2.5 at 4 hosts" in text
+    assert "ace effective hits ≥ 90% — met (91.00%)" in text and "≥ affinity + 12 points — met (+21.00)" in text
+    assert "own per-host sequences — met (+11.00 points)" in text and "stall P99 ≥ 3× lower than affinity — met (6.0×)" in text
+    assert "| 4 | ace | 42% | 91.00% | 80.00% | 90.00% | 1.0 / 9.0 |" in text
+    assert "50.0: 40.0 / 0.0 / 5.0 / 30.0 / 5.0 |" in text
+    assert "(reports/hundreds_eval.png)" in text
+
+
+def test_sim_vs_stack_section_names_the_terms_that_differ():
+    from tools.report_tables import sim_vs_stack
+
+    r = {"hundreds@4x16": {"agreement": {"arms": {"affinity": {"stack": 0.7, "sim": 0.72, "diff": 0.02,
+                                                               "within": True}}},
+                           "calibration": [{"term": "replay loop", "differs": True},
+                                           {"term": "replay speed", "differs": False}]}}
+    text = "\n".join(sim_vs_stack(r))
+    assert "| hundreds@4x16 | affinity | 0.700 | 0.720 | +0.020 | met |" in text
+    assert "terms that differ — replay loop." in text

@@ -118,7 +118,9 @@ def fleet(r: dict) -> list[str]:
                      f"percentile — {_ok(c['ace_no_worse_everywhere'])}" + (f" ({', '.join(worse)})" if worse else ""))
         checks.append(line + ".")
     t = r["checks"].get("4", {}).get("targets")
-    if t:
+    if t and r.get("scenario") == "hundreds":
+        checks.append(hundreds_targets(t))
+    elif t:
         checks.append(
             f"- 4 hosts, targets (the seeds' figures): effective hits ≥ 99.25% — {_ok(t['effective_hit_ratio']['met'])} "
             f"({100 * t['effective_hit_ratio']['got']:.2f}%); resident ≥ 98% — {_ok(t['resident_hit_ratio']['met'])} "
@@ -132,7 +134,7 @@ def fleet(r: dict) -> list[str]:
         "engines load on demand: a plain Service in front of vLLM replicas), **affinity** (ace's placement and "
         "residency-aware routing, prefetch off: what a LoRA-affinity picker gives), **ace** (routing + prefetch). "
         f"The ace arm's gateway starts from {learned}. Wall time of the whole run: {r['wall_s'] / 60:.1f} min "
-        f"(replay ×{r['speed']:g}).",
+        f"({_speeds(r)}).",
         "",
         "| hosts | arm | resident | effective | errors | stall p50 ms | stall p99 ms | TTFT p50 ms | TTFT p90 ms "
         "| TTFT p99 ms | first steps effective | requests per host | loads | prefetch sent/used/wasted/preempted |",
@@ -141,6 +143,116 @@ def fleet(r: dict) -> list[str]:
         "",
         *checks,
     ]
+
+
+def _speeds(r: dict) -> str:
+    by = r.get("speed_by_hosts")
+    if not by:
+        return f"replay ×{float(r['speed']):g}"
+    how = "chosen per fleet size by a pilot, busiest engine ≈ half busy" if r.get("speed") == "auto" else "fixed"
+    return "replay " + ", ".join(f"×{v:g} at {n} host{'s' if n != '1' else ''}" for n, v in by.items()) + f" ({how})"
+
+
+def hundreds_targets(t: dict) -> str:
+    got = {k: v["got"] for k, v in t.items()}
+    worse = [q for q, ok in got["ttft_no_worse"].items() if ok is False]
+    return (f"- 4 hosts, targets (issue 21): ace effective hits ≥ 90% — {_ok(t['effective_hit_ratio']['met'])} "
+            f"({100 * got['effective_hit_ratio']:.2f}%); ≥ affinity + 12 points — {_ok(t['over_affinity']['met'])} "
+            f"({100 * got['over_affinity']:+.2f}); ≥ Belady's demand optimum of its own per-host sequences — "
+            f"{_ok(t['over_own_belady']['met'])} ({_pts(got['over_own_belady'])}); stall P99 ≥ 3× lower than "
+            f"affinity — {_ok(t['stall_p99_reduction']['met'])} ({_ms(got['stall_p99_reduction'])}×); TTFT no worse "
+            f"at p50/p90/p95/p99 — {_ok(t['ttft_no_worse']['met'])}" + (f" (worse at {', '.join(worse)})" if worse else "")
+            + f"; no errors — {_ok(t['no_errors']['met'])}.")
+
+
+def _ttft_chunk(r: dict) -> str:
+    """Reports with ``ttft_breakdown`` time the first chunk carrying a token; older ones
+    the chat stream's opening role chunk, sent before any compute."""
+    timed = any("ttft_breakdown" in e for arms in r["fleets"].values() for e in arms.values())
+    return " that carries a token" if timed else " (the opening role chunk, sent before any compute)"
+
+
+def _pts(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:+.2f} points"
+
+
+def where_time_goes(r: dict) -> list[str]:
+    """Per hosts × arm: busiest engine, the bounds of its own per-host sequences, and the
+    TTFT split (p50 / p99 of each part, and what the worst 1% is made of)."""
+    rows = []
+    for n, arms in r["fleets"].items():
+        for arm, e in arms.items():
+            b, t = e.get("bounds"), e.get("ttft_breakdown") or {}
+            if not b or not t.get("rows"):
+                continue
+            busy = e.get("engine_busy") or {}
+            w = t["worst_1pct"]
+            rows.append(
+                f"| {n} | {arm} | {_ms(max(busy.values()) * 100 if busy else None, '.0f')}% | "
+                f"{_pct(e, 'effective_hits')} | {100 * b['belady_hit_ratio']:.2f}% | {100 * b['compulsory_hit_ratio']:.2f}% | "
+                + " | ".join(f"{_ms(t[k]['p50'])} / {_ms(t[k]['p99'])}"
+                             for k in ("queue_ms", "stall_ms", "compute_ms", "loads_ms", "outside_engine_ms"))
+                + f" | {_ms(w['ttft_ms_p50'])}: " + " / ".join(_ms(w[f'{k}_p50']) for k in
+                                                              ("queue_ms", "stall_ms", "compute_ms", "loads_ms",
+                                                               "outside_engine_ms")) + " |")
+    if not rows:
+        return []
+    return [
+        "Where the time goes, and the bounds of each arm's own per-host request sequences (Belady: the "
+        "demand-caching optimum at the pool's slots; compulsory: every request but each adapter's first on "
+        "its host). TTFT parts, p50 / p99 ms, from the engine's `ace_timing`: queue (until the first forward "
+        "pass), stall (the adapter), compute (the first pass), loads (the engine's load work that ended in "
+        "the request's window, prefetch or demand: it overlaps the others), outside (TTFT minus the engine's "
+        "time to the first token: Envoy, gateway, loopback); worst 1%: the median TTFT of the slowest 1% and "
+        "the median of each part there.",
+        "",
+        "| hosts | arm | busiest engine busy | effective | Belady | compulsory | queue | stall | compute | loads "
+        "| outside | worst 1%: TTFT: queue / stall / compute / loads / outside |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def hundreds(r: dict) -> list[str]:
+    return [
+        "### Hundreds of adapters through the whole stack — `make bench SCENARIO=hundreds` → "
+        "`reports/hundreds_eval.json`",
+        "",
+        f"The mission's scale (`{r['trace']}`, docs/trace-format.md): {_requests(r)}"
+        f" requests, {r['sessions']} sessions, {r['adapters']} adapters of ranks 8–128, each host's pool "
+        f"{r['pool_adapters']} slots ({r['pool_mb']} MiB), so the fleet holds about "
+        f"{r['pool_adapters'] * max(int(n) for n in r['fleets']) / r['adapters']:.0%} of the catalog; every arm "
+        "starts cold. Same stack, arms and cold loads as the 800 report below.",
+        "",
+        *fleet(r),
+        "",
+        *where_time_goes(r),
+        "",
+        f"![TTFT distributions per arm, {r['fleet_hosts']} hosts, hundreds of adapters](reports/hundreds_eval.png)",
+    ]
+
+
+def _requests(r: dict) -> int:
+    e = next(iter(next(iter(r["fleets"].values())).values()))
+    return e["total"] + e["errors"]
+
+
+def sim_vs_stack(r: dict) -> list[str]:
+    lines = ["### Simulator against the stack — `make sim TRACE= HOSTS= SLOTS=` → `reports/sim_vs_stack.json`",
+             "",
+             "The fleet simulator replays a bench trace with the bench's fleet size, pool, replay speed and "
+             "measured load times (`bench.sim_stack`); per arm its hit ratio beside the stack's (agreement: "
+             "within 3 points), and the model's terms that differ from what the stack did.",
+             "",
+             "| trace @ hosts × slots | arm | stack | sim | diff | within 3 points |",
+             "|---|---|---|---|---|---|"]
+    notes = []
+    for key, res in sorted(r.items()):
+        for arm, a in res["agreement"]["arms"].items():
+            lines.append(f"| {key} | {arm} | {a['stack']:.3f} | {a['sim']:.3f} | {a['diff']:+.3f} | {_ok(a['within'])} |")
+        differs = [c["term"] for c in res["calibration"] if c["differs"]]
+        notes.append(f"- {key}: terms that differ — {'; '.join(differs) if differs else 'none'}.")
+    return lines + [""] + notes
 
 
 def eval800(r: dict) -> list[str]:
@@ -188,7 +300,7 @@ def eval800(r: dict) -> list[str]:
         "there (the engine's `x-ace-adapter-wait-ms` ≤ 1 ms); a **resident hit** is one whose adapter "
         "was in the pool when the request arrived; the **adapter stall** is the engine's measured "
         "wait for the adapter; **TTFT** is the client's time to the first streamed chunk through "
-        "Envoy; **loads** are the engines' loads into their pools; **prefetch** counts the gateway's "
+        f"Envoy{_ttft_chunk(r)}; **loads** are the engines' loads into their pools; **prefetch** counts the gateway's "
         "signals (warm set included), those whose adapter a request then used or that left unused, and "
         "the loads the agents preempted (– where the agents expose no such counter); "
         "**cold swap** is the engine's wait for a remote → pool load and **warm** the engine's wait "
@@ -198,6 +310,7 @@ def eval800(r: dict) -> list[str]:
         "overhead** is the added p50 of the same request through Envoy + ext_proc vs to an engine "
         "directly.",
         "",
+        *(where_time_goes(r) + [""] if where_time_goes(r) else []),
         f"![TTFT distributions per arm, {r['fleet_hosts']} hosts](reports/multi_lora_eval.png)",
     ]
 
@@ -269,7 +382,8 @@ def sim(r: dict) -> list[str]:
 def render() -> str:
     parts: list[str] = []
     for name, fn in (("gateway_overhead.json", gateway), ("agent.json", agent),
-                     ("multi_lora_eval.json", eval800), ("sim.json", sim)):
+                     ("hundreds_eval.json", hundreds), ("multi_lora_eval.json", eval800), ("sim.json", sim),
+                     ("sim_vs_stack.json", sim_vs_stack)):
         report = _load(name)
         if report is not None:
             parts += fn(report) + [""]

@@ -1,6 +1,10 @@
 """Deterministic generator of the multi-LoRA evaluation trace (``multi_lora_eval_800.json``).
 
     python data/multi_lora_eval/generate.py [--n 800] [--seed 20261130] [--out FILE]
+    python data/multi_lora_eval/generate.py --scenario hundreds [--seed N] [--out FILE]
+
+``--scenario hundreds`` is the mission's scale: 200+ adapters, 48 tenants (``hundreds.py``).
+The rest of this docstring is the default scenario, ``800``:
 
 800 requests from 8 tenants over 5 domains and the fixtures' 10 adapters (ranks 8-128).
 Traffic is agentic sessions: a tenant opens a session (Poisson arrivals, with burst
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 # name -> (rank, domain): exactly gpu_agent.fixtures.ADAPTERS
@@ -102,6 +107,40 @@ P_END = 0.04     # the session ends after this step (never before MIN_STEPS)
 MIN_STEPS = 4
 
 
+def opened_sessions(rng: random.Random, tenants: list[str], rates: list[float], session_rate: float,
+                    bursts: list[tuple[float, float, str]], burst_factor: float, enough):
+    """Session openings, ``(time, tenant, number from 1)`` until ``enough()``: a Poisson
+    process of ``session_rate`` per second, tenants drawn by ``rates``, a burst window's
+    tenant ``burst_factor``x likelier."""
+    clock = 0.0
+    sid = 0
+    while not enough():
+        clock += rng.expovariate(session_rate)
+        weights = list(rates)
+        for start, end, t in bursts:
+            if start <= clock < end:
+                weights[tenants.index(t)] *= burst_factor
+        sid += 1
+        yield clock, rng.choices(tenants, weights)[0], sid
+
+
+def session_steps(rng: random.Random, start: float, chain: list[str], visible: list[str], p_stray: float):
+    """One session running its workflow ``chain`` from ``start``: ``(t, think_s or None,
+    step, adapter)`` per request; a step strays to a ``visible`` adapter (``p_stray``), is
+    sent twice (``P_REPEAT``), or the session ends early (``P_END``, from ``MIN_STEPS``)."""
+    t, think, step = start, 0.0, 0
+    for planned in chain:
+        adapter = rng.choice(visible) if rng.random() < p_stray else planned
+        for _ in range(2 if rng.random() < P_REPEAT else 1):
+            yield t, think if step else None, step, adapter
+            step += 1
+            # the agent's think time before the next step: tool runs, a human glance
+            think = round(min(8.0, max(0.2, rng.lognormvariate(0.3, 0.7))), 3)
+            t += NOMINAL_SERVICE_S + think
+        if step >= MIN_STEPS and rng.random() < P_END:
+            break
+
+
 def generate(n: int = 800, seed: int = 20261130) -> list[dict]:
     rng = random.Random(seed)
     tenants = list(TENANTS)
@@ -111,33 +150,14 @@ def generate(n: int = 800, seed: int = 20261130) -> list[dict]:
     bursts = [(rng.uniform(0, 300), rng.choice(tenants)) for _ in range(3)]
     bursts = [(s, s + rng.uniform(20, 45), t) for s, t in bursts]
     requests: list[dict] = []
-    clock = 0.0
-    sid = 0
-    while len(requests) < n * 2:  # overshoot, then keep the first n by time
-        clock += rng.expovariate(session_rate)
-        weights = list(rates)
-        for start, end, t in bursts:
-            if start <= clock < end:
-                weights[tenants.index(t)] *= 4.0
-        tenant = rng.choices(tenants, weights)[0]
+    # overshoot, then keep the first n by time
+    for clock, tenant, sid in opened_sessions(rng, tenants, rates, session_rate, bursts, 4.0,
+                                              lambda: len(requests) >= n * 2):
         flows = TENANTS[tenant][1]
         chain = rng.choices([c for _, c in flows], [w for w, _ in flows])[0]
-        sid += 1
         session = f"{tenant}-s{sid:04d}"
-        t = clock
-        think = 0.0
-        step = 0
-        for planned in chain:
-            adapter = rng.choice(visible(tenant)) if rng.random() < P_STRAY else planned
-            for _ in range(2 if rng.random() < P_REPEAT else 1):
-                requests.append(_request(rng, t, think if step else None, tenant, session, step,
-                                         "->".join(chain), adapter))
-                step += 1
-                # the agent's think time before the next step: tool runs, a human glance
-                think = round(min(8.0, max(0.2, rng.lognormvariate(0.3, 0.7))), 3)
-                t += NOMINAL_SERVICE_S + think
-            if step >= MIN_STEPS and rng.random() < P_END:
-                break
+        for t, think, step, adapter in session_steps(rng, clock, chain, visible(tenant), P_STRAY):
+            requests.append(_request(rng, t, think, tenant, session, step, "->".join(chain), adapter))
     requests.sort(key=lambda r: (r["t"], r["session"], r["step"]))
     requests = requests[:n]
     # keep whole prefixes of sessions only: a cut session keeps its first steps
@@ -165,15 +185,37 @@ def _request(rng: random.Random, t: float, think: float | None, tenant: str, ses
     }
 
 
+SCENARIOS = ("800", "hundreds")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=800, help="number of requests")
-    ap.add_argument("--seed", type=int, default=20261130, help="random seed")
-    ap.add_argument("--out", default=str(Path(__file__).with_name("multi_lora_eval_800.json")),
-                    help="output file (.json: one array; .jsonl: one object per line)")
+    ap.add_argument("--scenario", choices=SCENARIOS, default="800",
+                    help="800: the 10-adapter trace; hundreds: 200+ adapters, 48 tenants (hundreds.py)")
+    ap.add_argument("--n", type=int, default=None, help="number of requests (800; hundreds: 2400)")
+    ap.add_argument("--seed", type=int, default=None, help="random seed (800: 20261130; hundreds: 20261201)")
+    ap.add_argument("--tenants", type=int, default=None, help="hundreds only: tenants (48)")
+    ap.add_argument("--public", type=int, default=None, help="hundreds only: public adapters (112)")
+    ap.add_argument("--session-rate", type=float, default=None,
+                    help="hundreds only: sessions opened per second (0.5 per 48 tenants)")
+    ap.add_argument("--out", default=None, help="output file (.json: one array; .jsonl: one object per line; "
+                    "default: multi_lora_eval_800.json or hundreds.json beside this script)")
     args = ap.parse_args(argv)
-    reqs = generate(args.n, args.seed)
-    out = Path(args.out)
+    here = Path(__file__).resolve().parent
+    if args.scenario == "hundreds":
+        sys.path.insert(0, str(here))  # hundreds.py imports this module as `generate`
+        import hundreds
+
+        reqs = hundreds.generate_hundreds(
+            args.n or hundreds.N_REQUESTS, hundreds.SEED if args.seed is None else args.seed,
+            args.tenants or hundreds.N_TENANTS, hundreds.N_PUBLIC if args.public is None else args.public,
+            args.session_rate)
+        out = Path(args.out or here / "hundreds.json")
+    else:
+        if args.tenants is not None or args.public is not None or args.session_rate is not None:
+            ap.error("--tenants, --public and --session-rate are for --scenario hundreds")
+        reqs = generate(args.n or 800, 20261130 if args.seed is None else args.seed)
+        out = Path(args.out or here / "multi_lora_eval_800.json")
     if out.suffix == ".jsonl":
         out.write_text("".join(json.dumps(r) + "\n" for r in reqs))
     else:

@@ -172,6 +172,9 @@ class EngineAdapters:
         self.room_timeout_s = room_timeout_s
         self._room = asyncio.Event()  # replaced on every set: one wake-up per release
         self.room_waits = 0  # times a load found the pool full of held adapters and waited
+        # seconds spent in the tiers' load work (read, parse, copy into the pool), prefetch or
+        # demand, counted when a load ends: what a request's TTFT window shares with loads
+        self.load_seconds = 0.0
         self.left_pool_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         # evictions by (tier, reason): the pool's (its owner's choice below, or evict) and the
@@ -485,6 +488,7 @@ class EngineAdapters:
         if (adapter is None or self.pool.device.type != "cpu" or adapter.nbytes > INLINE_SWAP_BYTES
                 or not self.tiers.lock.acquire(blocking=False)):
             return False
+        t0 = time.perf_counter()
         try:
             self.tiers.ensure(name, pin=pin)
         except (core.AgentError, EngineError):
@@ -493,6 +497,7 @@ class EngineAdapters:
             raise _unavailable(name, exc) from exc
         finally:
             self.tiers.lock.release()
+            self.load_seconds += time.perf_counter() - t0
         self.loads["host"] = self.loads.get("host", 0) + 1
         return True
 
@@ -520,6 +525,7 @@ class EngineAdapters:
                 if self.order.should_yield(ticket, "fetch"):
                     await self.order.pause(ticket, "fetch")
                     continue  # its files are kept meanwhile: it is loading (``loading()``)
+            t0 = time.perf_counter()
             try:
                 await asyncio.to_thread(self.tiers.ensure, name, path, digest, pin=False,
                                         should_yield=lambda stage: self.order.should_yield(ticket, stage))
@@ -532,6 +538,8 @@ class EngineAdapters:
                 raise
             except FileNotFoundError as exc:
                 raise core.AdapterNotFound(f"adapter {name}: {exc}") from exc
+            finally:
+                self.load_seconds += time.perf_counter() - t0
             break
         if digest:
             self._verified.add(digest)

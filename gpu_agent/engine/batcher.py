@@ -39,6 +39,10 @@ class GenerationRequest:
 class TokenEvent:
     token_id: int | None          # None on a terminal event without a token
     finish_reason: str | None     # "stop" | "length" | "abort" when the sequence ends
+    # perf_counter() at the start and the end of the forward pass that produced the token
+    # (a request's TTFT split: queued until the first start, computing until its end)
+    pass_start: float | None = None
+    pass_end: float | None = None
 
 
 @dataclass
@@ -191,8 +195,9 @@ class Batcher:
                 for s in seqs:
                     self._finish(s, "abort", error=exc)
                 continue
+            t1 = time.perf_counter()
             st = self.stats
-            st.forward_seconds += time.perf_counter() - t0
+            st.forward_seconds += t1 - t0
             st.forward_passes += 1
             st.sequences_in_passes += len(seqs)
             st.rows += sum(len(s.next_tokens) for s in seqs)
@@ -204,17 +209,18 @@ class Batcher:
                 s.generated += 1
                 st.generated_tokens += 1
                 if tok in s.req.stop_ids:
-                    self._finish(s, "stop", tok)
+                    self._finish(s, "stop", tok, span=(t0, t1))
                 elif s.generated >= s.req.max_tokens:
-                    self._finish(s, "length", tok)
+                    self._finish(s, "length", tok, span=(t0, t1))
                 else:
                     s.next_tokens = [tok]
                     if not s.done:
-                        s.out.put_nowait(TokenEvent(tok, None))
+                        s.out.put_nowait(TokenEvent(tok, None, t0, t1))
 
-    def _finish(self, s: _Seq, reason: str, tok: int | None = None, error: Exception | None = None) -> None:
+    def _finish(self, s: _Seq, reason: str, tok: int | None = None, error: Exception | None = None,
+                span: tuple[float, float] | tuple[None, None] = (None, None)) -> None:
         if not s.done:
-            s.out.put_nowait(TokenEvent(tok, reason))
+            s.out.put_nowait(TokenEvent(tok, reason, *span))
         s.done = True
         s.cache = None
         self.stats.finished += 1

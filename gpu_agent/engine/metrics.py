@@ -51,6 +51,9 @@ def render_metrics(engine: Any, http_stats: Any) -> str:
              [({}, st.max_adapters_in_pass)])
     t.metric("ace_engine_forward_seconds_total", "counter", "Wall time spent in forward passes",
              [({}, round(st.forward_seconds, 6))])
+    t.metric("ace_engine_adapter_load_seconds_total", "counter",
+             "Wall time of the adapter tiers' load work (read, parse, copy into the pool), prefetch or demand",
+             [({}, round(engine.adapters.load_seconds, 6))])
     t.metric("ace_engine_prompt_tokens_total", "counter", "Prompt tokens prefilled", [({}, st.prompt_tokens)])
     t.metric("ace_engine_generation_tokens_total", "counter", "Tokens generated", [({}, st.generated_tokens)])
     t.metric("ace_engine_requests_running", "gauge", "Sequences in the running batch",

@@ -43,6 +43,7 @@ class Sampling:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    include_timing: bool = False
 
 
 def _num(body: dict, key: str, kind: type, default: Any, lo: float | None = None,
@@ -84,6 +85,7 @@ def parse_sampling(body: dict, *, chat: bool) -> Sampling:
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
         ignore_eos=bool(body.get("ignore_eos", False)),
+        include_timing=bool(opts.get("include_timing", False)),
     )
 
 
@@ -181,6 +183,10 @@ class _Completion:
         self.engine, self.model, self.adapter, self.ids, self.sp = engine, model, adapter, ids, sp
         self.tier, self.wait_ms = "none", 0.0
         self.held = False
+        # the TTFT split (``timing``): perf_counter() marks and the engine's load seconds
+        self.arrived, self.loads_at_arrival = time.perf_counter(), engine.adapters.load_seconds
+        self.queued = self.first_pass = None
+        self.loads_at_first_token = None
 
     async def acquire(self) -> None:
         if self.adapter is not None:
@@ -195,6 +201,18 @@ class _Completion:
     def headers(self) -> dict[str, str]:
         return {TIER_HEADER: self.tier, WAIT_HEADER: f"{self.wait_ms:.3f}"}
 
+    def timing(self) -> dict[str, float | None]:
+        """Where the engine's time to the first token went, in ms: ``stall`` (waiting for the
+        adapter), ``queue`` (until the first forward pass over this sequence started),
+        ``compute`` (that pass), their sum ``first_token``, and ``loads``: the engine's
+        load work (any adapter, prefetch or demand) that ended in that window."""
+        if self.first_pass is None or self.queued is None:
+            return {"stall_ms": round(self.wait_ms, 3)}
+        start, end = self.first_pass
+        return {"stall_ms": round(self.wait_ms, 3), "queue_ms": round((start - self.queued) * 1e3, 3),
+                "compute_ms": round((end - start) * 1e3, 3), "first_token_ms": round((end - self.arrived) * 1e3, 3),
+                "loads_ms": round((self.loads_at_first_token - self.loads_at_arrival) * 1e3, 3)}
+
     async def text_deltas(self) -> AsyncIterator[tuple[str, str | None, int]]:
         """(text delta, finish_reason or None, completion tokens so far)."""
         from gpu_agent.tokenizer import IncrementalDecoder
@@ -202,6 +220,7 @@ class _Completion:
         dec = IncrementalDecoder(self.engine.tokenizer, self.ids)
         stop = StopText(self.sp.stop)
         n = 0
+        self.queued = time.perf_counter()
         gen = self.engine.generate(self.adapter, self.ids, max_tokens=self.sp.max_tokens,
                                    temperature=self.sp.temperature, top_p=self.sp.top_p,
                                    seed=self.sp.seed, ignore_eos=self.sp.ignore_eos)
@@ -209,6 +228,9 @@ class _Completion:
             async for ev in gen:
                 if ev.finish_reason == "abort":
                     raise EngineError("generation was aborted (engine stopping or a forward pass failed)")
+                if self.first_pass is None and ev.pass_start is not None:
+                    self.first_pass = (ev.pass_start, ev.pass_end)
+                    self.loads_at_first_token = self.engine.adapters.load_seconds
                 delta = ""
                 if ev.token_id is not None:
                     n += 1
@@ -286,11 +308,13 @@ async def _stream(request: web.Request, run: _Completion, chat: bool) -> web.Str
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    async def send(choices: list, usage: dict | None = None) -> None:
+    async def send(choices: list, usage: dict | None = None, timing: dict | None = None) -> None:
         chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": run.model,
                                  "choices": choices}
         if usage is not None:
             chunk["usage"] = usage
+        if timing is not None:
+            chunk["ace_timing"] = timing
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
     def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
@@ -311,6 +335,8 @@ async def _stream(request: web.Request, run: _Completion, chat: bool) -> web.Str
                     await send([choice(delta, fin)])
         if run.sp.include_usage:
             await send([], _usage(len(run.ids), n))
+        if run.sp.include_timing:  # ace's own chunk, as usage's: no choices
+            await send([], timing=run.timing())
         await resp.write(b"data: [DONE]\n\n")
         request.app[STATS_KEY].count("chat" if chat else "completions", 200)
     except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band

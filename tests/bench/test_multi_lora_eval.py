@@ -190,13 +190,35 @@ def test_small_fleet_run_writes_the_report(tmp_path):
         assert e["first_step"]["total"] == sum(1 for r in json.loads(trace.read_text()) if r["step"] == 0)
         assert set(e["prefetch"]) == {"sent", "used", "wasted", "preempted"}
         assert sum(e["loads_by_tier"].values()) >= 1  # every adapter starts cold
+        assert e["speed"] == 20.0 and set(e["engine_busy"]) == {"engine-1", "engine-2"}
+        assert all(0 < v < 1 for v in e["engine_busy"].values())
+        split = e["ttft_breakdown"]
+        assert split["rows"] == 40 and split["compute_ms"]["p50"] > 0 and split["worst_1pct"]["rows"] == 1
+        assert sum(h["requests"] for h in e["bounds"]["per_host"].values()) == 40
+        assert e["bounds"]["belady_hits"] <= e["bounds"]["compulsory_hits"] <= e["bounds"]["fleet_compulsory_hits"]
     assert arms["round_robin"]["requests_per_host"] == {"engine-1": 20, "engine-2": 20}
     assert arms["affinity"]["prefetch"]["sent"] == 0 and arms["ace"]["prefetch"]["sent"] >= 0
     # top level: the largest fleet's affinity (baseline) and ace (prefetch)
     assert report["total"] == arms["ace"]["total"] and report["baseline_hits"]["total"] == 40
     assert report["stall_ms"]["prefetch"] == arms["ace"]["stall_ms"]
     assert report["checks"]["2"]["no_errors"] is True
+    assert report["speed_by_hosts"] == {"2": 20.0} and "below_saturation" in report["checks"]["2"]
     assert out.with_suffix(".png").exists()
+
+
+def test_bad_speed_and_slots_are_refused():
+    from bench.multi_lora_eval import main
+    assert main(["--speed", "fast", "--out", "/nonexistent/r.json"]) == 2
+    assert main(["--speed", "-1", "--out", "/nonexistent/r.json"]) == 2
+    assert main(["--slots", "0", "--out", "/nonexistent/r.json"]) == 2
+
+
+def test_pool_size_takes_the_slots_knob():
+    from bench.multi_lora_eval import pool_size
+    sizes = {"a": 3 << 20, "b": 2 << 20, "c": 1 << 20, "d": 1 << 20}
+    assert pool_size(set(sizes), sizes) == (2, 5 << 20, 5)
+    assert pool_size(set(sizes), sizes, 3) == (3, 6 << 20, 6)
+    assert pool_size(set(sizes), sizes, 9)[0] == 4  # never more slots than adapters
 
 
 def test_metric_reads_one_series_or_zero():

@@ -124,7 +124,7 @@ def test_cli_synthetic_small(tmp_path):
     assert report["workload"]["synthetic"]["adapters"] == 200
     for p in sim.POLICIES:
         assert set(report["results"][p]) == {"4", "8", "16"}
-    # the oracle is an upper bound on every online policy in practice
+    # the oracle is an upper bound on every online policy
     for b in ("4", "8", "16"):
         assert report["results"]["oracle"][b]["hit_ratio"] >= report["results"]["speculative"][b]["hit_ratio"]
     assert report["bounds_ok"] is True and report["bounds_broken"] == []
@@ -156,11 +156,8 @@ def test_oracle_is_an_upper_bound_on_the_adversarial_shape(seed):
         assert res["oracle"][b]["hit_ratio"] >= res["belady_ingress"][b]["hit_ratio"] - 1e-3
     low = str(budgets[0])  # the link is saturated here: the old oracle scored LRU's ratio exactly
     assert res["oracle"][low]["hit_ratio"] > res["lru"][low]["hit_ratio"] + 0.05
-    # where the load link keeps up (Belady's mean stall under 100 ms) every bound holds; on
-    # a saturated link the oracle is not proven (docs/prediction.md) and `make sim` fails loudly
-    calm = {p: {b: r for b, r in by.items() if res["belady_ingress"][b]["mean_stall_ms"] < 100}
-            for p, by in res.items()}
-    assert calm["oracle"] and sim.check_bounds(calm) == []
+    # every bound holds at every budget, the saturated ones included
+    assert sim.check_bounds(res) == []
 
 
 def test_check_bounds_names_every_broken_bound():
@@ -175,14 +172,11 @@ def test_check_bounds_names_every_broken_bound():
 
 
 def test_main_fails_loudly_when_a_bound_breaks(tmp_path, monkeypatch, capsys):
-    real = sim.run_belady
+    real = sim.run_ceiling
 
-    def weak_oracle(cols, nxt, budget, channels, *, prefetch, ingress):
-        r = real(cols, nxt, budget, channels, prefetch=prefetch, ingress=ingress)
-        if prefetch:
-            r["hit_ratio"] = 0.0
-        return r
-    monkeypatch.setattr(sim, "run_belady", weak_oracle)
+    def weak_oracle(cols, possible=None):
+        return dict(real(cols, possible), hit_ratio=0.0)
+    monkeypatch.setattr(sim, "run_ceiling", weak_oracle)
     rc = sim.main(["--requests", "2000", "--adapters", "100", "--tenants", "20", "--budget", "4,8",
                    "--out", str(tmp_path / "s.json"), "--hosts", "0", "--one-host-trace", ""])
     assert rc == 3
@@ -219,3 +213,25 @@ def test_one_host_check_on_the_eval_trace_starts_cold():
     h = r["hit_ratio"]
     assert h["oracle"] >= max(h["speculative"], h["belady"], h["lru"]) - 1e-3
     assert 0 < r["first_steps"] < 800
+
+
+def test_oracle_is_an_upper_bound_on_a_dense_trace_of_the_hundreds_shape(tmp_path):
+    """The unseen-trace failure, scaled down: the hundreds scenario's shape (Zipf tenants,
+    workflows, strays, one-offs) opening 50 sessions/s, so the load link saturates at small
+    budgets. The former oracle (now ``lookahead``: Belady eviction + aggressive prefetch)
+    scores 0.12 at 29 slots there, beaten by ``scored``'s 0.36; the oracle is a true bound."""
+    import subprocess
+    import sys
+
+    from bench.trace import load_trace
+    trace = tmp_path / "dense.jsonl"
+    subprocess.run([sys.executable, str(EVAL_TRACE.parent / "generate.py"), "--scenario", "hundreds",
+                    "--n", "6000", "--tenants", "60", "--public", "150", "--session-rate", "50", "--seed", "3",
+                    "--out", str(trace)], check=True, capture_output=True)
+    w = encode_trace(load_trace(trace))
+    res = sim.simulate(w, [29, 147], args(policies=["ingress", "scored", "belady_ingress", "lookahead", "oracle"],
+                                          lead_ms=50.0))
+    assert res["scored"]["29"]["hit_ratio"] > res["lookahead"]["29"]["hit_ratio"] + 0.1
+    assert sim.check_bounds(res) == []
+    for b in ("29", "147"):
+        assert all(res["oracle"][b]["hit_ratio"] >= by[b]["hit_ratio"] for p, by in res.items() if p != "lookahead")

@@ -110,6 +110,33 @@ def test_streaming_chat_and_completion(fx):
     run_with_server(fx, scenario)
 
 
+def test_streamed_timing_splits_the_time_to_the_first_token(fx):
+    """stream_options.include_timing: the last chunk before [DONE] says where the engine's
+    time to the first token went; a cold adapter's load shows as stall and as load work."""
+    async def scenario(c, engine):
+        def body(**opts):
+            return {"model": "med-notes", "messages": [{"role": "user", "content": "notes"}], "max_tokens": 3,
+                    "stream": True, "stream_options": opts}
+
+        cold = await c.post("/v1/chat/completions", json=body(include_timing=True, include_usage=True))
+        assert cold.status_code == 200 and cold.headers["x-ace-adapter-tier"] != "device"
+        ev = sse_events(cold.text)
+        assert ev[-1] == "[DONE]" and "usage" in ev[-3]
+        timing = ev[-2]["ace_timing"]
+        assert ev[-2]["choices"] == []
+        assert timing["stall_ms"] == float(cold.headers["x-ace-adapter-wait-ms"]) > 0
+        assert timing["loads_ms"] > 0 and timing["compute_ms"] > 0 and timing["queue_ms"] >= 0
+        assert timing["first_token_ms"] >= timing["stall_ms"] + timing["queue_ms"] + timing["compute_ms"] - 0.01
+        warm = sse_events((await c.post("/v1/chat/completions", json=body(include_timing=True))).text)
+        assert warm[-2]["ace_timing"]["loads_ms"] == 0
+        plain = sse_events((await c.post("/v1/chat/completions", json=body())).text)
+        assert not any("ace_timing" in e for e in plain[:-1])
+        metrics = (await c.get("/metrics")).text
+        line = next(x for x in metrics.splitlines() if x.startswith("ace_engine_adapter_load_seconds_total "))
+        assert float(line.split()[1]) > 0
+    run_with_server(fx, scenario)
+
+
 def test_openai_client_streams(fx):
     openai = pytest.importorskip("openai")
 

@@ -1,0 +1,74 @@
+"""The simulator <-> stack agreement check (pure, over bench report rows) and its CLI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import sim_stack
+
+TRACE = Path(__file__).resolve().parents[2] / "data/multi_lora_eval/multi_lora_eval_800.json"
+
+
+def test_agreement_is_within_three_points_per_arm():
+    stack = {"round_robin": {"effective_hit_ratio": 0.55}, "affinity": {"effective_hit_ratio": 0.70},
+             "ace": {"effective_hit_ratio": 0.80}}
+    sim = {"round_robin": {"hit_ratio": 0.57}, "affinity": {"hit_ratio": 0.7299}, "ace": {"hit_ratio": 0.90}}
+    a = sim_stack.agreement(stack, sim)
+    assert a["arms"]["round_robin"] == {"stack": 0.55, "sim": 0.57, "diff": 0.02, "within": True}
+    assert a["arms"]["affinity"]["within"] is True
+    assert a["arms"]["ace"]["within"] is False and a["arms"]["ace"]["diff"] == 0.1
+    assert a["all_within"] is False
+    del sim["ace"]
+    assert sim_stack.agreement(stack, sim)["all_within"] is True
+    assert sim_stack.agreement(stack, {})["all_within"] is False  # nothing compared: no agreement
+
+
+def rows_and_report(hosts=1):
+    rows = [
+        {"hosts": hosts, "arm": "affinity", "adapter": "code-python", "tier": "remote", "wait_ms": 10.0,
+         "total_ms": 100.0, "outside_engine_ms": 4.0},
+        {"hosts": hosts, "arm": "affinity", "adapter": "code-python", "tier": "device", "wait_ms": 0.0,
+         "total_ms": 80.0, "outside_engine_ms": 6.0},
+        {"hosts": hosts, "arm": "round_robin", "adapter": "tr-fr-en", "tier": "disk", "wait_ms": 50.0,
+         "total_ms": 120.0},
+        {"hosts": hosts, "arm": "ace", "adapter": "tr-fr-en", "tier": "remote", "wait_ms": 999.0, "total_ms": 90.0},
+        {"hosts": hosts + 1, "arm": "affinity", "adapter": "tr-fr-en", "tier": "remote", "wait_ms": 7.0,
+         "total_ms": 1.0},
+    ]
+    fleet = {arm: {"effective_hit_ratio": 0.5, "requests_per_host": {"engine-1": 800},
+                   "prefetch": {"sent": 3, "used": 2}} for arm in sim_stack.ARMS}
+    report = {"fleets": {str(hosts): fleet}, "pool_adapters": 5, "speed": 8.0, "speed_by_hosts": {str(hosts): 4.0},
+              "warm_from": "prev.json", "replay": "closed-loop sessions (think_s)"}
+    return rows, report
+
+
+def test_measured_model_takes_the_fleet_sizes_demand_loads():
+    from bench.trace import load_trace
+    rows, report = rows_and_report()
+    m = sim_stack.measured_model(report, rows, load_trace(TRACE), 1, None)
+    assert m["speed"] == 4.0 and m["slots"] == 5
+    # rank 8 (code-python): its one demand load; rank 128 (tr-fr-en): round robin's disk load,
+    # not ace's (a prefetch arm) nor another fleet size's; other ranks: the median of both
+    assert m["load_ms_by_rank"][8] == 10.0 and m["load_ms_by_rank"][128] == 50.0 and m["load_ms_by_rank"][32] == 30.0
+    assert m["lead_ms"] == m["lead_measured_ms"] == 5.0 and m["service_s"] == 0.095  # median request duration
+    cal = {c["term"]: c for c in sim_stack.calibration(report, 1, dict(m, slots=6), {})}
+    assert cal["pool slots per host"]["differs"] is True and cal["ace arm's start"]["differs"] is True
+    assert cal["replay speed"]["differs"] is False
+
+
+def test_cli_merges_each_configuration_into_the_report(tmp_path):
+    rows, report = rows_and_report()
+    rep = tmp_path / "r.json"
+    rep.write_text(json.dumps(report))
+    (tmp_path / "r_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "svs.json"
+    out.write_text(json.dumps({"other@4x16": {"kept": True}}))
+    assert sim_stack.main(["--trace", str(TRACE), "--hosts", "1", "--stack-report", str(rep), "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["other@4x16"] == {"kept": True}
+    r = got["multi_lora_eval_800@1x5"]
+    assert set(r["agreement"]["arms"]) == set(sim_stack.ARMS)
+    for arm in sim_stack.ARMS:
+        assert 0.0 <= r["sim"][arm]["hit_ratio"] <= 1.0
+        assert sum(r["sim"][arm]["requests_per_host"].values()) == 800
+    assert sim_stack.main(["--trace", str(TRACE), "--hosts", "3", "--stack-report", str(rep), "--out", str(out)]) == 2
