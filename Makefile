@@ -17,7 +17,7 @@ FIXTURES := .fixtures
 TRACE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv fixtures browser test test-unit test-vllm demo bench bench-vllm bench-gateway bench-agent sim protos gpu-check clean
+.PHONY: venv fixtures browser test test-unit test-vllm demo bench bench-vllm bench-inference-perf bench-gateway bench-agent sim protos gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -87,9 +87,27 @@ bench-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP)
 	$(BIN)/python -m bench.vllm_eval --out reports/vllm_eval.json --hosts $(VLLM_HOSTS) --requests $(VLLM_REQUESTS) \
 		--max-cpu-loras $(VLLM_S) $(if $(TRACE),--trace $(TRACE),) $(if $(ARMS),--arms $(ARMS),)
 
+# inference-perf (the inference extension's benchmark tool) needs Python >= 3.12: PY312 names one
+# (default: a pyenv 3.12+ if there is one, else python3.13/python3.12 on PATH)
+IP_VENV := .venv-inference-perf
+IP_STAMP := $(IP_VENV)/.installed
+INFERENCE_PERF_VERSION ?= 0.7.0
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3) $(shell command -v python3.13 python3.12 2>/dev/null))
+$(IP_STAMP):
+	@test -n "$(PY312)" || { echo "inference-perf needs Python >= 3.12: set PY312=/path/to/python3.12"; exit 2; }
+	@test -x $(IP_VENV)/bin/python || $(PY312) -m venv $(IP_VENV)
+	$(IP_VENV)/bin/pip install -q inference-perf==$(INFERENCE_PERF_VERSION)
+	@touch $@
+
+# make bench-inference-perf [IP_TARGETS=ace,vllm_router]: its LoRA split against ace and vllm-router
+bench-inference-perf: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP) $(IP_STAMP)
+	$(BIN)/python -m bench.inference_perf --out reports/inference_perf.json $(if $(IP_TARGETS),--targets $(IP_TARGETS),)
+
 ifeq ($(ENGINE),vllm)
 bench: bench-vllm
 else
+# the builtin engine's bench with ARMS=...,vllm_router[,vllm_router_session] needs vllm-router
+bench: $(if $(findstring vllm_router,$(ARMS)),$(ROUTER_STAMP),)
 # make bench [HOSTS=1,2,4] [ARMS=round_robin,affinity,ace] [TRACE=FILE] [WARM_FROM=FILE] [SLOTS=N] [SPEED=auto|N]
 # The committed 800-request report: the ace arm starts from the state learned on the
 # generator's previous day (WARM_FROM's default when TRACE is not given); WARM_FROM= : cold.
@@ -142,4 +160,4 @@ protos: $(STAMP)
 	$(BIN)/python protos/generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ROUTER_VENV) $(FIXTURES) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(ROUTER_VENV) $(IP_VENV) $(FIXTURES) .pytest_cache

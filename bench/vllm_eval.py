@@ -42,7 +42,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,17 +50,17 @@ import grpc
 import httpx
 import yaml
 
-from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, bench_fixtures, sessions, think_s
+from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, sessions, think_s
 from bench.report import percentiles
+from bench.scenario_fixtures import trace_catalog
 from bench.trace import load_trace
+from bench.vllm_router import ROUTER_ARMS, vllm_router
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
-from tools.localstack import free_port, running, wait_http
 from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLMFlags, cpu_seconds, vllm_fleet
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-agent-token"
-ROUTER_ARMS = {"vllm_router": "cache_aware", "vllm_router_session": "consistent_hash"}
 ARMS = ("round_robin", "vllm_router", "vllm_router_session", "affinity", "ace")
 AGENT_LOADED_MARK = "Loaded new LoRA adapter"
 REMOVED_MARK = "Removed LoRA adapter"
@@ -209,17 +208,6 @@ def engine_counts(host: dict) -> dict:
             "unloads": text.count(REMOVED_MARK), "cpu_s": cpu_seconds(v.proc.pid)}
 
 
-@contextlib.contextmanager
-def router(args, hosts: list[dict], policy: str, work: Path):
-    """``vllm-router`` in front of the hosts' vLLM processes; yields its URL."""
-    port = free_port()
-    cmd = [args.router_bin, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-           *[h["engine_url"] for h in hosts], "--policy", policy, "--prometheus-port", str(free_port())]
-    with running(cmd, work / f"vllm-router-{policy}.log") as proc:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=120, proc=proc, log=work / f"vllm-router-{policy}.log")
-        yield f"http://127.0.0.1:{port}"
-
-
 def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path) -> tuple[dict, list]:
     tenants = sorted({r["tenant"] for r in requests})
     policy, prefetch = GATEWAY_ARMS.get(arm, ("extproc.policy.routing:route", False))
@@ -239,7 +227,8 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         with contextlib.ExitStack() as front:
             base = st["gateway"]
             if arm in ROUTER_ARMS:
-                base = front.enter_context(router(args, st["hosts"], ROUTER_ARMS[arm], run_dir))
+                base = front.enter_context(vllm_router([h["engine_url"] for h in st["hosts"]], ROUTER_ARMS[arm],
+                                                        run_dir, Path(args.router_bin)))
             before = {h["name"]: engine_counts(h) for h in st["hosts"]}
             load_avg = os.getloadavg()[0]
             t0 = time.monotonic()
@@ -315,7 +304,7 @@ def main(argv=None) -> int:
     requests = first_requests(load_trace(args.trace), args.requests)
     args.max_lora_rank = args.max_lora_rank or max(int(r["rank"]) for r in requests)
     work = ROOT / "var" / "vllm_eval" / time.strftime("%Y%m%d-%H%M%S")
-    catalog = bench_fixtures(requests, args.fixtures, work)
+    catalog = trace_catalog(requests, args.fixtures, ROOT / "var" / "bench-fixtures", log).resolve()
     fixtures = catalog.parent
     adapters = sorted({r["adapter"] for r in requests})
     log(f"{len(requests)} requests, {len(adapters)} adapters, {args.hosts} hosts, S={args.max_cpu_loras}, "
