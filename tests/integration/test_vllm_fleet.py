@@ -31,7 +31,7 @@ from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.agent import AUTH, TOKEN
 from tests.support.vllm import BASE_MODEL, fixtures_dir, vllm_python
 from tests.support.wait import wait_until
-from tools.vllm_fleet import VLLMFlags, vllm_fleet
+from tools.vllm_fleet import VLLMFlags, peak_rss_mb, vllm_fleet
 
 pytestmark = pytest.mark.vllm
 
@@ -131,7 +131,9 @@ def test_accounting_per_host(fleet):
     agent_loads = {n: log_lines(h, "Loaded new LoRA adapter") for n, h in hosts.items()}
     accepted = {n: metric(h, 'ace_agent_prefetch_total{outcome="accepted"}') for n, h in hosts.items()}
     print(f"\nsent {sent} hits {hits} vLLM on-demand loads {cold} agent loads {agent_loads} "
-          f"accepted prefetches {accepted} prefetched hits {prefetched}")
+          f"accepted prefetches {accepted} prefetched hits {prefetched}; vLLM start-up s "
+          f"{[round(h['vllm'].startup_s, 1) for h in fleet['hosts']]}, peak RSS MiB "
+          f"{[round(peak_rss_mb(h['vllm'].proc.pid)[0]) for h in fleet['hosts']]}")
     assert errors == []
     assert sum(sent.values()) == SESSIONS * 4
     for n, h in hosts.items():
