@@ -6,8 +6,9 @@
 Every host is one real vLLM (``tools.vllm_fleet``: ``--enable-lora --max-loras 2
 --max-cpu-loras S --max-lora-rank R``, runtime updating on, filesystem resolver) and one
 agent with the vLLM connector, whose device tier is vLLM's CPU cache (``S``). Envoy and
-one ext_proc sit in front. Each arm gets a fresh fleet and replays the same trace
-closed-loop (``bench.multi_lora_eval``'s sessions and think times, ``--speed``), streamed,
+one ext_proc sit in front. The vLLM processes start once (a start-up takes minutes on
+shared cores: docs/engine.md); each arm begins with every adapter unregistered, fresh
+agents, ext_proc and Envoy, and replays the same trace closed-loop (``bench.multi_lora_eval``'s sessions and think times, ``--speed``), streamed,
 each request with its session as ``x-ace-session-id`` and as the OpenAI ``user`` field.
 
 Arms:
@@ -31,7 +32,8 @@ seconds / the threads each host was given). ``hits`` = served - on-demand loads.
 request, for the gateway's arms: whether the adapter was registered on the host the
 gateway chose when the request left, from the agents' ``WatchResidency`` streams, checked
 against the hosts' ``/v1/models`` on every ``--sample-every``-th request
-(``registration_check``). TTFT at the client, errors.
+(``registration_check``). TTFT at the client, errors. vLLM's prefix cache is not reset
+between arms (``arm_order`` says which ran first); the prompts are tens of tokens.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ from bench.trace import load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
 from gpu_agent._proto.ace.agent.v1 import agent_pb2 as pb
 from gpu_agent._proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
-from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLMFlags, cpu_seconds, vllm_fleet
+from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLMFlags, cpu_seconds, vllm_fleet, vllm_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-agent-token"
@@ -208,22 +210,24 @@ def engine_counts(host: dict) -> dict:
             "unloads": text.count(REMOVED_MARK), "cpu_s": cpu_seconds(v.proc.pid)}
 
 
-def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path) -> tuple[dict, list]:
+def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path,
+            engines: list) -> tuple[dict, list]:
     tenants = sorted({r["tenant"] for r in requests})
     policy, prefetch = GATEWAY_ARMS.get(arm, ("extproc.policy.routing:route", False))
     flags = VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank)
     run_dir = work / arm
     run_dir.mkdir(parents=True)
     t_run = time.monotonic()
+    for e in engines:  # every arm starts with nothing registered
+        e.unload_all()
 
     def write_state(path: Path, fleet: list[dict]) -> dict:
         return state_yaml(path, catalog, tenants, fleet, prefetch)
 
     with vllm_fleet(run_dir, catalog, fixtures / "model", fixtures / "adapters", args.vllm_python, args.hosts,
                     flags, write_state, token=TOKEN, agent_args=["--reconcile-interval-s", "0.2"],
-                    extproc_args=["--routing-policy", policy]) as st:
-        startup = [round(h["vllm"].startup_s, 1) for h in st["hosts"]]
-        log(f"{arm}: fleet up in {time.monotonic() - t_run:.0f}s (vLLM ready after {startup} s)")
+                    extproc_args=["--routing-policy", policy], engines=engines) as st:
+        log(f"{arm}: agents and gateway up in {time.monotonic() - t_run:.0f}s")
         with contextlib.ExitStack() as front:
             base = st["gateway"]
             if arm in ROUTER_ARMS:
@@ -250,7 +254,7 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         "registration_check": check,
         "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None),
         "engine_busy": {n: round(h["cpu_s"] / elapsed / threads, 3) for n, h in per_host.items()},
-        "per_host": per_host, "replay_s": round(elapsed, 1), "vllm_startup_s": startup,
+        "per_host": per_host, "replay_s": round(elapsed, 1),
         "machine_load_avg_1m": [round(load_avg, 1), round(os.getloadavg()[0], 1)],
     }
     if arm in ROUTER_ARMS:
@@ -310,12 +314,16 @@ def main(argv=None) -> int:
     log(f"{len(requests)} requests, {len(adapters)} adapters, {args.hosts} hosts, S={args.max_cpu_loras}, "
         f"R={args.max_lora_rank}, arms {arms}")
     results, all_rows = {}, {}
-    for arm in arms:
-        results[arm], all_rows[arm] = run_arm(args, arm, requests, catalog, fixtures, work)
+    flags = VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank)
+    with vllm_hosts(args.vllm_python, fixtures / "model", fixtures / "adapters", work, args.hosts, flags) as engines:
+        startup = [round(e.startup_s, 1) for e in engines]
+        log(f"vLLM hosts ready after {startup} s")
+        for arm in arms:
+            results[arm], all_rows[arm] = run_arm(args, arm, requests, catalog, fixtures, work, engines)
     report = {"engine": "vllm", "trace": str(args.trace.relative_to(ROOT) if args.trace.is_relative_to(ROOT) else args.trace),
               "requests": len(requests), "adapters": len(adapters), "hosts": args.hosts, "speed": args.speed,
               "vllm_flags": VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank).args(),
-              "cpus": os.cpu_count(), "fleets": {str(args.hosts): results}, "targets": targets(results)}
+              "vllm_startup_s": startup, "arm_order": arms, "cpus": os.cpu_count(), "fleets": {str(args.hosts): results}, "targets": targets(results)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     with open(args.out.with_name(args.out.stem + "_rows.jsonl"), "w") as f:

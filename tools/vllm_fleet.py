@@ -68,6 +68,13 @@ class VLLMHost:
         data = httpx.get(self.url + "/v1/models", timeout=10).json()["data"]
         return {m["id"] for m in data if m.get("parent")}
 
+    def unload_all(self) -> list[str]:
+        """Unregister every adapter (a fresh start for the next run on this process)."""
+        names = sorted(self.adapters())
+        for name in names:
+            httpx.post(self.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30).raise_for_status()
+        return names
+
     def resolver_loads(self) -> int:
         """vLLM's own on-demand loads: the filesystem resolver's lines in its log."""
         try:
@@ -200,15 +207,19 @@ def vllm_hosts(vllm_python: str, model_dir: Path, resolver_dir: Path, work: Path
 @contextlib.contextmanager
 def vllm_fleet(work: Path, catalog: Path, model_dir: Path, resolver_dir: Path, vllm_python: str, hosts: int,
                flags: VLLMFlags, write_state, *, token: str, agent_args: Sequence[str] = (),
-               extproc_args: Sequence[str] = (), message_timeout: str = "30s") -> Iterator[dict]:
+               extproc_args: Sequence[str] = (), message_timeout: str = "30s",
+               engines: list[VLLMHost] | None = None) -> Iterator[dict]:
     """``vllm_hosts`` plus one agent per host (vLLM connector, its device tier sized like
     vLLM's CPU cache) and the gateway in front. ``write_state(path, hosts)`` writes the
     gateway's state (``hosts``: ``{"name", "engine", "agent"}`` each) and its return is
     yielded as ``state``. Yields ``gateway`` (Envoy's URL), ``hosts`` (each also with
-    ``vllm`` (a ``VLLMHost``), ``engine_url``, ``metrics``) and ``state``."""
+    ``vllm`` (a ``VLLMHost``), ``engine_url``, ``metrics``) and ``state``. ``engines``:
+    vLLM processes already running (``vllm_hosts``) to put the agents beside, instead of
+    starting ``hosts`` new ones; they are left running."""
     env = {"ACE_AGENT_TOKEN": token}
     with contextlib.ExitStack() as stack:
-        engines = stack.enter_context(vllm_hosts(vllm_python, model_dir, resolver_dir, work, hosts, flags))
+        if engines is None:
+            engines = stack.enter_context(vllm_hosts(vllm_python, model_dir, resolver_dir, work, hosts, flags))
         started = []
         for i, engine in enumerate(engines, 1):
             home = work / f"host-{i}"
