@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from bench.scenario_fixtures import trace_catalog
-from bench.vllm_eval import TOKEN, engine_counts
+from bench.vllm_eval import TOKEN, engine_counts, host_args
 from bench.vllm_router import vllm_router
 from tools.vllm_fleet import BASE_MODEL, VLLMFlags, vllm_fleet
 
@@ -127,14 +127,11 @@ def run_target(args, target: str, catalog: Path, work: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    host_args(p, "inference_perf.json")
     p.add_argument("--targets", default=",".join(TARGETS))
-    p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (constant load)")
     p.add_argument("--duration", type=int, default=60, help="seconds")
     p.add_argument("--tool", default=str(ROOT / ".venv-inference-perf" / "bin" / "inference-perf"))
-    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
-    p.add_argument("--fixtures", type=Path, default=ROOT / ".fixtures")
-    p.add_argument("--out", type=Path, default=ROOT / "reports" / "inference_perf.json")
     args = p.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]
     if sorted(set(targets) - set(TARGETS)):

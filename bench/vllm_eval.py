@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -53,6 +52,7 @@ import httpx
 import yaml
 
 from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, sessions, think_s
+from bench.multi_lora_eval import state_yaml as bench_state_yaml
 from bench.report import percentiles
 from bench.scenario_fixtures import trace_catalog
 from bench.trace import load_trace
@@ -83,19 +83,21 @@ def first_requests(requests: list[dict], n: int) -> list[dict]:
 
 
 def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict], prefetch: bool) -> dict:
-    mode = "prod" if prefetch else "off"
-    keys = {t: f"sk-bench-{hashlib.sha256(t.encode()).hexdigest()[:16]}" for t in tenants}
-    state = {
-        "include": [str(catalog)],
-        "tenants": [{"id": t, "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": mode}} for t in tenants],
-        "keys": [{"name": f"bench-{t}", "sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": t, "skills": {}}
-                 for t, k in keys.items()],
-        "upstreams": [{"name": h["name"], "address": h["engine"], "flavour": "vllm", "base_model": BASE_MODEL,
-                       "hints": "off", "agent": h["agent"]} for h in hosts],
-        "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": mode},
-    }
+    """``make bench``'s gateway state (``bench.multi_lora_eval.state_yaml``) with vLLM upstreams."""
+    keys = bench_state_yaml(path, catalog, tenants, hosts, prefetch)
+    state = yaml.safe_load(path.read_text())
+    for upstream in state["upstreams"]:
+        upstream["flavour"] = "vllm"
     path.write_text(yaml.safe_dump(state, sort_keys=False))
     return keys
+
+
+def host_args(p: argparse.ArgumentParser, out: str) -> None:
+    """The options every real-vLLM bench takes: fleet size, the vLLM venv, fixtures, report."""
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--fixtures", type=Path, default=ROOT / ".fixtures")
+    p.add_argument("--out", type=Path, default=ROOT / "reports" / out)
 
 
 class ResidencyViews:
@@ -289,17 +291,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", type=Path, default=ROOT / "data" / "multi_lora_eval" / "multi_lora_eval_800.json")
     p.add_argument("--requests", type=int, default=120, help="whole sessions from the start until this many requests")
-    p.add_argument("--hosts", type=int, default=2)
+    host_args(p, "vllm_eval.json")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--max-loras", type=int, default=2)
     p.add_argument("--max-cpu-loras", type=int, default=2)
     p.add_argument("--max-lora-rank", type=int, default=0, help="0: the trace's largest rank")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--sample-every", type=int, default=5)
-    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--router-bin", default=str(ROOT / ".venv-router" / "bin" / "vllm-router"))
-    p.add_argument("--fixtures", type=Path, default=ROOT / ".fixtures")
-    p.add_argument("--out", type=Path, default=ROOT / "reports" / "vllm_eval.json")
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
