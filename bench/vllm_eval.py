@@ -287,6 +287,48 @@ def targets(arms: dict) -> dict:
     return out
 
 
+def table(report: dict) -> str:
+    """The README's table: one row per arm of the report's fleet."""
+    (hosts, arms), = report["fleets"].items()
+    lines = [f"| arm ({hosts} hosts, {report['requests']} requests, {report['adapters']} adapters) | hits | "
+             "vLLM on-demand loads | agent loads | TTFT p50 / p90 / p99 (ms) | errors | engine_busy |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, e in arms.items():
+        t = e["ttft_ms"]
+        ttft = " / ".join("-" if t[q] is None else f"{t[q]:.0f}" for q in ("p50", "p90", "p99"))
+        busy = ", ".join(f"{v:.2f}" for v in e["engine_busy"].values())
+        lines.append(f"| {arm} | {e['hits']}/{e['served']} | {e['on_demand_loads']} | {e['agent_loads']} | {ttft} | "
+                     f"{e['errors']} | {busy} |")
+    return "\n".join(lines)
+
+
+def plot(rows_path: Path, out: Path, title: str) -> None:
+    """TTFT CDF per arm from the rows file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_arm: dict[str, list[float]] = {}
+    for line in rows_path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("ttft_ms") is not None:
+            by_arm.setdefault(r["arm"], []).append(r["ttft_ms"])
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for arm, xs in by_arm.items():
+        xs.sort()
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=arm)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", type=Path, default=ROOT / "data" / "multi_lora_eval" / "multi_lora_eval_800.json")
@@ -329,7 +371,9 @@ def main(argv=None) -> int:
         for arm, rows in all_rows.items():
             for r in rows:
                 f.write(json.dumps({"arm": arm, **r}) + "\n")
-    log(f"wrote {args.out}")
+    plot(args.out.with_name(args.out.stem + "_rows.jsonl"), args.out.with_name(args.out.stem + "_ttft.png"),
+         f"real vLLM (CPU), {args.hosts} hosts, {len(requests)} requests, {len(adapters)} adapters, S={args.max_cpu_loras}")
+    log(f"wrote {args.out}\n{table(report)}")
     return 0
 
 
