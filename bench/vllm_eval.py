@@ -51,7 +51,7 @@ import grpc
 import httpx
 import yaml
 
-from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, sessions, think_s
+from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, plot_ttft, sessions, think_s
 from bench.multi_lora_eval import state_yaml as bench_state_yaml
 from bench.report import percentiles
 from bench.scenario_fixtures import trace_catalog
@@ -303,30 +303,13 @@ def table(report: dict) -> str:
 
 
 def plot(rows_path: Path, out: Path, title: str) -> None:
-    """TTFT CDF per arm from the rows file."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """TTFT CDF per arm from the rows file (``make bench``'s plot)."""
     by_arm: dict[str, list[float]] = {}
     for line in rows_path.read_text().splitlines():
         r = json.loads(line)
         if r.get("ttft_ms") is not None:
             by_arm.setdefault(r["arm"], []).append(r["ttft_ms"])
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for arm, xs in by_arm.items():
-        xs.sort()
-        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=arm)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (ms, log)")
-    ax.set_ylabel("share of requests")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    plot_ttft(by_arm, out, title)
 
 
 def main(argv=None) -> int:
