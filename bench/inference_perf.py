@@ -60,7 +60,9 @@ def adapters() -> list[tuple[str, float]]:
     return out
 
 
-def state_yaml(path: Path, catalog: Path, hosts: list[dict]) -> dict:
+def state_yaml(path: Path, catalog: Path, hosts: list[dict], public_models: bool) -> dict:
+    """The gateway's state; ``public_models``: the ace target's unauthenticated model list
+    (the vllm_router target does not go through the gateway and leaves it off)."""
     state = {
         "include": [str(catalog)],
         "tenants": [{"id": "perf", "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}}],
@@ -68,8 +70,9 @@ def state_yaml(path: Path, catalog: Path, hosts: list[dict]) -> dict:
         "upstreams": [{"name": h["name"], "address": h["engine"], "flavour": "vllm", "base_model": BASE_MODEL,
                        "hints": "off", "agent": h["agent"]} for h in hosts],
         "skills": {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"},
-        "public_model_list": True,
     }
+    if public_models:
+        state["public_model_list"] = True
     path.write_text(yaml.safe_dump(state, sort_keys=False))
     return state
 
@@ -99,7 +102,7 @@ def run_target(args, target: str, catalog: Path, work: Path) -> dict:
     fixtures = catalog.parent
     t0 = time.monotonic()
     with vllm_fleet(run_dir, catalog, fixtures / "model", fixtures / "adapters", args.vllm_python, args.hosts, flags,
-                    lambda path, hosts: state_yaml(path, catalog, hosts), token=TOKEN,
+                    lambda path, hosts: state_yaml(path, catalog, hosts, target == "ace"), token=TOKEN,
                     agent_args=["--reconcile-interval-s", "0.2"]) as st:
         log(f"{target}: fleet up in {time.monotonic() - t0:.0f}s")
         with contextlib.ExitStack() as front:
