@@ -8,11 +8,16 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION ?= 0.32.0
+# vLLM's own router, as a vLLM user installs it (PyPI, a Rust binary), for make bench ENGINE=vllm
+ROUTER_VENV := .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
+VLLM_ROUTER_VERSION ?= 0.1.17
+ENGINE ?= builtin
 FIXTURES := .fixtures
 TRACE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv fixtures browser test test-unit test-random test-vllm demo bench bench-gateway bench-agent sim protos gpu-check clean
+.PHONY: venv fixtures browser test test-unit test-random test-vllm demo bench bench-vllm bench-inference-perf bench-gateway bench-agent sim protos gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -76,6 +81,42 @@ bench-gateway: $(STAMP) $(FIXTURES)/.done
 bench-agent: $(STAMP) $(FIXTURES)/.done
 	$(BIN)/python -m bench.agent --out reports/agent.json
 
+$(ROUTER_STAMP):
+	@test -x $(ROUTER_VENV)/bin/python || $(PY) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install -q vllm-router==$(VLLM_ROUTER_VERSION)
+	@touch $@
+
+# make bench ENGINE=vllm [ARMS=round_robin,vllm_router,vllm_router_session,affinity,ace]
+#   [VLLM_HOSTS=2] [VLLM_REQUESTS=120] [VLLM_S=2]: real vLLM hosts (bench/vllm_eval.py,
+#   sizes in docs/engine.md "Real vLLM hosts") -> reports/vllm_eval.json
+VLLM_HOSTS ?= 2
+VLLM_REQUESTS ?= 120
+VLLM_S ?= 2
+bench-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP)
+	$(BIN)/python -m bench.vllm_eval --out reports/vllm_eval.json --hosts $(VLLM_HOSTS) --requests $(VLLM_REQUESTS) \
+		--max-cpu-loras $(VLLM_S) $(if $(TRACE),--trace $(TRACE),) $(if $(ARMS),--arms $(ARMS),)
+
+# inference-perf (the inference extension's benchmark tool) needs Python >= 3.12: PY312 names one
+# (default: a pyenv 3.12+ if there is one, else python3.13/python3.12 on PATH)
+IP_VENV := .venv-inference-perf
+IP_STAMP := $(IP_VENV)/.installed
+INFERENCE_PERF_VERSION ?= 0.7.0
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3) $(shell command -v python3.13 python3.12 2>/dev/null))
+$(IP_STAMP):
+	@test -n "$(PY312)" || { echo "inference-perf needs Python >= 3.12: set PY312=/path/to/python3.12"; exit 2; }
+	@test -x $(IP_VENV)/bin/python || $(PY312) -m venv $(IP_VENV)
+	$(IP_VENV)/bin/pip install -q inference-perf==$(INFERENCE_PERF_VERSION)
+	@touch $@
+
+# make bench-inference-perf [IP_TARGETS=ace,vllm_router]: its LoRA split against ace and vllm-router
+bench-inference-perf: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP) $(IP_STAMP)
+	$(BIN)/python -m bench.inference_perf --out reports/inference_perf.json $(if $(IP_TARGETS),--targets $(IP_TARGETS),)
+
+ifeq ($(ENGINE),vllm)
+bench: bench-vllm
+else
+# the builtin engine's bench with ARMS=...,vllm_router[,vllm_router_session] needs vllm-router
+bench: $(if $(findstring vllm_router,$(ARMS)),$(ROUTER_STAMP),)
 # make bench [HOSTS=1,2,4] [ARMS=round_robin,affinity,ace] [TRACE=FILE] [WARM_FROM=FILE] [SLOTS=N] [SPEED=auto|N]
 # The committed 800-request report: the ace arm starts from the state learned on the
 # generator's previous day (WARM_FROM's default when TRACE is not given); WARM_FROM= : cold.
@@ -102,6 +143,7 @@ bench: $(STAMP) $(FIXTURES)/.done
 	$(BIN)/python -m bench.multi_lora_eval --out $(BENCH_OUT) $(if $(BENCH_TRACE),--trace $(BENCH_TRACE),) \
 		$(if $(HOSTS),--hosts $(HOSTS),) $(if $(ARMS),--arms $(ARMS),) $(if $(WARM_FROM),--warm-from $(WARM_FROM),) \
 		$(if $(SLOTS),--slots $(SLOTS),) $(if $(SPEED),--speed $(SPEED),) $(if $(SCENARIO),--scenario $(SCENARIO),)
+endif
 
 # On a machine with a CUDA GPU (not CI): the CUDA-only tests + bench-agent on the device,
 # with the python3 that holds torch+CUDA there (tools/gpu_check.sh; reports/agent_cuda.json).
@@ -127,4 +169,4 @@ protos: $(STAMP)
 	$(BIN)/python protos/generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(FIXTURES) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(ROUTER_VENV) $(IP_VENV) $(FIXTURES) .pytest_cache

@@ -86,6 +86,7 @@ from bench.report import build_report, fleet_checks, fleet_entry, format_fleets,
     ttft_breakdown
 from bench.scenario_fixtures import trace_catalog
 from bench.trace import TraceError, load_trace
+from bench.vllm_router import ROUTER_ARMS, vllm_router
 from ace_common.catalog_schema import read_catalog_file
 
 BASE_MODEL = "ace-tiny-llama"
@@ -179,6 +180,9 @@ ARMS: dict[str, tuple[str, bool]] = {
     "affinity": ("extproc.policy.routing:route", False),
     "ace": ("extproc.policy.routing:route", True),
 }
+# vLLM's own router in front of the same hosts instead of Envoy + ext_proc (bench.vllm_router);
+# run when --arms names them (they need make's .venv-router); the gateway stands by, unused
+FRONT_ARMS: dict[str, tuple[str, bool]] = {arm: ("extproc.policy.routing:route", False) for arm in ROUTER_ARMS}
 
 
 # ---------------------------------------------------------------- the stack
@@ -190,7 +194,7 @@ def stack(work: Path, catalog: Path, tenants: list[str], hosts: int, pool_adapte
     capped, the arm's routing policy and prefetch mode; yields its addresses and keys."""
     from tools.localstack import fleet_stack
 
-    policy, prefetch = ARMS[arm]
+    policy, prefetch = {**ARMS, **FRONT_ARMS}[arm]
 
     def write_state(path: Path, fleet: list[dict]) -> dict:
         return state_yaml(path, catalog, tenants, fleet, prefetch)
@@ -199,6 +203,10 @@ def stack(work: Path, catalog: Path, tenants: list[str], hosts: int, pool_adapte
                   "--reconcile-interval-s", "0.2", *COLD_AGENT_ARGS]
     with fleet_stack(work, catalog, hosts, write_state, token=TOKEN, agent_args=agent_args, agent_env=agent_env(hosts),
                      extproc_args=["--routing-policy", policy]) as st:
+        if arm in ROUTER_ARMS:
+            with vllm_router([h["engine_url"] for h in st["hosts"]], ROUTER_ARMS[arm], work) as url:
+                yield dict(st, keys=st["state"], gateway=url)
+            return
         yield dict(st, keys=st["state"])
 
 
@@ -516,7 +524,7 @@ def run(args) -> int:
         requests = load_trace(args.trace)
         warm_requests = load_trace(args.warm_from) if args.warm_from else None
         hosts_list = parse_list(args.hosts, (), int)
-        arms = parse_list(args.arms, tuple(ARMS), str)
+        arms = parse_list(args.arms, (*ARMS, *FRONT_ARMS), str)
         if any(n < 1 for n in hosts_list):
             raise ValueError("--hosts: at least 1 host")
         if args.slots is not None and args.slots < 1:
@@ -558,7 +566,7 @@ def run(args) -> int:
             for i, (n, arm) in enumerate(runs, 1):
                 log(f"[{i}/{len(runs)}] {n} hosts, arm {arm} ({time.monotonic() - t_all:.0f}s so far)")
                 warm_file = None
-                if warm_requests is not None and ARMS[arm][1]:
+                if warm_requests is not None and {**ARMS, **FRONT_ARMS}[arm][1]:
                     warm_file = learned_state(warm_requests, [f"engine-{k}" for k in range(1, n + 1)], pool,
                                               work / f"learned-{n}.popularity.json")
                 rows, entry, speeds[n], cal = run_arm(args, requests, work, catalog, names, (store_port, store_log),
@@ -608,7 +616,7 @@ def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top:
         "pool_bytes_needed": pool_needed, "adapters": len(names), "agent_cold_args": list(COLD_AGENT_ARGS),
         "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
         "arms": {arm: {"routing_policy": policy, "dynamic_lora_prefetch": "prod" if on else "off"}
-                 for arm, (policy, on) in ARMS.items()},
+                 for arm, (policy, on) in {**ARMS, **FRONT_ARMS}.items()},
         "adapter_sizes": {a["name"]: a["size_bytes"] for a in adapters},
     }
     arms = results.get(str(top), {})

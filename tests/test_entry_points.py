@@ -16,7 +16,8 @@ MODULES = [
     "gpu_agent", "gpu_agent.fixtures", "gpu_agent.engine",
     "bench.agent", "bench.gateway_overhead", "bench.gateway_profile", "bench.multi_lora_eval",
     "bench.replica_learning", "bench.sim", "bench.speculation_cost", "bench.scenario_fixtures",
-    "bench.load_interference", "bench.gateway_replay", "bench.sim_stack",
+    "bench.load_interference", "bench.gateway_replay", "bench.sim_stack", "bench.inference_perf",
+    "bench.vllm_eval", "bench.vllm_fit",
     "tools.demo", "tools.istio_envoyfilter", "tools.report_tables",
 ]
 

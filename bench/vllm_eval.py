@@ -1,0 +1,364 @@
+"""``make bench ENGINE=vllm``: the trace replayed through real vLLM hosts, arm by arm.
+
+    python -m bench.vllm_eval [--trace FILE] [--requests N] [--hosts 2] [--max-cpu-loras 2]
+        [--arms round_robin,vllm_router,vllm_router_session,affinity,ace] --out reports/vllm_eval.json
+
+Every host is one real vLLM (``tools.vllm_fleet``: ``--enable-lora --max-loras 2
+--max-cpu-loras S --max-lora-rank R``, runtime updating on, filesystem resolver) and one
+agent with the vLLM connector, whose device tier is vLLM's CPU cache (``S``). Envoy and
+one ext_proc sit in front. The vLLM processes start once (a start-up takes minutes on
+shared cores: docs/engine.md); each arm begins with every adapter unregistered, fresh
+agents, ext_proc and Envoy, and replays the same trace closed-loop (``bench.multi_lora_eval``'s sessions and think times, ``--speed``), streamed,
+each request with its session as ``x-ace-session-id`` and as the OpenAI ``user`` field.
+
+Arms:
+
+- ``round_robin``, ``affinity``, ``ace``: the gateway's policies, as ``make bench``
+  (``bench.multi_lora_eval.ARMS``);
+- ``vllm_router``: ``vllm-router`` (PyPI, its own venv, ``make`` installs it) in front of
+  the same vLLM processes with its default policy (``cache_aware``);
+  ``vllm_router_session``: ``--policy consistent_hash``, which keys on ``X-Session-ID``
+  and the like, else on the body's ``user``: the session the client already sends. The
+  client sends what it sends in every arm; nothing adapter-specific is added. The
+  agents stay on the hosts (they keep vLLM's registry at the size of its CPU cache, so
+  every load from disk is a registration vLLM logs); nothing signals them.
+
+Measured from the engines' side: per host, the requests vLLM served
+(``vllm:request_success_total``), its own on-demand loads (the filesystem resolver's
+"Resolved and loaded LoRA adapter" log lines: a request that found its adapter
+unregistered), the agents' loads into it ("Loaded new LoRA adapter") and unloads, and
+the vLLM process's CPU seconds over the replay (``engine_busy``: CPU seconds / wall
+seconds / the threads each host was given). ``hits`` = served - on-demand loads. Per
+request, for the gateway's arms: whether the adapter was registered on the host the
+gateway chose when the request left, from the agents' ``WatchResidency`` streams, checked
+against the hosts' ``/v1/models`` on every ``--sample-every``-th request
+(``registration_check``). TTFT at the client, errors. vLLM's prefix cache is not reset
+between arms (``arm_order`` says which ran first); the prompts are tens of tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import yaml
+
+from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, plot_ttft, sessions, think_s
+from bench.multi_lora_eval import state_yaml as bench_state_yaml
+from bench.report import percentiles
+from bench.scenario_fixtures import trace_catalog
+from bench.trace import load_trace
+from bench.vllm_router import ROUTER_ARMS, vllm_router
+from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLMFlags, cpu_seconds, vllm_fleet, vllm_hosts
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "bench-agent-token"
+ARMS = ("round_robin", "vllm_router", "vllm_router_session", "affinity", "ace")
+AGENT_LOADED_MARK = "Loaded new LoRA adapter"
+REMOVED_MARK = "Removed LoRA adapter"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def first_requests(requests: list[dict], n: int) -> list[dict]:
+    """Whole sessions, in order of their first step, until ``n`` requests."""
+    out: list[dict] = []
+    for steps in sessions(requests):
+        if len(out) >= n:
+            break
+        out.extend(steps)
+    return sorted(out, key=lambda r: r["t"])
+
+
+def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict], prefetch: bool) -> dict:
+    """``make bench``'s gateway state (``bench.multi_lora_eval.state_yaml``) with vLLM upstreams."""
+    keys = bench_state_yaml(path, catalog, tenants, hosts, prefetch)
+    state = yaml.safe_load(path.read_text())
+    for upstream in state["upstreams"]:
+        upstream["flavour"] = "vllm"
+    path.write_text(yaml.safe_dump(state, sort_keys=False))
+    return keys
+
+
+def host_args(p: argparse.ArgumentParser, out: str) -> None:
+    """The options every real-vLLM bench takes: fleet size, the vLLM venv, fixtures, report."""
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--fixtures", type=Path, default=ROOT / ".fixtures")
+    p.add_argument("--out", type=Path, default=ROOT / "reports" / out)
+
+
+class ResidencyViews:
+    """Each host's device-resident adapters, as its agent's ``WatchResidency`` stream says."""
+
+    def __init__(self, hosts: list[dict]) -> None:
+        self.hosts = hosts
+        self.device: dict[str, set[str]] = {h["name"]: set() for h in hosts}
+        self._tasks: list[asyncio.Task] = []
+
+    async def _watch(self, host: dict) -> None:
+        view = self.device[host["name"]]
+        async with grpc.aio.insecure_channel(host["agent"]) as ch:
+            stream = pb_grpc.AgentStub(ch).WatchResidency(
+                pb.WatchRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),))
+            async for ev in stream:
+                if ev.kind == pb.ResidencyEvent.LOAD or not ev.HasField("status"):
+                    continue
+                if ev.status.tier == pb.TIER_DEVICE and ev.engine_up:
+                    view.add(ev.status.adapter)
+                else:
+                    view.discard(ev.status.adapter)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch(h)) for h in self.hosts]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def listed(client: httpx.AsyncClient, host: dict) -> set[str]:
+    data = (await client.get(host["engine_url"] + "/v1/models")).json()["data"]
+    return {m["id"] for m in data if m.get("parent")}
+
+
+async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -> dict:
+    session = f"{r['tenant']}/{r['session']}"
+    body = {"model": r["adapter"], "messages": r["messages"], "max_tokens": int(r.get("max_tokens", 16)),
+            "temperature": 0, "stream": True, "user": session}
+    headers = {"authorization": f"Bearer {key}", "x-ace-session-id": session}
+    t0 = time.perf_counter()
+    ttft = None
+    try:
+        async with client.stream("POST", base + "/v1/chat/completions", json=body, headers=headers) as resp:
+            async for chunk in resp.aiter_bytes():
+                if ttft is None and chunk.strip():
+                    ttft = (time.perf_counter() - t0) * 1000
+            status, h = resp.status_code, resp.headers
+    except httpx.HTTPError as exc:
+        return {"id": r.get("id"), "adapter": r["adapter"], "error": repr(exc)}
+    trace = dict(kv.split("=", 1) for kv in h.get("x-ace-trace-multi-lora", "").split(",") if "=" in kv)
+    return {"id": r.get("id"), "adapter": r["adapter"], "session": session, "step": r.get("step"),
+            "status": status, "ttft_ms": ttft, "total_ms": (time.perf_counter() - t0) * 1000,
+            "host": trace.get("upstream"), "action": trace.get("action"), "residency": trace.get("residency")}
+
+
+async def replay(requests: list[dict], base: str, keys: dict, hosts: list[dict], speed: float,
+                 sample_every: int) -> tuple[list[dict], dict]:
+    """Closed-loop sessions; each row also holds what each agent's view said when it left."""
+    views = ResidencyViews(hosts)
+    views.start()
+    rows: list[dict] = []
+    check = {"sampled": 0, "agree": 0, "disagree": []}
+    t_start, t0 = time.perf_counter(), requests[0]["t"]
+    counter = [0]
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+        await asyncio.sleep(0.5)  # the streams' INITIAL events
+
+        async def send(r: dict) -> None:
+            counter[0] += 1
+            seen = {n: set(v) for n, v in views.device.items()}
+            if sample_every and counter[0] % sample_every == 0:
+                truth = dict(zip(views.device, await asyncio.gather(*(listed(client, h) for h in hosts))))
+                for n in truth:
+                    check["sampled"] += 1
+                    if truth[n] == views.device[n]:
+                        check["agree"] += 1
+                    elif len(check["disagree"]) < 10:
+                        check["disagree"].append({"host": n, "agent": sorted(views.device[n]), "vllm": sorted(truth[n])})
+            row = await one_request(client, base, keys[r["tenant"]], r)
+            if row.get("host") in seen:
+                row["registered"] = r["adapter"] in seen[row["host"]]
+            rows.append(row)
+            if len(rows) % 50 == 0:
+                log(f"  {len(rows)}/{len(requests)} requests ({time.perf_counter() - t_start:.0f}s)")
+
+        async def session(steps: list[dict]) -> None:
+            delay = (steps[0]["t"] - t0) / speed - (time.perf_counter() - t_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for i, r in enumerate(steps):
+                if i:
+                    await asyncio.sleep(think_s(steps[i - 1], r) / speed)
+                await send(r)
+
+        await asyncio.gather(*(session(steps) for steps in sessions(requests)))
+    await views.stop()
+    return rows, check
+
+
+def served(text: str) -> int:
+    return round(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
+
+
+def engine_counts(host: dict) -> dict:
+    v = host["vllm"]
+    text = v.log.read_text(errors="replace")
+    return {"served": served(httpx.get(v.url + "/metrics", timeout=10).text),
+            "on_demand_loads": text.count(RESOLVED_MARK), "agent_loads": text.count(AGENT_LOADED_MARK),
+            "unloads": text.count(REMOVED_MARK), "cpu_s": cpu_seconds(v.proc.pid)}
+
+
+def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path,
+            engines: list) -> tuple[dict, list]:
+    tenants = sorted({r["tenant"] for r in requests})
+    policy, prefetch = GATEWAY_ARMS.get(arm, ("extproc.policy.routing:route", False))
+    flags = VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank)
+    run_dir = work / arm
+    run_dir.mkdir(parents=True)
+    t_run = time.monotonic()
+    for e in engines:  # every arm starts with nothing registered
+        e.unload_all()
+
+    def write_state(path: Path, fleet: list[dict]) -> dict:
+        return state_yaml(path, catalog, tenants, fleet, prefetch)
+
+    with vllm_fleet(run_dir, catalog, fixtures / "model", fixtures / "adapters", args.vllm_python, args.hosts,
+                    flags, write_state, token=TOKEN, agent_args=["--reconcile-interval-s", "0.2"],
+                    extproc_args=["--routing-policy", policy], engines=engines) as st:
+        log(f"{arm}: agents and gateway up in {time.monotonic() - t_run:.0f}s")
+        with contextlib.ExitStack() as front:
+            base = st["gateway"]
+            if arm in ROUTER_ARMS:
+                base = front.enter_context(vllm_router([h["engine_url"] for h in st["hosts"]], ROUTER_ARMS[arm],
+                                                        run_dir, Path(args.router_bin)))
+            before = {h["name"]: engine_counts(h) for h in st["hosts"]}
+            load_avg = os.getloadavg()[0]
+            t0 = time.monotonic()
+            rows, check = asyncio.run(replay(requests, base, st["state"], st["hosts"], args.speed, args.sample_every))
+            elapsed = time.monotonic() - t0
+            after = {h["name"]: engine_counts(h) for h in st["hosts"]}
+    threads = max(1, (os.cpu_count() or 1) // args.hosts)
+    per_host = {n: {k: round(after[n][k] - before[n][k], 2) for k in after[n]} for n in after}
+    ok = [r for r in rows if "error" not in r and r["status"] == 200]
+    served_n = sum(h["served"] for h in per_host.values())
+    cold = sum(h["on_demand_loads"] for h in per_host.values())
+    registered = [r["registered"] for r in ok if "registered" in r]
+    entry = {
+        "total": len(rows), "errors": len(rows) - len(ok), "served": served_n,
+        "hits": served_n - cold, "hit_ratio": (served_n - cold) / served_n if served_n else None,
+        "on_demand_loads": cold, "agent_loads": sum(h["agent_loads"] for h in per_host.values()),
+        "unloads": sum(h["unloads"] for h in per_host.values()),
+        "registered_at_arrival": ({"requests": len(registered), "registered": sum(registered)} if registered else None),
+        "registration_check": check,
+        "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None),
+        "engine_busy": {n: round(h["cpu_s"] / elapsed / threads, 3) for n, h in per_host.items()},
+        "per_host": per_host, "replay_s": round(elapsed, 1),
+        "machine_load_avg_1m": [round(load_avg, 1), round(os.getloadavg()[0], 1)],
+    }
+    if arm in ROUTER_ARMS:
+        entry["router_policy"] = ROUTER_ARMS[arm]
+    log(f"{arm}: done in {time.monotonic() - t_run:.0f}s: hits {entry['hits']}/{served_n}, on-demand {cold}, "
+        f"errors {entry['errors']}, ttft p50/p99 {entry['ttft_ms']['p50']}/{entry['ttft_ms']['p99']}")
+    return entry, rows
+
+
+def targets(arms: dict) -> dict:
+    """Issue 20's targets on vLLM, where the arms they name ran."""
+    out: dict = {"no_errors": all(a["errors"] == 0 for a in arms.values())}
+    ace, aff = arms.get("ace"), arms.get("affinity")
+    routers = [arms[a] for a in ROUTER_ARMS if a in arms]
+    if ace and aff:
+        out["hits_over_affinity"] = {"want": 0.10, "got": ace["hit_ratio"] - aff["hit_ratio"],
+                                     "met": ace["hit_ratio"] - aff["hit_ratio"] >= 0.10}
+        out["on_demand_loads_half_of_affinity"] = {"want": aff["on_demand_loads"] / 2, "got": ace["on_demand_loads"],
+                                                   "met": ace["on_demand_loads"] <= aff["on_demand_loads"] / 2}
+        out["ttft_no_worse_than_affinity"] = {
+            q: ace["ttft_ms"][q] is not None and ace["ttft_ms"][q] <= 1.05 * aff["ttft_ms"][q] + 1.0
+            for q in ("p50", "p90", "p99")}
+    if ace and routers:
+        best = max(r["hit_ratio"] for r in routers)
+        out["hits_over_best_vllm_router"] = {"want": 0.30, "got": ace["hit_ratio"] - best,
+                                             "met": ace["hit_ratio"] - best >= 0.30}
+        out["ttft_p99_below_every_vllm_router"] = all(ace["ttft_ms"]["p99"] < r["ttft_ms"]["p99"] for r in routers)
+    return out
+
+
+def table(report: dict) -> str:
+    """The README's table: one row per arm of the report's fleet."""
+    (hosts, arms), = report["fleets"].items()
+    lines = [f"| arm ({hosts} hosts, {report['requests']} requests, {report['adapters']} adapters) | hits | "
+             "vLLM on-demand loads | agent loads | TTFT p50 / p90 / p99 (ms) | errors | engine_busy |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, e in arms.items():
+        t = e["ttft_ms"]
+        ttft = " / ".join("-" if t[q] is None else f"{t[q]:.0f}" for q in ("p50", "p90", "p99"))
+        busy = ", ".join(f"{v:.2f}" for v in e["engine_busy"].values())
+        lines.append(f"| {arm} | {e['hits']}/{e['served']} | {e['on_demand_loads']} | {e['agent_loads']} | {ttft} | "
+                     f"{e['errors']} | {busy} |")
+    return "\n".join(lines)
+
+
+def plot(rows_path: Path, out: Path, title: str) -> None:
+    """TTFT CDF per arm from the rows file (``make bench``'s plot)."""
+    by_arm: dict[str, list[float]] = {}
+    for line in rows_path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("ttft_ms") is not None:
+            by_arm.setdefault(r["arm"], []).append(r["ttft_ms"])
+    plot_ttft(by_arm, out, title)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", type=Path, default=ROOT / "data" / "multi_lora_eval" / "multi_lora_eval_800.json")
+    p.add_argument("--requests", type=int, default=120, help="whole sessions from the start until this many requests")
+    host_args(p, "vllm_eval.json")
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--max-loras", type=int, default=2)
+    p.add_argument("--max-cpu-loras", type=int, default=2)
+    p.add_argument("--max-lora-rank", type=int, default=0, help="0: the trace's largest rank")
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--sample-every", type=int, default=5)
+    p.add_argument("--router-bin", default=str(ROOT / ".venv-router" / "bin" / "vllm-router"))
+    args = p.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    requests = first_requests(load_trace(args.trace), args.requests)
+    args.max_lora_rank = args.max_lora_rank or max(int(r["rank"]) for r in requests)
+    work = ROOT / "var" / "vllm_eval" / time.strftime("%Y%m%d-%H%M%S")
+    catalog = trace_catalog(requests, args.fixtures, ROOT / "var" / "bench-fixtures", log).resolve()
+    fixtures = catalog.parent
+    adapters = sorted({r["adapter"] for r in requests})
+    log(f"{len(requests)} requests, {len(adapters)} adapters, {args.hosts} hosts, S={args.max_cpu_loras}, "
+        f"R={args.max_lora_rank}, arms {arms}")
+    results, all_rows = {}, {}
+    flags = VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank)
+    with vllm_hosts(args.vllm_python, fixtures / "model", fixtures / "adapters", work, args.hosts, flags) as engines:
+        startup = [round(e.startup_s, 1) for e in engines]
+        log(f"vLLM hosts ready after {startup} s")
+        for arm in arms:
+            results[arm], all_rows[arm] = run_arm(args, arm, requests, catalog, fixtures, work, engines)
+    report = {"engine": "vllm", "trace": str(args.trace.relative_to(ROOT) if args.trace.is_relative_to(ROOT) else args.trace),
+              "requests": len(requests), "adapters": len(adapters), "hosts": args.hosts, "speed": args.speed,
+              "vllm_flags": VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank).args(),
+              "vllm_startup_s": startup, "arm_order": arms, "cpus": os.cpu_count(), "fleets": {str(args.hosts): results}, "targets": targets(results)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    with open(args.out.with_name(args.out.stem + "_rows.jsonl"), "w") as f:
+        for arm, rows in all_rows.items():
+            for r in rows:
+                f.write(json.dumps({"arm": arm, **r}) + "\n")
+    plot(args.out.with_name(args.out.stem + "_rows.jsonl"), args.out.with_name(args.out.stem + "_ttft.png"),
+         f"real vLLM (CPU), {args.hosts} hosts, {len(requests)} requests, {len(adapters)} adapters, S={args.max_cpu_loras}")
+    log(f"wrote {args.out}\n{table(report)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
