@@ -686,8 +686,10 @@ class ResidencyManager:
                 self._publish(name)
             adopted = sorted(n for n in loaded if n in self._states and n not in self._device)
             for name in adopted:  # the engine loaded it itself (on demand), or a previous agent run
+                # the engine loaded it for a request that is running or waiting now: the most
+                # recently used end. At the LRU end the shrink below unloaded it again under that
+                # request (vLLM's engine died of it: docs/engine.md, "Known")
                 self._device[name] = self._states[name].spec.size_bytes
-                self._device.move_to_end(name, last=False)  # not used through us: LRU end
                 self._states[name].loaded_by = "engine"
                 self._publish(name)
             if adopted and not self.connector.self_managed:
