@@ -199,7 +199,11 @@ def show_prefetch(st: dict) -> None:
 def show_errors(base: str) -> None:
     say("\n== 3. errors the gateway answers itself ==")
     cases = [("bad key", completion(base, "code-sql", key="sk-wrong")),
-             ("acme asks for medco's med-notes", completion(base, "med-notes")),
+             # by lora_name: a `model` the tenant may not use falls through to its default
+             # adapter like any unknown name (docs/gateway.md), so existence never shows
+             ("acme asks for medco's med-notes (lora_name)",
+              httpx.post(base + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEYS['acme']}"},
+                         json={"model": "ace-tiny-llama", "lora_name": "med-notes", "prompt": "SELECT", "max_tokens": 8})),
              ("malformed JSON", httpx.post(base + "/v1/chat/completions", content=b"{not json",
                                            headers={"Authorization": f"Bearer {KEYS['acme']}",
                                                     "content-type": "application/json"}, timeout=30))]
