@@ -688,7 +688,8 @@ class ResidencyManager:
             for name in adopted:  # the engine loaded it itself (on demand), or a previous agent run
                 # the engine loaded it for a request that is running or waiting now: the most
                 # recently used end. At the LRU end the shrink below unloaded it again under that
-                # request (vLLM's engine died of it: docs/engine.md, "Known")
+                # request, and vLLM's engine died of it (docs/engine.md, "Unloading an adapter
+                # a queued request uses kills vLLM 0.32's engine")
                 self._device[name] = self._states[name].spec.size_bytes
                 self._states[name].loaded_by = "engine"
                 self._publish(name)
