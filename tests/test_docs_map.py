@@ -213,11 +213,12 @@ def _layers() -> dict[str, list[str]]:
     for c in config["contracts"]:
         if c["type"] == "layers":
             (container,) = c["containers"]
+            folder = container.replace(".", "/")   # a nested container: gpu_agent.residency
             paths = []
             for layer in c["layers"]:
                 for name in (n.strip() for n in re.split(r"[|:]", layer)):
-                    base = REPO / container / name
-                    paths.append(f"{container}/{name}/" if base.is_dir() else f"{container}/{name}.py")
+                    base = REPO / folder / name
+                    paths.append(f"{folder}/{name}/" if base.is_dir() else f"{folder}/{name}.py")
             out[container] = paths
     return out
 

@@ -2,7 +2,8 @@
 
 A connector translates "make adapter X resident / drop it / what do you hold" (and "how
 busy are you": `engine_load`) into one engine's API. It keeps no residency policy of its own: budgets, LRU and pinning live in
-`gpu_agent.residency.manager`, which calls these methods one at a time per adapter.
+`gpu_agent.residency` (the manager's parts: holdings, pipeline, reconcile, operations), which call
+these methods one at a time per adapter.
 
     ConnectorError          the engine refused or failed a load/unload
     └── EngineUnavailable   the engine cannot be reached (down, restarting)
