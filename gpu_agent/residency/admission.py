@@ -11,13 +11,10 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterable, Mapping
 
-from gpu_agent.artifacts import AdapterSpec, Catalog
-from gpu_agent.connectors.base import EngineConnector
+from ace_common.catalog import Adapter
 from gpu_agent.metrics import AgentMetrics
-from gpu_agent.residency.holdings import TierHoldings
 from gpu_agent.residency.pipeline import LoadPipeline
 from gpu_agent.residency.prefetch_budget import HintBet, HintVerdict, LinkState, decide_hint
-from gpu_agent.residency.queue import PrefetchQueue
 from gpu_agent.residency.records import AdapterState, ResidencyOutcome, ResidencyResult, rejected
 
 __all__ = ["MAX_EVICT_HINTS", "PrefetchAdmission"]
@@ -26,17 +23,15 @@ MAX_EVICT_HINTS = 16  # names read from one Prefetch's evict list (the gateway s
 
 
 class PrefetchAdmission:
-    def __init__(self, catalog: Catalog, states: Mapping[str, AdapterState], connector: EngineConnector,
-                 holdings: TierHoldings, pipeline: LoadPipeline, queue: PrefetchQueue, *, queue_size: int,
-                 link_budget_ms: float, metrics: AgentMetrics, publish: Callable[[str], None]):
-        self.catalog = catalog
-        self._states = states
-        self.connector = connector
-        self.holdings = holdings
+    """Admits into the queue of ``pipeline`` (which knows the catalog, the tiers' holdings,
+    the loads in flight and their expected times)."""
+
+    def __init__(self, pipeline: LoadPipeline, *, queue_size: int, link_budget_ms: float,
+                 metrics: AgentMetrics, publish: Callable[[str], None]):
         self.pipeline = pipeline
-        self.queue = queue
-        self.queue_size = queue_size
-        self.link_budget_ms = link_budget_ms
+        self.catalog, self.holdings, self.queue = pipeline.catalog, pipeline.holdings, pipeline.queue
+        self._states: Mapping[str, AdapterState] = pipeline.states
+        self.queue_size, self.link_budget_ms = queue_size, link_budget_ms
         self.metrics = metrics
         self._publish = publish
 
@@ -94,11 +89,11 @@ class PrefetchAdmission:
     def _link(self) -> LinkState:
         ahead = self.queue.queued | set(self.pipeline.inflight)
         load_ms = self.pipeline.load_ms
-        return LinkState(demand_loads=len(self.pipeline.demand) + self.connector.demand_loads(),
+        return LinkState(demand_loads=len(self.pipeline.demand) + self.holdings.connector.demand_loads(),
                          busy_ms=sum(load_ms(self._states[n].spec) for n in ahead),
                          budget_ms=self.link_budget_ms)
 
-    def _bet(self, spec: AdapterSpec, hints: tuple[str, ...], probability: float | None,
+    def _bet(self, spec: Adapter, hints: tuple[str, ...], probability: float | None,
              victim_reuse_probability: float | None) -> HintBet:
         if probability is None:
             return HintBet(None, 0.0)

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from typing import Callable, Mapping
 
 from ace_common.tiers import Tier
-from gpu_agent.artifacts import AdapterSpec
+from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
 from gpu_agent.errors import PoolExhausted
 from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, plan_evictions
@@ -93,7 +93,7 @@ class TierHoldings:
                   else sum(self.device.values()) + (incoming or 0) - self.device_bytes)
         return Shortfall(count=count, size=nbytes)
 
-    def likely_victim(self, spec: AdapterSpec, hints: tuple[str, ...]) -> str | None:
+    def likely_victim(self, spec: Adapter, hints: tuple[str, ...]) -> str | None:
         """The adapter loading `spec` would displace now: None when there is room, else
         the first hinted resident one, else the device tier's least recently used."""
         room = self.connector.has_room(spec)
@@ -104,7 +104,7 @@ class TierHoldings:
         evictable = [n for n in self.device if not self._states[n].pinned and n not in self._loading]
         return next((h for h in hints if h in evictable), evictable[0] if evictable else None)
 
-    async def make_device_room(self, spec: AdapterSpec, hints: tuple[str, ...] = ()) -> None:
+    async def make_device_room(self, spec: Adapter, hints: tuple[str, ...] = ()) -> None:
         def over() -> bool:
             return not self.shortfall(spec.size_bytes).met
 
@@ -153,7 +153,7 @@ class TierHoldings:
             self.device.pop(n, None)
             self.evicted(n, Tier.DEVICE, EvictReason.ENGINE_GONE)
 
-    async def _evict_hinted(self, spec: AdapterSpec, hints: tuple[str, ...],
+    async def _evict_hinted(self, spec: Adapter, hints: tuple[str, ...],
                             over: Callable[[], bool]) -> None:
         """Evict the caller's named adapters first, one at a time, while the load of
         `spec` still needs room: over our budgets, or (an engine with its own pool) over

@@ -69,9 +69,9 @@ class ResidencyManager:
         self.queue = PrefetchQueue()
         self.pipeline = LoadPipeline(catalog, states, store, connector, self.holdings, self.queue, inflight,
                                      metrics=self.metrics, publish=self._publish, view=self.view)
-        self.admission = PrefetchAdmission(catalog, states, connector, self.holdings, self.pipeline, self.queue,
-                                           queue_size=budgets.queue_size, link_budget_ms=budgets.link_budget_ms,
-                                           metrics=self.metrics, publish=self._publish)
+        self.admission = PrefetchAdmission(self.pipeline, queue_size=budgets.queue_size,
+                                           link_budget_ms=budgets.link_budget_ms, metrics=self.metrics,
+                                           publish=self._publish)
         self.reconciler = Reconciler(states, connector, self.holdings, inflight, metrics=self.metrics,
                                      publish=self._publish, reload=self.admission.prefetch)
         self.operations = OperatorActions(catalog, states, store, connector, self.holdings, inflight,

@@ -19,7 +19,8 @@ import time
 from typing import Callable, Mapping
 
 from ace_common.tiers import Tier
-from gpu_agent.artifacts import WEIGHTS, AdapterSpec, ArtifactStore, Catalog
+from ace_common.catalog import Adapter
+from gpu_agent.artifacts import WEIGHTS, ArtifactStore, Catalog
 from gpu_agent.connectors.base import EngineConnector, EngineUnavailable
 from gpu_agent.errors import AgentError, DigestMismatch
 from gpu_agent.metrics import AgentMetrics
@@ -43,7 +44,7 @@ class LoadPipeline:
                  inflight: dict[str, asyncio.Task], *, metrics: AgentMetrics,
                  publish: Callable[[str], None], view: Callable[[str], AdapterView]):
         self.catalog = catalog
-        self._states = states
+        self.states = states
         self.store = store
         self.connector = connector
         self.holdings = holdings
@@ -55,17 +56,17 @@ class LoadPipeline:
         self._view = view
         self.link_bytes_per_ms = DEFAULT_LINK_BYTES_PER_MS  # measured loads, averaged (EWMA)
 
-    def load_ms(self, spec: AdapterSpec) -> float:
+    def load_ms(self, spec: Adapter) -> float:
         """Expected load time: the adapter's last measured cold load, else its bytes over
         the link's measured rate."""
-        measured = self._states[spec.name].cold_load_ms
+        measured = self.states[spec.name].cold_load_ms
         return measured if measured is not None else spec.size_bytes / self.link_bytes_per_ms
 
     def protected_digests(self) -> set[str]:
         """What no disk eviction may remove: the device tier's, the loading and the pinned."""
         names = (set(self.holdings.device) | set(self.inflight)
-                 | {n for n, s in self._states.items() if s.pinned})
-        return {self._states[n].spec.sha256 for n in names if n in self._states}
+                 | {n for n, s in self.states.items() if s.pinned})
+        return {self.states[n].spec.sha256 for n in names if n in self.states}
 
     # ---- the workers -----------------------------------------------------------------
     async def work_off_queue(self) -> None:
@@ -83,7 +84,7 @@ class LoadPipeline:
                 log.warning("prefetch of %s failed: %s", name, exc)
 
     def _load_origin(self, name: str) -> str:
-        reason = self._states[name].pending_reason
+        reason = self.states[name].pending_reason
         return reason if reason in ("pin", "engine_restart") else "prefetch"
 
     # ---- loading ---------------------------------------------------------------------
@@ -131,9 +132,9 @@ class LoadPipeline:
             if start_tier is Tier.REMOTE:
                 self.metrics.inc("ace_agent_tier_hits_total", tier="remote")
 
-    async def _load(self, spec: AdapterSpec, by: str) -> None:
+    async def _load(self, spec: Adapter, by: str) -> None:
         name = spec.name
-        state = self._states[name]
+        state = self.states[name]
         hints, state.pending_evict = state.pending_evict, ()
         t0 = time.perf_counter()
         start_tier = self._view(name).tier

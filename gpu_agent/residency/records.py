@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ace_common.tiers import Tier
-from gpu_agent.artifacts import AdapterSpec
+from ace_common.catalog import Adapter
 from gpu_agent.residency.prefetch_budget import DEFAULT_LINK_BUDGET_MS
 
 __all__ = ["AdapterState", "AdapterView", "DONE", "ResidencyBudgets", "ResidencyOutcome", "ResidencyResult",
@@ -82,7 +82,7 @@ class ResidencyBudgets:
 class AdapterState:
     """The manager's own note on one catalog adapter (mutable; the manager's modules only)."""
 
-    spec: AdapterSpec
+    spec: Adapter
     pinned: bool = False
     cold_load_ms: float | None = None
     loaded_by: str = ""
