@@ -12,7 +12,8 @@ Every problem is a ``SchemaError`` naming the field's path::
 
 The catalog is read by the gateway (``extproc.state.store``), the agent
 (``gpu_agent.artifacts``) and the builtin engine (``gpu_agent.engine.adapters``), all
-through ``read_catalog_file``; the gateway's state file (``extproc.state.schema``) uses
+through ``read_catalog_file``, and each holds the entry as ``ace_common.catalog.Adapter``
+(resolved: ``Adapter.from_entry``); the gateway's state file (``extproc.state.schema``) uses
 the same language. It lives in the shared vocabulary (``ace_common``, which imports neither deployable),
 with no dependency but ``yaml``; each side turns ``SchemaError`` into its own error at its
 boundary (``ConfigError``, ``CatalogError``).

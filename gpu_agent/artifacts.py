@@ -15,6 +15,7 @@ Sources (`uri`):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import hashlib
 import logging
@@ -23,20 +24,20 @@ import re
 import shutil
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 import httpx
 
+from ace_common.catalog import Adapter
 from ace_common.catalog_schema import CatalogBaseModel, SchemaError, read_catalog_file
 from gpu_agent.errors import AdapterNotFound, AgentError, DigestMismatch
 from gpu_agent.eviction import EvictReason, Shortfall, ordered, plan_evictions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AdapterSpec", "Catalog", "CatalogError", "DiskCache", "ArtifactStore",
+__all__ = ["Catalog", "CatalogError", "DiskCache", "ArtifactStore",
            "FetchError", "valid_adapter_name", "sha256_file"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -66,29 +67,10 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class AdapterSpec:
-    """One catalog entry: what the adapter is and where its weights live."""
-
-    name: str
-    base_model: str
-    rank: int
-    sha256: str
-    size_bytes: int
-    uri: str
-    alpha: float = 0.0
-    target_modules: tuple[str, ...] = ()
-    owner: str = "public"
-
-    @property
-    def is_remote(self) -> bool:
-        return urlparse(self.uri).scheme in ("http", "https")
-
-
 class Catalog:
     """The adapters this agent may load, by name; immutable once built."""
 
-    def __init__(self, base_model: str, adapters: Iterable[AdapterSpec], root: Path,
+    def __init__(self, base_model: str, adapters: Iterable[Adapter], root: Path,
                  base_model_path: Path | None = None):
         self.base_model = base_model
         self.root = root.resolve()
@@ -113,13 +95,10 @@ class Catalog:
             digest = (raw.sha256 or "").lower()
             if not _HEX64.match(digest):
                 raise CatalogError(f"{path}: adapters[{i}].sha256: must be 64 hex digits")
-            specs.append(AdapterSpec(
-                name=raw.name, base_model=doc.base_model_of(raw), rank=raw.rank, sha256=digest,
-                size_bytes=raw.size_bytes, uri=raw.uri, alpha=raw.alpha or 0.0,
-                target_modules=raw.target_modules, owner=raw.owner))
+            specs.append(dataclasses.replace(Adapter.from_entry(raw, doc.base_model_of(raw)), sha256=digest))
         return cls(doc.base_model_name, specs, path.parent, base_path)
 
-    def get(self, name: str) -> AdapterSpec | None:
+    def get(self, name: str) -> Adapter | None:
         if not valid_adapter_name(name):
             return None
         return self._by_name.get(name)
@@ -130,17 +109,13 @@ class Catalog:
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def local_dir(self, spec: AdapterSpec) -> Path:
+    def local_dir(self, spec: Adapter) -> Path:
         """The directory of a local-source adapter, refused if it leaves the catalog root."""
-        parsed = urlparse(spec.uri)
-        if parsed.scheme == "file":
-            candidate = Path(unquote(parsed.path))
-        elif parsed.scheme == "":
-            candidate = self.root / spec.uri
-        else:
+        candidate = spec.local_dir(self.root)
+        if candidate is None:
             raise CatalogError(f"adapter {spec.name}: {spec.uri} is not a local path")
         resolved = candidate.resolve()
-        if parsed.scheme == "" and not resolved.is_relative_to(self.root):
+        if urlparse(spec.uri).scheme == "" and not resolved.is_relative_to(self.root):
             raise AdapterNotFound(f"adapter {spec.name}: {spec.uri} leaves the catalog directory")
         return resolved
 
@@ -262,13 +237,13 @@ class ArtifactStore:
         # higher tier).
         self._protect_providers: list[Callable[[], set[str]]] = []
         # Told of every disk eviction the store decides itself (`on_eviction`).
-        self._eviction_listeners: list[Callable[[AdapterSpec, EvictReason], None]] = []
+        self._eviction_listeners: list[Callable[[Adapter, EvictReason], None]] = []
 
     def protect_with(self, provider: Callable[[], set[str]]) -> None:
         """``provider()``: more digests the disk tier must keep, asked at each eviction."""
         self._protect_providers.append(provider)
 
-    def on_eviction(self, listener: Callable[[AdapterSpec, EvictReason], None]) -> None:
+    def on_eviction(self, listener: Callable[[Adapter, EvictReason], None]) -> None:
         """``listener(spec, reason)`` for every disk eviction the store decides itself, reason
         BUDGET (room for a fetch) or LEFT_DEVICE (a resident-only cache); the residency
         manager counts them. An operator's `forget_local` is counted by its caller."""
@@ -301,7 +276,7 @@ class ArtifactStore:
             await self._client.aclose()
             self._client = None
 
-    def local_path(self, spec: AdapterSpec) -> Path | None:
+    def local_path(self, spec: Adapter) -> Path | None:
         """The verified local directory if the adapter is on disk now (no I/O beyond stat)."""
         if spec.is_remote:
             return self.cache.path(spec.sha256)
@@ -309,7 +284,7 @@ class ArtifactStore:
             return self.catalog.local_dir(spec)
         return None
 
-    async def ensure_local(self, spec: AdapterSpec, protected: set[str]) -> tuple[Path, bool]:
+    async def ensure_local(self, spec: Adapter, protected: set[str]) -> tuple[Path, bool]:
         """A verified directory for `spec`; returns (path, fetched_from_remote)."""
         if (path := self.local_path(spec)) is not None:
             return path, False
@@ -330,7 +305,7 @@ class ArtifactStore:
         if not task.cancelled():
             task.exception()  # retrieved: a failure nobody awaited any more is not logged as lost
 
-    async def _bring_local(self, spec: AdapterSpec, protected: set[str]) -> tuple[Path, bool]:
+    async def _bring_local(self, spec: Adapter, protected: set[str]) -> tuple[Path, bool]:
         if (path := self.local_path(spec)) is not None:  # another path finished it meanwhile
             return path, False
         if spec.is_remote:
@@ -345,7 +320,7 @@ class ArtifactStore:
         self._verified_local.add(spec.sha256)
         return directory, False
 
-    def forget_local(self, spec: AdapterSpec) -> bool:
+    def forget_local(self, spec: Adapter) -> bool:
         """Drop the disk tier of `spec` (cache entry, or the verified mark of a local source)."""
         if spec.is_remote:
             return self.cache.remove(spec.sha256)
@@ -354,7 +329,7 @@ class ArtifactStore:
             return True
         return False
 
-    def left_device(self, spec: AdapterSpec, keep: set[str] = frozenset()) -> bool:
+    def left_device(self, spec: Adapter, keep: set[str] = frozenset()) -> bool:
         """`spec` left the device tier. A resident-only disk cache (budget 0) drops its files
         now, unless `keep` names its digest or a fetch of it is under way; any other cache
         keeps them (LRU). True when files were dropped."""
@@ -367,7 +342,7 @@ class ArtifactStore:
         self._evicted([spec.sha256], EvictReason.LEFT_DEVICE)
         return True
 
-    async def _fetch(self, spec: AdapterSpec, protected: set[str]) -> Path:
+    async def _fetch(self, spec: Adapter, protected: set[str]) -> Path:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._timeout, follow_redirects=False)
         base = spec.uri.rstrip("/") + "/"

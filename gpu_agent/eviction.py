@@ -2,7 +2,7 @@
 
 One place decides; the owners of the tiers ask it and carry the plan out:
 
-- the agent's device and host tiers: :class:`gpu_agent.residency.manager.ResidencyManager`;
+- the agent's device and host tiers: :class:`gpu_agent.residency.holdings.TierHoldings`;
 - the builtin engine's pool and host copies: :class:`gpu_agent.engine.adapters.EngineAdapters`
   (it installs :func:`plan_evictions` as its pool's ``choose_victims``; the pool itself is
   mechanism: it frees the pages of the names it is given, never picks them);
@@ -14,7 +14,7 @@ candidates, first to go first; :func:`plan_evictions` takes that order, skips wh
 go (pinned, in use, claimed, being loaded) and stops as soon as the shortfall is met; that
 split keeps the decision testable with plain access sequences. :func:`hinted_victims` is
 the same split for a Prefetch's ``evict`` list: it only says which named adapters may go,
-in the caller's order; the residency manager evicts them while room is needed.
+in the caller's order; the agent's holdings evict them while room is needed.
 
 Every eviction has a :class:`EvictReason`; the agent counts them in
 ``ace_agent_evictions_total{tier, reason}``.

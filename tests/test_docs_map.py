@@ -213,11 +213,12 @@ def _layers() -> dict[str, list[str]]:
     for c in config["contracts"]:
         if c["type"] == "layers":
             (container,) = c["containers"]
+            folder = container.replace(".", "/")   # a nested container: gpu_agent.residency
             paths = []
             for layer in c["layers"]:
                 for name in (n.strip() for n in re.split(r"[|:]", layer)):
-                    base = REPO / container / name
-                    paths.append(f"{container}/{name}/" if base.is_dir() else f"{container}/{name}.py")
+                    base = REPO / folder / name
+                    paths.append(f"{folder}/{name}/" if base.is_dir() else f"{folder}/{name}.py")
             out[container] = paths
     return out
 
@@ -269,3 +270,19 @@ def test_the_docs_name_only_modules_and_paths_that_exist():
         stale += [f"{page.name}: {p}" for p in sorted(set(paths_in(text)))
                   if not (REPO / p.rstrip("/")).exists() and "*" not in p]
     assert not stale
+
+
+TEST_MAP = REPO / "tests" / "README.md"
+_TEST_PATH = re.compile(r"(?<![\w./-])(tests(?:/[\w.-]+)+/?)")
+
+
+def test_the_test_map_names_every_test_file_and_only_files_that_exist():
+    """tests/README.md says which layer each test file tests: it names every test file
+    (or a folder it sits in), and nothing that is gone."""
+    named = {m.rstrip(".") if not m.endswith("/") else m for m in _TEST_PATH.findall(TEST_MAP.read_text())}
+    gone = sorted(p for p in named if not (REPO / p.rstrip("/")).exists())
+    assert not gone, f"tests/README.md names paths that do not exist: {gone}"
+    files = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("test_*.py"))
+    assert files, "no test files found"
+    unnamed = [f for f in files if not covered(f, named)]
+    assert not unnamed, f"test files tests/README.md does not name: {unnamed}"

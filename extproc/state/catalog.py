@@ -1,55 +1,29 @@
 """What the gateway knows about adapters, tenants and keys: plain immutable values.
 
-The adapter entry follows the catalog format of docs/contracts.md (parsed and checked by
-``ace_common.catalog_schema``). ``sha256`` is the digest of the adapter weights: it is the
-cache key, so a changed adapter is a new key.
+The adapter entry is the one both sides use, ``ace_common.catalog.Adapter`` (the catalog
+format of docs/contracts.md, parsed and checked by ``ace_common.catalog_schema``), named
+here with the gateway's other entities. ``sha256`` is the digest of the adapter weights: it
+is the cache key, so a changed adapter is a new key.
 """
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
+from ace_common.catalog import PUBLIC, Adapter
 from extproc.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ace_common.catalog_schema import CatalogAdapter
 
 __all__ = ["Adapter", "Tenant", "DevKey", "Upstream", "PUBLIC", "FLAVOURS", "HINT_MODES", "ROLES",
            "DEVELOPER", "ADMIN", "KeyOrigin"]
 
-PUBLIC = "public"
 FLAVOURS = ("builtin", "vllm", "sglang")
 HINT_MODES = ("body", "headers", "off")
 #: a key's role: a developer sets its own skills; a tenant admin also its tenant's defaults
 #: and reads its tenant's keys (the settings page, docs/gateway.md)
 DEVELOPER, ADMIN = "developer", "admin"
 ROLES = (DEVELOPER, ADMIN)
-
-
-@dataclass(frozen=True, slots=True)
-class Adapter:
-    name: str
-    base_model: str
-    rank: int
-    target_modules: tuple[str, ...]
-    size_bytes: int
-    owner: str          # a tenant id or PUBLIC
-    uri: str
-    sha256: str
-    alpha: float | None = None
-    domain: str | None = None
-
-    def visible_to(self, tenant_id: str) -> bool:
-        return self.owner == PUBLIC or self.owner == tenant_id
-
-    @classmethod
-    def from_entry(cls, entry: "CatalogAdapter", base_model: str) -> "Adapter":
-        """A checked catalog entry; ``base_model``: its own, else its file's."""
-        return cls(name=entry.name, base_model=base_model, rank=entry.rank,
-                   target_modules=entry.target_modules, size_bytes=entry.size_bytes, owner=entry.owner,
-                   uri=entry.uri, sha256=entry.sha256 or "", alpha=entry.alpha, domain=entry.domain)
 
 
 @dataclass(frozen=True, slots=True)

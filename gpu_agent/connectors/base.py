@@ -2,7 +2,8 @@
 
 A connector translates "make adapter X resident / drop it / what do you hold" (and "how
 busy are you": `engine_load`) into one engine's API. It keeps no residency policy of its own: budgets, LRU and pinning live in
-`gpu_agent.residency.manager`, which calls these methods one at a time per adapter.
+`gpu_agent.residency` (the manager's parts: holdings, pipeline, reconcile, operations), which call
+these methods one at a time per adapter.
 
     ConnectorError          the engine refused or failed a load/unload
     └── EngineUnavailable   the engine cannot be reached (down, restarting)
@@ -13,7 +14,7 @@ import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_agent.artifacts import AdapterSpec
+from ace_common.catalog import Adapter
 from gpu_agent.errors import AgentError
 
 __all__ = ["ConnectorError", "EngineUnavailable", "EngineConnector", "EngineLoad", "listed_adapters"]
@@ -63,7 +64,7 @@ class EngineConnector(abc.ABC):
         """Release clients; never raises."""
 
     @abc.abstractmethod
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+    async def load(self, spec: Adapter, path: Path, *, pinned: bool = False,
                    demand: bool = False) -> None:
         """Make `spec` (files verified at `path`) resident. Already resident is success.
         `demand`: a request waits for this load; otherwise it is a prefetch, which an
@@ -97,7 +98,7 @@ class EngineConnector(abc.ABC):
         "cancelled": {reason: n}}`` of its prefetch loads so far; {} otherwise."""
         return {}
 
-    async def needs_room(self, spec: AdapterSpec) -> bool:
+    async def needs_room(self, spec: Adapter) -> bool:
         """Loading `spec` now would make the engine evict on its own (a pool with limits of
         its own: builtin). False where the agent's device budgets are the engine's only
         limits (vLLM, SGLang): the agent then knows from its budgets alone."""
@@ -108,7 +109,7 @@ class EngineConnector(abc.ABC):
         demand, the agent never sees those); 0 where the agent makes every load."""
         return 0
 
-    def has_room(self, spec: AdapterSpec) -> bool | None:
+    def has_room(self, spec: Adapter) -> bool | None:
         """Loading `spec` now needs no eviction in an engine with its own pool (builtin);
         None where the agent's device budgets decide (or the engine cannot tell)."""
         return None

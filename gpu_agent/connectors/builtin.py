@@ -17,7 +17,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gpu_agent.artifacts import AdapterSpec, ArtifactStore
+from ace_common.catalog import Adapter
+from gpu_agent.artifacts import ArtifactStore
 from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineLoad
 from gpu_agent.errors import AdapterBusy
 
@@ -101,7 +102,7 @@ class BuiltinConnector(EngineConnector):
         if spec is not None and self.store.left_device(spec, keep=self._engine_digests()):
             log.debug("adapter %s left the pool: disk copy dropped (resident-only disk tier)", name)
 
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+    async def load(self, spec: Adapter, path: Path, *, pinned: bool = False,
                    demand: bool = False) -> None:
         """A prefetch (``demand=False``) goes after, and yields to, the engine's request
         loads (`gpu_agent.engine.load_order`); it fails rather than wait for room."""
@@ -129,7 +130,7 @@ class BuiltinConnector(EngineConnector):
         except AdapterBusy as exc:
             raise ConnectorError(str(exc)) from exc
 
-    async def needs_room(self, spec: AdapterSpec) -> bool:
+    async def needs_room(self, spec: Adapter) -> bool:
         """The pool is at its adapter count, or has fewer free pages than `spec` needs.
         Pages are counted on the parsed adapter: the engine's host copy, else the verified
         local files read for it (mapped, not copied). Not readable: False (the load that
@@ -170,7 +171,7 @@ class BuiltinConnector(EngineConnector):
     def demand_loads(self) -> int:
         return self.engine.adapters.order.demand_in_flight if self.engine is not None else 0
 
-    def has_room(self, spec: AdapterSpec) -> bool | None:
+    def has_room(self, spec: Adapter) -> bool | None:
         """Free count and free pages for `spec`'s bytes (pages are rounded per matrix: a
         near-full pool may still need room; the load then evicts as it always does)."""
         if self.engine is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from gpu_agent.artifacts import AdapterSpec
+from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import (ConnectorError, EngineConnector, EngineLoad, EngineUnavailable,
                                        listed_adapters)
 from gpu_agent.connectors.prometheus import SGLANG_LOAD, scrape_load
@@ -60,7 +60,7 @@ class SGLangConnector(EngineConnector):
             self._known = set(doc["loaded_adapters"])
         return {"status": resp.status_code, **doc}
 
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+    async def load(self, spec: Adapter, path: Path, *, pinned: bool = False,
                    demand: bool = False) -> None:
         doc = await self._call("/load_lora_adapter",
                                {"lora_name": spec.name, "lora_path": str(path), "pinned": pinned})

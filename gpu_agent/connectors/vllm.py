@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from gpu_agent.artifacts import AdapterSpec
+from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import (ConnectorError, EngineConnector, EngineLoad, EngineUnavailable,
                                        listed_adapters)
 from gpu_agent.connectors.prometheus import VLLM_LOAD, scrape_load
@@ -80,7 +80,7 @@ class VLLMConnector(EngineConnector):
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"vLLM {self._url}{path}: {exc!r}") from exc
 
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+    async def load(self, spec: Adapter, path: Path, *, pinned: bool = False,
                    demand: bool = False) -> None:
         resp = await self._post("/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": str(path)})
         if resp.status_code == 200:

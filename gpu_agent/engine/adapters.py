@@ -48,15 +48,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
-from urllib.parse import unquote, urlparse
 
+from ace_common.catalog import PUBLIC, Adapter
 from gpu_agent import errors as core
 from gpu_agent.engine.errors import AdapterUnavailable, EngineError, ModelNotFound
 from gpu_agent.engine.load_order import LoadOrder, LoadThreads, LoadTicket
 from gpu_agent.eviction import Candidate, EvictReason, Shortfall, plan_evictions
 from ace_common.tiers import ORDER, Tier
 
-__all__ = ["CatalogEntry", "read_catalog", "AdapterSource", "LocalSource", "EngineAdapters",
+__all__ = ["entry_dir", "read_catalog", "AdapterSource", "LocalSource", "EngineAdapters",
            "TIERS"]
 
 DEVICE, HOST = Tier.DEVICE.value, Tier.HOST.value
@@ -75,32 +75,16 @@ def _unavailable(name: str, exc: BaseException) -> AdapterUnavailable:
                               param="model", code="adapter_load_failed")
 
 
-@dataclass(frozen=True)
-class CatalogEntry:
-    name: str
-    uri: str
-    base_model: str
-    rank: int = 0
-    sha256: str | None = None
-    size_bytes: int = 0
-    owner: str = "public"
-    domain: str | None = None
-    root: Path = Path(".")
-
-    @property
-    def is_remote(self) -> bool:
-        return urlparse(self.uri).scheme in ("http", "https")
-
-    def local_dir(self) -> Path:
-        parsed = urlparse(self.uri)
-        if parsed.scheme == "file":
-            return Path(unquote(parsed.path))
-        if parsed.scheme == "":
-            return (self.root / self.uri).resolve()
-        raise AdapterUnavailable(f"adapter {self.name}: {self.uri} is not a local path", param="model")
+def entry_dir(entry: Adapter, root: Path | None = None) -> Path:
+    """The directory of a local entry; ``root``: the folder a relative ``uri`` is under
+    (the catalog file's; ``register``'s entries are absolute)."""
+    path = entry.local_dir(root)
+    if path is None:
+        raise AdapterUnavailable(f"adapter {entry.name}: {entry.uri} is not a local path", param="model")
+    return path
 
 
-def read_catalog(path: str | Path) -> tuple[str, Path | None, dict[str, CatalogEntry]]:
+def read_catalog(path: str | Path) -> tuple[str, Path | None, dict[str, Adapter]]:
     """``(base model name, base model dir or None, adapters by name)`` of a catalog.yaml
     (checked by ``ace_common.catalog_schema``: a ``SchemaError``, a ``ValueError``, names
     the field)."""
@@ -110,35 +94,36 @@ def read_catalog(path: str | Path) -> tuple[str, Path | None, dict[str, CatalogE
     doc = read_catalog_file(p)
     base = doc.base_model
     base_dir = (p.parent / base.path).resolve() if isinstance(base, CatalogBaseModel) and base.path else None
-    entries = {raw.name: CatalogEntry(
-        name=raw.name, uri=raw.uri, base_model=doc.base_model_of(raw), rank=raw.rank, sha256=raw.sha256,
-        size_bytes=raw.size_bytes, owner=raw.owner, domain=raw.domain, root=p.parent.resolve())
-        for raw in doc.adapters}
+    entries = {raw.name: Adapter.from_entry(raw, doc.base_model_of(raw)) for raw in doc.adapters}
     return doc.base_model_name, base_dir, entries
 
 
 class AdapterSource(Protocol):
     """Turns a catalog entry into a local directory (fetching it when remote)."""
 
-    def tier(self, entry: CatalogEntry) -> str:
+    def tier(self, entry: Adapter) -> str:
         """``disk`` when a local copy exists, else ``remote``."""
 
-    async def local_dir(self, entry: CatalogEntry) -> tuple[Path, bool]:
+    async def local_dir(self, entry: Adapter) -> tuple[Path, bool]:
         """The adapter's directory and whether its digest still needs checking."""
 
 
 class LocalSource:
-    """Local paths and file:// URIs only; http(s) needs a fetching source (the agent's)."""
+    """Local paths and file:// URIs only; http(s) needs a fetching source (the agent's).
+    ``root``: the folder relative paths are under (the catalog file's)."""
 
-    def tier(self, entry: CatalogEntry) -> str:
+    def __init__(self, root: Path | None = None):
+        self.root = root
+
+    def tier(self, entry: Adapter) -> str:
         return "remote" if entry.is_remote else "disk"
 
-    async def local_dir(self, entry: CatalogEntry) -> tuple[Path, bool]:
+    async def local_dir(self, entry: Adapter) -> tuple[Path, bool]:
         if entry.is_remote:
             raise AdapterUnavailable(
                 f"adapter {entry.name} is remote ({entry.uri}) and this engine has no fetcher",
                 param="model")
-        return entry.local_dir(), True
+        return entry_dir(entry, self.root), True
 
 
 @dataclass
@@ -149,16 +134,18 @@ class LoadRecord:
 
 
 class EngineAdapters:
-    def __init__(self, pool: Any, spec: Any, entries: Mapping[str, CatalogEntry], *,
+    def __init__(self, pool: Any, spec: Any, entries: Mapping[str, Adapter], *,
                  source: AdapterSource | None = None, host_budget_bytes: int = 1 << 30,
-                 room_timeout_s: float = 30.0, prefetch_nice: int = 0):
+                 room_timeout_s: float = 30.0, prefetch_nice: int = 0, root: Path | None = None):
+        """``root``: the catalog file's folder, which relative ``uri``s are under (the
+        default source's; a given ``source`` resolves its own)."""
         from gpu_agent.engine.staging import AdapterTiers
 
         self.pool = pool
         self.spec = spec
         self.tiers = AdapterTiers(pool, host_budget_bytes)
-        self._entries: dict[str, CatalogEntry] = dict(entries)
-        self.source: AdapterSource = source or LocalSource()
+        self._entries: dict[str, Adapter] = dict(entries)
+        self.source: AdapterSource = source or LocalSource(root)
         self._verified: set[str] = set()  # digests checked once, when first read from disk
         self._holds: dict[str, int] = {}
         self._claims: dict[str, int] = {}  # requests accepted and not finished, per adapter
@@ -190,7 +177,7 @@ class EngineAdapters:
     def names(self) -> list[str]:
         return list(self._entries)
 
-    def entry(self, name: str) -> CatalogEntry:
+    def entry(self, name: str) -> Adapter:
         try:
             return self._entries[name]
         except KeyError:
@@ -199,10 +186,10 @@ class EngineAdapters:
     def knows(self, name: str) -> bool:
         return name in self._entries
 
-    def register(self, name: str, path: str | Path, sha256: str | None = None) -> CatalogEntry:
+    def register(self, name: str, path: str | Path, sha256: str | None = None) -> Adapter:
         """Add (or replace) an adapter at run time from a local directory."""
-        entry = CatalogEntry(name=name, uri=str(Path(path).resolve()), base_model=self.spec.name,
-                             sha256=sha256)
+        entry = Adapter(name=name, base_model=self.spec.name, rank=0, target_modules=(), size_bytes=0,
+                        owner=PUBLIC, uri=str(Path(path).resolve()), sha256=sha256 or "")
         self._entries[name] = entry
         return entry
 

@@ -128,7 +128,8 @@ class Engine:
                              hidden_size=model.cfg.hidden_size, modules=model.cfg.module_shapes())
         pool = AdapterPool(spec, settings.pool_bytes, dtype=dtype, device=device,
                            max_adapters=settings.max_adapters)
-        adapters = EngineAdapters(pool, spec, entries, source=source,
+        root = Path(settings.catalog).parent.resolve() if settings.catalog is not None else None
+        adapters = EngineAdapters(pool, spec, entries, source=source, root=root,
                                   host_budget_bytes=settings.host_cache_bytes,
                                   prefetch_nice=settings.prefetch_load_nice)
         return cls(settings, model=model, tokenizer=ModelTokenizer(model_dir), pool=pool,

@@ -12,7 +12,8 @@ from pathlib import Path
 import yaml
 from aiohttp import web
 
-from gpu_agent.artifacts import AdapterSpec, ArtifactStore, Catalog, DiskCache
+from ace_common.catalog import Adapter
+from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
 from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineLoad, EngineUnavailable
 from gpu_agent.residency.manager import ResidencyBudgets, ResidencyManager
 
@@ -59,7 +60,7 @@ class FakeConnector(EngineConnector):
         self.engine_load_value: EngineLoad | None = None  # what engine_load() answers
         self.engine_load_error: Exception | None = None   # ... or raises
 
-    async def load(self, spec: AdapterSpec, path: Path, *, pinned: bool = False,
+    async def load(self, spec: Adapter, path: Path, *, pinned: bool = False,
                    demand: bool = False) -> None:
         self.calls.append(("load", spec.name))
         self.demands.append(demand)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from gpu_agent.artifacts import AdapterSpec
+from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import ConnectorError, EngineUnavailable
 from gpu_agent.connectors.sglang import SGLangConnector
 from gpu_agent.connectors.vllm import VLLMConnector, parse_lora_metrics
@@ -21,8 +21,9 @@ from tests.gpu_agent.agent_support import serve
 from tests.support.procs import free_port
 
 
-def spec(name: str) -> AdapterSpec:
-    return AdapterSpec(name=name, base_model="base", rank=8, sha256="0" * 64, size_bytes=1, uri=f"adapters/{name}")
+def spec(name: str) -> Adapter:
+    return Adapter(name=name, base_model="base", rank=8, target_modules=(), size_bytes=1, owner="public",
+                   uri=f"adapters/{name}", sha256="0" * 64)
 
 
 def sglang_app(max_pinned: int = 1) -> tuple[web.Application, dict]:

@@ -309,7 +309,7 @@ def test_agent_request_load_goes_before_queued_prefetches(tmp_path):
                 mgr.prefetch(name, reason="predicted")
             await async_wait_until(lambda: eng.entered == ["p1"], what="p1 in its device stage")
             request = asyncio.ensure_future(mgr.ensure_resident("d"))
-            await async_wait_until(lambda: "d" in mgr._inflight, what="the request's load started")
+            await async_wait_until(lambda: "d" in mgr.pipeline.inflight, what="the request's load started")
             eng.gates["p1"].set()
             await request
             await async_wait_until(lambda: len(eng.calls) == 4, what="every load done")

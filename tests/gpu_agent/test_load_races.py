@@ -214,7 +214,7 @@ def _pool(fixtures: Path, max_adapters: int | None):
     spec = BaseModelSpec(name="ace-tiny-llama", num_layers=model.cfg.num_layers,
                          hidden_size=model.cfg.hidden_size, modules=model.cfg.module_shapes())
     pool = AdapterPool(spec, 64 << 20, max_adapters=max_adapters)
-    adapters = {n: load_peft_dir(e.local_dir(), spec, None, name=n) for n, e in entries.items()}
+    adapters = {n: load_peft_dir(e.local_dir(fixtures), spec, None, name=n) for n, e in entries.items()}
     return pool, adapters
 
 

@@ -91,7 +91,7 @@ def test_the_agent_refuses_a_bet_that_does_not_pay_and_holds_off_while_a_request
                 # while a request's load runs, a bet waits its turn; an older sender's hint queues
                 engine.gated.add("a3")
                 request = asyncio.ensure_future(manager.ensure_resident("a3"))
-                await async_wait_until(lambda: ("load", "a3") in engine.calls or manager._demand,
+                await async_wait_until(lambda: ("load", "a3") in engine.calls or manager.pipeline.demand,
                                        what="the request's load in flight")
                 assert await prefetch("a1", probability=1.0) == ("REJECTED", "demand_queued")
                 assert await prefetch("a1", probability=float("nan")) == ("REJECTED", "invalid_probability")

@@ -1,0 +1,105 @@
+"""Whether a prefetch is taken: decided at once, its load runs in the background.
+
+A prefetch is refused when its adapter is unknown or its digest differs; it is
+``already_resident`` on the device; a duplicate coalesces with the queued or running load.
+A hint that says how likely it is (``probability``) is put to the speculation budget
+(``gpu_agent.residency.prefetch_budget``), fed here with measured load times, the queue
+and the engine's own request loads; past the queue's bound it is ``queue_full``.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterable, Mapping
+
+from ace_common.catalog import Adapter
+from gpu_agent.metrics import AgentMetrics
+from gpu_agent.residency.pipeline import LoadPipeline
+from gpu_agent.residency.prefetch_budget import HintBet, HintVerdict, LinkState, decide_hint
+from gpu_agent.residency.records import AdapterState, ResidencyOutcome, ResidencyResult, rejected
+
+__all__ = ["MAX_EVICT_HINTS", "PrefetchAdmission"]
+
+MAX_EVICT_HINTS = 16  # names read from one Prefetch's evict list (the gateway sends one)
+
+
+class PrefetchAdmission:
+    """Admits into the queue of ``pipeline`` (which knows the catalog, the tiers' holdings,
+    the loads in flight and their expected times)."""
+
+    def __init__(self, pipeline: LoadPipeline, *, queue_size: int, link_budget_ms: float,
+                 metrics: AgentMetrics, publish: Callable[[str], None]):
+        self.pipeline = pipeline
+        self.catalog, self.holdings, self.queue = pipeline.catalog, pipeline.holdings, pipeline.queue
+        self._states: Mapping[str, AdapterState] = pipeline.states
+        self.queue_size, self.link_budget_ms = queue_size, link_budget_ms
+        self.metrics = metrics
+        self._publish = publish
+
+    def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
+                 evict: Iterable[str] = (), *, probability: float | None = None,
+                 victim_reuse_probability: float | None = None) -> ResidencyResult:
+        """``evict``: adapters to evict first should the load need device room (catalog
+        names only; others are ignored). A duplicate of a still-queued prefetch replaces
+        the queued hints with its own when it has any. ``probability`` (the sender's
+        chance that a request needs it here; None: an older sender, taken as before) and
+        ``victim_reuse_probability`` feed the speculation budget: a hint it refuses is
+        REJECTED with its verdict."""
+        spec = self.catalog.get(name)
+        if spec is None:
+            self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_unknown")
+            return rejected("unknown_adapter")
+        if digest and digest.lower() != spec.sha256:
+            self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_digest")
+            return rejected("digest_mismatch")
+        device = self.holdings.device
+        if name in device:
+            device.move_to_end(name)
+            self.metrics.inc("ace_agent_prefetch_total", outcome="already_resident")
+            return ResidencyResult(ResidencyOutcome.ALREADY_RESIDENT)
+        hints = self._known_hints(name, evict)
+        inflight = self.pipeline.inflight
+        if name in inflight or name in self.queue:
+            if hints and name not in inflight:
+                self._states[name].pending_evict = hints
+            self.metrics.inc("ace_agent_prefetch_total", outcome="coalesced")
+            return ResidencyResult(ResidencyOutcome.ACCEPTED, "coalesced")
+        verdict = decide_hint(self._bet(spec, hints, probability, victim_reuse_probability), self._link())
+        if verdict is not HintVerdict.ACCEPT:
+            self.metrics.inc("ace_agent_prefetch_total", outcome=f"rejected_{verdict.value}")
+            return rejected(verdict.value)
+        if len(self.queue) >= self.queue_size:
+            self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_queue_full")
+            return rejected("queue_full")
+        self.queue.push(name, priority)
+        self._states[name].pending_reason = reason
+        self._states[name].pending_evict = hints
+        self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
+        self._publish(name)
+        return ResidencyResult(ResidencyOutcome.ACCEPTED)
+
+    def _known_hints(self, name: str, evict: Iterable[str]) -> tuple[str, ...]:
+        """The hinted names that are catalog adapters (looked up, never used as paths)."""
+        out: list[str] = []
+        for hint in itertools.islice(evict, MAX_EVICT_HINTS):
+            if hint != name and hint not in out and self.catalog.get(hint) is not None:
+                out.append(hint)
+        return tuple(out)
+
+    # ---- the speculation budget's inputs -----------------------------------------------
+    def _link(self) -> LinkState:
+        ahead = self.queue.queued | set(self.pipeline.inflight)
+        load_ms = self.pipeline.load_ms
+        return LinkState(demand_loads=len(self.pipeline.demand) + self.holdings.connector.demand_loads(),
+                         busy_ms=sum(load_ms(self._states[n].spec) for n in ahead),
+                         budget_ms=self.link_budget_ms)
+
+    def _bet(self, spec: Adapter, hints: tuple[str, ...], probability: float | None,
+             victim_reuse_probability: float | None) -> HintBet:
+        if probability is None:
+            return HintBet(None, 0.0)
+        load_ms = self.pipeline.load_ms
+        victim = self.holdings.likely_victim(spec, hints)
+        if victim is None:
+            return HintBet(probability, load_ms(spec))
+        return HintBet(probability, load_ms(spec), victim_reuse_probability or 0.0,
+                       load_ms(self._states[victim].spec))

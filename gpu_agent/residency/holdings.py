@@ -1,0 +1,183 @@
+"""What the device and host tiers hold, their budgets, and the evictions that make room.
+
+Every tier has a budget (device: a count mirroring the engine's own cache and/or bytes;
+host: bytes; the disk tier's is the artifact store's) and evicts least-recently-used
+adapters, never a pinned one, one being loaded, or one the engine reports busy. A budget
+that cannot be met without evicting those fails the load; nothing grows past its budget.
+A prefetch may name adapters to evict first (``evict``: the victim the gateway's model of
+this pool chose): when its load needs device room, those go before the LRU
+(``hinted_victims``); a hinted victim that a request is about to use (the engine reports
+it busy) is skipped and counted, never evicted.
+
+One owner per tier. These holdings decide what leaves the host tier, and the device tier
+of an engine the agent drives (vLLM, SGLang: the engine only unloads when told): the plan
+comes from ``gpu_agent.eviction`` (``plan_evictions``), and every eviction of every tier
+is counted here with its tier and reason (``ace_agent_evictions_total{tier, reason}``, see
+``EvictReason``). An engine that manages its own device memory (``connector.self_managed``:
+the builtin engine, whose paged pool sees every request's load and use) owns its device
+tier: its pool's owner, ``EngineAdapters``, chooses the victims (with the same
+``gpu_agent.eviction`` functions, on the pool's own record of use) and enforces the budgets
+(``--device-max-adapters``, ``--pool-mb``); the agent then keeps no device budget of its
+own. It only names victims first (a prefetch's hints, while the engine says the load
+``needs_room``) and mirrors what the engine holds (``mirror_engine_device``, and the
+reconcile), counting each adapter the engine let go with reason ``engine_gone``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Callable, Mapping
+
+from ace_common.tiers import Tier
+from ace_common.catalog import Adapter
+from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
+from gpu_agent.errors import PoolExhausted
+from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, plan_evictions
+from gpu_agent.metrics import AgentMetrics
+from gpu_agent.residency.records import AdapterState
+
+__all__ = ["TierHoldings"]
+
+log = logging.getLogger(__name__)
+
+
+class TierHoldings:
+    """The device tier (name -> bytes) and the host tier (name -> weights), LRU first.
+
+    ``loading``: the loads in flight (the pipeline's; read here, never written), whose
+    adapters no eviction takes. ``publish``: tells observers that an adapter changed.
+    ``lock``: every change of the device tier is made under it."""
+
+    def __init__(self, states: Mapping[str, AdapterState], loading: Mapping[str, object],
+                 connector: EngineConnector, *, device_count: int | None, device_bytes: int | None,
+                 host_bytes: int, metrics: AgentMetrics, publish: Callable[[str], None]):
+        self._states = states
+        self._loading = loading
+        self.connector = connector
+        self.device_count = device_count
+        self.device_bytes = device_bytes
+        self.host_budget = host_bytes
+        self.metrics = metrics
+        self._publish = publish
+        self.device: OrderedDict[str, int] = OrderedDict()
+        self.host: OrderedDict[str, bytes] = OrderedDict()
+        self.lock = asyncio.Lock()
+        self.engine_up = True   # the engine answered the last reconcile (or load)
+
+    # ---- host tier -------------------------------------------------------------------
+    def admit_host(self, name: str, blob: bytes) -> None:
+        budget = self.host_budget
+        if len(blob) > budget:
+            return  # larger than the whole tier: skip it rather than evict everything
+        used = sum(len(b) for b in self.host.values())
+        short = Shortfall(size=used + len(blob) - budget)
+        for victim in plan_evictions(ordered(self.host, lambda n: len(self.host[n]),
+                                             lambda n: not self._states[n].pinned and n not in self._loading),
+                                     short):
+            used -= len(self.host.pop(victim))
+            self.evicted(victim, Tier.HOST, EvictReason.BUDGET)
+        if used + len(blob) <= budget:
+            self.host[name] = blob
+
+    def host_bytes(self, name: str) -> bytes | None:
+        return self.host.get(name)
+
+    # ---- device tier -----------------------------------------------------------------
+    def shortfall(self, incoming: int | None) -> Shortfall:
+        """How far the device tier is over its budgets with an adapter of `incoming` bytes
+        (None: none incoming, the budgets as they are)."""
+        extra = 0 if incoming is None else 1
+        count = 0 if self.device_count is None else len(self.device) + extra - self.device_count
+        nbytes = (0 if self.device_bytes is None
+                  else sum(self.device.values()) + (incoming or 0) - self.device_bytes)
+        return Shortfall(count=count, size=nbytes)
+
+    def likely_victim(self, spec: Adapter, hints: tuple[str, ...]) -> str | None:
+        """The adapter loading `spec` would displace now: None when there is room, else
+        the first hinted resident one, else the device tier's least recently used."""
+        room = self.connector.has_room(spec)
+        if room is None:  # the agent's own device budgets decide
+            room = self.shortfall(spec.size_bytes).met
+        if room:
+            return None
+        evictable = [n for n in self.device if not self._states[n].pinned and n not in self._loading]
+        return next((h for h in hints if h in evictable), evictable[0] if evictable else None)
+
+    async def make_device_room(self, spec: Adapter, hints: tuple[str, ...] = ()) -> None:
+        def over() -> bool:
+            return not self.shortfall(spec.size_bytes).met
+
+        if hints:
+            await self._evict_hinted(spec, hints, over)
+        if not over():   # always, with a self-managed engine: its pool makes the rest of the room
+            return
+        busy = await self.connector.busy()
+        victims = plan_evictions(
+            ordered(self.device, self.device.__getitem__,
+                    lambda n: not self._states[n].pinned and n not in busy),
+            self.shortfall(spec.size_bytes))
+        for victim in victims:
+            await self.unload(victim, EvictReason.BUDGET)
+        if over():
+            raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
+
+    async def shrink_device(self) -> None:
+        """Unload LRU adapters (not pinned, not busy) until the device budget holds again."""
+        if self.device_count is None or len(self.device) <= self.device_count:
+            return
+        busy = await self.connector.busy()
+        short = Shortfall(count=len(self.device) - self.device_count)
+        evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._loading  # noqa: E731
+        for victim in plan_evictions(ordered(self.device, self.device.__getitem__, evictable), short):
+            await self.unload(victim, EvictReason.BUDGET)
+
+    async def unload(self, name: str, reason: EvictReason, publish: bool = True) -> None:
+        """Take `name` off the device (the engine unloads it) and count why."""
+        await self.connector.unload(name)
+        self.device.pop(name, None)
+        self.evicted(name, Tier.DEVICE, reason, publish=publish)
+
+    def evicted(self, name: str, tier: Tier, reason: EvictReason, publish: bool = True) -> None:
+        """Every eviction of every tier is counted here, with its reason."""
+        self.metrics.inc("ace_agent_evictions_total", tier=tier.value, reason=reason.value)
+        if publish:
+            self._publish(name)
+
+    async def mirror_engine_device(self) -> None:
+        """A self-managed engine evicts by itself: drop from our view of its device tier
+        what it no longer holds (counted ``engine_gone``), so hints name only live adapters."""
+        loaded = await self.connector.loaded()
+        gone = [n for n in self.device if n not in loaded]
+        for n in gone:
+            self.device.pop(n, None)
+            self.evicted(n, Tier.DEVICE, EvictReason.ENGINE_GONE)
+
+    async def _evict_hinted(self, spec: Adapter, hints: tuple[str, ...],
+                            over: Callable[[], bool]) -> None:
+        """Evict the caller's named adapters first, one at a time, while the load of
+        `spec` still needs room: over our budgets, or (an engine with its own pool) over
+        the engine's. What is still missing afterwards comes from the LRU, as always."""
+        protected = {n for n in hints if n in self._states and self._states[n].pinned} | set(self._loading)
+        victims = hinted_victims(hints, spec.name, resident=self.device, protected=protected)
+        if not victims:
+            return
+        if self.connector.self_managed:
+            await self.mirror_engine_device()
+        busy = await self.connector.busy()
+        in_use = [v for v in victims if v in busy and v in self.device]
+        if in_use:  # a request is about to use it (or uses it): never the prefetch's victim
+            self.metrics.inc("ace_agent_prefetch_victims_skipped_total", float(len(in_use)), reason="in_use")
+            log.info("prefetch of %s: hinted victim(s) %s in use, skipped", spec.name, ", ".join(in_use))
+        victims = hinted_victims(victims, spec.name, resident=self.device, protected=protected | busy)
+        for victim in victims:
+            if not over() and not await self.connector.needs_room(spec):
+                return
+            try:
+                await self.unload(victim, EvictReason.HINT)
+            except EngineUnavailable:
+                raise
+            except ConnectorError as exc:  # it became busy meanwhile: the next hint, or LRU
+                log.info("hinted eviction of %s for %s refused: %s", victim, spec.name, exc)
+                self.metrics.inc("ace_agent_prefetch_victims_skipped_total", reason="in_use")
+                continue

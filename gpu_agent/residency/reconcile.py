@@ -1,0 +1,95 @@
+"""The reconcile: the device tier aligned with what the engine says it holds.
+
+Every ``reconcile_interval_s`` the engine is asked what it holds. Adapters that vanished
+(an engine restart) drop to their lower tier, are announced, and are loaded again (pinned
+first, then most recently used first); adapters the engine loaded itself are adopted. An
+engine that stops answering is announced as down (``engine_up``), and again when it is back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Mapping
+
+from ace_common.tiers import Tier
+from gpu_agent.connectors.base import EngineConnector, EngineUnavailable
+from gpu_agent.eviction import EvictReason
+from gpu_agent.metrics import AgentMetrics
+from gpu_agent.residency.holdings import TierHoldings
+from gpu_agent.residency.records import AdapterState, ResidencyResult
+
+__all__ = ["Reconciler"]
+
+log = logging.getLogger(__name__)
+
+
+class Reconciler:
+    """``loading``: the loads in flight (never dropped: their load sets the tier).
+    ``reload``: queues a prefetch (name, priority, reason) of an adapter the engine lost."""
+
+    def __init__(self, states: Mapping[str, AdapterState], connector: EngineConnector, holdings: TierHoldings,
+                 loading: Mapping[str, object], *, metrics: AgentMetrics, publish: Callable[[str], None],
+                 reload: Callable[..., ResidencyResult]):
+        self._states = states
+        self.connector = connector
+        self.holdings = holdings
+        self._loading = loading
+        self.metrics = metrics
+        self._publish = publish
+        self._reload = reload
+
+    async def run(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("reconcile failed: %s", exc)
+
+    def publish_all(self) -> None:
+        for name in self._states:
+            self._publish(name)
+
+    async def reconcile(self) -> None:
+        """Align the device tier with what the engine holds; rebuild after a restart."""
+        holdings, device = self.holdings, self.holdings.device
+        async with holdings.lock:
+            try:
+                loaded = await self.connector.loaded()
+            except EngineUnavailable as exc:
+                if holdings.engine_up:
+                    log.warning("engine unavailable: %s", exc)
+                    holdings.engine_up = False
+                    self.publish_all()
+                return
+            was_up, holdings.engine_up = holdings.engine_up, True
+            lost = [n for n in device if n not in loaded and n not in self._loading]
+            for name in lost:
+                device.pop(name, None)
+                self._publish(name)
+            adopted = sorted(n for n in loaded if n in self._states and n not in device)
+            for name in adopted:  # the engine loaded it itself (on demand), or a previous agent run
+                # the engine loaded it for a request that is running or waiting now: the most
+                # recently used end. At the LRU end the shrink below unloaded it again under that
+                # request, and vLLM's engine died of it (docs/engine.md, "Unloading an adapter
+                # a queued request uses kills vLLM 0.32's engine")
+                device[name] = self._states[name].spec.size_bytes
+                self._states[name].loaded_by = "engine"
+                self._publish(name)
+            if adopted and not self.connector.self_managed:
+                await holdings.shrink_device()
+            if not was_up:
+                self.publish_all()
+        if lost and self.connector.self_managed:
+            for name in lost:  # published above
+                holdings.evicted(name, Tier.DEVICE, EvictReason.ENGINE_GONE, publish=False)
+        elif lost:
+            self.metrics.inc("ace_agent_engine_resets_total")
+            log.warning("engine lost %d adapters (%s); reloading them", len(lost), ", ".join(lost))
+            # pinned first, then most recently used first
+            recency = {n: i for i, n in enumerate(lost)}  # device order: LRU first
+            lost.sort(key=lambda n: (not self._states[n].pinned, -recency[n]))
+            for rank, name in enumerate(lost):
+                self._reload(name, priority=(1 << 20) - rank, reason="engine_restart")
