@@ -9,7 +9,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.domain.auth import hash_key
 from extproc.app.outcomes import CONTINUE, Continue, Reply, RequestHead
 from extproc.domain.prefetch import PrefetchQueue, PrefetchSignal
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.transport.grpc_servers import ExternalProcessor
 from extproc.protocols.wire import serialize_response, to_response
 from tests.extproc.builders import KEYS
