@@ -223,7 +223,7 @@ def measure_decision(state: Path, db: Path, key: str, body: bytes, n: int = 2000
     from extproc.domain.auth import authenticate
     from extproc.domain.decision import InferenceRequest, decide
     from extproc.app.outcomes import RequestHead
-    from extproc.app.exchange import Gateway
+    from extproc.app.context import Gateway
     from extproc.state.residency import ResidencySnapshot, SentCounts
     from extproc.state.store import Store
     from extproc.protocols.wire import serialize_response

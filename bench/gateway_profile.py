@@ -43,12 +43,13 @@ from hpack import Encoder
 import extproc.transport.dispatch as dispatch
 import extproc.transport.h2calls as h2calls
 import extproc.app.handlers as handlers
-import extproc.app.exchange as processor
+import extproc.app.exchange as exchange
+import extproc.app.inference as inference
 import extproc.rewrite as rewrite
 from bench.gateway_overhead import _chat_body
 from extproc.transport.h2frames import DATA, END_HEADERS, END_STREAM, HEADERS, PREFACE, RST, SETTINGS, WINDOW, frame
 from extproc.transport.h2server import H2Connection, H2Server
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.store import Store
 from extproc.protocols.wire import SERVICE, pb
 from tests.extproc.builders import KEYS, upstream, write_state
@@ -149,12 +150,12 @@ def run(feed: Feed, message: bytes, n: int, cold: bool) -> dict:
 _SECTIONS = [
     (dispatch, "head_from_attributes", "head from attributes"),
     (handlers, "authenticate", "authenticate (SHA-256)"),
-    (processor, "parse_object", "JSON parse"),
-    (processor, "decide", "decide"),
+    (inference, "parse_object", "JSON parse"),
+    (inference, "decide", "decide"),
     (rewrite, "encode", "JSON encode"),
-    (processor, "rewrite_request", "rewrite (with JSON encode)"),
-    (processor, "trace_metadata", "trace metadata"),
-    (processor.Exchange, "on_request_body", "Exchange.on_request_body (from authenticate to trace)"),
+    (inference, "rewrite_request", "rewrite (with JSON encode)"),
+    (inference, "trace_metadata", "trace metadata"),
+    (exchange.Exchange, "on_request_body", "Exchange.on_request_body (from authenticate to trace)"),
     (dispatch, "serialize_response", "response bytes"),
     (h2calls.Call, "send_message", "send_message (frames)"),
     (h2calls.ProcessCall, "on_message", "ProcessCall.on_message (parse to frames)"),

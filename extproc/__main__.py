@@ -15,7 +15,7 @@ from extproc.observe.metrics import (ConfigReloadCollector, GatewayCollector, Ga
                              serve_metrics)
 from extproc.domain.prefetch import NullPrefetchSink
 from extproc.policy.routing import load_policy
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.transport.grpc_servers import serve, serve_aio, serve_h2
 from extproc.transport.serving_cert import load_cert, self_signed
 from extproc.settings import Settings

@@ -22,7 +22,7 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.template.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
 BUFFER = "envoy.filters.http.buffer"
 BODY_LIMIT_FILTERS = ("ace.body_drain", "ace.body_limit")   # Lua: an oversize body is read, then 413
-#: the gateway's own API, answered by ext_proc (extproc.app.exchange and extproc.app.console
+#: the gateway's own API, answered by ext_proc (extproc.app.routes and extproc.app.console
 #: register their handlers for exactly these; tests/extproc/test_envoy_config.py checks)
 API_PATHS = ("/api/v1/dev_key/skills", "/api/v1/me", "/api/v1/me/skills", "/api/v1/tenant/skills",
              "/api/v1/tenant/keys", "/api/v1/tenant/keys/rotate", "/api/v1/tenant/keys/revoke",

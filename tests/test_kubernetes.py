@@ -28,7 +28,7 @@ from kubernetes_validate.utils import SchemaNotFoundError
 from extproc.fleet.discovery import parse_discovery
 from extproc.envoy_config import render
 from extproc.transport.health_port import LIVENESS, READINESS
-from extproc.app.exchange import PREFIX_ROUTES, ROUTES
+from extproc.app.routes import PREFIX_ROUTES, ROUTES
 from extproc.settings import Settings
 from extproc.state.store import load_state_file
 from gpu_agent.artifacts import Catalog

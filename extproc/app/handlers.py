@@ -1,9 +1,9 @@
 """What every HTTP route handler of the gateway is, and the pieces they share.
 
 A handler answers one request's ext_proc phases (``Handler``); ``extproc.app.exchange.Exchange``
-picks it by path from ``extproc.app.exchange.ROUTES`` (inference and dev-key routes in
-``extproc.app.exchange``, the settings page and its read API in ``extproc.app.console``) and is
-the only place its errors become responses. ``Authenticated``: POST (or ``methods``), a
+picks it by path from ``extproc.app.routes.ROUTES`` (inference routes in ``extproc.app.inference``,
+the dev-key route in ``extproc.app.dev_key_skills``, the settings page and its read API in
+``extproc.app.console``) and is the only place its errors become responses. ``Authenticated``: POST (or ``methods``), a
 valid key, a body within the limit, before the handler's own work.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from extproc.state.skill_modes import validate_skills
 
 if TYPE_CHECKING:
     from extproc.policy.routing import RoutePolicy
-    from extproc.app.exchange import Gateway
+    from extproc.app.context import Gateway
     from extproc.state.store import Snapshot
 
 __all__ = ["Handler", "Authenticated", "HeadersOnly", "parse_object"]

@@ -1,5 +1,5 @@
 """What a request phase comes to, as plain objects: the application layer
-(``extproc.app.exchange``) returns them, the protocol layer (``extproc.protocols.wire``,
+(``extproc.app.exchange`` and the handlers) returns them, the protocol layer (``extproc.protocols.wire``,
 ``extproc.transport.dispatch``, ``extproc.protocols.epp``) writes them as ext_proc messages.
 
 ``Continue``: let the request go on, maybe changed; ``Reply``: answer the client now.

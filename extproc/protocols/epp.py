@@ -39,7 +39,7 @@ from extproc.rewrite.hints import HINT_FIELDS
 from extproc.state.catalog import Upstream
 
 if TYPE_CHECKING:
-    from extproc.app.exchange import Gateway
+    from extproc.app.context import Gateway
 
 __all__ = ["EppStream", "EppStats", "subset_hint", "ENDPOINT_HEADER", "LB_NAMESPACE", "SUBSET_NAMESPACE", "SUBSET_KEY", "SERVED_KEY", "CHUNK"]
 

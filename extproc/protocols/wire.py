@@ -6,6 +6,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
 from extproc.app.outcomes import Continue, Outcome, Reply, RequestHead
+from extproc.domain.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER
 
 __all__ = ["request_head", "head_from_attributes", "to_response", "serialize_response", "set_headers", "pb",
            "METADATA_NAMESPACE", "SERVICE", "NO_PHASE", "HEALTH_SERVICES"]
@@ -24,6 +25,10 @@ METADATA_NAMESPACE = "ace"
 _ATTRS = "envoy.filters.http.ext_proc"
 _HEADER_ATTR = "request.headers['"
 _HEADER_CUT = len(_HEADER_ATTR)
+_METHOD, _PATH = "request.method", "request.url_path"
+#: (attribute key, header name) of the headers ace's Envoy config sends as request_attributes
+_ASKED = tuple((f"{_HEADER_ATTR}{name}']", name)
+               for name in ("authorization", TENANT_HEADER, SKILL_OVERRIDE_HEADER, SESSION_HEADER))
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY = {phase: pb.ProcessingResponse(**{phase: {}}) for phase in (
@@ -41,21 +46,38 @@ def request_head(msg: pb.HttpHeaders) -> RequestHead:
 
 
 def head_from_attributes(msg: pb.ProcessingRequest) -> RequestHead | None:
-    """The request line and the headers we asked Envoy for (request_attributes)."""
+    """The request line and the headers we asked Envoy for (request_attributes).
+
+    The attributes ace's Envoy config asks for are looked up by key (a map lookup each);
+    only a message with others (another config) takes the pass over every key."""
     attrs = msg.attributes.get(_ATTRS)
     if attrs is None:
         return None
     fields = attrs.fields
     headers = {}
     method = path = ""
+    found = 0
+    if _METHOD in fields:
+        method = fields[_METHOD].string_value
+        found = 1
+    if _PATH in fields:
+        path = fields[_PATH].string_value
+        found += 1
+    for key, name in _ASKED:
+        if key in fields:
+            headers[name] = fields[key].string_value
+            found += 1
+    if found == len(fields):
+        return RequestHead(method, path, headers, False)
+    headers = {}
     # one pass over the keys, then lookups: the upb map's items() is collections.abc's
     # ItemsView, in Python
     for key in fields:
         if key.startswith(_HEADER_ATTR):
             headers[key[_HEADER_CUT:-2]] = fields[key].string_value
-        elif key == "request.method":
+        elif key == _METHOD:
             method = fields[key].string_value
-        elif key == "request.url_path":
+        elif key == _PATH:
             path = fields[key].string_value
     return RequestHead(method, path, headers, False)
 
@@ -150,10 +172,27 @@ _APPEND_OVERWRITE = b"\x18" + _varint(_OVERWRITE)   # HeaderValueOption.append_a
 _KEYS: dict[str, bytes] = {}   # header name -> its HeaderValue.key field
 
 
+_MUTATIONS: dict[tuple[tuple[str, str], ...], bytes] = {}   # headers -> _header_mutation's bytes
+
+
 def _header_mutation(headers: tuple[tuple[str, str], ...]) -> bytes:
     """CommonResponse.header_mutation (2): HeaderMutation{set_headers: [HeaderValueOption{
     header: HeaderValue{key, raw_value}, append_action: OVERWRITE_IF_EXISTS_OR_ADD}]}.
-    Empty strings are not written (proto3 defaults), as upb does."""
+    Empty strings are not written (proto3 defaults), as upb does.
+
+    Kept per headers (bounded like the metadata's): requests with a body of the same
+    length set the same ``content-length``, and writing the fields was half the answer's
+    cost."""
+    out = _MUTATIONS.get(headers)
+    if out is None:
+        out = _write_header_mutation(headers)
+        if len(_MUTATIONS) >= _METADATA_CACHE_SIZE:
+            _MUTATIONS.clear()
+        _MUTATIONS[headers] = out
+    return out
+
+
+def _write_header_mutation(headers: tuple[tuple[str, str], ...]) -> bytes:
     options = b""
     for key, value in headers:
         name = _KEYS.get(key)

@@ -29,7 +29,7 @@ from extproc.protocols.wire import (HEALTH_SERVICES, NO_PHASE, head_from_attribu
                           serialize_response, to_response)
 
 if TYPE_CHECKING:
-    from extproc.app.exchange import Gateway
+    from extproc.app.context import Gateway
 
 __all__ = ["Dispatcher", "ExchangeStream", "PickerStream", "ServingHealth", "SERVING", "NOT_SERVING"]
 

@@ -28,7 +28,7 @@ from extproc.transport.health_port import ServerLifecycle
 from extproc.transport.serving_cert import ServingCert
 
 if TYPE_CHECKING:
-    from extproc.app.exchange import Gateway
+    from extproc.app.context import Gateway
 
 __all__ = ["ExternalProcessor", "AioExternalProcessor", "H2Server", "build_server", "serve",
            "serve_aio", "serve_h2"]

@@ -40,7 +40,7 @@ from extproc.transport.serving_cert import ServingCert
 from extproc.protocols.wire import SERVICE
 
 if TYPE_CHECKING:
-    from extproc.app.exchange import Gateway
+    from extproc.app.context import Gateway
 
 __all__ = ["H2Server", "serve_h2", "MAX_MESSAGE", "MAX_STREAMS", "STREAM_WINDOW", "CONNECTION_WINDOW"]
 

@@ -1,7 +1,7 @@
 """bench.gateway_profile drives the real h2 loop with Envoy's bytes: it must stay runnable."""
 from bench.gateway_overhead import _chat_body
 from bench.gateway_profile import _SECTIONS, Feed, count_streams, envoy_message, run, sections
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.store import Store
 from extproc.protocols.wire import pb
 from tests.extproc.builders import KEYS, upstream, write_state

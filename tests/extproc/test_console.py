@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 from extproc.errors import StoreUnavailable
-from extproc.app.exchange import ROUTES, Gateway, Reply, RequestHead
+from extproc.app.context import Gateway
+from extproc.app.outcomes import Reply, RequestHead
+from extproc.app.routes import ROUTES
 from extproc.state.residency import TierReport, ResidencySnapshot
 from tests.extproc.builders import KEYS, sha
 

@@ -13,7 +13,7 @@ from extproc.fleet.discovery import (DiscoveryError, Endpoint, HostDiscovery, Po
                                dns_lookup, file_lookup, make_source, parse_discovery)
 from extproc.errors import ConfigError
 from extproc.app.outcomes import Continue, Reply, RequestHead
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.settings import Settings
 from extproc.state.store import Store
 from tests.extproc.builders import KEYS, write_state

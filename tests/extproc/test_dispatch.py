@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2
 
 from extproc.transport.dispatch import NOT_SERVING, SERVING, Dispatcher, ServingHealth
 from extproc.errors import InvalidMessage
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.protocols.wire import HEALTH_SERVICES, NO_PHASE, pb
 from tests.extproc.builders import KEYS
 

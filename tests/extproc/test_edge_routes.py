@@ -8,7 +8,7 @@ import pytest
 
 from extproc.errors import ConfigError
 from extproc.app.outcomes import CONTINUE, Continue, Reply, RequestHead
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.store import Store
 from tests.extproc.builders import KEYS, upstream, write_state
 

@@ -8,7 +8,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 
 from extproc.protocols.epp import CHUNK, ENDPOINT_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE, EppStats, EppStream
 from extproc.policy.routing import route
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.residency import ResidencySnapshot
 from extproc.state.store import Store
 from extproc.protocols.wire import pb

@@ -22,7 +22,7 @@ from google.protobuf import text_format
 
 from extproc.fleet.agent_link import to_residency
 from extproc.transport.dispatch import Dispatcher
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.residency import ResidencySnapshot, TierReport
 from extproc.state.store import Store
 from extproc.protocols.wire import pb

@@ -31,7 +31,7 @@ from extproc.transport.h2frames import (CONT, DATA, END_HEADERS, END_STREAM, FLO
                               PREFACE, REFUSED_STREAM, RST, SETTINGS, WINDOW, RecvWindow, frame)
 from extproc.transport.h2server import (CONNECTION_WINDOW, FLUSH_AT, MAX_STREAMS, STREAM_WINDOW, WRITE_HIGH,
                               H2Server)
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.store import Store
 from extproc.protocols.wire import NO_PHASE, SERVICE
 from tests.extproc.builders import KEYS, body_request, upstream, write_state

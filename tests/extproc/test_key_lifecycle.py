@@ -14,7 +14,7 @@ from extproc.domain.auth import authenticate
 from extproc.errors import Forbidden, InvalidField, Unauthorized
 from extproc.domain.key_lifecycle import check_grant, issue, may_grant, parse_expiry
 from extproc.app.outcomes import RequestHead
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.store import Store
 from tests.extproc.builders import KEYS, sha
 from tests.extproc.test_console import call, err, ok

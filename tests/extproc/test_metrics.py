@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.errors import ConfigError
 from extproc.observe.metrics import GatewayCollector, propagation_histogram, serve_metrics
 from extproc.app.outcomes import Reply, RequestHead
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.residency import ResidencyBoard, ResidencySnapshot
 from extproc.settings import Settings
 from tests.extproc.builders import KEYS, sha

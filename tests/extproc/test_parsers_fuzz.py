@@ -28,7 +28,7 @@ from extproc.transport.h2frames import (CONT, DATA, END_HEADERS, END_STREAM, GOA
                               PREFACE, RESPONSE_HEADERS, RST, SETTINGS, WINDOW, frame, hpack_literal,
                               status_block)
 from extproc.transport.h2server import H2Connection, H2Server
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.store import Store
 from extproc.protocols.wire import SERVICE
 from tests.extproc.builders import KEYS, body_request, upstream, write_state

@@ -11,7 +11,7 @@ from extproc.state.catalog import Upstream
 from extproc.domain.decision import InferenceRequest, decide
 from extproc.domain.headers import session_of
 from extproc.app.outcomes import RequestHead
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.residency import ResidencyBoard, ResidencySnapshot, SentCounts, TierReport
 from extproc.fleet.speculation import (GatewaySpeculation, PopularityFile, Saved, SpeculationPlanner, ObservedRequest,
                                       route_by_policy, warm_signals)

@@ -9,9 +9,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.domain.auth import hash_key
 from extproc.app.outcomes import CONTINUE, Continue, Reply, RequestHead
 from extproc.domain.prefetch import PrefetchQueue, PrefetchSignal
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.transport.grpc_servers import ExternalProcessor
-from extproc.protocols.wire import serialize_response, to_response
+from extproc.protocols.wire import head_from_attributes, serialize_response, to_response
 from tests.extproc.builders import KEYS
 
 
@@ -141,6 +141,27 @@ def test_one_message_body_with_attributes(store):
     attrs["request.headers['authorization']"].string_value = "Bearer nope"
     (out,) = ExternalProcessor(Gateway(store)).Process(iter([m]), None)
     assert out.immediate_response.status.code == 401
+
+
+def test_head_from_attributes_reads_every_attribute_by_key_or_by_pass():
+    """The attributes ace's Envoy config asks for are looked up by key; a message with any
+    other attribute (another config asking for more headers) is read by the pass over every
+    key, and both give the same head."""
+    m = pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{}", end_of_stream=True))
+    attrs = m.attributes["envoy.filters.http.ext_proc"].fields
+    attrs["request.url_path"].string_value = "/v1/chat/completions"
+    attrs["request.method"].string_value = "POST"
+    attrs["request.headers['authorization']"].string_value = "Bearer k"
+    attrs["request.headers['x-ace-session-id']"].string_value = "s1"
+    head = head_from_attributes(m)
+    assert (head.method, head.path, head.end_of_stream) == ("POST", "/v1/chat/completions", False)
+    assert head.headers == {"authorization": "Bearer k", "x-ace-session-id": "s1"}
+    attrs["request.headers['x-other']"].string_value = "o"
+    attrs["request.scheme"].string_value = "http"
+    head = head_from_attributes(m)
+    assert head.headers == {"authorization": "Bearer k", "x-ace-session-id": "s1", "x-other": "o"}
+    assert (head.method, head.path) == ("POST", "/v1/chat/completions")
+    assert head_from_attributes(pb.ProcessingRequest()) is None
 
 
 def test_prefetch_queue_never_blocks_and_drops_when_full():

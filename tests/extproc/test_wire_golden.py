@@ -25,7 +25,7 @@ import pytest
 
 from bench.gateway_overhead import _chat_body
 from bench.gateway_profile import Feed
-from extproc.app.exchange import Gateway
+from extproc.app.context import Gateway
 from extproc.state.residency import ResidencyBoard, ResidencySnapshot, TierReport
 from extproc.state.store import Store
 from extproc.protocols.wire import pb
