@@ -31,9 +31,15 @@ workers take no new prefetch while one is in flight, and a prefetch waits for it
 for the engine's own request loads, before its device stage), and the engine is told
 it is a request's load (the builtin engine then pauses its own prefetch loads for it).
 A hinted victim that a request is about to use (the engine reports it busy) is skipped
-and counted, never evicted. A reconcile loop asks the engine what it holds: adapters
-that vanished (engine restart) drop to their lower tier, are announced, and are loaded
-again.
+and counted, never evicted; a priced prefetch (one with a probability: a bet against its
+hinted victims) whose hinted victims all are is given up rather than paid for with the
+LRU adapter, whose reuse nobody priced. A reconcile loop asks the engine what it holds:
+adapters that vanished (engine restart) drop to their lower tier, are announced, and are
+loaded again; adapters the engine loaded itself (vLLM's resolver, for a request) are
+adopted at the most recently used end and are nobody's victim for ``adopt_grace_s``.
+On an engine the agent drives but does not serve requests through (vLLM), the reconcile
+also moves what the engine runs or queues now (``busy``) to the most recently used end:
+without it the tier's order would be the order of loads, not of use.
 Observers subscribe to a stream of `AdapterView` changes, interleaved with the engine's
 load (`LoadChange`, measured by `gpu_agent.load.LoadMonitor` every `load_interval_s`).
 """
@@ -99,6 +105,10 @@ def _rejected(reason: str) -> ResidencyResult:
 _DONE = ResidencyResult(ResidencyOutcome.DONE)
 
 
+class PrefetchGivenUp(AgentError):
+    """A priced prefetch whose hinted victims could not be evicted (``_make_device_room``)."""
+
+
 @dataclass(frozen=True)
 class AdapterView:
     """One adapter's residency as observers see it (immutable)."""
@@ -128,6 +138,12 @@ class ResidencyBudgets:
     reconcile_interval_s: float = 2.0
     load_interval_s: float = 0.5        # engine load measurements; 0: none (always unknown)
     link_budget_ms: float = DEFAULT_LINK_BUDGET_MS  # load work queued ahead of a hint with a probability
+    # An adapter the engine loaded itself (found by reconcile) is nobody's victim for this
+    # long: it was loaded for a request that may still be queued (the engine's busy gauge
+    # lags), and unloading it then fails that request (docs/engine.md, "Unloading an adapter
+    # a queued request uses kills vLLM 0.32's engine"). The tier may exceed its count budget
+    # meanwhile; the next reconcile after it shrinks it back.
+    adopt_grace_s: float = 2.0
 
 
 @dataclass
@@ -139,6 +155,8 @@ class _State:
     loaded_by: str = ""
     pending_reason: str = ""   # reason of the queued prefetch that will load it
     pending_evict: tuple[str, ...] = ()  # adapters to evict first if its load needs room
+    engine_loaded_at: float | None = None  # when reconcile found the engine had loaded it itself
+    priced: bool = False  # the queued prefetch is a bet (it came with a probability) against its hinted victims
 
 
 class Subscription:
@@ -172,8 +190,10 @@ class Subscription:
 
 class ResidencyManager:
     def __init__(self, catalog: Catalog, store: ArtifactStore, connector: EngineConnector,
-                 budgets: ResidencyBudgets = ResidencyBudgets(), metrics: AgentMetrics | None = None):
+                 budgets: ResidencyBudgets = ResidencyBudgets(), metrics: AgentMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.catalog = catalog
+        self.clock = clock
         self.store = store
         self.connector = connector
         self.budgets = budgets
@@ -311,6 +331,7 @@ class ResidencyManager:
         self._queued.add(name)
         self._states[name].pending_reason = reason
         self._states[name].pending_evict = hints
+        self._states[name].priced = probability is not None
         self._wakeup.set()
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
@@ -371,6 +392,8 @@ class ResidencyManager:
                 await self.ensure_resident(name, _by=self._load_origin(name))
             except asyncio.CancelledError:
                 raise
+            except PrefetchGivenUp as exc:
+                log.info("%s: given up", exc)
             except Exception as exc:  # a failed prefetch is logged and counted, never fatal
                 log.warning("prefetch of %s failed: %s", name, exc)
 
@@ -438,6 +461,7 @@ class ResidencyManager:
     async def _load(self, spec: AdapterSpec, by: str) -> None:
         name = spec.name
         hints, self._states[name].pending_evict = self._states[name].pending_evict, ()
+        priced, self._states[name].priced = self._states[name].priced and by == "prefetch", False
         t0 = time.perf_counter()
         start_tier = self.view(name).tier
         self.metrics.inc("ace_agent_tier_misses_total", tier="device")
@@ -474,7 +498,7 @@ class ResidencyManager:
             demand = by in ("request", "pin") or name in self._demand  # or a request joined it
             async with self._device_lock:
                 if name not in self._device:
-                    await self._make_device_room(spec, hints)
+                    await self._make_device_room(spec, hints, bet=priced and name not in self._demand)
                     t = time.perf_counter()
                     pinned = self._states[name].pinned
                     await self.connector.load(spec, path, pinned=pinned, demand=demand)
@@ -486,6 +510,8 @@ class ResidencyManager:
                     self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="device")
                     self._device[name] = spec.size_bytes
                     self.engine_up = True
+        except PrefetchGivenUp:
+            raise  # counted where it was given up; not a failed load
         except DigestMismatch:
             self.metrics.inc("ace_agent_load_failures_total", reason="digest_mismatch")
             raise
@@ -500,6 +526,7 @@ class ResidencyManager:
         if spec.size_bytes > 0 and elapsed_ms > 0:
             self._link_bytes_per_ms += 0.2 * (spec.size_bytes / elapsed_ms - self._link_bytes_per_ms)
         self._states[name].loaded_by = by
+        self._states[name].engine_loaded_at = None
         self.metrics.observe("ace_agent_load_seconds", elapsed_ms / 1000.0, stage="cold")
         log.info("adapter %s resident on device in %.1f ms (from %s)", name, elapsed_ms, start_tier.value)
 
@@ -529,7 +556,11 @@ class ResidencyManager:
                   else sum(self._device.values()) + (incoming or 0) - self.budgets.device_bytes)
         return Shortfall(count=count, size=nbytes)
 
-    async def _make_device_room(self, spec: AdapterSpec, hints: tuple[str, ...] = ()) -> None:
+    async def _make_device_room(self, spec: AdapterSpec, hints: tuple[str, ...] = (), bet: bool = False) -> None:
+        """``bet``: a speculative prefetch priced against its hinted victims (the sender's
+        ``victim_reuse_probability``): when they cannot go (a request is about to use
+        them), it is given up, not paid for with the LRU adapter, whose reuse nobody
+        priced (``ace_agent_prefetch_cancelled_total{reason="victim_in_use"}``)."""
         def over() -> bool:
             return not self._device_shortfall(spec.size_bytes).met
 
@@ -537,7 +568,10 @@ class ResidencyManager:
             await self._evict_hinted(spec, hints, over)
         if not over():   # always, with a self-managed engine: its pool makes the rest of the room
             return
-        busy = await self.connector.busy()
+        if bet and hints:
+            self.metrics.inc("ace_agent_prefetch_cancelled_total", reason="victim_in_use")
+            raise PrefetchGivenUp(f"prefetch of {spec.name}: its hinted victim(s) {', '.join(hints)} are in use")
+        busy = await self.connector.busy() | self._just_adopted()
         victims = plan_evictions(
             ordered(self._device, self._device.__getitem__,
                     lambda n: not self._states[n].pinned and n not in busy),
@@ -546,6 +580,12 @@ class ResidencyManager:
             await self._unload(victim, EvictReason.BUDGET)
         if over():
             raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
+
+    def _just_adopted(self) -> set[str]:
+        """Adapters the engine loaded itself within ``adopt_grace_s``: no eviction takes them."""
+        now, grace = self.clock(), self.budgets.adopt_grace_s
+        return {n for n in self._device
+                if (at := self._states[n].engine_loaded_at) is not None and now - at < grace}
 
     async def _unload(self, name: str, reason: EvictReason) -> None:
         """Take `name` off the device (the engine unloads it) and count why."""
@@ -573,7 +613,8 @@ class ResidencyManager:
         """Evict the caller's named adapters first, one at a time, while the load of
         `spec` still needs room: over our budgets, or (an engine with its own pool) over
         the engine's. What is still missing afterwards comes from the LRU, as always."""
-        protected = {n for n in hints if n in self._states and self._states[n].pinned} | set(self._inflight)
+        protected = ({n for n in hints if n in self._states and self._states[n].pinned} | set(self._inflight)
+                     | self._just_adopted())
         victims = hinted_victims(hints, spec.name, resident=self._device, protected=protected)
         if not victims:
             return
@@ -692,9 +733,16 @@ class ResidencyManager:
                 # a queued request uses kills vLLM 0.32's engine")
                 self._device[name] = self._states[name].spec.size_bytes
                 self._states[name].loaded_by = "engine"
+                self._states[name].engine_loaded_at = self.clock()
                 self._publish(name)
-            if adopted and not self.connector.self_managed:
-                await self._shrink_device()
+            if not self.connector.self_managed:
+                # the agent sees no request on an engine it does not serve (vLLM): what the
+                # engine runs or queues now is its most recently used (its LoRA gauge)
+                busy = await self.connector.busy()
+                for name in sorted(busy):
+                    if name in self._device:
+                        self._device.move_to_end(name)
+                await self._shrink_device(busy)  # adopted now, or adopted earlier and out of their grace
             if not was_up:
                 self._publish_all()
         if lost and self.connector.self_managed:
@@ -709,11 +757,11 @@ class ResidencyManager:
             for rank, name in enumerate(lost):
                 self.prefetch(name, priority=(1 << 20) - rank, reason="engine_restart")
 
-    async def _shrink_device(self) -> None:
+    async def _shrink_device(self, busy: set[str] | None = None) -> None:
         """Unload LRU adapters (not pinned, not busy) until the device budget holds again."""
         if self.device_count is None or len(self._device) <= self.device_count:
             return
-        busy = await self.connector.busy()
+        busy = (await self.connector.busy() if busy is None else busy) | self._just_adopted()
         short = Shortfall(count=len(self._device) - self.device_count)
         evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._inflight  # noqa: E731
         for victim in plan_evictions(ordered(self._device, self._device.__getitem__, evictable), short):
