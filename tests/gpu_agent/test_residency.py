@@ -448,7 +448,7 @@ def test_a_priced_prefetch_whose_hinted_victim_is_in_use_is_given_up_not_paid_wi
             await mgr.ensure_resident("a1")
             await mgr.ensure_resident("a2")
             eng.busy_set = {"a2"}
-            got = mgr.prefetch("a3", evict=["a2"], probability=0.9, victim_reuse_probability=0.1)
+            got = mgr.prefetch("a3", evict=["a2"], probability=1.0, victim_reuse_probability=0.0)
             assert got.outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(
                 lambda: mgr.metrics.counter("ace_agent_prefetch_cancelled_total", reason="victim_in_use") == 1,
