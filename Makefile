@@ -118,6 +118,8 @@ else
 # the builtin engine's bench with ARMS=...,vllm_router[,vllm_router_session] needs vllm-router
 bench: $(if $(findstring vllm_router,$(ARMS)),$(ROUTER_STAMP),)
 # make bench [HOSTS=1,2,4] [ARMS=round_robin,affinity,ace] [TRACE=FILE] [WARM_FROM=FILE] [SLOTS=N] [SPEED=auto|N]
+#   [OUT=FILE] (default reports/multi_lora_eval.json; e.g. a quick check of the router arms:
+#   make bench TRACE=FILE HOSTS=2 ARMS=round_robin,vllm_router,vllm_router_session,affinity,ace OUT=var/check.json)
 # The committed 800-request report: the ace arm starts from the state learned on the
 # generator's previous day (WARM_FROM's default when TRACE is not given); WARM_FROM= : cold.
 # make bench SCENARIO=hundreds [SEED=N] [HOSTS=4] [SLOTS=16]: the mission's scale (226 adapters,
@@ -133,7 +135,7 @@ SLOTS ?= 16
 WARM_FROM ?=
 else ifeq ($(SCENARIO),)
 BENCH_TRACE := $(TRACE)
-BENCH_OUT := reports/multi_lora_eval.json
+BENCH_OUT := $(or $(OUT),reports/multi_lora_eval.json)
 WARM_FROM ?= $(if $(TRACE),,data/multi_lora_eval/multi_lora_eval_800_prev.json)
 else
 $(error SCENARIO=$(SCENARIO): the scenarios are hundreds (or none: the 800 trace))

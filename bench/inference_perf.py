@@ -1,6 +1,6 @@
 """``make bench-inference-perf``: the inference extension's benchmark tool drives ace and vllm-router.
 
-    python -m bench.inference_perf [--targets ace,vllm_router] [--rate 2] [--duration 60]
+    python -m bench.inference_perf [--targets ace,vllm_router] [--rate 2] [--duration 120]
         --out reports/inference_perf.json
 
 ``inference-perf`` (PyPI, Python >= 3.12, its own venv ``.venv-inference-perf``: make
@@ -8,14 +8,19 @@ installs it, unpatched) runs its LoRA traffic split, the inference extension's
 regression shape: 15 adapters, 5 of them sharing 60% of the requests, 5 sharing 30%, 5
 sharing 10%; constant rate, streamed completions, random prompts (its ``random`` data
 generator: no dataset download) tokenized with the fixtures' tokenizer. Each target
-gets a fresh fleet of real vLLM hosts (``tools.vllm_fleet``, ``--max-loras 3
---max-cpu-loras 3``: 3 slots per host) with their agents:
+gets a fresh fleet of real vLLM hosts with the same flags (``tools.vllm_fleet``,
+``--max-loras 3 --max-cpu-loras 3``: 3 slots per host):
 
 - ``ace``: through Envoy + ext_proc (residency-aware routing, prefetch on). The tool lists
   ``GET /v1/models`` without its API key before a LoRA run and needs every adapter
   listed, so the gateway's state turns on ``public_model_list`` (docs/gateway.md, off by
   default: its risk is written there) and the adapters are public;
-- ``vllm_router``: ``vllm-router`` (default policy) in front of the same kind of hosts.
+- ``vllm_router``: ``vllm-router`` (default policy) in front of the same kind of hosts,
+  started as a vLLM user fronting them with vllm-router would: the router forwards the
+  tool's ``GET /v1/models`` to one engine, which lists only what it has registered, so
+  every engine registers the 15 adapters at start-up (``--lora-modules name=path``);
+  vLLM's CPU cache (3) then re-reads the others from disk as they are used, which vLLM
+  0.32 neither logs nor counts. No agent runs beside them.
 
 The report holds, per target, the tool's own reports as it wrote them (its
 ``summary_lifecycle_metrics.json`` and per-adapter files, by file name) and what the
@@ -38,12 +43,18 @@ import yaml
 from bench.scenario_fixtures import trace_catalog
 from bench.vllm_eval import TOKEN, engine_counts, host_args
 from bench.vllm_router import vllm_router
-from tools.vllm_fleet import BASE_MODEL, VLLMFlags, vllm_fleet
+from tools.vllm_fleet import BASE_MODEL, VLLMFlags, vllm_fleet, vllm_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("ace", "vllm_router")
 KEY = "sk-bench-inference-perf-0001"
 GROUPS = ((5, 0.60), (5, 0.30), (5, 0.10))  # (adapters, share of the traffic)
+FRONTS = {
+    "ace": "Envoy + ext_proc (public_model_list on), one agent per vLLM; adapters loaded at runtime "
+           "(agent prefetch, else vLLM's filesystem resolver)",
+    "vllm_router": "vllm-router 0.1.17 (cache_aware), every adapter registered at vLLM start-up "
+                   "(--lora-modules), no agent",
+}
 
 
 def log(msg: str) -> None:
@@ -101,31 +112,69 @@ def run_target(args, target: str, catalog: Path, work: Path) -> dict:
     flags = VLLMFlags(max_loras=3, max_cpu_loras=3, max_lora_rank=8)
     fixtures = catalog.parent
     t0 = time.monotonic()
-    with vllm_fleet(run_dir, catalog, fixtures / "model", fixtures / "adapters", args.vllm_python, args.hosts, flags,
-                    lambda path, hosts: state_yaml(path, catalog, hosts, target == "ace"), token=TOKEN,
-                    agent_args=["--reconcile-interval-s", "0.2"]) as st:
+    with contextlib.ExitStack() as stack:
+        if target == "ace":
+            st = stack.enter_context(vllm_fleet(
+                run_dir, catalog, fixtures / "model", fixtures / "adapters", args.vllm_python, args.hosts, flags,
+                lambda path, hosts: state_yaml(path, catalog, hosts, True), token=TOKEN,
+                agent_args=["--reconcile-interval-s", "0.2"]))
+            base, hosts = st["gateway"], st["hosts"]
+        else:
+            # What a vLLM user fronting vLLM with vllm-router does: every adapter of the
+            # catalog listed at start-up (--lora-modules), so that /v1/models, which the
+            # router forwards to one engine, names them all; no agent, no gateway.
+            modules = [(name, fixtures / "adapters" / name) for name, _ in adapters()]
+            engines = stack.enter_context(vllm_hosts(args.vllm_python, fixtures / "model", fixtures / "adapters",
+                                                     run_dir, args.hosts, flags, lora_modules=modules))
+            hosts = [{"name": f"engine-{i}", "vllm": e, "engine_url": e.url} for i, e in enumerate(engines, 1)]
+            base = stack.enter_context(vllm_router([h["engine_url"] for h in hosts], "cache_aware", run_dir))
         log(f"{target}: fleet up in {time.monotonic() - t0:.0f}s")
-        with contextlib.ExitStack() as front:
-            base = st["gateway"]
-            if target == "vllm_router":
-                base = front.enter_context(vllm_router([h["engine_url"] for h in st["hosts"]], "cache_aware", run_dir))
-            before = {h["name"]: engine_counts(h) for h in st["hosts"]}
-            cfg = run_dir / "inference-perf.yaml"
-            reports = run_dir / "reports"
-            cfg.write_text(yaml.safe_dump(tool_config(base, fixtures / "model", reports, args), sort_keys=False))
-            env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-            t1 = time.monotonic()
-            with open(run_dir / "inference-perf.log", "wb") as out:
-                rc = subprocess.run([args.tool, "-c", str(cfg)], cwd=run_dir, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, timeout=args.duration * 10 + 600).returncode
-            elapsed = time.monotonic() - t1
-            after = {h["name"]: engine_counts(h) for h in st["hosts"]}
-    engines = {n: {k: round(after[n][k] - before[n][k], 2) for k in after[n] if k != "cpu_s"} for n in after}
+        before = {h["name"]: engine_counts(h) for h in hosts}
+        cfg = run_dir / "inference-perf.yaml"
+        reports = run_dir / "reports"
+        cfg.write_text(yaml.safe_dump(tool_config(base, fixtures / "model", reports, args), sort_keys=False))
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        load_avg = os.getloadavg()[0]
+        t1 = time.monotonic()
+        with open(run_dir / "inference-perf.log", "wb") as out:
+            rc = subprocess.run([args.tool, "-c", str(cfg)], cwd=run_dir, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, timeout=args.duration * 10 + 600).returncode
+        elapsed = time.monotonic() - t1
+        after = {h["name"]: engine_counts(h) for h in hosts}
+        registered = {h["name"]: len(h["vllm"].adapters()) for h in hosts}
+    engines_out = {n: {k: round(after[n][k] - before[n][k], 2) for k in after[n] if k != "cpu_s"} for n in after}
+    for n in engines_out:
+        engines_out[n]["registered_at_end"] = registered[n]
     files = {p.name: json.loads(p.read_text()) for p in sorted(reports.rglob("*.json"))} if reports.exists() else {}
     tail = (run_dir / "inference-perf.log").read_text(errors="replace")[-1500:]
     log(f"{target}: inference-perf exited {rc} after {elapsed:.0f}s; {len(files)} report files")
-    return {"exit_code": rc, "seconds": round(elapsed, 1), "engines": engines, "tool_reports": files,
-            "tool_log_tail": tail if rc else None}
+    return {"exit_code": rc, "seconds": round(elapsed, 1), "front": FRONTS[target], "engines": engines_out,
+            "summary": summarize(files),
+            "machine_load_avg_1m": [round(load_avg, 1), round(os.getloadavg()[0], 1)],
+            "tool_reports": files, "tool_log_tail": tail if rc else None}
+
+
+def _ttft_ms(block: dict | None) -> dict | None:
+    ttft = ((block or {}).get("latency") or {}).get("time_to_first_token")
+    if not ttft:
+        return None
+    return {q: round(ttft[k] * 1000, 1) for q, k in (("p50", "median"), ("p90", "p90"), ("p99", "p99"))}
+
+
+def summarize(tool_reports: dict) -> dict:
+    """What the README quotes, read from the tool's own files: per adapter (its
+    ``adapter_<name>_lifecycle_metrics.json``) and overall (``summary_lifecycle_metrics.json``),
+    successes, failures and TTFT (ms)."""
+    def one(report: dict) -> dict:
+        ok = report.get("successes") or {}
+        return {"successes": ok.get("count", 0), "failures": (report.get("failures") or {}).get("count", 0),
+                "ttft_ms": _ttft_ms(ok)}
+    summary = tool_reports.get("summary_lifecycle_metrics.json")
+    per_adapter = {}
+    for name, _ in adapters():
+        report = tool_reports.get(f"adapter_{name}_lifecycle_metrics.json")
+        per_adapter[name] = one(report) if report else {"successes": 0, "failures": 0, "ttft_ms": None}
+    return {"overall": one(summary) if summary else None, "per_adapter": per_adapter}
 
 
 def main(argv=None) -> int:
@@ -133,7 +182,7 @@ def main(argv=None) -> int:
     host_args(p, "inference_perf.json")
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (constant load)")
-    p.add_argument("--duration", type=int, default=60, help="seconds")
+    p.add_argument("--duration", type=int, default=120, help="seconds")
     p.add_argument("--tool", default=str(ROOT / ".venv-inference-perf" / "bin" / "inference-perf"))
     args = p.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]

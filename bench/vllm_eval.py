@@ -51,7 +51,7 @@ import grpc
 import httpx
 import yaml
 
-from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, plot_ttft, sessions, think_s
+from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, plot_ttft, sessions, speculation_counters, think_s
 from bench.multi_lora_eval import state_yaml as bench_state_yaml
 from bench.report import percentiles
 from bench.scenario_fixtures import trace_catalog
@@ -135,7 +135,7 @@ async def listed(client: httpx.AsyncClient, host: dict) -> set[str]:
     return {m["id"] for m in data if m.get("parent")}
 
 
-async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -> dict:
+async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict, seq: int = 0) -> dict:
     session = f"{r['tenant']}/{r['session']}"
     body = {"model": r["adapter"], "messages": r["messages"], "max_tokens": int(r.get("max_tokens", 16)),
             "temperature": 0, "stream": True, "user": session}
@@ -149,9 +149,9 @@ async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -
                     ttft = (time.perf_counter() - t0) * 1000
             status, h = resp.status_code, resp.headers
     except httpx.HTTPError as exc:
-        return {"id": r.get("id"), "adapter": r["adapter"], "error": repr(exc)}
+        return {"id": r.get("id"), "adapter": r["adapter"], "seq": seq, "error": repr(exc)}
     trace = dict(kv.split("=", 1) for kv in h.get("x-ace-trace-multi-lora", "").split(",") if "=" in kv)
-    return {"id": r.get("id"), "adapter": r["adapter"], "session": session, "step": r.get("step"),
+    return {"id": r.get("id"), "adapter": r["adapter"], "seq": seq, "session": session, "step": r.get("step"),
             "status": status, "ttft_ms": ttft, "total_ms": (time.perf_counter() - t0) * 1000,
             "host": trace.get("upstream"), "action": trace.get("action"), "residency": trace.get("residency")}
 
@@ -170,6 +170,7 @@ async def replay(requests: list[dict], base: str, keys: dict, hosts: list[dict],
 
         async def send(r: dict) -> None:
             counter[0] += 1
+            seq = counter[0]
             seen = {n: set(v) for n, v in views.device.items()}
             if sample_every and counter[0] % sample_every == 0:
                 truth = dict(zip(views.device, await asyncio.gather(*(listed(client, h) for h in hosts))))
@@ -179,7 +180,7 @@ async def replay(requests: list[dict], base: str, keys: dict, hosts: list[dict],
                         check["agree"] += 1
                     elif len(check["disagree"]) < 10:
                         check["disagree"].append({"host": n, "agent": sorted(views.device[n]), "vllm": sorted(truth[n])})
-            row = await one_request(client, base, keys[r["tenant"]], r)
+            row = await one_request(client, base, keys[r["tenant"]], r, seq)
             if row.get("host") in seen:
                 row["registered"] = r["adapter"] in seen[row["host"]]
             rows.append(row)
@@ -212,6 +213,60 @@ def engine_counts(host: dict) -> dict:
             "unloads": text.count(REMOVED_MARK), "cpu_s": cpu_seconds(v.proc.pid)}
 
 
+def agent_counters(host: dict) -> dict:
+    """The agent's prefetch outcomes and evictions (its /metrics), summed over labels but the
+    outcome / reason."""
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(host["metrics"], timeout=10).text
+    except httpx.HTTPError:
+        return out
+    for m in re.finditer(r'^(ace_agent_prefetch_total|ace_agent_evictions_total|ace_agent_prefetch_victims_skipped_total)'
+                         r'\{([^}]*)\} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        key = m.group(1).removeprefix("ace_agent_").removesuffix("_total") + ":" + (
+            labels.get("outcome") or labels.get("reason") or "")
+        out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def belady_misses(sequence: list[str], capacity: int) -> int:
+    """Belady's MIN over ``sequence`` with ``capacity`` entries: the fewest loads any
+    eviction policy could make for it (each first use is one), with no prefetch."""
+    nxt, last = [0] * len(sequence), {}
+    for i in range(len(sequence) - 1, -1, -1):
+        nxt[i] = last.get(sequence[i], len(sequence))
+        last[sequence[i]] = i
+    cache: dict[str, int] = {}  # adapter -> its next use
+    misses = 0
+    for i, a in enumerate(sequence):
+        if a not in cache:
+            misses += 1
+            if len(cache) >= capacity:
+                del cache[max(cache, key=cache.get)]
+        cache[a] = nxt[i]
+    return misses
+
+
+def bounds(rows: list[dict], capacity: int, hosts: int) -> dict:
+    """What the caches allow on this arm's requests, in the order they were sent: the
+    compulsory first loads (fleet: each adapter once; this arm's routing: each (host,
+    adapter) once), Belady's MIN per host over the requests this arm sent it (the fewest
+    loads of any eviction for that routing, no prefetch) and over one cache of ``hosts`` x
+    ``capacity`` (any routing: the catalog against the fleet's caches)."""
+    ok = sorted((r for r in rows if "error" not in r and r.get("status") == 200), key=lambda r: r["seq"])
+    per_host: dict[str, list[str]] = {}
+    for r in ok:
+        per_host.setdefault(r.get("host") or "?", []).append(r["adapter"])
+    seq = [r["adapter"] for r in ok]
+    out = {"requests": len(ok), "compulsory_fleet": len(set(seq)),
+           "belady_fleet_cache": belady_misses(seq, capacity * hosts)}
+    if "?" not in per_host:
+        out["compulsory_this_routing"] = sum(len(set(v)) for v in per_host.values())
+        out["belady_this_routing"] = sum(belady_misses(v, capacity) for v in per_host.values())
+    return out
+
+
 def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path,
             engines: list) -> tuple[dict, list]:
     tenants = sorted({r["tenant"] for r in requests})
@@ -236,11 +291,18 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
                 base = front.enter_context(vllm_router([h["engine_url"] for h in st["hosts"]], ROUTER_ARMS[arm],
                                                         run_dir, Path(args.router_bin)))
             before = {h["name"]: engine_counts(h) for h in st["hosts"]}
+            agents_before = {h["name"]: agent_counters(h) for h in st["hosts"]}
             load_avg = os.getloadavg()[0]
             t0 = time.monotonic()
             rows, check = asyncio.run(replay(requests, base, st["state"], st["hosts"], args.speed, args.sample_every))
             elapsed = time.monotonic() - t0
             after = {h["name"]: engine_counts(h) for h in st["hosts"]}
+            agents = {}
+            for h in st["hosts"]:
+                now, was = agent_counters(h), agents_before[h["name"]]
+                for k, v in now.items():
+                    if v - was.get(k, 0.0):
+                        agents[k] = agents.get(k, 0.0) + v - was.get(k, 0.0)
     threads = max(1, (os.cpu_count() or 1) // args.hosts)
     per_host = {n: {k: round(after[n][k] - before[n][k], 2) for k in after[n]} for n in after}
     ok = [r for r in rows if "error" not in r and r["status"] == 200]
@@ -254,6 +316,14 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         "unloads": sum(h["unloads"] for h in per_host.values()),
         "registered_at_arrival": ({"requests": len(registered), "registered": sum(registered)} if registered else None),
         "registration_check": check,
+        "agents": {k: round(v) for k, v in sorted(agents.items())},
+        "speculation": None if arm in ROUTER_ARMS else speculation_counters(run_dir / "extproc.log"),
+        "bounds": bounds(rows, args.max_cpu_loras, args.hosts),
+        "ttft_ms_by_registration": ({
+            "registered": percentiles(r["ttft_ms"] for r in ok if r.get("registered") and r["ttft_ms"] is not None),
+            "not_registered": percentiles(r["ttft_ms"] for r in ok
+                                          if r.get("registered") is False and r["ttft_ms"] is not None)}
+            if registered else None),
         "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None),
         "engine_busy": {n: round(h["cpu_s"] / elapsed / threads, 3) for n, h in per_host.items()},
         "per_host": per_host, "replay_s": round(elapsed, 1),

@@ -14,6 +14,8 @@ statuses at exactly one boundary::
     ├── AdapterBusy             evicting an adapter that is pinned or in use
     ├── LoadYielded             a prefetch's load stopped at a checkpoint for a request's
     │                           load (internal: the engine resumes it afterwards)
+    ├── PrefetchGivenUp         a priced prefetch whose hinted victims are in use (internal:
+    │                           counted, not a failed load)
     ├── SettingsError           (gpu_agent.settings; also a ValueError) bad flag / env / file
     ├── ChatTemplateError       (gpu_agent.engine.tokenizer; also a ValueError)
     ├── CatalogError, FetchError  (gpu_agent.artifacts)
@@ -40,6 +42,7 @@ __all__ = [
     "AdapterNotResident",
     "AdapterBusy",
     "LoadYielded",
+    "PrefetchGivenUp",
 ]
 
 
@@ -88,3 +91,10 @@ class LoadYielded(AgentError):
         super().__init__(f"load of {name!r} yielded at {stage} to a request's load")
         self.name = name
         self.stage = stage
+
+
+class PrefetchGivenUp(AgentError):
+    """A priced prefetch (one that came with a probability: a bet against its hinted
+    victims) whose hinted victims could not be evicted because a request is about to use
+    them: it is given up rather than paid for with the LRU adapter, whose reuse nobody
+    priced (``gpu_agent.residency.holdings.TierHoldings.make_device_room``)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ END = "<!-- numbers:end -->"
 
 
 REPORT_FILES = ("gateway_overhead.json", "agent.json", "hundreds_eval.json", "multi_lora_eval.json", "sim.json",
-                "sim_vs_stack.json")
+                "sim_vs_stack.json", "vllm_eval.json", "inference_perf.json")
 Loader = Callable[[str], "dict | None"]
 
 
@@ -406,11 +407,168 @@ def sim(r: dict) -> list[str]:
     return lines + ["", "![hit ratio per policy over the budget sweep](reports/sim.png)"]
 
 
+def _ttft3(t: dict | None) -> str:
+    return "–" if not t else " / ".join(_ms(t.get(q), ".0f") for q in ("p50", "p90", "p99"))
+
+
+def vllm_eval(r: dict) -> list[str]:
+    """``make bench ENGINE=vllm``: the arms on real vLLM hosts, the targets, what bounds them."""
+    (hosts, arms), = r["fleets"].items()
+    flags = " ".join(r["vllm_flags"])
+    s_cache = r["vllm_flags"][r["vllm_flags"].index("--max-cpu-loras") + 1]
+    rows, bound_rows = [], []
+    for arm, e in arms.items():
+        ag = e.get("agents") or {}
+        pf = f"{ag.get('prefetch:accepted', 0)}/{sum(v for k, v in ag.items() if k.startswith('prefetch:rejected'))}"
+        rows.append(f"| {arm} | {e['hits']}/{e['served']} | {e['on_demand_loads']} | {e['agent_loads']} | "
+                    f"{e['unloads']} | {pf} | {_ttft3(e['ttft_ms'])} | {e['errors']} | "
+                    + ", ".join(f"{v:.2f}" for v in e["engine_busy"].values())
+                    + f" | {' → '.join(f'{v:g}' for v in e['machine_load_avg_1m'])} |")
+        b = e.get("bounds")
+        if b:
+            by_reg = e.get("ttft_ms_by_registration") or {}
+            bound_rows.append(
+                f"| {arm} | {b['compulsory_fleet']} | {b.get('compulsory_this_routing', '–')} | "
+                f"{b.get('belady_this_routing', '–')} | {b['belady_fleet_cache']} | "
+                f"{e['on_demand_loads'] + e['agent_loads']} | {_ttft3(by_reg.get('registered'))} | "
+                f"{_ttft3(by_reg.get('not_registered'))} |")
+    t = r["targets"]
+    checks = [f"- 0 errors in every arm — {_ok(t['no_errors'])}."]
+    if "hits_over_affinity" in t:
+        worse = [q for q, ok in t["ttft_no_worse_than_affinity"].items() if not ok]
+        checks += [
+            f"- ace's hits ≥ affinity's + 10 points — {_ok(t['hits_over_affinity']['met'])} "
+            f"({100 * t['hits_over_affinity']['got']:+.1f} points).",
+            f"- vLLM's on-demand loads in the ace arm ≤ half of affinity's — "
+            f"{_ok(t['on_demand_loads_half_of_affinity']['met'])} ({t['on_demand_loads_half_of_affinity']['got']} "
+            f"against ≤ {t['on_demand_loads_half_of_affinity']['want']:g}).",
+            f"- TTFT p50 / p90 / p99 ≤ 1.05× affinity's + 1 ms — {_ok(not worse)}"
+            + (f" (worse at {', '.join(worse)})" if worse else "") + "."]
+    if "hits_over_best_vllm_router" in t:
+        checks += [
+            f"- ace's hits ≥ the best vllm-router arm's + 30 points — {_ok(t['hits_over_best_vllm_router']['met'])} "
+            f"({100 * t['hits_over_best_vllm_router']['got']:+.1f} points).",
+            f"- ace's TTFT p99 below every vllm-router arm's — {_ok(t['ttft_p99_below_every_vllm_router'])}."]
+    out = [
+        "### Real vLLM hosts — `make bench ENGINE=vllm` → `reports/vllm_eval.json`",
+        "",
+        f"{hosts} real vLLM hosts (CPU build, the fixtures' model, `{flags}`, filesystem resolver) with their agents; "
+        f"the first {r['requests']} requests (whole sessions, {r['adapters']} adapters) of `{r['trace']}`, "
+        f"closed-loop, arms in the order {', '.join(r['arm_order'])}. `vllm_router`: vllm-router's default policy "
+        "(`cache_aware`); `vllm_router_session`: its `consistent_hash` on the session the client sends. Hits = "
+        "requests vLLM served − its resolver's on-demand loads; prefetch = the agents' accepted / refused hints; "
+        "`engine_busy`: vLLM's CPU seconds per wall second per thread, per host; load = the machine's 1-minute load "
+        "average at the arm's start → end.",
+        "",
+        f"| arm ({hosts} hosts, {r['requests']} requests, {r['adapters']} adapters) | hits | vLLM on-demand loads | "
+        "agent loads | unloads | prefetch accepted/refused | TTFT p50 / p90 / p99 (ms) | errors | engine_busy | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "![TTFT per arm on real vLLM](reports/vllm_eval_ttft.png)",
+        "",
+        *checks,
+    ]
+    ace, aff = arms.get("ace"), arms.get("affinity")
+    if ace and aff and ace.get("bounds", {}).get("belady_this_routing") is not None:
+        n, b = ace["served"], ace["bounds"]
+        ceiling = n - b["belady_this_routing"]
+        need_hits = aff["hits"] + 0.10 * aff["served"]
+        routers = [arms[a] for a in ("vllm_router", "vllm_router_session") if a in arms]
+        sp = ace.get("speculation") or {}
+        lines = [
+            f"- What bounds ace's hits: with its routing the fewest loads any eviction could make (Belady) are "
+            f"{b['belady_this_routing']}, so without prefetch at most {ceiling} of {n} requests can find their adapter "
+            f"registered; one cache of all hosts' registrations (any routing) allows {n - b['belady_fleet_cache']}. "
+            f"+10 points over affinity needs {need_hits:.0f}"
+            + (f", +30 over the best vllm-router arm {max(r['hits'] for r in routers) + 0.30 * n:.0f}" if routers else "")
+            + ". Above the ceiling only prefetches that displace nothing needed can go: of ace's "
+            f"{sp.get('prefetches', '–')} speculative prefetches the gateway counted {sp.get('prefetch_used', '–')} used "
+            f"and {sp.get('prefetch_wasted', '–')} wasted.",
+            f"- What bounds its on-demand loads: half of affinity's is {aff['on_demand_loads'] / 2:g}; every load the "
+            f"Belady count names ({b['belady_this_routing']}) is either vLLM's on demand or a prefetch ahead of need, "
+            f"so the target needs at least {math.ceil(b['belady_this_routing'] - aff['on_demand_loads'] / 2)} of them made "
+            f"ahead of need by prefetches; ace made {ace['on_demand_loads']} on-demand and {ace['agent_loads']} agent "
+            "loads.",
+        ]
+        by_reg = ace.get("ttft_ms_by_registration") or {}
+        reg, unreg = by_reg.get("registered") or {}, by_reg.get("not_registered") or {}
+        if reg.get("p50") is not None and unreg.get("p50") is not None:
+            lines.append(
+                f"- What bounds TTFT: in the ace arm a request whose adapter was registered had TTFT p50 {reg['p50']:.0f} "
+                f"ms, one whose was not {unreg['p50']:.0f} ms (affinity: "
+                + " / ".join(_ms(((aff.get("ttft_ms_by_registration") or {}).get(k) or {}).get("p50"), ".0f")
+                             for k in ("registered", "not_registered"))
+                + " ms); the agents' own loads and unloads run on vLLM's engine core between steps, where every "
+                "running request waits for them (docs/engine.md).")
+        out += ["", *lines]
+    if bound_rows:
+        out += [
+            "",
+            "What bounds them, per arm on its own requests in the order sent (`bounds`): compulsory first loads "
+            "(each adapter once in the fleet; each (host, adapter) pair once under this arm's routing), Belady's MIN "
+            f"(the fewest loads any eviction could make, no prefetch) per host with its {s_cache} "
+            "registrations under this arm's routing, and over one cache of all hosts' (any routing), against the "
+            "loads the arm made (vLLM's on-demand + the agents'); TTFT of the requests whose adapter was registered "
+            "on the chosen host when they left, and of those whose was not (the agents' view).",
+            "",
+            "| arm | compulsory (fleet) | compulsory (this routing) | Belady, this routing | Belady, one fleet cache "
+            "| loads made | TTFT registered p50 / p90 / p99 | TTFT not registered p50 / p90 / p99 |",
+            "|---|---|---|---|---|---|---|---|",
+            *bound_rows,
+        ]
+    return out
+
+
+def inference_perf(r: dict) -> list[str]:
+    """``make bench-inference-perf``: the tool's own per-adapter reports, per target."""
+    targets = r["targets"]
+    names = list(targets)
+    head = " | ".join(f"{t}: ok / failed | {t}: TTFT p50 / p90 / p99 (ms)" for t in names)
+    rows = []
+    for adapter, split in r["lora_traffic_split"].items():
+        cells = []
+        for t in names:
+            a = (targets[t].get("summary") or {}).get("per_adapter", {}).get(adapter) or {}
+            cells.append(f"{a.get('successes', 0)} / {a.get('failures', 0)} | {_ttft3(a.get('ttft_ms'))}")
+        rows.append(f"| {adapter} | {split:g} | " + " | ".join(cells) + " |")
+    total = []
+    for t in names:
+        o = (targets[t].get("summary") or {}).get("overall") or {}
+        total.append(f"**{o.get('successes', 0)} / {o.get('failures', 0)}** | **{_ttft3(o.get('ttft_ms'))}**")
+    lines = []
+    for t in names:
+        e = targets[t]
+        eng = e["engines"].values()
+        lines.append(
+            f"- **{t}**: {e['front']}. Tool exit code {e['exit_code']}, {e['seconds']:g} s; the engines served "
+            f"{sum(h['served'] for h in eng)}, vLLM's on-demand loads {sum(h['on_demand_loads'] for h in eng)}, the "
+            f"agents' loads {sum(h['agent_loads'] for h in eng)}, unloads {sum(h['unloads'] for h in eng)}; load "
+            f"average {' → '.join(f'{v:g}' for v in e['machine_load_avg_1m'])}.")
+    return [
+        "### inference-perf's LoRA split — `make bench-inference-perf` → `reports/inference_perf.json`",
+        "",
+        f"{r['tool']} (unpatched), its LoRA traffic split over {len(r['lora_traffic_split'])} adapters (5 share 60%, "
+        f"5 share 30%, 5 share 10%), constant {r['rate']:g} requests/s for {r['duration_s']} s, streamed completions, "
+        f"against {r['hosts']} real vLLM hosts per target (`{' '.join(r['vllm_flags'])}`: 3 slots per host). "
+        "Per adapter, from the tool's own `adapter_<name>_lifecycle_metrics.json` files; the last row from its "
+        "`summary_lifecycle_metrics.json`.",
+        "",
+        f"| adapter | split | {head} |",
+        "|---|---|" + "---|---|" * len(names),
+        *rows,
+        "| all | 1 | " + " | ".join(total) + " |",
+        "",
+        *lines,
+    ]
+
+
 def render(load: Loader | None = None) -> str:
     """The section from ``load``'s reports (default: this checkout's working tree)."""
     load = load or working_tree_reports(REPO)
     parts: list[str] = []
-    for name, fn in zip(REPORT_FILES, (gateway, agent, hundreds, eval800, sim, sim_vs_stack)):
+    for name, fn in zip(REPORT_FILES, (gateway, agent, hundreds, eval800, sim, sim_vs_stack, vllm_eval,
+                                       inference_perf)):
         report = load(name)
         if report is not None:
             parts += fn(report) + [""]

@@ -158,10 +158,12 @@ def _ready(host: VLLMHost) -> bool:
 
 @contextlib.contextmanager
 def vllm_hosts(vllm_python: str, model_dir: Path, resolver_dir: Path, work: Path, hosts: int, flags: VLLMFlags,
-               *, timeout_s: float = 600.0) -> Iterator[list[VLLMHost]]:
+               *, timeout_s: float = 600.0, lora_modules: Sequence[tuple[str, Path]] = ()) -> Iterator[list[VLLMHost]]:
     """``hosts`` vLLM processes, all started before any is waited on (start-up is mostly
     import and model set-up: they overlap), each under ``work/vllm-<i>``; yields them
-    ready (``/v1/models`` answers), each with its measured ``startup_s``; stops them all."""
+    ready (``/v1/models`` answers), each with its measured ``startup_s``; stops them all.
+    ``lora_modules``: (name, directory) pairs registered at start-up (``--lora-modules
+    name=path``, what a deployment without runtime loading lists), on every host."""
     threads = max(1, (os.cpu_count() or 1) // hosts)
     started: list[VLLMHost] = []
     try:
@@ -176,6 +178,8 @@ def vllm_hosts(vllm_python: str, model_dir: Path, resolver_dir: Path, work: Path
                    "--served-model-name", BASE_MODEL, "--host", "127.0.0.1", "--port", str(port),
                    "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
                    "--kv-cache-memory-bytes", "67108864", "--max-num-seqs", "8", *flags.args()]
+            if lora_modules:
+                cmd += ["--lora-modules", *(f"{name}={Path(path).resolve()}" for name, path in lora_modules)]
             with open(home / "vllm.log", "wb") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(home),
                                         env=_vllm_env(resolver_dir, threads), start_new_session=True)

@@ -14,9 +14,17 @@
 own CPU LRU and silently re-reads evicted ones from `lora_path` on the next request, so
 the agent keeps its device tier at the same size and unloads its own LRU adapter
 explicitly. Then the agent's view and the engine's agree, and `/v1/models` says so.
+
+A load or an unload runs on vLLM's engine core between two steps, so every request it
+is running waits for it (12-73 ms per load in `make bench ENGINE=vllm` on the shared
+CPUs, docs/engine.md). A prefetch's load is therefore put off until the engine runs and
+queues nothing (``prefetch_turn``: its load as `/metrics` reports it, polled every
+``idle_poll_s``, for at most ``idle_wait_s``; then it goes anyway); a request's own load
+is not.
 """
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -60,10 +68,12 @@ class VLLMConnector(EngineConnector):
 
     def __init__(self, url: str, max_cpu_loras: int | None = 4, timeout_s: float = 30.0,
                  api_key: str | None = None, client: httpx.AsyncClient | None = None,
-                 metrics_timeout_s: float = 1.0):
+                 metrics_timeout_s: float = 1.0, idle_wait_s: float = 1.0, idle_poll_s: float = 0.02):
         self._url = url.rstrip("/")
         self.capacity = max_cpu_loras
         self.metrics_timeout_s = metrics_timeout_s
+        self.idle_wait_s = idle_wait_s
+        self.idle_poll_s = idle_poll_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = client or httpx.AsyncClient(base_url=self._url, timeout=timeout_s, headers=headers)
 
@@ -115,6 +125,22 @@ class VLLMConnector(EngineConnector):
 
     async def engine_load(self) -> EngineLoad | None:
         return await scrape_load(self._client, "vLLM", VLLM_LOAD, self.metrics_timeout_s)
+
+    async def prefetch_turn(self) -> bool:
+        """Wait (at most ``idle_wait_s``) until vLLM runs and queues no request: a load now
+        would stall them all. True when it had to wait; an unreadable load does not wait."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.idle_wait_s
+        waited = False
+        while True:
+            try:
+                load = await self.engine_load()
+            except ConnectorError:
+                return waited
+            if load is None or load.running + load.waiting == 0 or loop.time() >= deadline:
+                return waited
+            waited = True
+            await asyncio.sleep(self.idle_poll_s)
 
 
 def _error_message(resp: httpx.Response) -> str:

@@ -73,6 +73,7 @@ class PrefetchAdmission:
         self.queue.push(name, priority)
         self._states[name].pending_reason = reason
         self._states[name].pending_evict = hints
+        self._states[name].priced = probability is not None
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
         return ResidencyResult(ResidencyOutcome.ACCEPTED)

@@ -7,7 +7,11 @@ that cannot be met without evicting those fails the load; nothing grows past its
 A prefetch may name adapters to evict first (``evict``: the victim the gateway's model of
 this pool chose): when its load needs device room, those go before the LRU
 (``hinted_victims``); a hinted victim that a request is about to use (the engine reports
-it busy) is skipped and counted, never evicted.
+it busy) is skipped and counted, never evicted; a priced prefetch (one with a probability:
+a bet against its hinted victims) whose hinted victims all are is given up
+(``PrefetchGivenUp``) rather than paid for with the LRU adapter, whose reuse nobody priced.
+An adapter the engine loaded itself (adopted by the reconcile) is nobody's victim for
+``adopt_grace_s``: it was loaded for a request that may still be queued.
 
 One owner per tier. These holdings decide what leaves the host tier, and the device tier
 of an engine the agent drives (vLLM, SGLang: the engine only unloads when told): the plan
@@ -26,13 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from typing import Callable, Mapping
 
 from ace_common.tiers import Tier
 from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
-from gpu_agent.errors import PoolExhausted
+from gpu_agent.errors import PoolExhausted, PrefetchGivenUp
 from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, plan_evictions
 from gpu_agent.metrics import AgentMetrics
 from gpu_agent.residency.records import AdapterState
@@ -51,8 +56,11 @@ class TierHoldings:
 
     def __init__(self, states: Mapping[str, AdapterState], loading: Mapping[str, object],
                  connector: EngineConnector, *, device_count: int | None, device_bytes: int | None,
-                 host_bytes: int, metrics: AgentMetrics, publish: Callable[[str], None]):
+                 host_bytes: int, metrics: AgentMetrics, publish: Callable[[str], None],
+                 adopt_grace_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
         self._states = states
+        self.adopt_grace_s = adopt_grace_s
+        self.clock = clock
         self._loading = loading
         self.connector = connector
         self.device_count = device_count
@@ -104,7 +112,11 @@ class TierHoldings:
         evictable = [n for n in self.device if not self._states[n].pinned and n not in self._loading]
         return next((h for h in hints if h in evictable), evictable[0] if evictable else None)
 
-    async def make_device_room(self, spec: Adapter, hints: tuple[str, ...] = ()) -> None:
+    async def make_device_room(self, spec: Adapter, hints: tuple[str, ...] = (), bet: bool = False) -> None:
+        """``bet``: a speculative prefetch priced against its hinted victims (the sender's
+        ``victim_reuse_probability``): when they cannot go (a request is about to use
+        them), it is given up, not paid for with the LRU adapter, whose reuse nobody
+        priced (``ace_agent_prefetch_cancelled_total{reason="victim_in_use"}``)."""
         def over() -> bool:
             return not self.shortfall(spec.size_bytes).met
 
@@ -112,7 +124,10 @@ class TierHoldings:
             await self._evict_hinted(spec, hints, over)
         if not over():   # always, with a self-managed engine: its pool makes the rest of the room
             return
-        busy = await self.connector.busy()
+        if bet and hints:
+            self.metrics.inc("ace_agent_prefetch_cancelled_total", reason="victim_in_use")
+            raise PrefetchGivenUp(f"prefetch of {spec.name}: its hinted victim(s) {', '.join(hints)} are in use")
+        busy = await self.connector.busy() | self.just_adopted()
         victims = plan_evictions(
             ordered(self.device, self.device.__getitem__,
                     lambda n: not self._states[n].pinned and n not in busy),
@@ -122,11 +137,18 @@ class TierHoldings:
         if over():
             raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
 
-    async def shrink_device(self) -> None:
-        """Unload LRU adapters (not pinned, not busy) until the device budget holds again."""
+    def just_adopted(self) -> set[str]:
+        """Adapters the engine loaded itself within ``adopt_grace_s``: no eviction takes them."""
+        now = self.clock()
+        return {n for n in self.device
+                if (at := self._states[n].engine_loaded_at) is not None and now - at < self.adopt_grace_s}
+
+    async def shrink_device(self, busy: set[str] | None = None) -> None:
+        """Unload LRU adapters (not pinned, not busy, not just adopted) until the device
+        budget holds again. ``busy``: the engine's busy set when the caller just read it."""
         if self.device_count is None or len(self.device) <= self.device_count:
             return
-        busy = await self.connector.busy()
+        busy = (await self.connector.busy() if busy is None else busy) | self.just_adopted()
         short = Shortfall(count=len(self.device) - self.device_count)
         evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._loading  # noqa: E731
         for victim in plan_evictions(ordered(self.device, self.device.__getitem__, evictable), short):
@@ -158,7 +180,8 @@ class TierHoldings:
         """Evict the caller's named adapters first, one at a time, while the load of
         `spec` still needs room: over our budgets, or (an engine with its own pool) over
         the engine's. What is still missing afterwards comes from the LRU, as always."""
-        protected = {n for n in hints if n in self._states and self._states[n].pinned} | set(self._loading)
+        protected = ({n for n in hints if n in self._states and self._states[n].pinned} | set(self._loading)
+                     | self.just_adopted())
         victims = hinted_victims(hints, spec.name, resident=self.device, protected=protected)
         if not victims:
             return

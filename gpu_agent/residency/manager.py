@@ -21,8 +21,9 @@ load (`LoadChange`, measured by `gpu_agent.load.LoadMonitor` every `load_interva
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ace_common.tiers import Tier
 from gpu_agent.artifacts import ArtifactStore, Catalog
@@ -46,8 +47,10 @@ __all__ = ["AdapterView", "ResidencyOutcome", "ResidencyResult", "ResidencyManag
 
 class ResidencyManager:
     def __init__(self, catalog: Catalog, store: ArtifactStore, connector: EngineConnector,
-                 budgets: ResidencyBudgets = ResidencyBudgets(), metrics: AgentMetrics | None = None):
+                 budgets: ResidencyBudgets = ResidencyBudgets(), metrics: AgentMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.catalog = catalog
+        self.clock = clock
         self.store = store
         self.connector = connector
         self.budgets = budgets
@@ -65,7 +68,8 @@ class ResidencyManager:
         self._tasks: list[asyncio.Task] = []
         self.holdings = TierHoldings(states, inflight, connector, device_count=self.device_count,
                                      device_bytes=budgets.device_bytes, host_bytes=budgets.host_bytes,
-                                     metrics=self.metrics, publish=self._publish)
+                                     metrics=self.metrics, publish=self._publish,
+                                     adopt_grace_s=budgets.adopt_grace_s, clock=clock)
         self.queue = PrefetchQueue()
         self.pipeline = LoadPipeline(catalog, states, store, connector, self.holdings, self.queue, inflight,
                                      metrics=self.metrics, publish=self._publish, view=self.view)
@@ -73,7 +77,7 @@ class ResidencyManager:
                                            link_budget_ms=budgets.link_budget_ms, metrics=self.metrics,
                                            publish=self._publish)
         self.reconciler = Reconciler(states, connector, self.holdings, inflight, metrics=self.metrics,
-                                     publish=self._publish, reload=self.admission.prefetch)
+                                     publish=self._publish, reload=self.admission.prefetch, clock=clock)
         self.operations = OperatorActions(catalog, states, store, connector, self.holdings, inflight,
                                           publish=self._publish, load=self.admission.prefetch)
         self.load_monitor = LoadMonitor(connector, budgets.load_interval_s, self._publish_load,

@@ -22,7 +22,7 @@ from ace_common.tiers import Tier
 from ace_common.catalog import Adapter
 from gpu_agent.artifacts import WEIGHTS, ArtifactStore, Catalog
 from gpu_agent.connectors.base import EngineConnector, EngineUnavailable
-from gpu_agent.errors import AgentError, DigestMismatch
+from gpu_agent.errors import AgentError, DigestMismatch, PrefetchGivenUp
 from gpu_agent.metrics import AgentMetrics
 from gpu_agent.residency.holdings import TierHoldings
 from gpu_agent.residency.prefetch_budget import DEFAULT_LINK_BYTES_PER_MS
@@ -80,6 +80,8 @@ class LoadPipeline:
                 await self.ensure_resident(name, _by=self._load_origin(name))
             except asyncio.CancelledError:
                 raise
+            except PrefetchGivenUp as exc:  # counted where it was given up
+                log.info("%s: given up", exc)
             except Exception as exc:  # a failed prefetch is logged and counted, never fatal
                 log.warning("prefetch of %s failed: %s", name, exc)
 
@@ -136,6 +138,7 @@ class LoadPipeline:
         name = spec.name
         state = self.states[name]
         hints, state.pending_evict = state.pending_evict, ()
+        priced, state.priced = state.priced and by == "prefetch", False
         t0 = time.perf_counter()
         start_tier = self._view(name).tier
         self._count_start_tier(start_tier)
@@ -165,7 +168,7 @@ class LoadPipeline:
             demand = by in ("request", "pin") or name in self.demand  # or a request joined it
             async with self.holdings.lock:
                 if name not in self.holdings.device:
-                    await self.holdings.make_device_room(spec, hints)
+                    await self.holdings.make_device_room(spec, hints, bet=priced and name not in self.demand)
                     t = time.perf_counter()
                     pinned = state.pinned
                     await self.connector.load(spec, path, pinned=pinned, demand=demand)
@@ -177,6 +180,8 @@ class LoadPipeline:
                     self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="device")
                     self.holdings.device[name] = spec.size_bytes
                     self.holdings.engine_up = True
+        except PrefetchGivenUp:
+            raise  # counted where it was given up; not a failed load
         except DigestMismatch:
             self.metrics.inc("ace_agent_load_failures_total", reason="digest_mismatch")
             raise
@@ -191,5 +196,6 @@ class LoadPipeline:
         if spec.size_bytes > 0 and elapsed_ms > 0:
             self.link_bytes_per_ms += 0.2 * (spec.size_bytes / elapsed_ms - self.link_bytes_per_ms)
         state.loaded_by = by
+        state.engine_loaded_at = None
         self.metrics.observe("ace_agent_load_seconds", elapsed_ms / 1000.0, stage="cold")
         log.info("adapter %s resident on device in %.1f ms (from %s)", name, elapsed_ms, start_tier.value)

@@ -2,13 +2,18 @@
 
 Every ``reconcile_interval_s`` the engine is asked what it holds. Adapters that vanished
 (an engine restart) drop to their lower tier, are announced, and are loaded again (pinned
-first, then most recently used first); adapters the engine loaded itself are adopted. An
+first, then most recently used first); adapters the engine loaded itself are adopted, at
+the most recently used end, and are nobody's victim for ``adopt_grace_s``. On an engine the
+agent drives but does not serve requests through (vLLM), the reconcile also moves what the
+engine runs or queues now (``busy``) to the most recently used end: without it the tier's
+order would be the order of loads, not of use. An
 engine that stops answering is announced as down (``engine_up``), and again when it is back.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable, Mapping
 
 from ace_common.tiers import Tier
@@ -29,8 +34,9 @@ class Reconciler:
 
     def __init__(self, states: Mapping[str, AdapterState], connector: EngineConnector, holdings: TierHoldings,
                  loading: Mapping[str, object], *, metrics: AgentMetrics, publish: Callable[[str], None],
-                 reload: Callable[..., ResidencyResult]):
+                 reload: Callable[..., ResidencyResult], clock: Callable[[], float] = time.monotonic):
         self._states = states
+        self.clock = clock
         self.connector = connector
         self.holdings = holdings
         self._loading = loading
@@ -77,9 +83,16 @@ class Reconciler:
                 # a queued request uses kills vLLM 0.32's engine")
                 device[name] = self._states[name].spec.size_bytes
                 self._states[name].loaded_by = "engine"
+                self._states[name].engine_loaded_at = self.clock()
                 self._publish(name)
-            if adopted and not self.connector.self_managed:
-                await holdings.shrink_device()
+            if not self.connector.self_managed:
+                # the agent sees no request on an engine it does not serve (vLLM): what the
+                # engine runs or queues now is its most recently used (its LoRA gauge)
+                busy = await self.connector.busy()
+                for name in sorted(busy):
+                    if name in device:
+                        device.move_to_end(name)
+                await holdings.shrink_device(busy)  # adopted now, or adopted earlier and out of their grace
             if not was_up:
                 self.publish_all()
         if lost and self.connector.self_managed:

@@ -76,6 +76,12 @@ class ResidencyBudgets:
     reconcile_interval_s: float = 2.0
     load_interval_s: float = 0.5        # engine load measurements; 0: none (always unknown)
     link_budget_ms: float = DEFAULT_LINK_BUDGET_MS  # load work queued ahead of a hint with a probability
+    # An adapter the engine loaded itself (found by reconcile) is nobody's victim for this
+    # long: it was loaded for a request that may still be queued (the engine's busy gauge
+    # lags), and unloading it then fails that request (docs/engine.md, "Unloading an adapter
+    # a queued request uses kills vLLM 0.32's engine"). The tier may exceed its count budget
+    # meanwhile; the next reconcile after it shrinks it back.
+    adopt_grace_s: float = 2.0
 
 
 @dataclass
@@ -88,3 +94,5 @@ class AdapterState:
     loaded_by: str = ""
     pending_reason: str = ""   # reason of the queued prefetch that will load it
     pending_evict: tuple[str, ...] = ()  # adapters to evict first if its load needs room
+    engine_loaded_at: float | None = None  # when reconcile found the engine had loaded it itself
+    priced: bool = False  # the queued prefetch is a bet (it came with a probability) against its hinted victims

@@ -101,7 +101,10 @@ def make_manager(catalog_path: Path, cache_dir: Path, connector: EngineConnector
     catalog = Catalog.from_yaml(catalog_path)
     disk_budget = budgets.pop("disk_bytes", 1 << 30)
     budgets.setdefault("reconcile_interval_s", 0)
+    clock = budgets.pop("clock", None)
     store = ArtifactStore(catalog, DiskCache(cache_dir, disk_budget))
+    if clock is not None:
+        return ResidencyManager(catalog, store, connector, ResidencyBudgets(**budgets), clock=clock)
     return ResidencyManager(catalog, store, connector, ResidencyBudgets(**budgets))
 
 

@@ -161,3 +161,32 @@ def test_parse_vllm_lora_metrics_takes_the_newest_series():
     assert busy == {"d"}
     assert loaded == {"d"}
     assert parse_lora_metrics("") == (set(), set())
+
+
+def test_vllm_prefetch_turn_waits_until_the_engine_runs_nothing():
+    """A load runs on vLLM's engine core between steps: a prefetch waits for an idle engine
+    (every request it runs would wait for the load), for at most idle_wait_s."""
+    async def main():
+        state = {"running": 2, "scrapes": 0}
+
+        async def metrics(request):
+            state["scrapes"] += 1
+            if state["scrapes"] >= 3:
+                state["running"] = 0
+            return web.Response(text=f'vllm:num_requests_running{{engine="0"}} {state["running"]}\n'
+                                     'vllm:num_requests_waiting{engine="0"} 0\n')
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        async with serve(app) as url:
+            conn = VLLMConnector(url, idle_wait_s=30.0, idle_poll_s=0.0)
+            try:
+                assert await conn.prefetch_turn() is True      # busy twice, then idle
+                assert state["scrapes"] == 3
+                assert await conn.prefetch_turn() is False     # idle at once
+                state.update(running=5, scrapes=-10**6)
+                conn.idle_wait_s = 0.0
+                assert await conn.prefetch_turn() is False     # busy, but no wait allowed
+            finally:
+                await conn.close()
+    asyncio.run(main())

@@ -403,3 +403,82 @@ def test_adapters_the_engine_loaded_itself_are_adopted_within_budget(tmp_path):
         finally:
             await mgr.close()
     run(main())
+
+
+def test_an_adapter_the_engine_just_loaded_is_nobodys_victim_within_its_grace(tmp_path):
+    """vllm_router_session met it: vLLM's resolver loaded three adapters for queued requests,
+    the reconcile adopted them (S = 2) and unloaded one of them at once, and its request
+    failed (404). Within ``adopt_grace_s`` neither the shrink nor a load takes them; the
+    first reconcile after the grace restores the budget."""
+    from gpu_agent.errors import PoolExhausted
+
+    async def main():
+        now = [100.0]
+        eng = FakeConnector(capacity=1)
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng, adopt_grace_s=2.0,
+                           clock=lambda: now[0])
+        await mgr.start()
+        try:
+            await mgr.ensure_resident("a1")
+            eng.held.update({"a2": tmp_path, "a3": tmp_path})        # the resolver, for two requests
+            await mgr.reconcile()
+            assert mgr.view("a1").tier is not Tier.DEVICE            # ours, used before them: it goes
+            assert {"a2", "a3"} <= set(eng.held)                     # theirs stay, over the budget of 1
+            assert not any(c == ("unload", n) for c in eng.calls for n in ("a2", "a3"))
+            with pytest.raises(PoolExhausted):
+                await mgr.ensure_resident("a4")                      # no victim within the grace
+            await mgr.reconcile()
+            assert {"a2", "a3"} <= set(eng.held)
+            now[0] += 2.5                                            # the grace is over
+            await mgr.reconcile()
+            assert len([n for n in NAMES if mgr.view(n).tier is Tier.DEVICE]) == 1
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_a_priced_prefetch_whose_hinted_victim_is_in_use_is_given_up_not_paid_with_the_lru(tmp_path):
+    """The bet (probability against victim_reuse_probability) priced the hinted victim; when a
+    request is about to use it, taking the LRU adapter instead would be a bet nobody made."""
+    async def main():
+        eng = FakeConnector(capacity=2)
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            await mgr.ensure_resident("a1")
+            await mgr.ensure_resident("a2")
+            eng.busy_set = {"a2"}
+            got = mgr.prefetch("a3", evict=["a2"], probability=1.0, victim_reuse_probability=0.0)
+            assert got.outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(
+                lambda: mgr.metrics.counter("ace_agent_prefetch_cancelled_total", reason="victim_in_use") == 1,
+                what="the prefetch given up")
+            assert [mgr.view(n).tier for n in ("a1", "a2")] == [Tier.DEVICE, Tier.DEVICE]
+            assert mgr.view("a3").tier is not Tier.DEVICE and ("unload", "a1") not in eng.calls
+            # the same hint without a probability (an older sender) still makes room from the LRU
+            mgr.prefetch("a3", evict=["a2"])
+            await async_wait_until(lambda: mgr.view("a3").tier is Tier.DEVICE, what="a3 loaded")
+            assert ("unload", "a1") in eng.calls
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_the_reconcile_moves_what_the_engine_runs_to_the_most_recently_used_end(tmp_path):
+    """vLLM serves its requests without the agent: its running/waiting adapters are the use
+    the agent's LRU order would otherwise never see (it would evict in order of loads)."""
+    async def main():
+        eng = FakeConnector(capacity=2)
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            await mgr.ensure_resident("a1")
+            await mgr.ensure_resident("a2")
+            eng.busy_set = {"a1"}          # requests use a1 now
+            await mgr.reconcile()
+            eng.busy_set = set()           # ... and are done
+            await mgr.ensure_resident("a3")
+            assert ("unload", "a2") in eng.calls and ("unload", "a1") not in eng.calls
+        finally:
+            await mgr.close()
+    run(main())
