@@ -115,12 +115,15 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
 
     ``rows``: the arm's requests with ``host``, ``adapter``, ``tenant``, ``session``, ``step``,
     ``sent_s`` (send order), ``hit`` (bool) and optionally ``late`` (bool: the miss waited
-    for a load already in flight) and ``id``; ``labels``: request id -> the trace's
+    for a load already in flight), ``wait_ms`` (its adapter stall) and ``id``; ``labels``: request id -> the trace's
     ``workflow`` (``"one-off"`` or the session's chain ``"a->b->c"``; without it no step
     counts as a stray). Returns the counts per cause, the requests, hits and misses, how
     many unpredictable requests there were (and how many hit anyway: an adapter someone
-    else kept resident) and ``ceiling``: the hit ratio if every miss but the compulsory
-    and unpredictable ones were a hit."""
+    else kept resident), ``ceiling``: the hit ratio if every miss but the compulsory
+    and unpredictable ones were a hit, and (with ``wait_ms``) ``compulsory_stall_p99_ms``:
+    the stall p99 if only the compulsory misses had stalled, each as long as it did: the
+    floor of every cold-start policy's stall p99 whenever they are more than 1% of the
+    requests."""
     labels = labels or {}
     ordered = sorted(rows, key=lambda r: r["sent_s"])
     flags: dict[int, bool] = {}
@@ -135,6 +138,7 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
     host_seen: set = set()
     counts = dict.fromkeys(MISS_CAUSES, 0)
     unpredictable = unpredictable_hits = 0
+    floor: list[float] = []
     for i, r in enumerate(ordered):
         a, host = r["adapter"], r["host"] or "unknown"
         flow = labels.get(r.get("id"), "")
@@ -147,6 +151,7 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
         if not r["hit"]:
             if compulsory:
                 cause = "compulsory"
+                floor.append(float(r.get("wait_ms") or 0.0))
             elif stray or new_for_tenant:
                 cause = "unpredictable"
             elif r.get("late"):
@@ -164,7 +169,42 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
     n = len(ordered)
     hits = sum(1 for r in ordered if r["hit"])
     bound = n - counts["compulsory"] - counts["unpredictable"]
-    return {"requests": n, "hits": hits, "misses": n - hits, "causes": counts,
-            "unpredictable_requests": unpredictable, "unpredictable_hits": unpredictable_hits,
-            "ceiling": bound / n if n else None,
-            "definitions": MISS_CAUSES}
+    out = {"requests": n, "hits": hits, "misses": n - hits, "causes": counts,
+           "unpredictable_requests": unpredictable, "unpredictable_hits": unpredictable_hits,
+           "ceiling": bound / n if n else None}
+    if n and any("wait_ms" in r for r in ordered):
+        stalls = sorted(floor + [0.0] * (n - len(floor)))
+        out["compulsory_stall_p99_ms"] = round(stalls[min(n - 1, int(0.99 * n))], 2)
+    out["definitions"] = MISS_CAUSES
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.bounds REPORT``: (re)derive every fleet entry's ``miss_causes`` of a
+    ``bench.multi_lora_eval`` report from the rows it wrote beside it (``<report>_rows.jsonl``)
+    and its trace; rewrites the report."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from bench.multi_lora_eval import ok_rows, stack_miss_causes
+    from bench.trace import load_trace
+
+    ap = argparse.ArgumentParser(prog="python -m bench.bounds", description=main.__doc__.split(";")[0])
+    ap.add_argument("report")
+    path = Path(ap.parse_args(argv).report)
+    report = json.loads(path.read_text())
+    requests = load_trace(report["trace"])
+    rows: dict[tuple[str, str], list] = defaultdict(list)
+    for line in path.with_name(path.stem + "_rows.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        rows[(str(r.pop("hosts")), r.pop("arm"))].append(r)
+    for n, arms in report["fleets"].items():
+        for arm, entry in arms.items():
+            entry["miss_causes"] = stack_miss_causes(ok_rows(rows[(n, arm)]), requests, report["pool_adapters"])
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

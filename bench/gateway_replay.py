@@ -264,7 +264,8 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
                     else "session_revisit" if a in used_by.get((r["tenant"], r["session"]), ()) else "later_step")
             misses[kind] += 1
         rows.append({"id": r.get("id"), "host": up, "adapter": a, "tenant": r["tenant"], "session": r["session"],
-                     "step": r.get("step"), "sent_s": now, "hit": ready <= start, "late": in_flight})
+                     "step": r.get("step"), "sent_s": now, "hit": ready <= start, "late": in_flight,
+                     "wait_ms": 1000.0 * max(0.0, ready - start)})
         seen.add(a)
         used_by.setdefault((r["tenant"], r["session"]), set()).add(a)
         begin = max(start, ready)

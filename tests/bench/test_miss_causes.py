@@ -56,3 +56,11 @@ def test_capacity_when_belady_misses_too():
     # 2 slots: Belady keeps both, so the same misses are the policy's eviction choices
     out = miss_causes(rows, 2, labels={f"r{i}": "a->b" for i in range(4)})
     assert out["causes"]["evicted"] == 2 and out["causes"]["capacity"] == 0
+
+
+def test_compulsory_stall_floor():
+    rows = [{**row(i, "h", f"a{i % 50}", hit=i >= 50), "wait_ms": 100.0 if i < 50 else 0.0} for i in range(100)]
+    out = miss_causes(rows, 64)
+    assert out["causes"]["compulsory"] == 50
+    assert out["compulsory_stall_p99_ms"] == 100.0  # half the requests stalled on a first load
+    assert "compulsory_stall_p99_ms" not in miss_causes([row(0, "h", "a", hit=False)], 1)
