@@ -125,6 +125,8 @@ bench: $(if $(findstring vllm_router,$(ARMS)),$(ROUTER_STAMP),)
 # make bench SCENARIO=hundreds [SEED=N] [HOSTS=4] [SLOTS=16]: the mission's scale (226 adapters,
 # 48 tenants), every arm cold, into reports/hundreds_eval.json; SEED= another generator seed
 # (the held-out ones: 20261202, 20261203), generated into var/ and reported there.
+# make bench SCENARIO=sixteen [SEED=N] [HOSTS=4] [SLOTS=8]: 16 adapters, 12 tenants, 1,200
+# requests (data/multi_lora_eval/sixteen.json), every arm cold, into reports/sixteen_eval.json.
 SCENARIO ?=
 SEED ?=
 ifeq ($(SCENARIO),hundreds)
@@ -133,15 +135,21 @@ BENCH_OUT := $(if $(SEED),var/hundreds_$(SEED)_eval.json,reports/hundreds_eval.j
 HOSTS ?= 4
 SLOTS ?= 16
 WARM_FROM ?=
+else ifeq ($(SCENARIO),sixteen)
+BENCH_TRACE := $(if $(SEED),var/sixteen_$(SEED).json,data/multi_lora_eval/sixteen.json)
+BENCH_OUT := $(if $(SEED),var/sixteen_$(SEED)_eval.json,reports/sixteen_eval.json)
+HOSTS ?= 4
+SLOTS ?= 8
+WARM_FROM ?=
 else ifeq ($(SCENARIO),)
 BENCH_TRACE := $(TRACE)
 BENCH_OUT := $(or $(OUT),reports/multi_lora_eval.json)
 WARM_FROM ?= $(if $(TRACE),,data/multi_lora_eval/multi_lora_eval_800_prev.json)
 else
-$(error SCENARIO=$(SCENARIO): the scenarios are hundreds (or none: the 800 trace))
+$(error SCENARIO=$(SCENARIO): the scenarios are hundreds and sixteen (or none: the 800 trace))
 endif
 bench: $(STAMP) $(FIXTURES)/.done
-	$(if $(and $(SEED),$(filter hundreds,$(SCENARIO))),mkdir -p var && $(BIN)/python data/multi_lora_eval/generate.py --scenario hundreds --seed $(SEED) --out $(BENCH_TRACE),)
+	$(if $(and $(SEED),$(filter hundreds sixteen,$(SCENARIO))),mkdir -p var && $(BIN)/python data/multi_lora_eval/generate.py --scenario $(SCENARIO) --seed $(SEED) --out $(BENCH_TRACE),)
 	$(BIN)/python -m bench.multi_lora_eval --out $(BENCH_OUT) $(if $(BENCH_TRACE),--trace $(BENCH_TRACE),) \
 		$(if $(HOSTS),--hosts $(HOSTS),) $(if $(ARMS),--arms $(ARMS),) $(if $(WARM_FROM),--warm-from $(WARM_FROM),) \
 		$(if $(SLOTS),--slots $(SLOTS),) $(if $(SPEED),--speed $(SPEED),) $(if $(SCENARIO),--scenario $(SCENARIO),)

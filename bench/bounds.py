@@ -17,6 +17,11 @@ of ``slots`` adapters:
 
 A hit here is by count: timing (a load still in flight) is not modelled, so these are
 ceilings, not predictions.
+
+``miss_causes`` explains an arm's misses one by one (``MISS_CAUSES``, first match wins),
+from the trace's own labels (``workflow``: the generator's ground truth of which
+requests are one-offs and which steps stray from their session's habitual workflow),
+the arm's realized per-host sequences and Belady's choices on them.
 """
 
 from __future__ import annotations
@@ -25,11 +30,17 @@ import heapq
 from collections import defaultdict
 from typing import Hashable, Iterable, Mapping, Sequence
 
-__all__ = ["belady_hits", "compulsory_hits", "fleet_bounds", "host_sequences"]
+__all__ = ["MISS_CAUSES", "belady_flags", "belady_hits", "compulsory_hits", "fleet_bounds", "host_sequences",
+           "miss_causes"]
 
 
 def belady_hits(seq: Sequence[Hashable], slots: int) -> int:
     """Hits of Belady's furthest-next-use eviction over ``seq`` with ``slots`` slots."""
+    return sum(belady_flags(seq, slots))
+
+
+def belady_flags(seq: Sequence[Hashable], slots: int) -> list[bool]:
+    """Per request of ``seq``: does Belady's furthest-next-use eviction hit it?"""
     if slots < 1:
         raise ValueError(f"slots must be at least 1, got {slots}")
     n = len(seq)
@@ -40,10 +51,10 @@ def belady_hits(seq: Sequence[Hashable], slots: int) -> int:
         last[seq[i]] = i
     cached: dict = {}  # adapter -> its next use
     heap: list[tuple[int, int, Hashable]] = []  # (-next use, tiebreak, adapter); stale entries skipped
-    hits = 0
+    hits = [False] * n
     for i, a in enumerate(seq):
         if a in cached:
-            hits += 1
+            hits[i] = True
         elif len(cached) >= slots:
             while True:
                 neg, _, victim = heapq.heappop(heap)
@@ -82,3 +93,118 @@ def fleet_bounds(rows: Sequence[Mapping], slots: int) -> dict:
             "fleet_compulsory_hits": fleet_comp,
             "belady_hit_ratio": bel / n if n else None, "compulsory_hit_ratio": comp / n if n else None,
             "fleet_compulsory_hit_ratio": fleet_comp / n if n else None}
+
+
+#: why a request missed, in the order ``miss_causes`` tries them (first match wins)
+MISS_CAUSES = {
+    "compulsory": "the first request for its adapter in the whole fleet: no cold-start policy can hit it",
+    "unpredictable": "a one-off request, a step that strays from its session's workflow (trace labels), or "
+                     "the tenant's first request for this adapter: nothing learned online names it",
+    "late": "its adapter was being loaded (a prefetch or an ingress load in flight) when the engine reached it",
+    "opener": "the first step of a habitual workflow: only the tenant's openers (popularity) predict it",
+    "placement": "the first request for its adapter on this host (routing moved or replicated it)",
+    "evicted": "on this host before and evicted since, though Belady on the same host sequence keeps it: "
+               "the eviction (or prefetch victim) choice lost it",
+    "capacity": "on this host before and evicted since, and Belady on the same host sequence misses it too: "
+                "the host's working set exceeds its slots",
+}
+
+
+def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str] | None = None) -> dict:
+    """Each miss of an arm counted under one ``MISS_CAUSES`` cause.
+
+    ``rows``: the arm's requests with ``host``, ``adapter``, ``tenant``, ``session``, ``step``,
+    ``sent_s`` (send order), ``hit`` (bool) and optionally ``late`` (bool: the miss waited
+    for a load already in flight), ``wait_ms`` (its adapter stall) and ``id``; ``labels``: request id -> the trace's
+    ``workflow`` (``"one-off"`` or the session's chain ``"a->b->c"``; without it no step
+    counts as a stray). Returns the counts per cause, the requests, hits and misses, how
+    many unpredictable requests there were (and how many hit anyway: an adapter someone
+    else kept resident), ``ceiling``: the hit ratio if every miss but the compulsory
+    and unpredictable ones were a hit, and (with ``wait_ms``) ``compulsory_stall_p99_ms``:
+    the stall p99 if only the compulsory misses had stalled, each as long as it did: the
+    floor of every cold-start policy's stall p99 whenever they are more than 1% of the
+    requests."""
+    labels = labels or {}
+    ordered = sorted(rows, key=lambda r: r["sent_s"])
+    flags: dict[int, bool] = {}
+    by_host: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(ordered):
+        by_host[r["host"] or "unknown"].append(i)
+    for idx in by_host.values():
+        for i, f in zip(idx, belady_flags([ordered[i]["adapter"] for i in idx], slots)):
+            flags[i] = f
+    fleet_seen: set = set()
+    tenant_seen: set = set()
+    host_seen: set = set()
+    counts = dict.fromkeys(MISS_CAUSES, 0)
+    unpredictable = unpredictable_hits = 0
+    floor: list[float] = []
+    for i, r in enumerate(ordered):
+        a, host = r["adapter"], r["host"] or "unknown"
+        flow = labels.get(r.get("id"), "")
+        stray = flow == "one-off" or (bool(flow) and a not in flow.split("->"))
+        new_for_tenant = (r["tenant"], a) not in tenant_seen
+        compulsory = a not in fleet_seen
+        if not compulsory and (stray or new_for_tenant):
+            unpredictable += 1
+            unpredictable_hits += bool(r["hit"])
+        if not r["hit"]:
+            if compulsory:
+                cause = "compulsory"
+                floor.append(float(r.get("wait_ms") or 0.0))
+            elif stray or new_for_tenant:
+                cause = "unpredictable"
+            elif r.get("late"):
+                cause = "late"
+            elif r.get("step") == 0:
+                cause = "opener"
+            elif (host, a) not in host_seen:
+                cause = "placement"
+            else:
+                cause = "evicted" if flags[i] else "capacity"
+            counts[cause] += 1
+        fleet_seen.add(a)
+        tenant_seen.add((r["tenant"], a))
+        host_seen.add((host, a))
+    n = len(ordered)
+    hits = sum(1 for r in ordered if r["hit"])
+    bound = n - counts["compulsory"] - counts["unpredictable"]
+    out = {"requests": n, "hits": hits, "misses": n - hits, "causes": counts,
+           "unpredictable_requests": unpredictable, "unpredictable_hits": unpredictable_hits,
+           "ceiling": bound / n if n else None}
+    if n and any("wait_ms" in r for r in ordered):
+        stalls = sorted(floor + [0.0] * (n - len(floor)))
+        out["compulsory_stall_p99_ms"] = round(stalls[min(n - 1, int(0.99 * n))], 2)
+    out["definitions"] = MISS_CAUSES
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.bounds REPORT``: (re)derive every fleet entry's ``miss_causes`` of a
+    ``bench.multi_lora_eval`` report from the rows it wrote beside it (``<report>_rows.jsonl``)
+    and its trace; rewrites the report."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from bench.multi_lora_eval import ok_rows, stack_miss_causes
+    from bench.trace import load_trace
+
+    ap = argparse.ArgumentParser(prog="python -m bench.bounds", description=main.__doc__.split(";")[0])
+    ap.add_argument("report")
+    path = Path(ap.parse_args(argv).report)
+    report = json.loads(path.read_text())
+    requests = load_trace(report["trace"])
+    rows: dict[tuple[str, str], list] = defaultdict(list)
+    for line in path.with_name(path.stem + "_rows.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        rows[(str(r.pop("hosts")), r.pop("arm"))].append(r)
+    for n, arms in report["fleets"].items():
+        for arm, entry in arms.items():
+            entry["miss_causes"] = stack_miss_causes(ok_rows(rows[(n, arm)]), requests, report["pool_adapters"])
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -125,7 +125,7 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
     names = [f"host-{h:03d}" for h in range(hosts)]
     chans = [LoadChannel(channels) for _ in range(hosts)]
     if arm == "ace":
-        shared = dict(model=TransitionModel(order=settings.order), ledger=PredictionLedger(),
+        shared = dict(model=TransitionModel(order=settings.order, min_support=settings.min_support), ledger=PredictionLedger(),
                       pace=StepPace(settings.horizon_s),
                       expected=SessionDemand(settings.horizon_s, working_set=settings.working_set),
                       first_steps=FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s))

@@ -40,6 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.bounds import miss_causes
 from bench.sim import LoadChannel
 from bench.trace import TraceError, load_trace
 from extproc.state.catalog import PUBLIC, Adapter, Tenant, Upstream
@@ -181,7 +182,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
            lead_ms: float = 5.0, speed: float = 1.0, load_base_ms: float = 25.0,
            bytes_per_rank: int = 2 * 4 * 4096 * 32 * 2, gbps: float = 1.6,
            settings: SpeculationSettings = SpeculationSettings(), place_every_s: float = 5.0,
-           ingress_victims: bool = True) -> dict:
+           ingress_victims: bool = True, keep_rows: bool = False) -> dict:
     """One arm over ``trace`` (sorted by ``t``); ``speed`` divides the trace's times."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
@@ -211,6 +212,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
     misses = {"first_touch": 0, "session_opener": 0, "session_revisit": 0, "later_step": 0}
     used_by: dict[tuple, set] = {}  # (tenant, session) -> adapters it asked for
     hits = resident_hits = 0
+    rows: list[dict] = []
     for r in trace:
         now = r["t"] / speed
         a = r["adapter"]
@@ -234,6 +236,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
         seqs[up].append(a)
         if a in host.pool and host.pool[a] <= now:
             resident_hits += 1
+        in_flight = a in host.pool and host.pool[a] > now  # a prefetch still loading
         if a not in host.pool and arm == "ace":  # the ingress signal (priority 1): load now
             host.load(a, now, load_s[a], hint=residency.victims.get(up, ()))
         if planner is not None:
@@ -260,6 +263,9 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
             kind = ("first_touch" if a not in seen else "session_opener" if r.get("step") == 0
                     else "session_revisit" if a in used_by.get((r["tenant"], r["session"]), ()) else "later_step")
             misses[kind] += 1
+        rows.append({"id": r.get("id"), "host": up, "adapter": a, "tenant": r["tenant"], "session": r["session"],
+                     "step": r.get("step"), "sent_s": now, "hit": ready <= start, "late": in_flight,
+                     "wait_ms": 1000.0 * max(0.0, ready - start)})
         seen.add(a)
         used_by.setdefault((r["tenant"], r["session"]), set()).add(a)
         begin = max(start, ready)
@@ -282,6 +288,9 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
         "belady_hit_ratio": sum(p["belady_hits"] for p in per_host.values()) / n,
         "requests_per_host": [per_host[h]["requests"] for h in names],
         "misses": misses,
+        "miss_causes": {k: v for k, v in miss_causes(rows, slots, labels={r.get("id"): r.get("workflow", "")
+                                                                       for r in trace}).items()
+                        if k != "definitions"},
         "loads": sum(s.loads for s in sim.values()),
         "prefetch": {"sent": sum(s.prefetches for s in sim.values()),
                      "used": sum(s.prefetch_used for s in sim.values()),
@@ -291,6 +300,8 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
         "start_ms": {f"p{q}": round(1000 * _pct(waits, q / 100), 2) for q in (50, 90, 95, 99)},
         "per_host": per_host,
     }
+    if keep_rows:
+        out["rows"] = rows
     if planner is not None:
         planner.ledger.flush()
         out["planner"] = planner.counters()
@@ -339,7 +350,7 @@ def main(argv=None) -> int:
             report[path][arm] = r
             print(f"{path} {arm:<9} hits {r['effective_hit_ratio']:.4f} belady {r['belady_hit_ratio']:.4f} "
                   f"resident {r['resident_hit_ratio']:.4f} loads {r['loads']} prefetch {r['prefetch']} "
-                  f"per-host {r['requests_per_host']} misses {r['misses']} stall p99 {r['stall_ms']['p99']} "
+                  f"per-host {r['requests_per_host']} causes {r['miss_causes']['causes']} stall p99 {r['stall_ms']['p99']} "
                   f"start p99 {r['start_ms']['p99']}", file=sys.stderr, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -80,7 +80,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.bounds import fleet_bounds
+from bench.bounds import fleet_bounds, miss_causes
 from bench.pacing import engine_seconds, pilot_compute_s, replay_speed
 from bench.report import build_report, fleet_checks, fleet_entry, format_fleets, format_report, percentiles, \
     ttft_breakdown
@@ -503,12 +503,23 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
                "speculation": counters or None, "gateway_overhead_ms": overhead,
                "speed": speed, "engine_busy": busy, "engine_load_busy": load_busy,
-               "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool)})
+               "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool),
+               "miss_causes": stack_miss_causes(ok, requests, pool)})
     log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "
         f"effective {entry['effective_hits']}, errors {entry['errors']}, stall p99 {entry['stall_ms']['p99']}, "
         f"ttft p99 {entry['ttft_ms']['p99']}, per host {entry['requests_per_host']}, loads {loads}, "
         f"engine busy {busy}, Belady {entry['bounds']['belady_hits']}")
     return rows, entry, speed, calibration
+
+
+def stack_miss_causes(ok: list[dict], requests: list[dict], pool: int, stall_eps_ms: float = 1.0) -> dict:
+    """``bench.bounds.miss_causes`` over an arm's rows: a hit waited at most ``stall_eps_ms``
+    for its adapter (the report's effective hit); a miss is ``late`` when the engine applied
+    an adapter a prefetch (or the ingress signal) had started loading; the trace's
+    ``workflow`` labels tell one-offs and strays."""
+    rows = [{**r, "hit": r["wait_ms"] <= stall_eps_ms,
+             "late": r["wait_ms"] > stall_eps_ms and r.get("action") == "adapter_prefetched_applied"} for r in ok]
+    return miss_causes(rows, pool, labels={r.get("id"): r.get("workflow", "") for r in requests})
 
 
 def parse_list(text: str, allowed: tuple, kind) -> list:
@@ -665,7 +676,7 @@ def main(argv=None) -> int:
     ap.add_argument("--speed", default="auto",
                     help="replay speed-up of the trace's clock: a number, or auto (default): per fleet size, the "
                          "speed at which the busiest engine is busy about half the time (bench.pacing), at most 8")
-    ap.add_argument("--scenario", choices=("800", "hundreds"), default="800",
+    ap.add_argument("--scenario", choices=("800", "hundreds", "sixteen"), default="800",
                     help="whose targets the 4-host checks hold the ace arm to (make bench SCENARIO=)")
     ap.add_argument("--slots", type=int, default=None,
                     help="adapter slots of each host's pool (default: half of the trace's adapters; make bench SLOTS=)")

@@ -321,6 +321,21 @@ def hundreds_targets(ace: Mapping, aff: Mapping) -> dict:
     return out
 
 
+def sixteen_targets(ace: Mapping, aff: Mapping) -> dict:
+    """Issue 21's targets for the sixteen scenario at 4 hosts x 8 slots: ace's effective hits
+    >= 0.985 and never worse than affinity at any stall or TTFT percentile (<= 1.05x + 1 ms);
+    no errors. ``ceiling``: the fleet's cold-start ceiling (each adapter's first request misses)."""
+    ceiling = (ace.get("bounds") or {}).get("fleet_compulsory_hit_ratio")
+    out = {"effective_hit_ratio": {"want": 0.985, "got": ace["effective_hit_ratio"], "ceiling": ceiling,
+                                   "met": ace["effective_hit_ratio"] >= 0.985}}
+    for metric in ("stall_ms", "ttft_ms"):
+        got = {q: _no_worse(ace[metric][q], aff[metric][q]) for q in aff[metric]}
+        out[f"{metric}_no_worse"] = {"want": "<= 1.05 x affinity + 1 ms at every percentile", "got": got,
+                                     "met": all(v is not False for v in got.values())}
+    out["no_errors"] = {"want": 0, "got": ace["errors"], "met": ace["errors"] == 0}
+    return out
+
+
 def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "800") -> dict:
     """What the report can check about itself: per fleet, ``ace`` against ``affinity`` at
     every stall and TTFT percentile, errors per arm; for 4 hosts, the scenario's targets
@@ -342,6 +357,8 @@ def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "8
             c["below_saturation"] = busiest < BUSY_LIMIT
         if n == "4" and ace and aff and scenario == "hundreds":
             c["targets"] = hundreds_targets(ace, aff)
+        elif n == "4" and ace and aff and scenario == "sixteen":
+            c["targets"] = sixteen_targets(ace, aff)
         elif n == "4" and ace and aff:
             b, p = aff["stall_ms"]["p99"], ace["stall_ms"]["p99"]
             got = {"effective_hit_ratio": ace["effective_hit_ratio"], "resident_hit_ratio": ace["resident_hit_ratio"],

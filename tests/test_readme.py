@@ -126,3 +126,20 @@ def test_sim_vs_stack_section_names_the_terms_that_differ():
     text = "\n".join(sim_vs_stack(r))
     assert "| hundreds@4x16 | affinity | 0.700 | 0.720 | +0.020 | met |" in text
     assert "terms that differ — replay loop." in text
+
+
+def test_miss_table_and_sixteen_targets_render():
+    from tools.report_tables import miss_table, sixteen_targets
+
+    causes = {"compulsory": 16, "unpredictable": 0, "late": 1, "opener": 0, "placement": 0, "evicted": 0,
+              "capacity": 0}
+    m = {"misses": 17, "causes": causes, "unpredictable_hits": 3, "unpredictable_requests": 4, "ceiling": 0.9867,
+         "definitions": {c: f"what {c} is" for c in causes}}
+    text = "\n".join(miss_table({"fleets": {"4": {"ace": {"miss_causes": m, "stall_ms": {"p99": 9.0}}}}}))
+    assert "| 4 | ace | 17 | 16 | 0 | 1 |" in text and "**late**: what late is" in text and "98.67%" in text
+    pct = {"p50": True, "p99": False}
+    t = {"effective_hit_ratio": {"met": True, "got": 0.99, "ceiling": 0.9867},
+         "stall_ms_no_worse": {"met": True, "got": {"p50": True}}, "ttft_ms_no_worse": {"met": False, "got": pct},
+         "no_errors": {"met": True, "got": 0}}
+    line = sixteen_targets(t)
+    assert "99.00%" in line and "worse at ttft p99" in line and "**missed**" in line

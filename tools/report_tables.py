@@ -23,8 +23,8 @@ BEGIN = "<!-- numbers:begin (python -m tools.report_tables --update) -->"
 END = "<!-- numbers:end -->"
 
 
-REPORT_FILES = ("gateway_overhead.json", "agent.json", "hundreds_eval.json", "multi_lora_eval.json", "sim.json",
-                "sim_vs_stack.json", "vllm_eval.json", "inference_perf.json")
+REPORT_FILES = ("gateway_overhead.json", "agent.json", "hundreds_eval.json", "sixteen_eval.json",
+                "multi_lora_eval.json", "sim.json", "sim_vs_stack.json", "vllm_eval.json", "inference_perf.json")
 Loader = Callable[[str], "dict | None"]
 
 
@@ -148,6 +148,8 @@ def fleet(r: dict) -> list[str]:
     t = r["checks"].get("4", {}).get("targets")
     if t and r.get("scenario") == "hundreds":
         checks.append(hundreds_targets(t))
+    elif t and r.get("scenario") == "sixteen":
+        checks.append(sixteen_targets(t))
     elif t:
         checks.append(
             f"- 4 hosts, targets (the seeds' figures): effective hits ≥ 99.25% — {_ok(t['effective_hit_ratio']['met'])} "
@@ -156,11 +158,11 @@ def fleet(r: dict) -> list[str]:
             f"{_ok(t['stall_p99_reduction']['met'])} ({t['stall_p99_reduction']['got']:.1f}×); TTFT P99 lower — "
             f"{_ok(t['ttft_p99_lower']['met'])} ({t['ttft_p99_lower']['got']:.1f} vs {t['ttft_p99_lower']['want']:.1f} ms). "
             "What bounds a miss: docs/prediction.md.")
+    names = list(dict.fromkeys(arm for arms in r["fleets"].values() for arm in arms))
+    described = [ARM_TEXT.get(a, f"**{a}**") for a in names]
     return [
         f"Fleets of {' / '.join(r['fleets'])} engine hosts behind one Envoy + one ext_proc, each host with its own pool of "
-        f"{r['pool_adapters']} slots; three arms on the same trace: **round_robin** (requests spread in turn, "
-        "engines load on demand: a plain Service in front of vLLM replicas), **affinity** (ace's placement and "
-        "residency-aware routing, prefetch off: what a LoRA-affinity picker gives), **ace** (routing + prefetch). "
+        f"{r['pool_adapters']} slots; {len(names)} arms on the same trace: {', '.join(described)}. "
         f"The ace arm's gateway starts from {learned}. Wall time of the whole run: {r['wall_s'] / 60:.1f} min "
         f"({_speeds(r)}).",
         "",
@@ -170,6 +172,78 @@ def fleet(r: dict) -> list[str]:
         *rows,
         "",
         *checks,
+    ]
+
+
+ARM_TEXT = {
+    "round_robin": "**round_robin** (requests spread in turn, engines load on demand: a plain Service in front of "
+                   "vLLM replicas)",
+    "vllm_router": "**vllm_router** (vLLM's own router, `cache_aware`, in front of the same engines instead of "
+                   "Envoy + ext_proc)",
+    "vllm_router_session": "**vllm_router_session** (vLLM's router, `consistent_hash` on the session)",
+    "affinity": "**affinity** (ace's placement and residency-aware routing, prefetch off: what a LoRA-affinity "
+                "picker gives)",
+    "ace": "**ace** (routing + prefetch)",
+}
+
+
+def sixteen_targets(t: dict) -> str:
+    h = t["effective_hit_ratio"]
+    worse = [f"{m[:-3]} {q}" for m in ("stall_ms", "ttft_ms") for q, ok in t[f"{m}_no_worse"]["got"].items()
+             if ok is False]
+    ceiling = f", the cold-start ceiling {100 * h['ceiling']:.2f}%" if h.get("ceiling") is not None else ""
+    return (f"- 4 hosts, targets (issue 21): ace effective hits ≥ 98.5% — {_ok(h['met'])} ({100 * h['got']:.2f}%"
+            f"{ceiling}); never worse than affinity at any stall or TTFT percentile — "
+            f"{_ok(t['stall_ms_no_worse']['met'] and t['ttft_ms_no_worse']['met'])}"
+            + (f" (worse at {', '.join(worse)})" if worse else "") + f"; no errors — {_ok(t['no_errors']['met'])}.")
+
+
+def miss_table(r: dict) -> list[str]:
+    """Per hosts × arm: each miss under one cause (``bench.bounds.miss_causes``)."""
+    causes = None
+    rows = []
+    for n, arms in r["fleets"].items():
+        for arm, e in arms.items():
+            m = e.get("miss_causes")
+            if not m:
+                continue
+            causes = causes or list(m["causes"])
+            rows.append(f"| {n} | {arm} | {m['misses']} | " + " | ".join(str(m["causes"][c]) for c in causes)
+                        + f" | {m['unpredictable_hits']}/{m['unpredictable_requests']} | {100 * m['ceiling']:.2f}% | "
+                        f"{_ms(m.get('compulsory_stall_p99_ms'))} / {_ms(e['stall_ms']['p99'])} |")
+    if not rows:
+        return []
+    defs = next(e["miss_causes"]["definitions"] for arms in r["fleets"].values() for e in arms.values()
+                if e.get("miss_causes"))
+    return [
+        "What each miss was (`bench.bounds.miss_causes`, first match wins): "
+        + "; ".join(f"**{c}**: {defs[c]}" for c in causes)
+        + ". Unpredictable hit: unpredictable requests (not the fleet's first) that hit anyway. Ceiling: the hit "
+          "ratio if every miss but the compulsory and unpredictable ones had hit. Stall p99 floor: the arm's stall "
+          "p99 if only its compulsory misses had stalled (each as long as it did), beside its stall p99.",
+        "",
+        "| hosts | arm | misses | " + " | ".join(causes) + " | unpredictable hit | ceiling "
+        "| stall p99 floor / stall p99 ms |",
+        "|---|---|---|" + "---|" * len(causes) + "---|---|---|",
+        *rows,
+    ]
+
+
+def sixteen(r: dict) -> list[str]:
+    return [
+        "### Sixteen adapters, 8 slots per host — `make bench SCENARIO=sixteen` → `reports/sixteen_eval.json`",
+        "",
+        f"`{r['trace']}` (`generate.py --scenario sixteen`): {_requests(r)} requests, {r['sessions']} sessions, "
+        f"{r['adapters']} adapters of ranks 8–128, 12 tenants, each host's pool {r['pool_adapters']} slots, so the "
+        "fleet can hold the catalog twice; every arm starts cold.",
+        "",
+        *fleet(r),
+        "",
+        *miss_table(r),
+        "",
+        *where_time_goes(r),
+        "",
+        f"![TTFT distributions per arm, {r['fleet_hosts']} hosts, sixteen adapters](reports/sixteen_eval.png)",
     ]
 
 
@@ -253,6 +327,8 @@ def hundreds(r: dict) -> list[str]:
         "starts cold. Same stack, arms and cold loads as the 800 report below.",
         "",
         *fleet(r),
+        "",
+        *miss_table(r),
         "",
         *where_time_goes(r),
         "",
@@ -567,7 +643,7 @@ def render(load: Loader | None = None) -> str:
     """The section from ``load``'s reports (default: this checkout's working tree)."""
     load = load or working_tree_reports(REPO)
     parts: list[str] = []
-    for name, fn in zip(REPORT_FILES, (gateway, agent, hundreds, eval800, sim, sim_vs_stack, vllm_eval,
+    for name, fn in zip(REPORT_FILES, (gateway, agent, hundreds, sixteen, eval800, sim, sim_vs_stack, vllm_eval,
                                        inference_perf)):
         report = load(name)
         if report is not None:

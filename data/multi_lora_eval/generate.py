@@ -2,8 +2,10 @@
 
     python data/multi_lora_eval/generate.py [--n 800] [--seed 20261130] [--out FILE]
     python data/multi_lora_eval/generate.py --scenario hundreds [--seed N] [--out FILE]
+    python data/multi_lora_eval/generate.py --scenario sixteen [--seed N] [--out FILE]
 
-``--scenario hundreds`` is the mission's scale: 200+ adapters, 48 tenants (``hundreds.py``).
+``--scenario hundreds`` is the mission's scale: 200+ adapters, 48 tenants (``hundreds.py``);
+``--scenario sixteen``: 16 adapters, 12 tenants, 1,200 requests (``sixteen.py``).
 The rest of this docstring is the default scenario, ``800``:
 
 800 requests from 8 tenants over 5 domains and the fixtures' 10 adapters (ranks 8-128).
@@ -185,15 +187,16 @@ def _request(rng: random.Random, t: float, think: float | None, tenant: str, ses
     }
 
 
-SCENARIOS = ("800", "hundreds")
+SCENARIOS = ("800", "hundreds", "sixteen")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenario", choices=SCENARIOS, default="800",
-                    help="800: the 10-adapter trace; hundreds: 200+ adapters, 48 tenants (hundreds.py)")
-    ap.add_argument("--n", type=int, default=None, help="number of requests (800; hundreds: 2400)")
-    ap.add_argument("--seed", type=int, default=None, help="random seed (800: 20261130; hundreds: 20261201)")
+                    help="800: the 10-adapter trace; hundreds: 200+ adapters, 48 tenants (hundreds.py); "
+                         "sixteen: 16 adapters, 12 tenants (sixteen.py)")
+    ap.add_argument("--n", type=int, default=None, help="number of requests (800; hundreds: 2400; sixteen: 1200)")
+    ap.add_argument("--seed", type=int, default=None, help="random seed (800: 20261130; hundreds: 20261201; sixteen: 20261204)")
     ap.add_argument("--tenants", type=int, default=None, help="hundreds only: tenants (48)")
     ap.add_argument("--public", type=int, default=None, help="hundreds only: public adapters (112)")
     ap.add_argument("--session-rate", type=float, default=None,
@@ -211,6 +214,14 @@ def main(argv: list[str] | None = None) -> int:
             args.tenants or hundreds.N_TENANTS, hundreds.N_PUBLIC if args.public is None else args.public,
             args.session_rate)
         out = Path(args.out or here / "hundreds.json")
+    elif args.scenario == "sixteen":
+        if args.tenants is not None or args.public is not None or args.session_rate is not None:
+            ap.error("--tenants, --public and --session-rate are for --scenario hundreds")
+        sys.path.insert(0, str(here))
+        import sixteen
+
+        reqs = sixteen.generate_sixteen(args.n or sixteen.N_REQUESTS, sixteen.SEED if args.seed is None else args.seed)
+        out = Path(args.out or here / "sixteen.json")
     else:
         if args.tenants is not None or args.public is not None or args.session_rate is not None:
             ap.error("--tenants, --public and --session-rate are for --scenario hundreds")

@@ -106,7 +106,7 @@ class SpeculationPlanner:
         self.route = route
         self.initial_slots = initial_slots
         self.load_grace_s = load_grace_s  # a prefetch not yet in the pool is in flight this long
-        self.model = TransitionModel(order=settings.order)
+        self.model = TransitionModel(order=settings.order, min_support=settings.min_support)
         self.ledger = PredictionLedger()
         self.speculators: dict[str, Speculator] = {}
         self._slots = dict(slots or {})

@@ -62,10 +62,10 @@ def _unit_load(adapter: Hashable) -> float:
 
 @dataclass(frozen=True)
 class SpeculationSettings:
-    k: int = 2  # next adapters considered per step
-    min_p: float = 0.35  # least transition probability worth a load
+    k: int = 3  # next adapters considered per step
+    min_p: float = 0.2  # least transition probability worth a load (the price, prefetch_pays, still decides)
     horizon_s: float = 10.0  # horizon of the use probabilities compared by should_speculate
-    half_life_s: float = 600.0  # popularity half-life
+    half_life_s: float = 300.0  # popularity half-life
     window: int = 0  # eviction looks at this many least recently used entries (1 = LRU, 0 = all)
     adaptive_horizon: bool = True  # horizon_s follows the sessions' pace (StepPace); False: fixed
     session_demand: bool = True  # victims scored by what sessions in progress expect next (SessionDemand)
@@ -76,6 +76,8 @@ class SpeculationSettings:
     max_inflight: int = 2  # per host: no new prefetch while this many are loading (0 = no limit)
     lookahead: int = 1  # 2: also offer the step after the next (P(b) x P(c | b)) when at least min_p
     working_set: int = 2  # SessionDemand also expects the session's last N other adapters back (0 = off)
+    min_support: float = 2.0  # observations a tenant's transition row needs before it is trusted over all tenants'
+    opener_min_p: float | None = None  # least use probability of a session opener worth a load (None: min_p)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ class Speculator:
         self.first_steps = first_steps if first_steps is not None else FirstSteps(
             settings.half_life_s, idle_timeout_s=settings.idle_timeout_s)
         self.cache = AdapterCache(capacity)
-        self.model = model if model is not None else TransitionModel(order=settings.order)
+        self.model = model if model is not None else TransitionModel(order=settings.order,
+                                                                     min_support=settings.min_support)
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
         self.ledger = ledger if ledger is not None else PredictionLedger()
         self.pace = pace if pace is not None else StepPace(settings.horizon_s)
@@ -314,7 +317,8 @@ class Speculator:
             if st.priced:
                 busy = sum(load_s(k) for k in flying) / self.horizon_s
                 case = PrefetchCase(c, load_s(adapter), v, load_s(victim) if victim is not None else 0.0, busy)
-                if not prefetch_pays(case, min_p=st.min_p):
+                floor = st.opener_min_p if reason == "first_step" and st.opener_min_p is not None else st.min_p
+                if not prefetch_pays(case, min_p=floor):
                     return None
             elif not should_speculate(c, v, min_score=st.min_p):
                 return None

@@ -81,3 +81,22 @@ def test_trace_catalog_makes_missing_adapters_once(tmp_path, tmp_path_factory):
     # a trace over the committed adapters uses the committed catalog
     committed = load_trace(ROOT / "data/multi_lora_eval/multi_lora_eval_800.json")
     assert trace_catalog(committed, fixtures, tmp_path / "cache") == fixtures / "catalog.yaml"
+
+
+SIXTEEN = ROOT / "data/multi_lora_eval/sixteen.json"
+
+
+def test_committed_sixteen_trace_is_the_generator_output(tmp_path):
+    out = tmp_path / "s.json"
+    subprocess.run([sys.executable, str(GENERATE), "--scenario", "sixteen", "--out", str(out)], check=True,
+                   capture_output=True)
+    assert out.read_bytes() == SIXTEEN.read_bytes()
+
+
+def test_sixteen_has_its_shape():
+    reqs = load_trace(SIXTEEN)
+    assert len(reqs) == 1200
+    assert len({r["adapter"] for r in reqs}) == 16
+    assert len({r["tenant"] for r in reqs}) == 12
+    assert set({r["adapter"]: r["rank"] for r in reqs}.values()) <= {8, 16, 32, 64, 128}
+    assert sum(1 for r in reqs if r["workflow"] == "one-off") >= 10

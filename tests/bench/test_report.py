@@ -160,3 +160,16 @@ def test_rows_recorded_before_the_tier_rename_count_as_resident():
     # reports/ keeps rows whose engine header said "pool" for the device tier
     counts = hit_counts([row(tier="device"), row(tier="pool"), row(tier="host", wait=0.3)])
     assert counts["resident_hits"] == 2
+
+
+def test_sixteen_targets():
+    from bench.report import sixteen_targets
+
+    pct = {"p50": 1.0, "p90": 2.0, "p95": 3.0, "p99": 4.0}
+    aff = {"effective_hit_ratio": 0.98, "stall_ms": pct, "ttft_ms": pct, "errors": 0}
+    ace = {**aff, "effective_hit_ratio": 0.99, "bounds": {"fleet_compulsory_hit_ratio": 0.9867}}
+    t = sixteen_targets(ace, aff)
+    assert t["effective_hit_ratio"]["met"] and t["ttft_ms_no_worse"]["met"] and t["no_errors"]["met"]
+    assert t["effective_hit_ratio"]["ceiling"] == 0.9867
+    worse = sixteen_targets({**ace, "ttft_ms": {**pct, "p99": 40.0}}, aff)
+    assert not worse["ttft_ms_no_worse"]["met"]

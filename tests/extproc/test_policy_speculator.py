@@ -235,3 +235,27 @@ def test_lookahead_offers_the_step_after_the_next():
     spec_one = Speculator(capacity=8, settings=SpeculationSettings(first_steps=0, max_inflight=0))
     run_sessions(spec_one, 5, chain=("plan", "code", "test"))
     assert spec_one._two_ahead("acme", "plan", set()) == [("test", 1.0)]
+
+
+def test_min_support_setting_reaches_the_shared_model():
+    from extproc.fleet.speculation import SpeculationPlanner
+    from extproc.policy.speculator import SpeculationSettings, Speculator
+
+    assert Speculator(4, SpeculationSettings(min_support=1.0)).model.min_support == 1.0
+    assert SpeculationPlanner(SpeculationSettings(min_support=5.0)).model.min_support == 5.0
+
+
+def test_opener_floor_lets_a_cheap_opener_in():
+    from extproc.policy.speculator import SpeculationSettings, Speculator
+
+    def opener(settings):
+        spec = Speculator(4, settings)
+        # the tenant opened many sessions with "o"; the next request (another session) offers it
+        for i in range(20):
+            spec.step("t", f"s{i}", "o", float(i))
+        spec.cache.evict("o")
+        got = spec.step("t", "new", "x", 20.0).prefetches
+        return [p.adapter for p in got if p.reason == "first_step"]
+
+    assert opener(SpeculationSettings(opener_min_p=0.0, min_p=0.99)) == ["o"]
+    assert opener(SpeculationSettings(min_p=0.99)) == []
