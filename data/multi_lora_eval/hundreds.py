@@ -68,6 +68,19 @@ ZIPF_TENANTS = 0.8
 ZIPF_PUBLIC = 0.9
 
 
+def habitual_flows(rng: random.Random, habits: list[str]) -> list[tuple[float, list[str]]]:
+    """A tenant's 1-3 habitual workflows: each a weight and a chain of 4-10 steps over a
+    working set of 2-4 of its habits, no step repeating the one before."""
+    flows = []
+    for _ in range(rng.randint(1, 3)):
+        working = rng.sample(habits, min(len(habits), rng.randint(2, 4)))
+        chain = [rng.choice(working)]
+        while len(chain) < rng.randint(4, 10):
+            chain.append(rng.choice([a for a in working if a != chain[-1]]))
+        flows.append((round(rng.uniform(0.2, 1.0), 3), chain))
+    return flows
+
+
 def world(rng: random.Random, tenants: int, public: int) -> tuple[dict, dict]:
     """``(adapters, tenants)``: adapter -> (rank, domain, owner); tenant -> its profile
     (activity weight, visible adapters, workflows as (weight, chain))."""
@@ -101,14 +114,7 @@ def world(rng: random.Random, tenants: int, public: int) -> tuple[dict, dict]:
             pick = rng.choices(candidates, [pub_weight[a] for a in candidates])[0]
             if pick not in used_public:
                 used_public.append(pick)
-        habits = owned + used_public
-        flows = []
-        for _ in range(rng.randint(1, 3)):
-            working = rng.sample(habits, min(len(habits), rng.randint(2, 4)))
-            chain = [rng.choice(working)]
-            while len(chain) < rng.randint(4, 10):
-                chain.append(rng.choice([a for a in working if a != chain[-1]]))
-            flows.append((round(rng.uniform(0.2, 1.0), 3), chain))
+        flows = habitual_flows(rng, owned + used_public)
         profiles[tenant] = {"activity": activity[i], "visible": owned + list(pub_weight), "flows": flows}
     return adapters, profiles
 

@@ -68,14 +68,7 @@ def world(rng: random.Random, tenants: int = N_TENANTS) -> tuple[dict, dict]:
             pick = rng.choices(candidates, [pub_weight[a] for a in candidates])[0]
             if pick not in used_public:
                 used_public.append(pick)
-        habits = owned + used_public
-        flows = []
-        for _ in range(rng.randint(1, 3)):
-            working = rng.sample(habits, min(len(habits), rng.randint(2, 4)))
-            chain = [rng.choice(working)]
-            while len(chain) < rng.randint(4, 10):
-                chain.append(rng.choice([a for a in working if a != chain[-1]]))
-            flows.append((round(rng.uniform(0.2, 1.0), 3), chain))
+        flows = hundreds.habitual_flows(rng, owned + used_public)
         profiles[tenant] = {"activity": activity[i], "visible": owned + list(pub_weight), "flows": flows}
     return adapters, profiles
 
