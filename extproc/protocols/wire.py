@@ -172,27 +172,10 @@ _APPEND_OVERWRITE = b"\x18" + _varint(_OVERWRITE)   # HeaderValueOption.append_a
 _KEYS: dict[str, bytes] = {}   # header name -> its HeaderValue.key field
 
 
-_MUTATIONS: dict[tuple[tuple[str, str], ...], bytes] = {}   # headers -> _header_mutation's bytes
-
-
 def _header_mutation(headers: tuple[tuple[str, str], ...]) -> bytes:
     """CommonResponse.header_mutation (2): HeaderMutation{set_headers: [HeaderValueOption{
     header: HeaderValue{key, raw_value}, append_action: OVERWRITE_IF_EXISTS_OR_ADD}]}.
-    Empty strings are not written (proto3 defaults), as upb does.
-
-    Kept per headers (bounded like the metadata's): requests with a body of the same
-    length set the same ``content-length``, and writing the fields was half the answer's
-    cost."""
-    out = _MUTATIONS.get(headers)
-    if out is None:
-        out = _write_header_mutation(headers)
-        if len(_MUTATIONS) >= _METADATA_CACHE_SIZE:
-            _MUTATIONS.clear()
-        _MUTATIONS[headers] = out
-    return out
-
-
-def _write_header_mutation(headers: tuple[tuple[str, str], ...]) -> bytes:
+    Empty strings are not written (proto3 defaults), as upb does."""
     options = b""
     for key, value in headers:
         name = _KEYS.get(key)
