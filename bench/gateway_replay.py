@@ -40,7 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.bounds import miss_causes
+from bench.bounds import belady_hits, miss_causes
 from bench.sim import LoadChannel
 from bench.trace import TraceError, load_trace
 from extproc.state.catalog import PUBLIC, Adapter, Tenant, Upstream
@@ -131,31 +131,6 @@ class Host:
 
     def resident(self, now: float) -> list[str]:
         return [a for a, r in self.pool.items() if r <= now]
-
-
-def belady_hits(seq: list[str], slots: int) -> int:
-    """Hits of Belady's demand-caching optimum on ``seq`` with ``slots`` unit slots."""
-    n = len(seq)
-    nxt = [n] * n
-    last: dict[str, int] = {}
-    for i in range(n - 1, -1, -1):
-        nxt[i] = last.get(seq[i], n)
-        last[seq[i]] = i
-    cached: dict[str, int] = {}  # adapter -> its next use
-    heap: list[tuple[int, str]] = []
-    hits = 0
-    for i, a in enumerate(seq):
-        if a in cached:
-            hits += 1
-        elif len(cached) >= slots:
-            while True:  # the cached adapter used furthest in the future (lazy heap)
-                neg, b = heapq.heappop(heap)
-                if cached.get(b) == -neg:
-                    del cached[b]
-                    break
-        cached[a] = nxt[i]
-        heapq.heappush(heap, (-nxt[i], a))
-    return hits
 
 
 def _catalog(trace: list[dict]) -> dict[str, Adapter]:

@@ -51,6 +51,7 @@ import grpc
 import httpx
 import yaml
 
+from bench.bounds import belady_hits
 from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, plot_ttft, sessions, speculation_counters, think_s
 from bench.multi_lora_eval import state_yaml as bench_state_yaml
 from bench.report import percentiles
@@ -233,19 +234,7 @@ def agent_counters(host: dict) -> dict:
 def belady_misses(sequence: list[str], capacity: int) -> int:
     """Belady's MIN over ``sequence`` with ``capacity`` entries: the fewest loads any
     eviction policy could make for it (each first use is one), with no prefetch."""
-    nxt, last = [0] * len(sequence), {}
-    for i in range(len(sequence) - 1, -1, -1):
-        nxt[i] = last.get(sequence[i], len(sequence))
-        last[sequence[i]] = i
-    cache: dict[str, int] = {}  # adapter -> its next use
-    misses = 0
-    for i, a in enumerate(sequence):
-        if a not in cache:
-            misses += 1
-            if len(cache) >= capacity:
-                del cache[max(cache, key=cache.get)]
-        cache[a] = nxt[i]
-    return misses
+    return len(sequence) - belady_hits(sequence, capacity)
 
 
 def bounds(rows: list[dict], capacity: int, hosts: int) -> dict:
