@@ -93,6 +93,13 @@ class EngineConnector(abc.ABC):
         own loads); True when it had to wait. Others answer False at once."""
         return False
 
+    async def fetch_turn(self) -> bool:
+        """Before the agent fetches a prefetch's files: an engine that shares the agent's
+        process (builtin) waits until it has no request's load and computes nothing (the
+        download and its hashing run on the event loop the engine serves from); True when
+        it had to wait. Others answer False at once (their compute is not ours)."""
+        return False
+
     def load_order_stats(self) -> dict[str, dict[str, int]]:
         """An engine that orders its own loads (builtin): ``{"preemptions": {stage: n},
         "cancelled": {reason: n}}`` of its prefetch loads so far; {} otherwise."""

@@ -32,6 +32,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineSettings, str, 
                     help=h("batch_window_ms"))
     ap.add_argument("--max-model-len", type=int, default=None, help=h("max_model_len"))
     ap.add_argument("--max-adapters", type=int, default=None, help=h("max_adapters"))
+    ap.add_argument("--prefetch-compute-defer-ms", type=float, default=EngineSettings.prefetch_compute_defer_ms,
+                    help=h("prefetch_compute_defer_ms"))
     ap.add_argument("--prefetch-load-nice", type=int, default=EngineSettings.prefetch_load_nice,
                     help=h("prefetch_load_nice"))
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

@@ -209,6 +209,10 @@ class EngineAdapters:
         """A request the engine accepted is about to use (or uses) ``name``."""
         return self._claims.get(name, 0) > 0
 
+    def has_claims(self) -> bool:
+        """A request the engine accepted has not finished (thread-safe read)."""
+        return bool(self._claims)
+
     def claimed_names(self) -> set[str]:
         return {n for n, c in list(self._claims.items()) if c > 0}
 
@@ -274,6 +278,8 @@ class EngineAdapters:
         else:
             self._claims.pop(name, None)
             self._wake_room()
+            if not self._claims:
+                self.order.notify()  # the last request ended: deferred prefetches may go
 
     def _wake_room(self) -> None:
         self._room.set()  # pages may have become evictable: wake loads waiting for room

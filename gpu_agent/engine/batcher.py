@@ -17,7 +17,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from gpu_agent.engine.model import LlamaModel, SequenceStep
 
@@ -86,6 +86,9 @@ class Batcher:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ace-forward")
         self._task: asyncio.Task | None = None
+        # called on the event loop each time the loop runs out of sequences (the engine's
+        # load order lets deferred prefetches go then)
+        self.idle_listeners: list[Callable[[], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -114,6 +117,11 @@ class Batcher:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        """A sequence is queued or running (thread-safe read)."""
+        return bool(self._running) or bool(self._waiting)
 
     def running_adapters(self) -> set[str]:
         return {s.req.adapter for s in self._running if s.req.adapter}
@@ -173,6 +181,8 @@ class Batcher:
         while True:
             self._running = [s for s in self._running if not s.done]
             if not self._running and not self._waiting:
+                for listener in self.idle_listeners:
+                    listener()
                 self._wake.clear()
                 await self._wake.wait()
                 if self.batch_window_s > 0:  # let requests that arrive together share a step

@@ -54,6 +54,10 @@ class EngineSettings:
         "help": "Linux niceness added to the thread that runs prefetch loads (0 = as the engine's; "
                 "a nicer thread preempted while it holds the GIL stalls the forward: see "
                 "gpu_agent/engine/load_order.py)"})
+    prefetch_compute_defer_ms: float = field(default=1000.0, metadata={
+        "help": "a prefetch waits while a request is accepted, queued or running, for at most this "
+                "long in all, then goes on (yielding to requests' loads only); 0 = never waits "
+                "for compute (gpu_agent/engine/load_order.py)"})
     max_adapters: int | None = field(default=None, metadata={
         "help": "most adapters resident in the pool at once (LRU eviction on every load); "
                 "default: bounded by pool bytes only"})
@@ -71,6 +75,8 @@ class EngineSettings:
             raise ValueError("batch limits must be >= 1")
         if self.max_adapters is not None and self.max_adapters < 1:
             raise ValueError("max_adapters must be >= 1 (or unset)")
+        if not self.prefetch_compute_defer_ms >= 0:
+            raise ValueError("prefetch_compute_defer_ms must be >= 0")
         if not 0 <= self.prefetch_load_nice <= 19:
             raise ValueError("prefetch_load_nice must be in [0, 19]")
         return self
@@ -94,6 +100,11 @@ class Engine:
                                max_batch_tokens=settings.max_batch_tokens,
                                batch_window_ms=settings.batch_window_ms,
                                max_model_len=settings.max_model_len)
+        # a prefetch stays off the compute: it waits while a request is accepted, queued or
+        # running (gpu_agent.engine.load_order), and goes when the batcher runs dry
+        adapters.order.compute_busy = lambda: adapters.has_claims() or self.batcher.busy
+        adapters.order.compute_defer_s = settings.prefetch_compute_defer_ms / 1e3
+        self.batcher.idle_listeners.append(adapters.order.notify)
         stop = set(model.cfg.eos_ids())
         if tokenizer.eos_id is not None:
             stop.add(tokenizer.eos_id)

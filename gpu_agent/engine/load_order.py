@@ -12,6 +12,16 @@ must never cost a request anything, so :class:`LoadOrder` keeps three rules:
   copy): while a request's load is in flight it stops there (a *preemption*, counted
   by stage), waits until no request's load is left, and goes on.
 
+A prefetch also stays off the engine's compute: while ``compute_busy()`` (the engine has
+a request accepted, queued or running: its batcher and its claims) a prefetch neither
+starts nor passes a checkpoint, for at most ``compute_defer_s`` in all (then it yields to
+requests' loads only, so a saturated engine still gets its prefetches, as vLLM's
+connector waits at most ``idle_wait_s``). The engine calls :meth:`notify` when it goes
+idle. Why: a prefetch's parse and copy share the process (the GIL, the event loop, the
+CPU) with the forward; deferred behind a request's load only, it resumed exactly when that
+request's first forward pass began, and delayed it (docs/bench-history.md, 2026-12-02,
+"Prefetch off the compute").
+
 A request that needs an adapter a prefetch is loading joins that load and promotes it
 (:meth:`promote`): it no longer yields. A prefetch that finds no room without evicting
 what requests hold or are about to use is given up (``cancelled{reason="no_room"}``):
@@ -34,6 +44,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -49,13 +60,24 @@ class LoadTicket:
 
     name: str
     prefetch: bool
+    # monotonic time after which it no longer waits for the engine's compute (set the first
+    # time it does)
+    compute_deadline: float | None = None
 
 
 class LoadOrder:
-    def __init__(self, prefetch_slots: int = 1):
+    def __init__(self, prefetch_slots: int = 1, compute_defer_s: float = 1.0,
+                 compute_busy: Callable[[], bool] | None = None):
         if prefetch_slots < 1:
             raise ValueError("prefetch_slots must be >= 1")
+        if compute_defer_s < 0:
+            raise ValueError("compute_defer_s must be >= 0")
         self.prefetch_slots = prefetch_slots
+        self.compute_defer_s = compute_defer_s
+        # the engine has a request accepted, queued or running (read from load threads too)
+        self.compute_busy: Callable[[], bool] = compute_busy or (lambda: False)
+        self.compute_waits = 0      # times a prefetch waited for the engine's compute
+        self.compute_overruns = 0   # prefetches that went on after compute_defer_s
         self.demand_in_flight = 0   # read from load threads: an int, written on the loop only
         self.prefetches_running = 0
         self.idle_waiters = 0       # callers of idle() waiting now
@@ -91,9 +113,8 @@ class LoadOrder:
         flight. A load promoted while it waits goes at once, without a slot (a request
         waits for it, and the prefetch holding the slot may be paused for that request)."""
         while ticket.prefetch and (self.prefetches_running >= self.prefetch_slots
-                                   or self.demand_in_flight > 0):
-            changed = self._changed
-            await changed.wait()
+                                   or self.demand_in_flight > 0 or self._behind_compute(ticket)):
+            await self._wait_change(ticket)
         took = ticket.prefetch
         if took:
             self.prefetches_running += 1
@@ -109,7 +130,7 @@ class LoadOrder:
         hook = self.checkpoint_hook
         if hook is not None and ticket.prefetch:
             hook(ticket.name, stage)
-        return ticket.prefetch and self.demand_in_flight > 0
+        return ticket.prefetch and (self.demand_in_flight > 0 or self._behind_compute(ticket))
 
     async def pause(self, ticket: LoadTicket, stage: str) -> None:
         """The prefetch stopped at ``stage``: count it, and wait for its turn again."""
@@ -117,24 +138,58 @@ class LoadOrder:
         await self.turn(ticket)
 
     async def turn(self, ticket: LoadTicket) -> None:
-        """Wait until no request's load is in flight (or the load was promoted)."""
-        while ticket.prefetch and self.demand_in_flight > 0:
-            changed = self._changed
-            await changed.wait()
+        """Wait until no request's load is in flight and the engine computes nothing (for
+        at most ``compute_defer_s`` of the ticket's), or the load was promoted."""
+        while ticket.prefetch and (self.demand_in_flight > 0 or self._behind_compute(ticket)):
+            await self._wait_change(ticket)
 
     async def idle(self) -> bool:
-        """Wait until no request's load is in flight; True when it had to wait (the
-        agent asks before it takes its device lock for a prefetch)."""
+        """Wait until no request's load is in flight and the engine computes nothing (that
+        part for at most ``compute_defer_s``); True when it had to wait (the agent asks
+        before it fetches a prefetch's files and before it takes its device lock)."""
+        ticket = LoadTicket("", True)
         waited = False
-        while self.demand_in_flight > 0:
+        while self.demand_in_flight > 0 or self._behind_compute(ticket):
             waited = True
-            changed = self._changed
             self.idle_waiters += 1
             try:
-                await changed.wait()
+                await self._wait_change(ticket)
             finally:
                 self.idle_waiters -= 1
         return waited
+
+    def notify(self) -> None:
+        """Something a waiting prefetch depends on changed (the engine went idle)."""
+        self._notify()
+
+    def _behind_compute(self, ticket: LoadTicket) -> bool:
+        """The prefetch must wait for the engine's compute now (thread-safe read)."""
+        if not self.compute_busy():
+            return False
+        now = time.monotonic()
+        if ticket.compute_deadline is None:
+            ticket.compute_deadline = now + self.compute_defer_s
+            self.compute_waits += 1
+        if now < ticket.compute_deadline:
+            return True
+        if ticket.compute_deadline != -1.0:
+            ticket.compute_deadline = -1.0  # past it once: counted, never waits again
+            self.compute_overruns += 1
+        return False
+
+    async def _wait_change(self, ticket: LoadTicket) -> None:
+        """Wait for the next change, or for the ticket's compute deadline to pass."""
+        changed = self._changed
+        deadline = ticket.compute_deadline
+        if deadline is None or deadline < 0:
+            await changed.wait()
+            return
+        left = deadline - time.monotonic()
+        if left > 0:
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     def cancel(self, reason: str) -> None:
         self.cancelled[reason] = self.cancelled.get(reason, 0) + 1

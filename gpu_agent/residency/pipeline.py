@@ -144,8 +144,10 @@ class LoadPipeline:
         self._count_start_tier(start_tier)
         self._publish(name)
         try:
-            t = time.perf_counter()
             was_local = self.store.local_path(spec) is not None
+            if by not in ("request", "pin") and not was_local and await self.connector.fetch_turn():
+                self.metrics.inc("ace_agent_prefetch_preemptions_total", stage="agent_fetch")
+            t = time.perf_counter()
             path, fetched = await self.store.ensure_local(spec, self.protected_digests())
             if not was_local:  # fetched from remote, or a local source hashed the first time
                 stage = "fetch" if fetched else "verify"

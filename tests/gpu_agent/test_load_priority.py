@@ -114,7 +114,10 @@ def test_a_prefetch_hint_never_evicts_the_adapter_a_request_is_loading_regressio
                 assert r.status_code == 200, r.text
                 assert hook.calls == 1                       # X was loaded once, never again
                 await async_wait_until(lambda: mgr.view(Y).tier.value == "device", what="Y loaded after")
-                assert mgr.metrics.counter("ace_agent_prefetch_preemptions_total", stage="agent") == 1
+                # the prefetch waited for the request once: before fetching Y (it was not local)
+                waits = {stage: mgr.metrics.counter("ace_agent_prefetch_preemptions_total", stage=stage)
+                         for stage in ("agent_fetch", "agent")}
+                assert waits == {"agent_fetch": 1, "agent": 0}, waits
             finally:
                 for ev in hook.go:
                     ev.set()
@@ -414,4 +417,148 @@ def test_loads_run_off_the_loop_and_a_prefetch_on_its_own_thread_at_the_configur
         assert threading.current_thread().name not in (seen[BIG][0], seen[SMALL][0])
         assert seen[BIG][0] != seen[SMALL][0]
         assert seen[BIG][1] == min(19, loop_nice + 5) and seen[SMALL][1] == loop_nice, seen
+    run(main())
+
+
+# ---- a prefetch stays off the engine's compute ----------------------------------------------
+
+class HeldForward:
+    """Holds the batcher's forward step (on the forward thread) until ``go`` is set: the
+    engine is computing for as long as the test likes."""
+
+    def __init__(self, batcher):
+        self.real, self.reached, self.go = batcher._step, threading.Event(), threading.Event()
+        batcher._step = self
+
+    def __call__(self, seqs):
+        self.reached.set()
+        self.go.wait(scaled(30))
+        return self.real(seqs)
+
+
+async def _request_held_in_its_forward(engine, res):
+    """A request on the resident SMALL, accepted (claimed) and held in its first forward."""
+    await res.ensure_resident(SMALL)
+    held = HeldForward(engine.batcher)
+    await res.ensure_resident(SMALL, hold=True)
+
+    async def request():
+        try:
+            async for ev in engine.generate(SMALL, [1, 2, 3], max_tokens=2):
+                if ev.finish_reason is not None:
+                    return "done"
+        finally:
+            res.release(SMALL)
+    task = asyncio.ensure_future(request())
+    await async_wait_until(held.reached.is_set, what="the request in its forward pass")
+    return held, task
+
+
+def test_a_prefetch_waits_while_the_engine_computes_and_goes_when_it_is_idle(fixtures):
+    """Fails before the change: the prefetch of BIG started (and parsed and copied) while a
+    request's forward pass ran. Now it does not pass its first step until the request has
+    finished, and then it loads."""
+    async def main():
+        engine = _engine(fixtures)
+        res = engine.adapters
+        hook = Checkpoints(res.order, "copy", hold_at=10**6)   # records every checkpoint, holds none
+        held = None
+        try:
+            held, request = await _request_held_in_its_forward(engine, res)
+            prefetch = asyncio.ensure_future(res.prefetch(BIG))
+            await async_wait_until(lambda: getattr(res.order, "compute_waits", 0) == 1 or hook.seen,
+                                   what="the prefetch waiting for compute (or, before the change, loading)")
+            assert hook.seen == [] and res.loading() == {BIG} and res.tier(BIG) != "device"
+            held.go.set()
+            assert await asyncio.wait_for(request, scaled(30)) == "done"
+            await asyncio.wait_for(prefetch, scaled(30))
+            assert res.tier(BIG) == "device" and hook.seen           # it went, through its checkpoints
+            assert res.order.compute_overruns == 0 and res.order.preemptions == {}
+            engine.pool.check_invariants()
+        finally:
+            if held is not None:
+                held.go.set()
+            await engine.close()
+    run(main())
+
+
+def test_a_prefetch_mid_copy_stops_for_a_request_the_engine_accepts_and_resumes_after_it(fixtures):
+    """Held between two chunks of its copy while a request on the resident SMALL is accepted
+    and computing: let go, the prefetch stops at its next checkpoint (its partial copy freed)
+    and finishes only after the request has."""
+    async def main():
+        engine = _engine(fixtures)
+        res = engine.adapters
+        await res.ensure_resident(SMALL)
+        hook = Checkpoints(res.order, "copy", hold_at=2)
+        held = None
+        try:
+            prefetch = asyncio.ensure_future(res.prefetch(BIG))
+            await async_wait_until(hook.reached.is_set, what="the prefetch held mid-copy")
+            held, request = await _request_held_in_its_forward(engine, res)
+            hook.go.set()
+            await async_wait_until(lambda: res.order.preemptions.get("copy") == 1 or prefetch.done(),
+                                   what="the prefetch stopped at its next copy checkpoint (or done)")
+            assert not prefetch.done() and res.tier(BIG) != "device"
+            held.go.set()
+            assert await asyncio.wait_for(request, scaled(30)) == "done"
+            await asyncio.wait_for(prefetch, scaled(30))
+            assert res.tier(BIG) == "device"
+            engine.pool.check_invariants()
+        finally:
+            hook.go.set()
+            if held is not None:
+                held.go.set()
+            await engine.close()
+    run(main())
+
+
+def test_a_prefetch_waits_for_compute_at_most_the_configured_time(fixtures):
+    """A busy engine still gets its prefetches: past ``prefetch_compute_defer_ms`` (0 here)
+    the prefetch goes on while the request computes, counted as an overrun."""
+    async def main():
+        engine = _engine(fixtures, prefetch_compute_defer_ms=0.0)
+        res = engine.adapters
+        held = None
+        try:
+            held, request = await _request_held_in_its_forward(engine, res)
+            await asyncio.wait_for(res.prefetch(BIG), scaled(30))
+            assert res.tier(BIG) == "device" and not request.done()
+            assert (res.order.compute_waits, res.order.compute_overruns) == (1, 1)
+            from gpu_agent.engine.metrics import render_metrics
+            from gpu_agent.engine.server import HttpStats
+            assert 'ace_engine_prefetch_compute_waits_total{outcome="overrun"} 1' in render_metrics(engine, HttpStats())
+            held.go.set()
+            assert await asyncio.wait_for(request, scaled(30)) == "done"
+        finally:
+            if held is not None:
+                held.go.set()
+            await engine.close()
+    run(main())
+
+
+def test_the_agent_fetches_a_prefetch_only_while_its_builtin_engine_is_idle(fixtures, tmp_path):
+    """The agent's fetch of a prefetch's files runs on the event loop the engine serves from:
+    it waits for the engine's compute too (stage ``agent_fetch``), and fetches after it."""
+    async def main():
+        async with static_server(fixtures / "adapters") as (base, hits):
+            mgr, conn = await _builtin_agent(fixtures, tmp_path, base, max_adapters=4)
+            engine, res = conn.engine, conn.engine.adapters
+            held = None
+            try:
+                await mgr.ensure_resident(SMALL)
+                fetched_before = sum(hits.values())
+                held, request = await _request_held_in_its_forward(engine, res)
+                mgr.prefetch(BIG, reason="predicted")
+                await async_wait_until(lambda: res.order.idle_waiters == 1 or sum(hits.values()) > fetched_before,
+                                       what="the agent's fetch waiting (or, before the change, fetching)")
+                assert sum(hits.values()) == fetched_before                       # nothing fetched yet
+                held.go.set()
+                assert await asyncio.wait_for(request, scaled(30)) == "done"
+                await async_wait_until(lambda: mgr.view(BIG).tier.value == "device", what="BIG loaded after")
+                assert mgr.metrics.counter("ace_agent_prefetch_preemptions_total", stage="agent_fetch") == 1
+            finally:
+                if held is not None:
+                    held.go.set()
+                await mgr.close()
     run(main())
