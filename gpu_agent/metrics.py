@@ -52,7 +52,7 @@ class AgentMetrics:
         "ace_agent_tier_misses_total": ("counter", "Residency requests that did not find the adapter in this tier."),
         "ace_agent_evictions_total": ("counter", "Adapters evicted from a tier (device, host, disk), by reason: budget (room for a load, LRU), hint (named by a Prefetch's evict list), operator (Evict), engine_gone (the builtin engine's pool evicted it itself), left_device (a resident-only disk tier)."),
         "ace_agent_load_seconds": ("histogram", "Measured time of one load stage (fetch, verify, read, device) or a whole cold load (cold)."),
-        "ace_agent_prefetch_total": ("counter", "Prefetch requests by outcome."),
+        "ace_agent_prefetch_total": ("counter", "Prefetch requests by outcome (left_to_engine: a request's own prefetch to an engine that loads it itself when the request arrives; its victims passed on, nothing loaded)."),
         "ace_agent_load_failures_total": ("counter", "Loads that failed, by reason."),
         "ace_agent_load_read_failures_total": ("counter", "Engine load measurements that failed (the load was published as unknown)."),
         "ace_agent_engine_resets_total": ("counter", "Times the engine lost adapters the agent had loaded (restart) and residency was rebuilt."),

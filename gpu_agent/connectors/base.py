@@ -56,6 +56,12 @@ class EngineConnector(abc.ABC):
     #: just dropped a tier; False (vLLM, SGLang): the agent is the only one that unloads,
     #: so a missing adapter means the engine restarted.
     self_managed: bool = False
+    #: True when the engine loads a request's adapter itself when the request arrives, in
+    #: the agent's own process (builtin): a request's own prefetch (the gateway's ingress
+    #: signal, ``reason="request_*"``) would only repeat that load on the event loop the
+    #: request is served from, so the agent only fetches its files ahead and loads nothing
+    #: (gpu_agent.residency.admission).
+    loads_on_demand: bool = False
 
     async def start(self) -> None:
         """Open clients / start the in-process engine."""

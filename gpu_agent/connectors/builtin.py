@@ -50,6 +50,7 @@ class StoreSource:
 class BuiltinConnector(EngineConnector):
     kind = "builtin"
     self_managed = True
+    loads_on_demand = True
 
     def __init__(self, store: ArtifactStore, engine_settings: Any = None, engine: Any = None,
                  http_host: str = "127.0.0.1", http_port: int | None = None):

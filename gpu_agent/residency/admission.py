@@ -2,7 +2,9 @@
 
 A prefetch is refused when its adapter is unknown or its digest differs; it is
 ``already_resident`` on the device; a duplicate coalesces with the queued or running load.
-A hint that says how likely it is (``probability``) is put to the speculation budget
+A request's own prefetch (the gateway's ingress signal) to an engine that loads the
+request's adapter itself (builtin) only starts the fetch of its files: the request's own
+load joins it, and nothing is loaded twice. A hint that says how likely it is (``probability``) is put to the speculation budget
 (``gpu_agent.residency.prefetch_budget``), fed here with measured load times, the queue
 and the engine's own request loads; past the queue's bound it is ``queue_full``.
 """
@@ -20,6 +22,9 @@ from gpu_agent.residency.records import AdapterState, ResidencyOutcome, Residenc
 __all__ = ["MAX_EVICT_HINTS", "PrefetchAdmission"]
 
 MAX_EVICT_HINTS = 16  # names read from one Prefetch's evict list (the gateway sends one)
+# the reasons of a request's own prefetch (the gateway's ingress signal: request_cold,
+# request_unknown), as opposed to a prediction's (predicted, first_step, warm_set)
+REQUEST_REASON = "request_"
 
 
 class PrefetchAdmission:
@@ -57,6 +62,12 @@ class PrefetchAdmission:
             self.metrics.inc("ace_agent_prefetch_total", outcome="already_resident")
             return ResidencyResult(ResidencyOutcome.ALREADY_RESIDENT)
         hints = self._known_hints(name, evict)
+        if probability is None and reason.startswith(REQUEST_REASON) and self.holdings.connector.loads_on_demand:
+            # a request's own load, which this engine makes itself when the request arrives:
+            # fetch its files ahead (the engine's load joins the fetch), load nothing here
+            self.pipeline.fetch_ahead(spec)
+            self.metrics.inc("ace_agent_prefetch_total", outcome="left_to_engine")
+            return ResidencyResult(ResidencyOutcome.ACCEPTED, "engine_loads_on_demand")
         inflight = self.pipeline.inflight
         if name in inflight or name in self.queue:
             if hints and name not in inflight:

@@ -55,6 +55,7 @@ class LoadPipeline:
         self._publish = publish
         self._view = view
         self.link_bytes_per_ms = DEFAULT_LINK_BYTES_PER_MS  # measured loads, averaged (EWMA)
+        self._ahead: set[asyncio.Task] = set()  # fetch_ahead's tasks (kept referenced)
 
     def load_ms(self, spec: Adapter) -> float:
         """Expected load time: the adapter's last measured cold load, else its bytes over
@@ -67,6 +68,22 @@ class LoadPipeline:
         names = (set(self.holdings.device) | set(self.inflight)
                  | {n for n, s in self.states.items() if s.pinned})
         return {self.states[n].spec.sha256 for n in names if n in self.states}
+
+    def fetch_ahead(self, spec: Adapter) -> bool:
+        """Start fetching ``spec``'s files now, for a request the engine will load it for
+        itself (the engine's own load joins this fetch in the store); True when started."""
+        if self.store.local_path(spec) is not None or spec.name in self.inflight:
+            return False
+
+        async def fetch() -> None:
+            try:
+                await self.store.ensure_local(spec, self.protected_digests())
+            except Exception as exc:  # the request's own load fetches again and reports it
+                log.info("fetch ahead of %s failed: %s", spec.name, exc)
+        task = asyncio.ensure_future(fetch())
+        self._ahead.add(task)
+        task.add_done_callback(self._ahead.discard)
+        return True
 
     # ---- the workers -----------------------------------------------------------------
     async def work_off_queue(self) -> None:

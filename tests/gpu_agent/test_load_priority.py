@@ -562,3 +562,4 @@ def test_the_agent_fetches_a_prefetch_only_while_its_builtin_engine_is_idle(fixt
                     held.go.set()
                 await mgr.close()
     run(main())
+

@@ -129,3 +129,47 @@ def test_a_duplicate_of_a_queued_prefetch_brings_its_hints(tmp_path):
         finally:
             await mgr.close()
     run(main())
+
+
+
+class OnDemandConnector(FakeConnector):
+    """An engine that loads a request's adapter itself when the request arrives (builtin)."""
+
+    loads_on_demand = True
+
+
+def test_a_requests_own_prefetch_to_an_engine_that_loads_on_demand_only_fetches_ahead(tmp_path):
+    """The gateway's ingress signal (``request_cold``) to an engine that loads the request's
+    adapter itself: the agent fetches the files ahead (the engine's load joins that fetch)
+    and loads nothing (no queue, no device stage, no eviction). A prediction's prefetch
+    (with a probability) still loads."""
+    async def main():
+        eng = OnDemandConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            calls = list(eng.calls)
+            spec = mgr.catalog.get("a4")
+            got = mgr.prefetch("a4", priority=1, reason="request_cold", evict=["a3"])
+            assert (got.outcome, got.reason) == (ResidencyOutcome.ACCEPTED, "engine_loads_on_demand")
+            assert "a4" not in mgr.pipeline.inflight and "a4" not in mgr.queue
+            assert mgr.metrics.counter("ace_agent_prefetch_total", outcome="left_to_engine") == 1
+            await async_wait_until(lambda: mgr.store.local_path(spec) is not None, what="a4's files fetched ahead")
+            assert eng.calls == calls and mgr.view("a4").tier is Tier.DISK       # nothing loaded or evicted
+            assert mgr.prefetch("a4", reason="predicted", probability=0.9).outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="the prediction's load")
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_other_engines_still_load_a_requests_own_prefetch(tmp_path):
+    async def main():
+        eng = FakeConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            assert mgr.prefetch("a4", priority=1, reason="request_cold", evict=["a3"]).reason != "engine_loads_on_demand"
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="the request's prefetch loaded")
+            assert unloads(eng) == ["a3"]
+        finally:
+            await mgr.close()
+    run(main())
