@@ -60,7 +60,8 @@ class EngineConnector(abc.ABC):
     #: the agent's own process (builtin): a request's own prefetch (the gateway's ingress
     #: signal, ``reason="request_*"``) would only repeat that load on the event loop the
     #: request is served from, so the agent only fetches its files ahead and loads nothing
-    #: (gpu_agent.residency.admission).
+    #: (gpu_agent.residency.admission); and since that loop is the engine's, a prefetch's
+    #: fetch waits for ``prefetch_turn`` too (gpu_agent.residency.pipeline).
     loads_on_demand: bool = False
 
     async def start(self) -> None:
@@ -95,20 +96,15 @@ class EngineConnector(abc.ABC):
         return set()
 
     async def prefetch_turn(self) -> bool:
-        """Wait until the engine has no request's load in flight (builtin: it orders its
-        own loads); True when it had to wait. Others answer False at once."""
-        return False
-
-    async def fetch_turn(self) -> bool:
-        """Before the agent fetches a prefetch's files: an engine that shares the agent's
-        process (builtin) waits until it has no request's load and computes nothing (the
-        download and its hashing run on the event loop the engine serves from); True when
-        it had to wait. Others answer False at once (their compute is not ours)."""
+        """Wait until the engine has no request's load in flight and (builtin, at most its
+        ``prefetch_compute_defer_ms``) computes nothing; True when it had to wait. Others
+        answer False at once."""
         return False
 
     def load_order_stats(self) -> dict[str, dict[str, int]]:
         """An engine that orders its own loads (builtin): ``{"preemptions": {stage: n},
-        "cancelled": {reason: n}}`` of its prefetch loads so far; {} otherwise."""
+        "cancelled": {reason: n}, "compute_waits": {outcome: n}}`` of its prefetch loads so
+        far; {} otherwise."""
         return {}
 
     async def needs_room(self, spec: Adapter) -> bool:

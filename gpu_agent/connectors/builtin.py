@@ -169,9 +169,6 @@ class BuiltinConnector(EngineConnector):
             return False
         return await self.engine.adapters.order.idle()
 
-    async def fetch_turn(self) -> bool:
-        return await self.prefetch_turn()
-
     def demand_loads(self) -> int:
         return self.engine.adapters.order.demand_in_flight if self.engine is not None else 0
 
@@ -191,7 +188,7 @@ class BuiltinConnector(EngineConnector):
             return {}
         order = self.engine.adapters.order
         return {"preemptions": dict(order.preemptions), "cancelled": dict(order.cancelled),
-                "compute": {"waits": order.compute_waits, "overruns": order.compute_overruns}}
+                "compute_waits": order.compute_wait_outcomes()}
 
     async def engine_load(self) -> EngineLoad | None:
         """The batcher's own counts, read in memory. Requests still waiting for their

@@ -61,8 +61,9 @@ class LoadTicket:
     name: str
     prefetch: bool
     # monotonic time after which it no longer waits for the engine's compute (set the first
-    # time it does)
+    # time it does), and whether it went past it
     compute_deadline: float | None = None
+    compute_overrun: bool = False
 
 
 class LoadOrder:
@@ -93,18 +94,18 @@ class LoadOrder:
     async def demand(self) -> AsyncIterator[None]:
         """Held for the whole of a request's load (its waits for room included)."""
         self.demand_in_flight += 1
-        self._notify()
+        self.notify()
         try:
             yield
         finally:
             self.demand_in_flight -= 1
-            self._notify()
+            self.notify()
 
     def promote(self, ticket: LoadTicket) -> None:
         """A request joined this prefetch's load: from now on it does not yield."""
         if ticket.prefetch:
             ticket.prefetch = False
-            self._notify()
+            self.notify()
 
     # ---- a prefetch --------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -123,7 +124,7 @@ class LoadOrder:
         finally:
             if took:
                 self.prefetches_running -= 1
-                self._notify()
+                self.notify()
 
     def should_yield(self, ticket: LoadTicket, stage: str) -> bool:
         """True when the prefetch must stop at this checkpoint (thread-safe read)."""
@@ -158,9 +159,9 @@ class LoadOrder:
                 self.idle_waiters -= 1
         return waited
 
-    def notify(self) -> None:
-        """Something a waiting prefetch depends on changed (the engine went idle)."""
-        self._notify()
+    def compute_wait_outcomes(self) -> dict[str, int]:
+        """Prefetches that waited for the engine's compute, by how the wait ended."""
+        return {"idle": self.compute_waits - self.compute_overruns, "overrun": self.compute_overruns}
 
     def _behind_compute(self, ticket: LoadTicket) -> bool:
         """The prefetch must wait for the engine's compute now (thread-safe read)."""
@@ -172,19 +173,18 @@ class LoadOrder:
             self.compute_waits += 1
         if now < ticket.compute_deadline:
             return True
-        if ticket.compute_deadline != -1.0:
-            ticket.compute_deadline = -1.0  # past it once: counted, never waits again
+        if not ticket.compute_overrun:  # past it: counted once, never waits again
+            ticket.compute_overrun = True
             self.compute_overruns += 1
         return False
 
     async def _wait_change(self, ticket: LoadTicket) -> None:
         """Wait for the next change, or for the ticket's compute deadline to pass."""
         changed = self._changed
-        deadline = ticket.compute_deadline
-        if deadline is None or deadline < 0:
+        if ticket.compute_deadline is None or ticket.compute_overrun:
             await changed.wait()
             return
-        left = deadline - time.monotonic()
+        left = ticket.compute_deadline - time.monotonic()
         if left > 0:
             try:
                 await asyncio.wait_for(changed.wait(), left)
@@ -194,7 +194,9 @@ class LoadOrder:
     def cancel(self, reason: str) -> None:
         self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Something a waiting prefetch depends on changed (a request's load began or ended,
+        a slot freed, the engine went idle): one wake-up for every waiter."""
         self._changed.set()
         self._changed = asyncio.Event()
 

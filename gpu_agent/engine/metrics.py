@@ -71,8 +71,7 @@ def render_metrics(engine: Any, http_stats: Any) -> str:
     t.metric("ace_engine_prefetch_compute_waits_total", "counter",
              "Prefetch loads that waited for the engine's compute (a request accepted, queued or "
              "running); overrun: went on after compute_defer_s",
-             [({"outcome": "idle"}, res.order.compute_waits - res.order.compute_overruns),
-              ({"outcome": "overrun"}, res.order.compute_overruns)])
+             [({"outcome": k}, v) for k, v in res.order.compute_wait_outcomes().items()])
     t.metric("ace_engine_prefetch_cancelled_total", "counter",
              "Prefetch loads given up (no_room: room only by evicting what requests use)",
              [({"reason": k}, v) for k, v in sorted(res.order.cancelled.items())])

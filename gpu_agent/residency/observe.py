@@ -76,11 +76,8 @@ def collect_engine_counters(connector: EngineConnector, metrics: AgentMetrics) -
         metrics.set_counter("ace_agent_prefetch_preemptions_total", n, stage=stage)
     for reason, n in stats.get("cancelled", {}).items():
         metrics.set_counter("ace_agent_prefetch_cancelled_total", n, reason=reason)
-    compute = stats.get("compute", {})
-    if compute:
-        metrics.set_counter("ace_agent_prefetch_compute_waits_total", compute["waits"] - compute["overruns"],
-                            outcome="idle")
-        metrics.set_counter("ace_agent_prefetch_compute_waits_total", compute["overruns"], outcome="overrun")
+    for outcome, n in stats.get("compute_waits", {}).items():
+        metrics.set_counter("ace_agent_prefetch_compute_waits_total", n, outcome=outcome)
 
 
 def residency_gauges(holdings: TierHoldings, store: ArtifactStore, connector: EngineConnector,

@@ -162,7 +162,10 @@ class LoadPipeline:
         self._publish(name)
         try:
             was_local = self.store.local_path(spec) is not None
-            if by not in ("request", "pin") and not was_local and await self.connector.fetch_turn():
+            # the download and its hashing run on this event loop: with an engine in this
+            # process (builtin), a prefetch's waits for its requests and compute first
+            if (by not in ("request", "pin") and not was_local and self.connector.loads_on_demand
+                    and await self.connector.prefetch_turn()):
                 self.metrics.inc("ace_agent_prefetch_preemptions_total", stage="agent_fetch")
             t = time.perf_counter()
             path, fetched = await self.store.ensure_local(spec, self.protected_digests())
