@@ -334,6 +334,7 @@ async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -
         "host": trace.get("upstream"), "sent_s": t0,
         "queue_ms": timing.get("queue_ms"), "compute_ms": timing.get("compute_ms"),
         "loads_ms": timing.get("loads_ms"), "engine_ttft_ms": engine_ms,
+        **{f"load_{k}": v for k, v in (timing.get("load") or {}).items()},
         "outside_engine_ms": ttft - engine_ms if ttft is not None and engine_ms is not None else None,
     }
 

@@ -158,6 +158,8 @@ class EngineAdapters:
         # requests shared it
         self.loads: dict[str, int] = {t: 0 for t in TIERS}
         self.last_load: dict[str, LoadRecord] = {}
+        # the last finished load of each adapter from a source (its ticket): where its time went
+        self.load_stages: dict[str, LoadTicket] = {}
         self.room_timeout_s = room_timeout_s
         self._room = asyncio.Event()  # replaced on every set: one wake-up per release
         self.room_waits = 0  # times a load found the pool full of held adapters and waited
@@ -462,7 +464,8 @@ class EngineAdapters:
             if fut is None and not prefetch and self._swap_inline(name, pin):
                 return
             if fut is None:
-                ticket = LoadTicket(name, prefetch)
+                ticket = LoadTicket(name, prefetch, others_loading=len(self._inflight),
+                                    fetches_at_start=self.source_fetches())
                 fut = asyncio.ensure_future(self._load_once(name, ticket))
                 self._inflight[name] = fut
                 self._tickets[name] = ticket
@@ -478,10 +481,17 @@ class EngineAdapters:
             except core.AdapterNotResident:  # evicted right after the shared load: load again
                 continue                     # (registered as loading, like any load)
 
+    def source_fetches(self) -> int:
+        """Downloads the source has under way now (0 for a source that never fetches)."""
+        in_flight = getattr(self.source, "fetches_in_flight", None)
+        return in_flight() if in_flight is not None else 0
+
     def _load_finished(self, name: str, fut: asyncio.Future) -> None:
         if self._inflight.get(name) is fut:
             del self._inflight[name]
-            self._tickets.pop(name, None)
+            ticket = self._tickets.pop(name, None)
+            if ticket is not None and not fut.cancelled() and fut.exception() is None:
+                self.load_stages[name] = ticket
 
     def _swap_inline(self, name: str, pin: bool) -> bool:
         """A small host -> pool copy on a CPU pool, done right here on the loop when no other
@@ -522,7 +532,11 @@ class EngineAdapters:
             path, digest = None, None
             if self.tiers.where(name) is None:  # not in host memory: the source gives a directory
                 entry = self.entry(name)
-                path, verify = await self.source.local_dir(entry)
+                t_fetch = time.perf_counter()
+                try:
+                    path, verify = await self.source.local_dir(entry)
+                finally:
+                    ticket.fetch_s += time.perf_counter() - t_fetch
                 if verify and entry.sha256 and entry.sha256 not in self._verified:
                     digest = entry.sha256
                 if self.order.should_yield(ticket, "fetch"):
@@ -543,6 +557,7 @@ class EngineAdapters:
                 raise core.AdapterNotFound(f"adapter {name}: {exc}") from exc
             finally:
                 self.load_seconds += time.perf_counter() - t0
+                ticket.tiers_s += time.perf_counter() - t0
             break
         if digest:
             self._verified.add(digest)

@@ -64,6 +64,14 @@ class LoadTicket:
     # time it does), and whether it went past it
     compute_deadline: float | None = None
     compute_overrun: bool = False
+    # where the load's time went, in seconds (:class:`LoadStages`): the source's fetch, the
+    # tiers' read/parse/copy on a load thread, and pauses (a prefetch yielding), plus what
+    # else was loading on this engine when it started
+    fetch_s: float = 0.0
+    tiers_s: float = 0.0
+    paused_s: float = 0.0
+    others_loading: int = 0
+    fetches_at_start: int = 0
 
 
 class LoadOrder:
@@ -136,7 +144,11 @@ class LoadOrder:
     async def pause(self, ticket: LoadTicket, stage: str) -> None:
         """The prefetch stopped at ``stage``: count it, and wait for its turn again."""
         self.preemptions[stage] = self.preemptions.get(stage, 0) + 1
-        await self.turn(ticket)
+        t0 = time.perf_counter()
+        try:
+            await self.turn(ticket)
+        finally:
+            ticket.paused_s += time.perf_counter() - t0
 
     async def turn(self, ticket: LoadTicket) -> None:
         """Wait until no request's load is in flight and the engine computes nothing (for

@@ -192,11 +192,17 @@ class _Completion:
         self.arrived, self.loads_at_arrival = time.perf_counter(), engine.adapters.load_seconds
         self.queued = self.first_pass = None
         self.loads_at_first_token = None
+        self.load = None  # the load this request waited for (its LoadTicket), if any
 
     async def acquire(self) -> None:
         if self.adapter is not None:
-            self.tier, self.wait_ms = await self.engine.adapters.ensure_resident(self.adapter, hold=True)
+            adapters = self.engine.adapters
+            before = adapters.load_stages.get(self.adapter)
+            self.tier, self.wait_ms = await adapters.ensure_resident(self.adapter, hold=True)
             self.held = True
+            after = adapters.load_stages.get(self.adapter)
+            if after is not before:
+                self.load = after
 
     def release(self) -> None:
         if self.held:
@@ -210,11 +216,21 @@ class _Completion:
         """Where the engine's time to the first token went, in ms: ``stall`` (waiting for the
         adapter), ``queue`` (until the first forward pass over this sequence started),
         ``compute`` (that pass), their sum ``first_token``, and ``loads``: the engine's
-        load work (any adapter, prefetch or demand) that ended in that window."""
+        load work (any adapter, prefetch or demand) that ended in that window. When the stall
+        was a load from the source, ``load``: its ``fetch_ms`` (the source's download or
+        check), ``tiers_ms`` (read, parse, copy into the pool), ``paused_ms`` (a prefetch's
+        load yielding before this request joined it), and what else was loading or
+        downloading when it started."""
+        out: dict = {"stall_ms": round(self.wait_ms, 3)}
+        if self.load is not None:
+            t = self.load
+            out["load"] = {"fetch_ms": round(t.fetch_s * 1e3, 3), "tiers_ms": round(t.tiers_s * 1e3, 3),
+                           "paused_ms": round(t.paused_s * 1e3, 3), "others_loading": t.others_loading,
+                           "fetches_at_start": t.fetches_at_start}
         if self.first_pass is None or self.queued is None:
-            return {"stall_ms": round(self.wait_ms, 3)}
+            return out
         start, end = self.first_pass
-        return {"stall_ms": round(self.wait_ms, 3), "queue_ms": round((start - self.queued) * 1e3, 3),
+        return {**out, "queue_ms": round((start - self.queued) * 1e3, 3),
                 "compute_ms": round((end - start) * 1e3, 3), "first_token_ms": round((end - self.arrived) * 1e3, 3),
                 "loads_ms": round((self.loads_at_first_token - self.loads_at_arrival) * 1e3, 3)}
 

@@ -127,8 +127,12 @@ def test_streamed_timing_splits_the_time_to_the_first_token(fx):
         assert timing["stall_ms"] == float(cold.headers["x-ace-adapter-wait-ms"]) > 0
         assert timing["loads_ms"] > 0 and timing["compute_ms"] > 0 and timing["queue_ms"] >= 0
         assert timing["first_token_ms"] >= timing["stall_ms"] + timing["queue_ms"] + timing["compute_ms"] - 0.01
+        load = timing["load"]  # the load it waited for, by stage
+        assert load["fetch_ms"] >= 0 and load["tiers_ms"] > 0 and load["paused_ms"] == 0
+        assert load["fetch_ms"] + load["tiers_ms"] <= timing["stall_ms"] + 0.01
+        assert load["others_loading"] == 0 and load["fetches_at_start"] == 0
         warm = sse_events((await c.post("/v1/chat/completions", json=body(include_timing=True))).text)
-        assert warm[-2]["ace_timing"]["loads_ms"] == 0
+        assert warm[-2]["ace_timing"]["loads_ms"] == 0 and "load" not in warm[-2]["ace_timing"]
         plain = sse_events((await c.post("/v1/chat/completions", json=body())).text)
         assert not any("ace_timing" in e for e in plain[:-1])
         metrics = (await c.get("/metrics")).text

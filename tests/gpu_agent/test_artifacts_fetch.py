@@ -1,0 +1,139 @@
+"""The remote tier's fetch (gpu_agent.artifacts.ArtifactStore over aiohttp), against a real
+loopback HTTP server: what lands in the cache, and a clear FetchError (never a torn cache
+entry) for every way a store can answer badly."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+
+from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache, FetchError
+from gpu_agent.errors import DigestMismatch
+from tests.gpu_agent.agent_support import make_catalog, serve, static_server
+
+
+def _store(tmp_path, base: str, names=("a", "b"), budget=1 << 30) -> tuple[ArtifactStore, Catalog]:
+    catalog = Catalog.from_yaml(make_catalog(tmp_path / "src", list(names), remote_base=base))
+    return ArtifactStore(catalog, DiskCache(tmp_path / "cache", budget)), catalog
+
+
+def _no_partials(tmp_path) -> bool:
+    return not any(p.name.startswith(".partial-") for p in (tmp_path / "cache").iterdir())
+
+
+def test_fetch_lands_verified_files_and_reuses_one_session(tmp_path):
+    async def scenario():
+        # the served tree is the catalog's own adapters folder
+        catalog_root = tmp_path / "src"
+        make_catalog(catalog_root, ["a", "b"])
+        async with static_server(catalog_root / "adapters") as (url, hits):
+            store, catalog = _store(tmp_path, url)
+            try:
+                for name in ("a", "b"):
+                    path, fetched = await store.ensure_local(catalog.get(name), set())
+                    assert fetched and (path / "adapter_model.safetensors").read_bytes() == \
+                        (catalog_root / "adapters" / name / "adapter_model.safetensors").read_bytes()
+                    assert (await store.ensure_local(catalog.get(name), set())) == (path, False)
+                assert hits == {f"{n}/{f}": 1 for n in ("a", "b")
+                                for f in ("adapter_config.json", "adapter_model.safetensors")}
+                session = store._session
+                assert session is not None and not session.closed
+            finally:
+                await store.aclose()
+            assert session.closed and store._session is None
+            assert _no_partials(tmp_path)
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda r: web.Response(status=404), "HTTP 404"),
+    (lambda r: web.Response(status=503), "HTTP 503"),
+    # a redirect is not followed: the catalog names where the bytes come from
+    (lambda r: web.HTTPFound("http://127.0.0.1:9/elsewhere"), "HTTP 302"),
+])
+def test_a_bad_answer_is_a_fetch_error_and_leaves_nothing(tmp_path, answer, message):
+    async def scenario():
+        async def handle(request):
+            resp = answer(request)
+            if isinstance(resp, web.HTTPException) and 300 <= resp.status < 400:
+                raise resp
+            return resp
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handle)
+        async with serve(app) as url:
+            store, catalog = _store(tmp_path, url)
+            try:
+                with pytest.raises(FetchError, match=message):
+                    await store.ensure_local(catalog.get("a"), set())
+            finally:
+                await store.aclose()
+        assert store.local_path(catalog.get("a")) is None and _no_partials(tmp_path)
+    asyncio.run(scenario())
+
+
+def test_a_body_longer_than_the_catalog_says_is_cut_off(tmp_path):
+    async def scenario():
+        async def big(request):
+            if request.path.endswith(".json"):
+                return web.Response(text="{}")
+            return web.Response(body=b"x" * (3 << 20))  # size_bytes is 4 KiB: limit is +1 MiB
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", big)
+        async with serve(app) as url:
+            store, catalog = _store(tmp_path, url)
+            try:
+                with pytest.raises(FetchError, match="more than"):
+                    await store.ensure_local(catalog.get("a"), set())
+            finally:
+                await store.aclose()
+        assert _no_partials(tmp_path)
+    asyncio.run(scenario())
+
+
+def test_wrong_bytes_are_a_digest_mismatch(tmp_path):
+    async def scenario():
+        catalog_root = tmp_path / "src"
+        make_catalog(catalog_root, ["a", "b"])
+        async with static_server(catalog_root / "adapters", corrupt={"a"}) as (url, _hits):
+            store, catalog = _store(tmp_path, url)
+            try:
+                with pytest.raises(DigestMismatch):
+                    await store.ensure_local(catalog.get("a"), set())
+                assert (await store.ensure_local(catalog.get("b"), set()))[1]
+            finally:
+                await store.aclose()
+        assert store.local_path(catalog.get("a")) is None and _no_partials(tmp_path)
+    asyncio.run(scenario())
+
+
+def test_a_refused_connection_and_a_silent_store_are_fetch_errors(tmp_path):
+    async def scenario():
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        store, catalog = _store(tmp_path / "refused", f"http://127.0.0.1:{port}")
+        try:
+            with pytest.raises(FetchError, match="GET http://127.0.0.1"):
+                await store.ensure_local(catalog.get("a"), set())
+        finally:
+            await store.aclose()
+
+        never = asyncio.Event()
+
+        async def silent(request):
+            await never.wait()  # answers nothing until the client gives up
+            return web.Response()
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", silent)
+        async with serve(app) as url:
+            store, catalog = _store(tmp_path / "silent", url)
+            store._timeout = 0.2
+            try:
+                with pytest.raises(FetchError, match="no answer within 0.2 s"):
+                    await store.ensure_local(catalog.get("a"), set())
+            finally:
+                await store.aclose()
+                never.set()
+    asyncio.run(scenario())
