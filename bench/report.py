@@ -282,7 +282,10 @@ def ttft_breakdown(rows: Sequence[Mapping]) -> dict:
     ``loads_ms``: the engine's load work that ended in the request's window, prefetch or
     demand (it overlaps the others: loads run beside the forward loop or block it).
     Percentiles of each part over all rows, and the median of each part over the worst
-    1% of TTFTs (at least one row): what the tail is made of."""
+    1% of TTFTs (at least one row): what the tail is made of. ``source_loads``: the
+    requests whose stall was a load from the source, that load split into the source's
+    fetch, the tiers' read/parse/copy and a prefetch's pauses (the engine's
+    ``ace_timing.load``; absent from rows of engines that do not report it)."""
     timed = [r for r in rows if r.get("compute_ms") is not None and r.get("ttft_ms") is not None]
     if not timed:
         return {"rows": 0}
@@ -293,6 +296,11 @@ def ttft_breakdown(rows: Sequence[Mapping]) -> dict:
     out["worst_1pct"] = {"rows": len(worst), "ttft_ms_p50": percentiles(r["ttft_ms"] for r in worst)["p50"],
                          **{f"{name}_p50": percentiles(r[field] for r in worst)["p50"]
                             for name, field in BREAKDOWN_PARTS.items()}}
+    loads = [r for r in timed if r.get("load_fetch_ms") is not None]
+    if loads:
+        out["source_loads"] = {"rows": len(loads), "stall": percentiles(r["wait_ms"] for r in loads),
+                               **{part: percentiles(r[f"load_{part}_ms"] for r in loads)
+                                  for part in ("fetch", "tiers", "paused")}}
     return out
 
 

@@ -70,6 +70,7 @@ def test_ttft_breakdown_names_what_the_tail_is_made_of():
              "outside_engine_ms": 3.0 + i} for i in range(99)]
     rows.append({"ttft_ms": 500.0, "wait_ms": 1.0, "queue_ms": 400.0, "compute_ms": 5.0, "loads_ms": 390.0,
                  "outside_engine_ms": 94.0})
+    rows[0].update(wait_ms=9.0, load_fetch_ms=6.0, load_tiers_ms=2.5, load_paused_ms=0.0)  # a cold load
     rows.append({"ttft_ms": 9.0, "wait_ms": 0.0, "queue_ms": None, "compute_ms": None, "loads_ms": None,
                  "outside_engine_ms": None})  # no engine timing: left out
     b = ttft_breakdown(rows)
@@ -77,6 +78,10 @@ def test_ttft_breakdown_names_what_the_tail_is_made_of():
     assert b["worst_1pct"] == {"rows": 1, "ttft_ms_p50": 500.0, "queue_ms_p50": 400.0, "stall_ms_p50": 1.0,
                                "compute_ms_p50": 5.0, "loads_ms_p50": 390.0, "outside_engine_ms_p50": 94.0}
     assert b["queue_ms"]["p50"] == 2.0 and b["compute_ms"]["mean"] == 5.0
+    loads = b["source_loads"]
+    assert loads["rows"] == 1 and loads["stall"]["p50"] == 9.0
+    assert (loads["fetch"]["p99"], loads["tiers"]["p50"], loads["paused"]["p50"]) == (6.0, 2.5, 0.0)
+    assert "source_loads" not in ttft_breakdown(rows[1:])
     assert ttft_breakdown([]) == {"rows": 0}
 
 
