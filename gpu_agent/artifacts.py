@@ -11,9 +11,9 @@ Sources (`uri`):
 - `http(s)://` URL of a directory: `adapter_config.json` and `adapter_model.safetensors`
   are fetched with aiohttp (one pooled session, keep-alive), hashed while streaming, and
   renamed into the cache only when the digest matches. aiohttp, not httpx: its parser is
-  native, and a fetch costs about a third of the CPU (0.9 vs 2.6 ms per adapter of ~200 KB,
-  measured against ``python -m http.server``; docs/bench-history.md, 2026-12-02), which
-  on a host whose engine shares the CPU is time its forward passes get back.
+  native, and the GETs cost about a third of the CPU (0.9 vs 2.6-2.9 ms per adapter of
+  ~260 KB against ``python -m http.server``: ``python -m bench.fetch_cost``), which on a
+  host whose engine shares the CPU is time its forward passes get back.
 """
 from __future__ import annotations
 

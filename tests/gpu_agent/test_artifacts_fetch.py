@@ -23,6 +23,20 @@ def _no_partials(tmp_path) -> bool:
     return not any(p.name.startswith(".partial-") for p in (tmp_path / "cache").iterdir())
 
 
+async def _fetch_fails(tmp_path, url: str, error: type[Exception], match: str | None = None,
+                       timeout_s: float | None = None) -> None:
+    """Fetching adapter ``a`` from ``url`` raises ``error``; nothing of it stays behind."""
+    store, catalog = _store(tmp_path, url)
+    if timeout_s is not None:
+        store._timeout = timeout_s
+    try:
+        with pytest.raises(error, match=match):
+            await store.ensure_local(catalog.get("a"), set())
+    finally:
+        await store.aclose()
+    assert store.local_path(catalog.get("a")) is None and _no_partials(tmp_path)
+
+
 def test_fetch_lands_verified_files_and_reuses_one_session(tmp_path):
     async def scenario():
         # the served tree is the catalog's own adapters folder
@@ -63,13 +77,7 @@ def test_a_bad_answer_is_a_fetch_error_and_leaves_nothing(tmp_path, answer, mess
         app = web.Application()
         app.router.add_get("/{tail:.*}", handle)
         async with serve(app) as url:
-            store, catalog = _store(tmp_path, url)
-            try:
-                with pytest.raises(FetchError, match=message):
-                    await store.ensure_local(catalog.get("a"), set())
-            finally:
-                await store.aclose()
-        assert store.local_path(catalog.get("a")) is None and _no_partials(tmp_path)
+            await _fetch_fails(tmp_path, url, FetchError, message)
     asyncio.run(scenario())
 
 
@@ -82,13 +90,7 @@ def test_a_body_longer_than_the_catalog_says_is_cut_off(tmp_path):
         app = web.Application()
         app.router.add_get("/{tail:.*}", big)
         async with serve(app) as url:
-            store, catalog = _store(tmp_path, url)
-            try:
-                with pytest.raises(FetchError, match="more than"):
-                    await store.ensure_local(catalog.get("a"), set())
-            finally:
-                await store.aclose()
-        assert _no_partials(tmp_path)
+            await _fetch_fails(tmp_path, url, FetchError, "more than")
     asyncio.run(scenario())
 
 
@@ -113,12 +115,7 @@ def test_a_refused_connection_and_a_silent_store_are_fetch_errors(tmp_path):
         with socket.socket() as s:  # a port nothing listens on
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        store, catalog = _store(tmp_path / "refused", f"http://127.0.0.1:{port}")
-        try:
-            with pytest.raises(FetchError, match="GET http://127.0.0.1"):
-                await store.ensure_local(catalog.get("a"), set())
-        finally:
-            await store.aclose()
+        await _fetch_fails(tmp_path / "refused", f"http://127.0.0.1:{port}", FetchError, "GET http://127.0.0.1")
 
         never = asyncio.Event()
 
@@ -128,12 +125,8 @@ def test_a_refused_connection_and_a_silent_store_are_fetch_errors(tmp_path):
         app = web.Application()
         app.router.add_get("/{tail:.*}", silent)
         async with serve(app) as url:
-            store, catalog = _store(tmp_path / "silent", url)
-            store._timeout = 0.2
             try:
-                with pytest.raises(FetchError, match="no answer within 0.2 s"):
-                    await store.ensure_local(catalog.get("a"), set())
+                await _fetch_fails(tmp_path / "silent", url, FetchError, "no answer within 0.2 s", timeout_s=0.2)
             finally:
-                await store.aclose()
                 never.set()
     asyncio.run(scenario())
