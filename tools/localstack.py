@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -31,11 +32,43 @@ def _time_scale() -> float:
         return 1.0
 
 
+_LOWEST_PORT = 10000
+_issued: set[int] = set()  # ports this process handed out: never twice
+_pick = random.Random()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel picks for outgoing connections and ``bind(0)``."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """An ephemeral loopback port that was free a moment ago."""
+    """A loopback port that was free a moment ago, for a server started next.
+
+    Drawn below the kernel's ephemeral range when there is room (10000 up to it): a port
+    from ``bind(0)`` can be taken, before the server binds it, by any outgoing connection
+    of the stack (an agent's fetch, Envoy's upstreams), and a server then fails with
+    "address already in use". Never the same port twice in one process."""
+    low = _ephemeral_low()
+    for _ in range(100 if low - _LOWEST_PORT >= 1000 else 0):
+        port = _pick.randrange(_LOWEST_PORT, low)
+        if port in _issued:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _issued.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _issued.add(port)
+    return port
 
 
 def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None,

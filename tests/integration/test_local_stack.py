@@ -135,3 +135,15 @@ def test_bench_replays_a_small_trace_and_writes_the_report(tmp_path_factory, tmp
     for run in ("baseline", "prefetch"):
         assert set(report["ttft_ms"][run]) == {"p50", "p90", "p95", "p99"}
     assert (tmp_path / "report.png").exists()
+
+
+def test_free_ports_stay_out_of_the_kernels_ephemeral_range_and_never_repeat():
+    """A server's port is not one an outgoing connection of the stack can take first
+    (that raced: "address already in use" in the bench's 4-host start-up)."""
+    from tools import localstack
+
+    low = localstack._ephemeral_low()
+    ports = [localstack.free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    if low - localstack._LOWEST_PORT >= 1000:
+        assert all(localstack._LOWEST_PORT <= p < low for p in ports)
