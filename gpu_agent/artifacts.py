@@ -11,7 +11,7 @@ Sources (`uri`):
 - `http(s)://` URL of a directory: `adapter_config.json` and `adapter_model.safetensors`
   are fetched with aiohttp (one pooled session, keep-alive), hashed while streaming, and
   renamed into the cache only when the digest matches. aiohttp, not httpx: its parser is
-  native, and the GETs cost about a third of the CPU (0.9 vs 2.6-2.9 ms per adapter of
+  native, and the GETs cost about a third of the CPU (0.9 vs 2.5-2.9 ms per adapter of
   ~260 KB against ``python -m http.server``: ``python -m bench.fetch_cost``), which on a
   host whose engine shares the CPU is time its forward passes get back.
 """

@@ -53,8 +53,8 @@ def free_port() -> int:
     of the stack (an agent's fetch, Envoy's upstreams), and a server then fails with
     "address already in use". Never the same port twice in one process."""
     low = _ephemeral_low()
-    for _ in range(100 if low - _LOWEST_PORT >= 1000 else 0):
-        port = _pick.randrange(_LOWEST_PORT, low)
+    below = [_pick.randrange(_LOWEST_PORT, low) for _ in range(100)] if low - _LOWEST_PORT >= 1000 else []
+    for port in below + [0]:  # 0: the kernel's choice, when nothing below was free
         if port in _issued:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -62,13 +62,10 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            port = s.getsockname()[1]
         _issued.add(port)
         return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _issued.add(port)
-    return port
+    raise OSError("no free loopback port")
 
 
 def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None,

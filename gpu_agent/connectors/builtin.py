@@ -40,7 +40,7 @@ class StoreSource:
         return "remote" if spec.is_remote and self.store.local_path(spec) is None else "disk"
 
     def fetches_in_flight(self) -> int:
-        """Downloads under way in the store (the engine's and the agent's prefetches')."""
+        """Fetches under way in the store (the engine's and the agent's prefetches')."""
         return self.store.fetches_in_flight
 
     async def local_dir(self, entry: Any) -> tuple[Path, bool]:

@@ -107,6 +107,9 @@ class AdapterSource(Protocol):
     async def local_dir(self, entry: Adapter) -> tuple[Path, bool]:
         """The adapter's directory and whether its digest still needs checking."""
 
+    def fetches_in_flight(self) -> int:
+        """Downloads (or first checks) under way now: what a load starting now shares."""
+
 
 class LocalSource:
     """Local paths and file:// URIs only; http(s) needs a fetching source (the agent's).
@@ -117,6 +120,9 @@ class LocalSource:
 
     def tier(self, entry: Adapter) -> str:
         return "remote" if entry.is_remote else "disk"
+
+    def fetches_in_flight(self) -> int:
+        return 0  # it never fetches
 
     async def local_dir(self, entry: Adapter) -> tuple[Path, bool]:
         if entry.is_remote:
@@ -465,7 +471,7 @@ class EngineAdapters:
                 return
             if fut is None:
                 ticket = LoadTicket(name, prefetch, others_loading=len(self._inflight),
-                                    fetches_at_start=self.source_fetches())
+                                    fetches_at_start=self.source.fetches_in_flight())
                 fut = asyncio.ensure_future(self._load_once(name, ticket))
                 self._inflight[name] = fut
                 self._tickets[name] = ticket
@@ -480,11 +486,6 @@ class EngineAdapters:
                 return
             except core.AdapterNotResident:  # evicted right after the shared load: load again
                 continue                     # (registered as loading, like any load)
-
-    def source_fetches(self) -> int:
-        """Downloads the source has under way now (0 for a source that never fetches)."""
-        in_flight = getattr(self.source, "fetches_in_flight", None)
-        return in_flight() if in_flight is not None else 0
 
     def _load_finished(self, name: str, fut: asyncio.Future) -> None:
         if self._inflight.get(name) is fut:
@@ -556,8 +557,9 @@ class EngineAdapters:
             except FileNotFoundError as exc:
                 raise core.AdapterNotFound(f"adapter {name}: {exc}") from exc
             finally:
-                self.load_seconds += time.perf_counter() - t0
-                ticket.tiers_s += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                self.load_seconds += took
+                ticket.tiers_s += took
             break
         if digest:
             self._verified.add(digest)

@@ -64,9 +64,9 @@ class LoadTicket:
     # time it does), and whether it went past it
     compute_deadline: float | None = None
     compute_overrun: bool = False
-    # where the load's time went, in seconds (:class:`LoadStages`): the source's fetch, the
-    # tiers' read/parse/copy on a load thread, and pauses (a prefetch yielding), plus what
-    # else was loading on this engine when it started
+    # where the load's time went, in seconds (a request's ``ace_timing.load``): the source's
+    # fetch, the tiers' read/parse/copy on a load thread, and pauses (a prefetch yielding),
+    # plus what else was loading on this engine, and downloading in its source, when it started
     fetch_s: float = 0.0
     tiers_s: float = 0.0
     paused_s: float = 0.0

@@ -175,6 +175,9 @@ def test_an_internal_load_failure_is_a_logged_503_not_a_500(fixtures, caplog):
         def tier(self, entry):
             return "remote"
 
+        def fetches_in_flight(self):
+            return 0
+
         async def local_dir(self, entry):
             raise OSError(39, "Directory not empty", "/cache/.partial-x")
 
