@@ -15,6 +15,9 @@ go (pinned, in use, claimed, being loaded) and stops as soon as the shortfall is
 split keeps the decision testable with plain access sequences. :func:`hinted_victims` is
 the same split for a Prefetch's ``evict`` list: it only says which named adapters may go,
 in the caller's order; the agent's holdings evict them while room is needed.
+:func:`hinted_first` puts a request's hinted victims (the gateway's model of the pool:
+lowest predicted use first) ahead of the policy order for the load the engine makes
+itself when that request arrives (builtin: ``EngineAdapters.prefer_victims``).
 
 Every eviction has a :class:`EvictReason`; the agent counts them in
 ``ace_agent_evictions_total{tier, reason}``.
@@ -28,7 +31,7 @@ from enum import Enum
 from typing import Callable, Container, Iterable, Iterator, Protocol
 
 __all__ = ["EvictReason", "Shortfall", "Candidate", "plan_evictions", "ordered", "EvictionPolicy", "LRUPolicy",
-           "FIFOPolicy", "make_policy", "hinted_victims"]
+           "FIFOPolicy", "make_policy", "hinted_victims", "hinted_first"]
 
 
 class EvictReason(str, Enum):
@@ -153,3 +156,16 @@ def hinted_victims(hints: Iterable[str], loading: str, *, resident: Container[st
             continue
         out.append(name)
     return out
+
+
+def hinted_first(order: Iterable[Candidate], hints: Iterable[str]) -> list[Candidate]:
+    """``order`` with the candidates named in ``hints`` moved to the front, in hint order;
+    the rest keep the policy order. Names that match no candidate are dropped; a hinted
+    candidate that may not go stays not evictable (plan_evictions skips it)."""
+    cands = list(order)
+    by_name = {c.name: c for c in cands}
+    front = [by_name[n] for n in dict.fromkeys(hints) if n in by_name]
+    if not front:
+        return cands
+    chosen = {c.name for c in front}
+    return front + [c for c in cands if c.name not in chosen]

@@ -90,6 +90,12 @@ class EngineConnector(abc.ABC):
         """Tell an engine that evicts by itself (builtin) that a resident adapter is (un)pinned;
         ConnectorError when it is not resident. Engines the agent alone evicts ignore it."""
 
+    def prefer_victims(self, loading: str, victims: tuple[str, ...]) -> None:
+        """An engine that loads a request's adapter itself (``loads_on_demand``) evicts
+        ``victims`` first when that load of ``loading`` needs room: the gateway's choice,
+        sent with the request's ingress signal. Engines the agent loads for apply the
+        hints in the agent's own load (``TierHoldings``) and ignore this."""
+
     async def busy(self) -> set[str]:
         """Adapters used by running or waiting requests, or (builtin) accepted requests
         about to use them (never evicted)."""

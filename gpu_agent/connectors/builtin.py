@@ -119,6 +119,9 @@ class BuiltinConnector(EngineConnector):
         except Exception as exc:
             raise ConnectorError(f"builtin load {spec.name}: {exc}") from exc
 
+    def prefer_victims(self, loading: str, victims: tuple[str, ...]) -> None:
+        self.engine.adapters.prefer_victims(loading, victims)
+
     def set_pinned(self, name: str, pinned: bool) -> None:
         res = self.engine.adapters
         try:

@@ -19,7 +19,10 @@ it moves up.
 - ``pin`` / ``unpin``: keep an adapter in the pool regardless of LRU.
 - What leaves the pool is decided here, once: the pool asks ``_choose_victims``
   (``gpu_agent.eviction.plan_evictions`` over the pool's LRU order, never a claimed
-  adapter) and frees exactly those pages. Every eviction is counted by tier and reason
+  adapter) and frees exactly those pages. ``prefer_victims(loading, names)``: the
+  adapters the next load of ``loading`` evicts first (the gateway's model of this pool,
+  lowest predicted use first, sent with a request's ingress signal; the agent relays it),
+  for ``VICTIM_HINT_TTL_S``; the LRU order covers the rest. Every eviction is counted by tier and reason
   (``evictions_by()``: ``ace_engine_adapter_evictions_total``).
 - ``register`` / ``unregister``: adapters added at run time (vLLM-style load endpoint).
 - ``on_left_pool(listener)``: ``listener`` is called on the event loop with the name of every adapter that
@@ -53,7 +56,7 @@ from ace_common.catalog import PUBLIC, Adapter
 from gpu_agent import errors as core
 from gpu_agent.engine.errors import AdapterUnavailable, EngineError, ModelNotFound
 from gpu_agent.engine.load_order import LoadOrder, LoadThreads, LoadTicket
-from gpu_agent.eviction import Candidate, EvictReason, Shortfall, plan_evictions
+from gpu_agent.eviction import Candidate, EvictReason, Shortfall, hinted_first, plan_evictions
 from ace_common.tiers import ORDER, Tier
 
 __all__ = ["entry_dir", "read_catalog", "AdapterSource", "LocalSource", "EngineAdapters",
@@ -63,6 +66,9 @@ DEVICE, HOST = Tier.DEVICE.value, Tier.HOST.value
 TIERS = tuple(t.value for t in ORDER)  # device, host, disk, remote
 # host -> pool copies up to this size run inline on the event loop (CPU pool only)
 INLINE_SWAP_BYTES = 4 << 20
+# how long a victim hint (prefer_victims) waits for its load: the request it came with
+# reaches the engine within milliseconds; an older hint describes a pool that has moved on
+VICTIM_HINT_TTL_S = 5.0
 
 log = logging.getLogger("gpu_agent.engine")
 
@@ -177,6 +183,9 @@ class EngineAdapters:
         # evictions by (tier, reason): the pool's (its owner's choice below, or evict) and the
         # host copies' (their byte budget)
         self.evictions: dict[tuple[str, str], int] = {}
+        # loading name -> (victims to evict first, monotonic time given): prefer_victims
+        self._victim_hints: dict[str, tuple[tuple[str, ...], float]] = {}
+        self._hinted_out: set[str] = set()  # chosen by a hint, not yet released (reason "hint")
         pool.release_listeners.append(self._pool_released)
         pool.choose_victims = self._choose_victims  # this store decides what leaves the pool
 
@@ -224,11 +233,25 @@ class EngineAdapters:
     def claimed_names(self) -> set[str]:
         return {n for n, c in list(self._claims.items()) if c > 0}
 
+    def prefer_victims(self, loading: str, victims: Sequence[str]) -> None:
+        """The next load of ``loading`` (within ``VICTIM_HINT_TTL_S``) evicts ``victims``
+        first, in this order, where it needs room and they may go; the LRU order after them.
+        An empty ``victims`` forgets the hint."""
+        if victims:
+            self._victim_hints[loading] = (tuple(victims), time.monotonic())
+        else:
+            self._victim_hints.pop(loading, None)
+
     def _choose_victims(self, loading: str, short: Shortfall, order: Sequence[Candidate]) -> list[str]:
         """What leaves the pool for ``loading`` (pool lock held, on the loading thread): the
-        pool's policy order, never an adapter a request the engine accepted is about to use."""
-        return plan_evictions((c if c.evictable and not self.claimed(c.name) else replace(c, evictable=False)
-                               for c in order), short)
+        hinted victims first (``prefer_victims``), then the pool's policy order, never an
+        adapter a request the engine accepted is about to use."""
+        hint = self._victim_hints.pop(loading, None)
+        hints = hint[0] if hint is not None and time.monotonic() - hint[1] <= VICTIM_HINT_TTL_S else ()
+        cands = [c if c.evictable and not self.claimed(c.name) else replace(c, evictable=False) for c in order]
+        out = plan_evictions(hinted_first(cands, hints), short)
+        self._hinted_out.update(set(out).intersection(hints))
+        return out
 
     def evictions_by(self) -> dict[tuple[str, str], int]:
         """Evictions so far by ``(tier, reason)``, the host copies' budget included."""
@@ -412,6 +435,10 @@ class EngineAdapters:
 
     def _pool_released(self, name: str, reason: EvictReason) -> None:
         """Pool release hook (pool lock held, any thread): count it, hand the name to the loop."""
+        if name in self._hinted_out:
+            self._hinted_out.discard(name)
+            if reason is EvictReason.BUDGET:
+                reason = EvictReason.HINT
         self._count_eviction(DEVICE, reason)
         loop = self._loop
         if loop is None or not self._left_pool_listeners:

@@ -76,7 +76,8 @@ def render_metrics(engine: Any, http_stats: Any) -> str:
              "Prefetch loads given up (no_room: room only by evicting what requests use)",
              [({"reason": k}, v) for k, v in sorted(res.order.cancelled.items())])
     t.metric("ace_engine_adapter_evictions_total", "counter",
-             "Adapters evicted by tier and reason (budget: room for a load; operator: an unload call)",
+             "Adapters evicted by tier and reason (budget: room for a load, LRU; hint: room for a "
+             "request's load, the gateway's victim; operator: an unload call)",
              [({"tier": tier, "reason": reason}, v) for (tier, reason), v in sorted(res.evictions_by().items())])
     snap = res.snapshot()
     t.metric("ace_engine_adapter_tier", "gauge", "1 for the tier each known adapter is in",

@@ -4,7 +4,8 @@ A prefetch is refused when its adapter is unknown or its digest differs; it is
 ``already_resident`` on the device; a duplicate coalesces with the queued or running load.
 A request's own prefetch (the gateway's ingress signal) to an engine that loads the
 request's adapter itself (builtin) only starts the fetch of its files: the request's own
-load joins it, and nothing is loaded twice. A hint that says how likely it is
+load joins it, and nothing is loaded twice; its ``evict`` hints become that load's first
+victims (``EngineConnector.prefer_victims``). A hint that says how likely it is
 (``probability``) is put to the speculation budget
 (``gpu_agent.residency.prefetch_budget``), fed here with measured load times, the queue
 and the engine's own request loads; past the queue's bound it is ``queue_full``.
@@ -64,7 +65,9 @@ class PrefetchAdmission:
             return ResidencyResult(ResidencyOutcome.ALREADY_RESIDENT)
         if probability is None and reason.startswith(REQUEST_REASON) and self.holdings.connector.loads_on_demand:
             # a request's own load, which this engine makes itself when the request arrives:
-            # fetch its files ahead (the engine's load joins the fetch), load nothing here
+            # fetch its files ahead (the engine's load joins the fetch), load nothing here;
+            # the gateway's victims are the ones that load evicts first
+            self.holdings.connector.prefer_victims(name, self._known_hints(name, evict))
             self.pipeline.fetch_ahead(spec)
             self.metrics.inc("ace_agent_prefetch_total", outcome="left_to_engine")
             return ResidencyResult(ResidencyOutcome.ACCEPTED, "engine_loads_on_demand")

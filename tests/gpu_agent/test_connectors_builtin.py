@@ -93,6 +93,35 @@ def test_the_pool_alone_decides_what_leaves_the_device_by_what_requests_used(fix
     run(main())
 
 
+def test_a_requests_own_load_in_the_engine_evicts_the_gateways_victim_not_the_lru(fixtures, tmp_path):
+    """The gateway's ingress signal for a cold request names the victims its model of the
+    pool would evict (lowest predicted use). The builtin engine loads that request's adapter
+    itself; that load evicts the hinted victim B, where the pool's LRU would take A."""
+    A, B, C = "code-sql", "med-triage", "fin-reports"
+
+    async def main():
+        mgr, conn = await make(fixtures, tmp_path, http_port=0, max_adapters=2)
+        try:
+            for name in (A, B):                      # A is the least recently used
+                await mgr.ensure_resident(name)
+            got = mgr.prefetch(C, priority=1, reason="request_cold", evict=[B])
+            assert got.reason == "engine_loads_on_demand"
+            async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
+                r = await client.post("/v1/completions", json={"model": C, "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200
+            adapters = conn.engine.adapters
+            assert adapters.tier(A) == "device" and adapters.tier(B) != "device" and adapters.tier(C) == "device"
+            assert adapters.evictions_by() == {("device", "hint"): 1}
+            # the hint was spent on that load: the next one evicts by LRU again (A)
+            async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
+                r = await client.post("/v1/completions", json={"model": B, "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200 and adapters.tier(A) != "device"
+            assert adapters.evictions_by() == {("device", "hint"): 1, ("device", "budget"): 1}
+        finally:
+            await mgr.close()
+    run(main())
+
+
 def test_a_self_managed_engine_takes_no_device_budget_from_the_agent(fixtures, tmp_path):
     """Two budgets on one tier were two owners: the manager refuses them, and so do the
     agent's settings for the builtin engine's byte budget (its pool's size is --pool-mb)."""

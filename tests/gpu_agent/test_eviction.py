@@ -111,3 +111,19 @@ def test_pool_frees_what_its_owner_chooses_never_an_adapter_in_use():
     assert asked == [("c", True, [("b", True), ("a", False)])]   # the batch used "a" last
     assert sorted(pool.resident()) == ["a", "c"]
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("order, hints, names", [
+    ("abc", "c", "cab"),
+    ("abc", "cb", "cba"),                  # the hint's order, then the policy's
+    ("abc", "xb", "bac"),                  # names that match no candidate are dropped
+    ("abc", "", "abc"),
+    ("abc", "bb", "bac"),
+])
+def test_hinted_first(order, hints, names):
+    from gpu_agent.eviction import Candidate, Shortfall, hinted_first, plan_evictions
+
+    assert "".join(c.name for c in hinted_first([Candidate(n, 1) for n in order], list(hints))) == names
+    # a hinted candidate that may not go stays where plan_evictions skips it
+    cands = hinted_first([Candidate("a", 1), Candidate("b", 1, False)], ["b"])
+    assert plan_evictions(cands, Shortfall(count=1)) == ["a"]
