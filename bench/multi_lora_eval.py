@@ -70,6 +70,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -237,9 +238,25 @@ def preemptions(metrics_texts: list[str]) -> int | None:
     return int(total) if seen else None
 
 
-async def agent_preemptions(metrics_urls: list[str]) -> int | None:
+_PREFETCH_OUTCOME = re.compile(r'^ace_agent_prefetch_total\{[^}]*outcome="([^"]+)"[^}]*\}\s+(\S+)', re.M)
+
+
+def prefetch_outcomes(metrics_texts: list[str]) -> dict[str, int]:
+    """The agents' answers to prefetch signals (``ace_agent_prefetch_total{outcome}``: taken,
+    coalesced, left to the engine, or refused with the speculation budget's verdict), summed
+    over hosts."""
+    out: Counter = Counter()
+    for text in metrics_texts:
+        for outcome, value in _PREFETCH_OUTCOME.findall(text):
+            out[outcome] += int(float(value))
+    return dict(sorted(out.items()))
+
+
+async def agent_counters(metrics_urls: list[str]) -> tuple[int | None, dict[str, int]]:
+    """(prefetch loads the agents preempted, their prefetch outcomes), from their /metrics."""
     async with httpx.AsyncClient(timeout=10) as client:
-        return preemptions([(await client.get(url)).text for url in metrics_urls])
+        texts = [(await client.get(url)).text for url in metrics_urls]
+    return preemptions(texts), prefetch_outcomes(texts)
 
 
 def metric(text: str, series: str) -> float:
@@ -477,16 +494,16 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
             for h in st["hosts"]:  # before the overhead probe's requests
                 by_host[h["name"]] = await engine_loads(h["engine_url"])
                 loads.update(by_host[h["name"]])
-            preempted = await agent_preemptions([h["metrics"] for h in st["hosts"]])
+            preempted, outcomes = await agent_counters([h["metrics"] for h in st["hosts"]])
             ov = None
             if probe:
                 t = requests[0]
                 ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
-            return rows, dict(loads), by_host, preempted, ov, ready, run_speed, calibration, busy, load_busy
+            return rows, dict(loads), by_host, preempted, outcomes, ov, ready, run_speed, calibration, busy, load_busy
 
         t_replay = time.monotonic()
         load_avg = os.getloadavg()[0]
-        (rows, loads, loads_by_host, preempted, overhead, ready, speed, calibration, busy,
+        (rows, loads, loads_by_host, preempted, outcomes, overhead, ready, speed, calibration, busy,
          load_busy) = asyncio.run(go())
         replay_s = time.monotonic() - t_replay
         fetches, _ = store_fetches(store_log, log_at)
@@ -494,7 +511,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
     ok = ok_rows(rows)
     prefetch = {"sent": counters.get("signals_sent", 0) + counters.get("warm_sent", 0) if counters else None,
                 "used": counters.get("prefetch_used"), "wasted": counters.get("prefetch_wasted"),
-                "preempted": preempted}
+                "preempted": preempted, "agent_outcomes": outcomes}
     entry = fleet_entry(
         ok, errors=len(rows) - len(ok), requests_per_host=Counter(r["host"] or "unknown" for r in ok),
         loads_by_tier=loads, prefetch=prefetch,

@@ -130,6 +130,17 @@ def test_preemptions_sum_counters_named_preempt_or_none():
     assert preemptions(['ace_agent_prefetch_preempted_total 0\n']) == 0
 
 
+def test_prefetch_outcomes_sum_the_agents_answers_by_outcome():
+    from bench.multi_lora_eval import prefetch_outcomes
+
+    a = ('# TYPE ace_agent_prefetch_total counter\n'
+         'ace_agent_prefetch_total{outcome="accepted"} 3\n'
+         'ace_agent_prefetch_total{outcome="rejected_not_worth"} 2.0\n')
+    b = 'ace_agent_prefetch_total{outcome="accepted"} 4\nace_agent_prefetch_preempted_total 1\n'
+    assert prefetch_outcomes([a, b]) == {"accepted": 7, "rejected_not_worth": 2}
+    assert prefetch_outcomes(["ace_agent_loads_total 5\n"]) == {}
+
+
 def test_learned_state_is_the_gateways_own_file_from_another_trace(tmp_path):
     from bench.multi_lora_eval import learned_state
     from extproc.policy.prediction import TransitionModel
@@ -188,7 +199,9 @@ def test_small_fleet_run_writes_the_report(tmp_path):
         assert e["resident_hit_ratio"] == pytest.approx(e["resident_hits"] / 40)
         assert set(e["stall_ms"]) == set(e["ttft_ms"]) == {"p50", "p90", "p95", "p99"}
         assert e["first_step"]["total"] == sum(1 for r in json.loads(trace.read_text()) if r["step"] == 0)
-        assert set(e["prefetch"]) == {"sent", "used", "wasted", "preempted"}
+        assert set(e["prefetch"]) == {"sent", "used", "wasted", "preempted", "agent_outcomes"}
+        if name == "ace":  # every signal the agents answered: the ingress ones at least
+            assert sum(e["prefetch"]["agent_outcomes"].values()) >= 1
         assert sum(e["loads_by_tier"].values()) >= 1  # every adapter starts cold
         assert e["speed"] == 20.0 and set(e["engine_busy"]) == {"engine-1", "engine-2"}
         assert all(0 < v < 1 for v in e["engine_busy"].values())
