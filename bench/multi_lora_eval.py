@@ -70,7 +70,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -89,6 +88,7 @@ from bench.scenario_fixtures import trace_catalog
 from bench.trace import TraceError, load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
 from ace_common.catalog_schema import read_catalog_file
+from gpu_agent.connectors.prometheus import parse_samples
 
 BASE_MODEL = "ace-tiny-llama"
 TOKEN = "bench-agent-token"
@@ -238,17 +238,15 @@ def preemptions(metrics_texts: list[str]) -> int | None:
     return int(total) if seen else None
 
 
-_PREFETCH_OUTCOME = re.compile(r'^ace_agent_prefetch_total\{[^}]*outcome="([^"]+)"[^}]*\}\s+(\S+)', re.M)
-
-
 def prefetch_outcomes(metrics_texts: list[str]) -> dict[str, int]:
     """The agents' answers to prefetch signals (``ace_agent_prefetch_total{outcome}``: taken,
     coalesced, left to the engine, or refused with the speculation budget's verdict), summed
     over hosts."""
     out: Counter = Counter()
     for text in metrics_texts:
-        for outcome, value in _PREFETCH_OUTCOME.findall(text):
-            out[outcome] += int(float(value))
+        for sample in parse_samples(text):
+            if sample.name == "ace_agent_prefetch_total" and "outcome" in sample.labels:
+                out[sample.labels["outcome"]] += int(sample.value)
     return dict(sorted(out.items()))
 
 

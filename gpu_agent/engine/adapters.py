@@ -185,7 +185,7 @@ class EngineAdapters:
         self.evictions: dict[tuple[str, str], int] = {}
         # loading name -> (victims to evict first, monotonic time given): prefer_victims
         self._victim_hints: dict[str, tuple[tuple[str, ...], float]] = {}
-        self._hinted_out: set[str] = set()  # chosen by a hint, not yet released (reason "hint")
+        self._hinted_out: set[str] = set()  # the last choice's hinted victims (released as "hint")
         pool.release_listeners.append(self._pool_released)
         pool.choose_victims = self._choose_victims  # this store decides what leaves the pool
 
@@ -250,7 +250,7 @@ class EngineAdapters:
         hints = hint[0] if hint is not None and time.monotonic() - hint[1] <= VICTIM_HINT_TTL_S else ()
         cands = [c if c.evictable and not self.claimed(c.name) else replace(c, evictable=False) for c in order]
         out = plan_evictions(hinted_first(cands, hints), short)
-        self._hinted_out.update(set(out).intersection(hints))
+        self._hinted_out = set(out).intersection(hints)  # the pool releases them next, lock held
         return out
 
     def evictions_by(self) -> dict[tuple[str, str], int]:
@@ -435,10 +435,8 @@ class EngineAdapters:
 
     def _pool_released(self, name: str, reason: EvictReason) -> None:
         """Pool release hook (pool lock held, any thread): count it, hand the name to the loop."""
-        if name in self._hinted_out:
-            self._hinted_out.discard(name)
-            if reason is EvictReason.BUDGET:
-                reason = EvictReason.HINT
+        if reason is EvictReason.BUDGET and name in self._hinted_out:
+            reason = EvictReason.HINT
         self._count_eviction(DEVICE, reason)
         loop = self._loop
         if loop is None or not self._left_pool_listeners:
