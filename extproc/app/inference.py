@@ -87,8 +87,9 @@ class Inference(Authenticated):
                     *trace_metadata(d, queued))
         if rw.header_hints:
             metadata += tuple(("hint_" + field, text) for field, text in rw.header_hints)
-        # the request goes upstream: counted until that host's next load measurement
-        self.gw.residency.sent.record(d.upstream.name)
+        # the request goes upstream: counted until that host's next load measurement, and
+        # its adapter is nobody's hinted victim there for a while (Upstream.victim_grace_s)
+        self.gw.residency.sent.record(d.upstream.name, d.adapter.name if d.adapter is not None else None)
         headers = self.extra_headers
         if rw.body is not None:  # Envoy checks it when the headers were sent to us
             headers += (("content-length", str(len(rw.body))),)

@@ -6,13 +6,16 @@ gRPC sender, ``extproc.fleet.agent_link.AgentLink``). A full queue drops the sig
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-__all__ = ["PrefetchSignal", "PrefetchSink", "NullPrefetchSink", "PrefetchQueue"]
+__all__ = ["PrefetchSignal", "PrefetchSink", "NullPrefetchSink", "PrefetchQueue", "Retry"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,10 @@ class PrefetchSignal:
     # the agent's speculation budget weighs them. None: not a bet (a request's own load)
     probability: float | None = None
     victim_reuse_probability: float | None = None
+    # seconds an adapter a request was routed to on ``upstream`` stays out of ``evict``
+    # (``Upstream.victim_grace_s``; the sender applies it: ``AgentLink.spare_routed``)
+    spare_s: float = 0.0
+    deferred: bool = False   # the sender held it back once already (``AgentLink.spare_routed``)
 
 
 class PrefetchSink(Protocol):
@@ -47,12 +54,23 @@ class NullPrefetchSink:
         return False
 
 
-class PrefetchQueue:
-    """Bounded queue + one daemon thread that calls ``send(signal)`` for each signal."""
+#: What ``send`` may answer instead of None: send this signal again after so many seconds.
+Retry = tuple[PrefetchSignal, float]
 
-    def __init__(self, send: Callable[[PrefetchSignal], None], maxsize: int = 1024) -> None:
+
+class PrefetchQueue:
+    """Bounded queue + one daemon thread that calls ``send(signal)`` for each signal.
+
+    ``send`` returns None, or ``(signal, delay_s)``: that signal is handed to ``send`` again
+    once ``delay_s`` has passed, from the same thread (at most ``maxsize`` wait so; more are
+    dropped and counted)."""
+
+    def __init__(self, send: Callable[[PrefetchSignal], "Retry | None"], maxsize: int = 1024) -> None:
         self._queue: queue.Queue[PrefetchSignal | None] = queue.Queue(maxsize)
         self._send = send
+        self._later: list[tuple[float, int, PrefetchSignal]] = []   # heap: (due, seq, signal)
+        self._seq = itertools.count()
+        self.maxsize = maxsize
         self._thread = threading.Thread(target=self._run, name="prefetch-sender", daemon=True)
         self._thread.start()
         self.dropped = 0
@@ -73,11 +91,27 @@ class PrefetchQueue:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        later = self._later
         while True:
-            signal = self._queue.get()
-            if signal is None:
-                return
+            timeout = max(0.0, later[0][0] - time.monotonic()) if later else None
             try:
-                self._send(signal)
-            except Exception:  # a failed send must not kill the sender; the agent retries
-                log.exception("prefetch send failed for %s", signal.adapter)
+                signal = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                signal = heapq.heappop(later)[2]
+            else:
+                if signal is None:
+                    return
+            self._deliver(signal)
+
+    def _deliver(self, signal: PrefetchSignal) -> None:
+        try:
+            retry = self._send(signal)
+        except Exception:  # a failed send must not kill the sender; the agent retries
+            log.exception("prefetch send failed for %s", signal.adapter)
+            return
+        if isinstance(retry, tuple) and len(retry) == 2 and isinstance(retry[0], PrefetchSignal):
+            if len(self._later) >= self.maxsize:
+                self.dropped += 1
+                return
+            again, delay_s = retry
+            heapq.heappush(self._later, (time.monotonic() + max(0.0, float(delay_s)), next(self._seq), again))

@@ -30,6 +30,7 @@ vocabulary are imported from gpu_agent (no torch).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -39,7 +40,7 @@ from typing import Mapping
 
 import grpc
 
-from extproc.domain.prefetch import PrefetchQueue, PrefetchSignal
+from extproc.domain.prefetch import PrefetchQueue, PrefetchSignal, Retry
 from extproc.state.residency import UNKNOWN_TIER, ResidencyBoard, ResidencySnapshot, TierReport
 from extproc.settings import AgentTLS
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
@@ -85,7 +86,7 @@ class _Agent:
             self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.AgentStub(self.channel)
         self.queue = PrefetchQueue(self._send, maxsize=link.queue_size)
-        self.sent = self.failed = 0
+        self.sent = self.failed = self.withdrawn = self.deferred = 0
         self.connected = False
         # WatchResidency attempts that ended in an error, and the last one's status code
         # (UNAVAILABLE: down, or refused our TLS; UNAUTHENTICATED: wrong token)
@@ -95,7 +96,15 @@ class _Agent:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"agent-watch-{upstream}", daemon=True)
 
-    def _send(self, signal: PrefetchSignal) -> None:
+    def _send(self, signal: PrefetchSignal) -> Retry | None:
+        verdict = self.link.spare_routed(signal)
+        if verdict is None:
+            self.withdrawn += 1
+            return None
+        if isinstance(verdict, tuple):
+            self.deferred += 1
+            return verdict
+        signal = verdict
         try:
             bet = {} if signal.probability is None else {
                 "probability": signal.probability,
@@ -218,6 +227,32 @@ class AgentLink:
             agent.close()
         if self._expiry.is_alive():
             self._expiry.join(timeout=2)
+
+    def spare_routed(self, signal: PrefetchSignal) -> PrefetchSignal | Retry | None:
+        """What to do with ``signal`` given the requests routed lately: a victim a request
+        was routed to on its upstream within ``signal.spare_s`` (``Upstream.victim_grace_s``;
+        ``board.sent.routed_ago``) may be on its way to an engine that does not list it as
+        busy yet (vLLM's gauge lags), and the agent could unload it under that request.
+
+        - a request's own load: sent now without those victims (the rest, or none: the
+          agent's LRU, which skips what the engine lists as busy);
+        - a bet (``probability`` set), priced against the victim it names: held back until
+          the grace has passed (``(signal, delay_s)``), once; then the agent's own busy
+          check sees the request if it still runs. Still spared then (routed again): None,
+          withdrawn.
+        """
+        grace = signal.spare_s
+        if not signal.evict or grace <= 0:
+            return signal
+        sent = self.board.sent
+        ago = {v: t for v in signal.evict if (t := sent.routed_ago(signal.upstream, v)) is not None and t < grace}
+        if not ago:
+            return signal
+        if signal.probability is None:
+            return dataclasses.replace(signal, evict=tuple(v for v in signal.evict if v not in ago))
+        if signal.deferred:
+            return None
+        return dataclasses.replace(signal, deferred=True), grace - min(ago.values())
 
     def submit(self, signal: PrefetchSignal) -> bool:
         """PrefetchSink: queue for the upstream's agent; False when none or its queue is full."""

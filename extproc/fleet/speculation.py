@@ -157,10 +157,12 @@ class SpeculationPlanner:
         got = self.speculator(step.upstream).step(step.tenant, step.session, step.adapter, now,
                                                   prefetch_load=lambda a, t: t + grace, place=place,
                                                   load_s=load_s)
+        grace = {u.name: u.victim_grace_s for u in snapshot.upstreams}
         return [PrefetchSignal(upstream=p.host, adapter=p.adapter, digest=snapshot.adapters[p.adapter].sha256,
                                priority=0, reason=p.reason,
                                evict=() if p.victim is None else (str(p.victim),),
-                               probability=p.use_probability, victim_reuse_probability=p.victim_probability)
+                               probability=p.use_probability, victim_reuse_probability=p.victim_probability,
+                               spare_s=grace.get(p.host, 0.0))
                 for p in got.prefetches]
 
     def victims(self, now: float, n: int = 2) -> dict[str, tuple[str, ...]]:

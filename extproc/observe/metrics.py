@@ -176,7 +176,9 @@ class GatewayCollector(Collector):
 
     def _links(self) -> Iterator:
         signals = CounterMetricFamily("ace_gateway_prefetch_signals", "Prefetch signals to each upstream's agent: "
-                                      "sent (answered), dropped (its queue was full), failed (the RPC failed).",
+                                      "sent (answered), dropped (its queue was full), failed (the RPC failed), "
+                                      "deferred (a bet held back: a request had just been routed to its victim), "
+                                      "withdrawn (still so when its time came).",
                                       labels=("upstream", "result"))
         up = GaugeMetricFamily("ace_gateway_agent_link_up", "1 while the upstream's agent residency stream is connected.",
                                labels=("upstream",))
@@ -184,6 +186,8 @@ class GatewayCollector(Collector):
             signals.add_metric((name, "sent"), agent.sent)
             signals.add_metric((name, "dropped"), agent.queue.dropped)
             signals.add_metric((name, "failed"), agent.failed)
+            signals.add_metric((name, "deferred"), agent.deferred)
+            signals.add_metric((name, "withdrawn"), agent.withdrawn)
             up.add_metric((name,), 1.0 if agent.connected else 0.0)
         yield signals
         yield up

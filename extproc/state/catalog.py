@@ -86,3 +86,17 @@ class Upstream:
             # Envoy's ORIGINAL_DST cluster takes the destination header as is: no DNS.
             raise ConfigError(f"upstream {self.name}: address must be IP:port, got {self.address!r}",
                               field="address")
+
+    @property
+    def victim_grace_s(self) -> float:
+        """How long an adapter a request was routed to here is nobody's hinted victim
+        (``PrefetchSignal.spare_s``). vLLM and SGLang learn of a request only when it
+        reaches them and list it as busy later still (vLLM's gauge is set once per engine
+        step), and unloading the adapter of a request they have accepted fails it (vLLM
+        0.32: 404, or its engine stops: docs/engine.md). 0.5 s there: several times the
+        lead, the engine's accepting and a step on the CPU hosts measured (tens of ms);
+        at 2 s most hinted victims on a 2-adapter vLLM cache were spared and the ace arm
+        lost its hits (docs/bench-history.md). The builtin engine claims a request's adapter
+        as it arrives and evicts no claimed one; one evicted just before costs a reload,
+        not an error: 0."""
+        return 0.0 if self.flavour == "builtin" else 0.5

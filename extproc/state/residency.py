@@ -21,11 +21,12 @@ in together, and the count moves between snapshots without a new one being built
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ace_common.tiers import Tier
 
@@ -67,24 +68,45 @@ _EMPTY: Mapping[str, TierReport] = MappingProxyType({})
 
 
 class SentCounts:
-    """Requests this gateway routed to each upstream since it started.
+    """Requests this gateway routed to each upstream since it started, and when each
+    adapter was last routed to each upstream.
 
     ``record`` is called once per routed request, from any request thread (``--server
     threads`` runs several): the increment holds a lock, so no count is lost. ``value`` is
-    one dict read, no lock."""
+    one dict read, no lock. ``routed_ago`` says how long ago a request for an adapter left
+    for an upstream (``clock``: ``time.monotonic``): it may be on its way to an
+    engine that does not list it as running or waiting yet (vLLM's gauge lags), and no
+    eviction the gateway names may take its adapter (``AgentLink.spare_routed``).
+    Bounded: at most ``max_routes`` pairs; past it the older half is forgotten."""
 
-    __slots__ = ("_counts", "_lock")
+    __slots__ = ("_counts", "_lock", "_routed", "max_routes", "clock")
 
-    def __init__(self, initial: Mapping[str, int] | None = None) -> None:
+    def __init__(self, initial: Mapping[str, int] | None = None, *, max_routes: int = 65_536,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._counts: dict[str, int] = dict(initial or {})
         self._lock = threading.Lock()
+        self._routed: dict[tuple[str, str], float] = {}
+        self.max_routes = max_routes
+        self.clock = clock
 
-    def record(self, upstream: str) -> None:
+    def record(self, upstream: str, adapter: str | None = None) -> None:
         with self._lock:
             self._counts[upstream] = self._counts.get(upstream, 0) + 1
+            if adapter:
+                routed = self._routed
+                routed.pop((upstream, adapter), None)   # insertion order = routing order
+                routed[(upstream, adapter)] = self.clock()
+                if len(routed) > self.max_routes:
+                    for key in list(itertools.islice(routed, len(routed) // 2)):
+                        del routed[key]
 
     def value(self, upstream: str) -> int:
         return self._counts.get(upstream, 0)
+
+    def routed_ago(self, upstream: str, adapter: str) -> float | None:
+        """Seconds since a request for ``adapter`` last left for ``upstream``; None: never."""
+        at = self._routed.get((upstream, adapter))
+        return None if at is None else self.clock() - at
 
 
 @dataclass(frozen=True, slots=True)

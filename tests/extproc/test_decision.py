@@ -101,3 +101,29 @@ def test_the_ingress_prefetch_names_the_pools_first_victims(snapshot):
     assert d.prefetch_signal.evict == ("old-one", "older")
     d = _decide(snapshot, _res("remote"), {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"})
     assert d.prefetch_signal.evict == ()
+
+
+def test_the_ingress_prefetch_carries_the_hosts_grace_for_just_routed_victims(snapshot):
+    """vLLM and SGLang list a request late and fail it when its adapter goes: the signal
+    tells the sender to spare what was just routed there; the builtin engine needs none."""
+    on = {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
+    assert _decide(snapshot, _res("remote"), on).prefetch_signal.spare_s == 0.5   # local-vllm: vllm
+    up = snapshot.upstreams[0]
+    builtin = replace(snapshot, upstreams=(replace(up, flavour="builtin"),))
+    assert _decide(builtin, _res("remote"), on).prefetch_signal.spare_s == 0.0
+
+
+def test_sent_counts_remember_when_each_adapter_was_routed_and_stay_bounded():
+    now = [100.0]
+    sent = SentCounts(max_routes=4, clock=lambda: now[0])
+    sent.record("e0", "a")
+    sent.record("e0")                       # a request without an adapter counts, names nothing
+    assert sent.value("e0") == 2
+    assert sent.routed_ago("e0", "a") == 0.0 and sent.routed_ago("e1", "a") is None
+    now[0] += 2.0
+    assert sent.routed_ago("e0", "a") == 2.0
+    sent.record("e0", "a")                  # routed again: fresh, and the newest
+    for name in "bcde":
+        sent.record("e0", name)
+    assert sent.routed_ago("e0", "e") == 0.0 and sent.routed_ago("e0", "d") == 0.0
+    assert sent.routed_ago("e0", "a") is None   # the older half went past max_routes

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -175,6 +176,30 @@ def test_prefetch_queue_never_blocks_and_drops_when_full():
     gate.set()
     q.close()
     assert sent
+
+
+def test_prefetch_queue_sends_a_signal_again_when_its_sender_asks_and_others_meanwhile():
+    """``send`` may answer (signal, delay): that signal comes back after the delay, while
+    signals submitted meanwhile go at once."""
+    import threading
+    calls, done = [], threading.Event()
+    first = PrefetchSignal("u", "bet", "d", 0, "predicted")
+    now = PrefetchSignal("u", "now", "d", 1, "request_cold")
+
+    def send(s):
+        calls.append(s.adapter)
+        if s.adapter == "bet" and not s.deferred:
+            q.submit(now)                             # arrives while the bet waits
+            return replace(s, deferred=True), 0.05
+        if s.deferred:
+            done.set()
+        return None
+
+    q = PrefetchQueue(send, maxsize=4)
+    assert q.submit(first)
+    assert done.wait(30), calls
+    assert calls == ["bet", "now", "bet"]
+    q.close()
 
 
 def _rewritten(store, raw: bytes) -> Continue | Reply:

@@ -12,12 +12,14 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
 
 from extproc.fleet.agent_link import AgentLink, AgentTLS
 from extproc.domain.prefetch import PrefetchSignal
+from extproc.state.residency import SentCounts
 from extproc.settings import Settings
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
@@ -436,3 +438,52 @@ def test_a_speculations_bet_travels_to_the_agent_which_refuses_a_losing_one(tmp_
     finally:
         link.close()
         agent.close()
+
+
+def test_a_victim_a_request_was_just_routed_to_is_spared_on_an_engine_that_lists_requests_late(tmp_path):
+    """vLLM fails a request whose adapter it unloads after accepting it, and lists the
+    request as busy only later: a request's own load names no adapter the gateway just
+    routed a request to there (spare_s: Upstream.victim_grace_s); the agent's LRU makes the
+    room instead. With spare_s 0 (the builtin engine) the hint goes as it came."""
+    agent = AgentThread(tmp_path, free_port(), capacity=2)
+    agent.start()
+    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
+    try:
+        for name in ("a1", "a2"):                                   # a1 least recently used
+            assert link.submit(signal(name))
+            wait_until(lambda n=name: link.board.current.of("u1", n).tier == "device")
+        link.board.sent.record("u1", "a2")                          # a request for a2 just left for u1
+        assert link.submit(PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=1,
+                                          reason="request_cold", evict=("a2",), spare_s=3600.0))
+        wait_until(lambda: link.board.current.of("u1", "a3").tier == "device")
+        wait_until(lambda: link.board.current.of("u1", "a1").tier == "disk")
+        assert set(agent.engine.held) == {"a2", "a3"}
+        # the same hint to an engine that claims a request's adapter as it arrives (spare_s 0)
+        assert link.submit(PrefetchSignal(upstream="u1", adapter="a1", digest="", priority=1,
+                                          reason="request_cold", evict=("a2",)))
+        wait_until(lambda: link.board.current.of("u1", "a1").tier == "device")
+        assert set(agent.engine.held) == {"a1", "a3"}
+    finally:
+        link.close()
+        agent.close()
+
+
+def test_a_bet_against_a_just_routed_victim_waits_out_the_grace_once_then_goes_or_is_withdrawn():
+    now = [100.0]
+    link = AgentLink({})
+    link.board.sent = SentCounts(clock=lambda: now[0])
+    bet = PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=0, reason="predicted",
+                         evict=("a2",), probability=0.9, victim_reuse_probability=0.1, spare_s=0.5)
+    assert link.spare_routed(bet) is bet                             # nothing routed to a2 yet
+    link.board.sent.record("u1", "a2")
+    now[0] += 0.2
+    again, delay = link.spare_routed(bet)                            # held back for the rest of the grace
+    assert again.deferred and again.evict == ("a2",) and delay == pytest.approx(0.3)
+    now[0] += 0.3
+    assert link.spare_routed(again) is again                         # its time came: sent as it was
+    link.board.sent.record("u1", "a2")                               # routed there again meanwhile
+    assert link.spare_routed(again) is None                          # withdrawn: deferred once only
+    assert link.spare_routed(replace(bet, spare_s=0.0)).evict == ("a2",)   # builtin: no grace
+    ingress = replace(bet, probability=None, victim_reuse_probability=None, evict=("a2", "a1"))
+    assert link.spare_routed(ingress).evict == ("a1",)               # a request's own load: sent without it
+    link.close()
