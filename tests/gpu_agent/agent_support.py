@@ -190,8 +190,18 @@ async def metrics_server(state: dict):
         return web.Response(text=state["text"], status=state.get("status", 200),
                             content_type="text/plain", charset="utf-8")
 
+    async def by_name(request):
+        """prometheus_client's ASGI app: only the series of the ``name[]`` metrics asked for."""
+        state["by_name"] = state.get("by_name", 0) + 1
+        names = set(request.query.getall("name[]", []))
+        text = "".join(line + "\n" for line in state["text"].splitlines()
+                       if line.split("{")[0].split(" ")[0] in names)
+        return web.Response(text=text, status=state.get("status", 200), content_type="text/plain", charset="utf-8")
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
+    if state.get("names"):                      # an engine that serves metrics by name, as vLLM does
+        app.router.add_get("/metrics/", by_name)
     async with serve(app) as url:
         yield url
 

@@ -114,7 +114,7 @@ def test_manager_measures_a_vllm_engine_over_http_and_survives_bad_scrapes(tmp_p
     async def main():
         state = {"text": VLLM_TEXT}
         async with metrics_server(state) as url:
-            conn = VLLMConnector(url, metrics_timeout_s=0.5)
+            conn = VLLMConnector(url, metrics_timeout_s=0.5, metrics_max_age_s=0.0)
             mgr = make_manager(make_catalog(tmp_path, ["a1"]), tmp_path / "cache", conn, load_interval_s=0.02)
             await mgr.start()
             sub = mgr.subscribe()
