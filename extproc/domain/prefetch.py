@@ -39,6 +39,9 @@ class PrefetchSignal:
     # (``Upstream.victim_grace_s``; the sender applies it: ``AgentLink.spare_routed``)
     spare_s: float = 0.0
     deferred: bool = False   # the sender held it back once already (``AgentLink.spare_routed``)
+    # adapters requests were routed to on ``upstream`` within ``spare_s`` (the sender fills
+    # it): the agent lets no eviction take them for a while (PrefetchRequest.keep)
+    keep: tuple[str, ...] = ()
 
 
 class PrefetchSink(Protocol):

@@ -111,7 +111,8 @@ class _Agent:
                 "victim_reuse_probability": signal.victim_reuse_probability or 0.0}
             reply = self.stub.Prefetch(
                 pb.PrefetchRequest(adapter=signal.adapter, digest=signal.digest,
-                                   priority=signal.priority, reason=signal.reason, evict=signal.evict, **bet),
+                                   priority=signal.priority, reason=signal.reason, evict=signal.evict,
+                                   keep=signal.keep, **bet),
                 timeout=self.link.send_timeout_s, metadata=self.link.metadata)
             self.sent += 1
             if reply.outcome == pb.PrefetchReply.REJECTED:
@@ -229,30 +230,33 @@ class AgentLink:
             self._expiry.join(timeout=2)
 
     def spare_routed(self, signal: PrefetchSignal) -> PrefetchSignal | Retry | None:
-        """What to do with ``signal`` given the requests routed lately: a victim a request
+        """What to do with ``signal`` given the requests routed lately: an adapter a request
         was routed to on its upstream within ``signal.spare_s`` (``Upstream.victim_grace_s``;
-        ``board.sent.routed_ago``) may be on its way to an engine that does not list it as
-        busy yet (vLLM's gauge lags), and the agent could unload it under that request.
+        ``board.sent.recent``) may be on its way to an engine that does not list it as busy
+        yet (vLLM's gauge lags), and the agent could unload it under that request. Such
+        adapters go in ``keep`` (the agent's evictions skip them, its LRU's too), and:
 
-        - a request's own load: sent now without those victims (the rest, or none: the
-          agent's LRU, which skips what the engine lists as busy);
-        - a bet (``probability`` set), priced against the victim it names: held back until
-          the grace has passed (``(signal, delay_s)``), once; then the agent's own busy
-          check sees the request if it still runs. Still spared then (routed again): None,
-          withdrawn.
+        - a request's own load is sent now without them in ``evict``;
+        - a bet (``probability`` set), priced against the victim it names, is held back
+          until that victim's grace has passed (``(signal, delay_s)``), once; then the
+          agent's own busy check sees the request if it still runs. Still spared then
+          (routed again): None, withdrawn.
         """
         grace = signal.spare_s
-        if not signal.evict or grace <= 0:
+        if grace <= 0:
             return signal
-        sent = self.board.sent
-        ago = {v: t for v in signal.evict if (t := sent.routed_ago(signal.upstream, v)) is not None and t < grace}
-        if not ago:
+        recent = self.board.sent.recent(signal.upstream, grace)
+        if not recent:
             return signal
+        spared = [v for v in signal.evict if v in recent]
+        keep = tuple(recent)
+        if not spared:
+            return dataclasses.replace(signal, keep=keep)
         if signal.probability is None:
-            return dataclasses.replace(signal, evict=tuple(v for v in signal.evict if v not in ago))
+            return dataclasses.replace(signal, evict=tuple(v for v in signal.evict if v not in recent), keep=keep)
         if signal.deferred:
             return None
-        return dataclasses.replace(signal, deferred=True), grace - min(ago.values())
+        return dataclasses.replace(signal, deferred=True), grace - min(recent[v] for v in spared)
 
     def submit(self, signal: PrefetchSignal) -> bool:
         """PrefetchSink: queue for the upstream's agent; False when none or its queue is full."""

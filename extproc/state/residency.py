@@ -103,6 +103,18 @@ class SentCounts:
     def value(self, upstream: str) -> int:
         return self._counts.get(upstream, 0)
 
+    def recent(self, upstream: str, within_s: float, limit: int = 16) -> dict[str, float]:
+        """The adapters routed to ``upstream`` in the last ``within_s`` -> seconds ago, newest
+        first, at most ``limit`` (and at most 256 routes looked at)."""
+        now, out = self.clock(), {}
+        with self._lock:
+            for (up, adapter), at in itertools.islice(reversed(self._routed.items()), 256):
+                if now - at >= within_s or len(out) >= limit:
+                    break
+                if up == upstream:
+                    out[adapter] = now - at
+        return out
+
     def routed_ago(self, upstream: str, adapter: str) -> float | None:
         """Seconds since a request for ``adapter`` last left for ``upstream``; None: never."""
         at = self._routed.get((upstream, adapter))

@@ -63,6 +63,11 @@ class EngineConnector(abc.ABC):
     #: (gpu_agent.residency.admission); and since that loop is the engine's, a prefetch's
     #: fetch waits for ``prefetch_turn`` too (gpu_agent.residency.pipeline).
     loads_on_demand: bool = False
+    #: True when a load stops the engine's steps while it runs (vLLM and SGLang run it on
+    #: their scheduler loop between two steps): a speculative load that is not used then
+    #: costs whoever arrives meanwhile its load time, and the speculation budget charges
+    #: it so (``HintBet.waste_ms``). The builtin engine loads beside its forward loop.
+    loads_block_compute: bool = False
 
     async def start(self) -> None:
         """Open clients / start the in-process engine."""

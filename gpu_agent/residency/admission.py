@@ -44,13 +44,17 @@ class PrefetchAdmission:
 
     def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
                  evict: Iterable[str] = (), *, probability: float | None = None,
-                 victim_reuse_probability: float | None = None) -> ResidencyResult:
+                 victim_reuse_probability: float | None = None, keep: Iterable[str] = ()) -> ResidencyResult:
         """``evict``: adapters to evict first should the load need device room (catalog
         names only; others are ignored). A duplicate of a still-queued prefetch replaces
         the queued hints with its own when it has any. ``probability`` (the sender's
         chance that a request needs it here; None: an older sender, taken as before) and
         ``victim_reuse_probability`` feed the speculation budget: a hint it refuses is
-        REJECTED with its verdict."""
+        REJECTED with its verdict. ``keep``: adapters the sender just sent requests for to
+        this engine; no eviction takes them for a while (``TierHoldings.keep``), whatever
+        becomes of this hint."""
+        if keep:
+            self.holdings.keep(self._known_hints("", keep))
         spec = self.catalog.get(name)
         if spec is None:
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_unknown")
@@ -114,8 +118,10 @@ class PrefetchAdmission:
         if probability is None:
             return HintBet(None, 0.0)
         load_ms = self.pipeline.load_ms
+        mine = load_ms(spec)
+        waste = mine if self.holdings.connector.loads_block_compute else 0.0
         victim = self.holdings.likely_victim(spec, hints)
         if victim is None:
-            return HintBet(probability, load_ms(spec))
-        return HintBet(probability, load_ms(spec), victim_reuse_probability or 0.0,
-                       load_ms(self._states[victim].spec))
+            return HintBet(probability, mine, waste_ms=waste)
+        return HintBet(probability, mine, victim_reuse_probability or 0.0,
+                       load_ms(self._states[victim].spec), waste_ms=waste)

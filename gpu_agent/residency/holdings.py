@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from ace_common.tiers import Tier
 from ace_common.catalog import Adapter
@@ -72,6 +72,7 @@ class TierHoldings:
         self.host: OrderedDict[str, bytes] = OrderedDict()
         self.lock = asyncio.Lock()
         self.engine_up = True   # the engine answered the last reconcile (or load)
+        self._kept: dict[str, float] = {}   # name -> until (clock): requests were just sent for it
 
     # ---- host tier -------------------------------------------------------------------
     def admit_host(self, name: str, blob: bytes) -> None:
@@ -137,11 +138,23 @@ class TierHoldings:
         if over():
             raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
 
+    def keep(self, names: Iterable[str]) -> None:
+        """The gateway just sent requests for ``names`` to this engine (``Prefetch.keep``),
+        which may not list them as busy yet: no eviction takes them for ``adopt_grace_s``."""
+        until = self.clock() + self.adopt_grace_s
+        for name in names:
+            self._kept[name] = until
+
     def just_adopted(self) -> set[str]:
-        """Adapters the engine loaded itself within ``adopt_grace_s``: no eviction takes them."""
+        """Adapters no eviction may take now: the engine loaded them itself within
+        ``adopt_grace_s`` (for a request that may still be queued), or the gateway said it
+        just sent requests for them (``keep``)."""
         now = self.clock()
+        kept = self._kept
+        for name in [n for n, until in kept.items() if until <= now]:
+            del kept[name]
         return {n for n in self.device
-                if (at := self._states[n].engine_loaded_at) is not None and now - at < self.adopt_grace_s}
+                if n in kept or ((at := self._states[n].engine_loaded_at) is not None and now - at < self.adopt_grace_s)}
 
     async def shrink_device(self, busy: set[str] | None = None) -> None:
         """Unload LRU adapters (not pinned, not busy, not just adopted) until the device

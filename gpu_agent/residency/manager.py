@@ -160,11 +160,11 @@ class ResidencyManager:
     # ---- the API: loads --------------------------------------------------------------
     def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
                  evict: Iterable[str] = (), *, probability: float | None = None,
-                 victim_reuse_probability: float | None = None) -> ResidencyResult:
+                 victim_reuse_probability: float | None = None, keep: Iterable[str] = ()) -> ResidencyResult:
         """Decide at once; the load itself runs in the background
         (``gpu_agent.residency.admission``)."""
         return self.admission.prefetch(name, digest, priority, reason, evict, probability=probability,
-                                       victim_reuse_probability=victim_reuse_probability)
+                                       victim_reuse_probability=victim_reuse_probability, keep=keep)
 
     async def ensure_resident(self, name: str, _by: str = "request") -> AdapterView:
         """Load `name` to the device tier (coalesced with any load already running).

@@ -5,6 +5,7 @@ and, when the pool is full, a victim that may be wanted again. The agent takes a
 whose sender said how likely it is (``PrefetchRequest.probability``) only when
 
     probability x stall avoided  >  victim's reuse probability x victim's reload
+                                    + (1 - probability) x the engine time a wasted load takes
 
 and only while the load link has room: no request's load queued or running (a request
 waits for that one), and no more than ``link_budget_ms`` of load work queued ahead. A hint
@@ -47,6 +48,10 @@ class HintBet:
     stall_ms: float                        # what a request would wait for this adapter's load
     victim_reuse_probability: float = 0.0  # of the adapter this load would displace
     victim_reload_ms: float = 0.0          # 0 when the load needs no room
+    # the engine time a load takes from requests: where a load stops the engine's steps
+    # (vLLM, SGLang: ``EngineConnector.loads_block_compute``) its load time, which a
+    # wasted bet costs whoever arrives meanwhile; 0 where loads run beside the compute
+    waste_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def decide_hint(bet: HintBet, link: LinkState) -> HintVerdict:
         return HintVerdict.DEMAND_QUEUED
     if link.busy_ms > link.budget_ms:
         return HintVerdict.LINK_BUSY
-    if p * bet.stall_ms <= q * bet.victim_reload_ms:
+    if p * bet.stall_ms <= q * bet.victim_reload_ms + (1.0 - p) * bet.waste_ms:
         return HintVerdict.NOT_WORTH
     return HintVerdict.ACCEPT
 

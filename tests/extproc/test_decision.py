@@ -127,3 +127,17 @@ def test_sent_counts_remember_when_each_adapter_was_routed_and_stay_bounded():
         sent.record("e0", name)
     assert sent.routed_ago("e0", "e") == 0.0 and sent.routed_ago("e0", "d") == 0.0
     assert sent.routed_ago("e0", "a") is None   # the older half went past max_routes
+
+
+def test_sent_counts_name_the_adapters_routed_to_an_upstream_lately_newest_first():
+    now = [100.0]
+    sent = SentCounts(clock=lambda: now[0])
+    sent.record("e0", "a")
+    now[0] += 1.0
+    sent.record("e1", "b")
+    sent.record("e0", "c")
+    now[0] += 0.25
+    assert sent.recent("e0", 0.5) == {"c": 0.25}
+    assert sent.recent("e0", 2.0) == {"c": 0.25, "a": 1.25}
+    assert list(sent.recent("e0", 2.0, limit=1)) == ["c"]
+    assert sent.recent("e2", 2.0) == {}

@@ -173,3 +173,25 @@ def test_other_engines_still_load_a_requests_own_prefetch(tmp_path):
         finally:
             await mgr.close()
     run(main())
+
+
+def test_adapters_the_gateway_just_sent_requests_for_are_nobodys_victim_for_a_while(tmp_path):
+    """``keep`` (PrefetchRequest): vLLM lists a request as busy only some time after it
+    arrives; what the gateway says it just sent requests for is skipped by every eviction,
+    the LRU's included, for ``adopt_grace_s``."""
+    async def main():
+        now = [1000.0]
+        eng = FakeConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng, clock=lambda: now[0])       # a1 least recently used
+        try:
+            assert mgr.prefetch("a4", priority=1, reason="request_cold", keep=["a1", "nope"]).outcome \
+                is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="a4 loaded")
+            assert unloads(eng) == ["a2"]                                   # not a1, the LRU
+            now[0] += 10.0                                                  # past the grace
+            assert mgr.prefetch("a2", priority=1, reason="request_cold").outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view("a2").tier is Tier.DEVICE, what="a2 loaded")
+            assert unloads(eng) == ["a2", "a1"]
+        finally:
+            await mgr.close()
+    run(main())

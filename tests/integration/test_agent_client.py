@@ -443,8 +443,8 @@ def test_a_speculations_bet_travels_to_the_agent_which_refuses_a_losing_one(tmp_
 def test_a_victim_a_request_was_just_routed_to_is_spared_on_an_engine_that_lists_requests_late(tmp_path):
     """vLLM fails a request whose adapter it unloads after accepting it, and lists the
     request as busy only later: a request's own load names no adapter the gateway just
-    routed a request to there (spare_s: Upstream.victim_grace_s); the agent's LRU makes the
-    room instead. With spare_s 0 (the builtin engine) the hint goes as it came."""
+    routed a request to there as a victim (spare_s: Upstream.victim_grace_s), and tells the
+    agent to keep every such adapter, so its LRU spares them too."""
     agent = AgentThread(tmp_path, free_port(), capacity=2)
     agent.start()
     link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
@@ -458,11 +458,14 @@ def test_a_victim_a_request_was_just_routed_to_is_spared_on_an_engine_that_lists
         wait_until(lambda: link.board.current.of("u1", "a3").tier == "device")
         wait_until(lambda: link.board.current.of("u1", "a1").tier == "disk")
         assert set(agent.engine.held) == {"a2", "a3"}
-        # the same hint to an engine that claims a request's adapter as it arrives (spare_s 0)
+        # requests just left for both: no eviction may take either, the LRU's neither
+        link.board.sent.record("u1", "a3")
         assert link.submit(PrefetchSignal(upstream="u1", adapter="a1", digest="", priority=1,
-                                          reason="request_cold", evict=("a2",)))
-        wait_until(lambda: link.board.current.of("u1", "a1").tier == "device")
-        assert set(agent.engine.held) == {"a1", "a3"}
+                                          reason="request_cold", spare_s=3600.0))
+        failed = lambda: agent.manager.metrics.counter("ace_agent_load_failures_total",  # noqa: E731
+                                                       reason="PoolExhausted")
+        wait_until(lambda: failed() == 1, what="the load refused for want of room")
+        assert set(agent.engine.held) == {"a2", "a3"}
     finally:
         link.close()
         agent.close()
@@ -485,5 +488,6 @@ def test_a_bet_against_a_just_routed_victim_waits_out_the_grace_once_then_goes_o
     assert link.spare_routed(again) is None                          # withdrawn: deferred once only
     assert link.spare_routed(replace(bet, spare_s=0.0)).evict == ("a2",)   # builtin: no grace
     ingress = replace(bet, probability=None, victim_reuse_probability=None, evict=("a2", "a1"))
-    assert link.spare_routed(ingress).evict == ("a1",)               # a request's own load: sent without it
+    sent = link.spare_routed(ingress)                                # a request's own load: sent without it,
+    assert sent.evict == ("a1",) and sent.keep == ("a2",)            # and the agent told to keep it
     link.close()

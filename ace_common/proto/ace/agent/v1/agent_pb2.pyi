@@ -23,7 +23,7 @@ TIER_HOST: Tier
 TIER_DEVICE: Tier
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("adapter", "digest", "priority", "reason", "evict", "probability", "victim_reuse_probability")
+    __slots__ = ("adapter", "digest", "priority", "reason", "evict", "probability", "victim_reuse_probability", "keep")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class PrefetchRequest(_message.Message):
     EVICT_FIELD_NUMBER: _ClassVar[int]
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     VICTIM_REUSE_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     digest: str
     priority: int
@@ -38,7 +39,8 @@ class PrefetchRequest(_message.Message):
     evict: _containers.RepeatedScalarFieldContainer[str]
     probability: float
     victim_reuse_probability: float
-    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., priority: _Optional[int] = ..., reason: _Optional[str] = ..., evict: _Optional[_Iterable[str]] = ..., probability: _Optional[float] = ..., victim_reuse_probability: _Optional[float] = ...) -> None: ...
+    keep: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., priority: _Optional[int] = ..., reason: _Optional[str] = ..., evict: _Optional[_Iterable[str]] = ..., probability: _Optional[float] = ..., victim_reuse_probability: _Optional[float] = ..., keep: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("outcome", "reason")
