@@ -575,8 +575,10 @@ def vllm_eval(r: dict) -> list[str]:
                 f"ms, one whose was not {unreg['p50']:.0f} ms (affinity: "
                 + " / ".join(_ms(((aff.get("ttft_ms_by_registration") or {}).get(k) or {}).get("p50"), ".0f")
                              for k in ("registered", "not_registered"))
-                + " ms); the agents' own loads and unloads run on vLLM's engine core between steps, where every "
-                "running request waits for them (docs/engine.md).")
+                + " ms); the agents' own loads run on vLLM's engine core between steps, where every running "
+                "request waits for them, so a bet's load that is not used delays the requests that arrive "
+                "meanwhile: the agents take a bet there only when it pays for that time too (docs/agent.md, "
+                "speculation budget).")
         out += ["", *lines]
     if bound_rows:
         out += [

@@ -103,23 +103,31 @@ def test_prefetch_through_the_link_shows_up_as_prefetched_device_residency(agent
         link.close()
 
 
-def test_a_signals_evict_list_travels_to_the_agent(tmp_path):
+@contextlib.contextmanager
+def two_resident(tmp_path):
+    """A real agent whose engine holds 2 adapters, a1 and a2 loaded through the link (a1
+    least recently used), and the link: (agent, link); both closed after."""
     agent = AgentThread(tmp_path, free_port(), capacity=2)
     agent.start()
     link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
     try:
-        for name in ("a1", "a2"):                                   # a1 least recently used
+        for name in ("a1", "a2"):
             assert link.submit(signal(name))
             wait_until(lambda n=name: link.board.current.of("u1", n).tier == "device")
+        yield agent, link
+    finally:
+        link.close()
+        agent.close()
+
+
+def test_a_signals_evict_list_travels_to_the_agent(tmp_path):
+    with two_resident(tmp_path) as (agent, link):       # a1 least recently used
         assert link.submit(PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=0,
                                           reason="predicted", evict=("a2",)))
         wait_until(lambda: link.board.current.of("u1", "a3").tier == "device")
         wait_until(lambda: link.board.current.of("u1", "a2").tier == "disk")
         assert link.board.current.of("u1", "a1").tier == "device"
         assert set(agent.engine.held) == {"a1", "a3"}
-    finally:
-        link.close()
-        agent.close()
 
 
 def test_agent_down_signals_are_tried_and_counted_and_residency_is_unknown(tmp_path):
@@ -445,13 +453,7 @@ def test_a_victim_a_request_was_just_routed_to_is_spared_on_an_engine_that_lists
     request as busy only later: a request's own load names no adapter the gateway just
     routed a request to there as a victim (spare_s: Upstream.victim_grace_s), and tells the
     agent to keep every such adapter, so its LRU spares them too."""
-    agent = AgentThread(tmp_path, free_port(), capacity=2)
-    agent.start()
-    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
-    try:
-        for name in ("a1", "a2"):                                   # a1 least recently used
-            assert link.submit(signal(name))
-            wait_until(lambda n=name: link.board.current.of("u1", n).tier == "device")
+    with two_resident(tmp_path) as (agent, link):       # a1 least recently used
         link.board.sent.record("u1", "a2")                          # a request for a2 just left for u1
         assert link.submit(PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=1,
                                           reason="request_cold", evict=("a2",), spare_s=3600.0))
@@ -466,9 +468,6 @@ def test_a_victim_a_request_was_just_routed_to_is_spared_on_an_engine_that_lists
                                                        reason="PoolExhausted")
         wait_until(lambda: failed() == 1, what="the load refused for want of room")
         assert set(agent.engine.held) == {"a2", "a3"}
-    finally:
-        link.close()
-        agent.close()
 
 
 def test_a_bet_against_a_just_routed_victim_waits_out_the_grace_once_then_goes_or_is_withdrawn():
