@@ -112,9 +112,10 @@ class PrefetchQueue:
         except Exception:  # a failed send must not kill the sender; the agent retries
             log.exception("prefetch send failed for %s", signal.adapter)
             return
-        if isinstance(retry, tuple) and len(retry) == 2 and isinstance(retry[0], PrefetchSignal):
-            if len(self._later) >= self.maxsize:
-                self.dropped += 1
-                return
-            again, delay_s = retry
-            heapq.heappush(self._later, (time.monotonic() + max(0.0, float(delay_s)), next(self._seq), again))
+        if retry is None:
+            return
+        if len(self._later) >= self.maxsize:
+            self.dropped += 1
+            return
+        again, delay_s = retry
+        heapq.heappush(self._later, (time.monotonic() + max(0.0, delay_s), next(self._seq), again))

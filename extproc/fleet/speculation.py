@@ -157,7 +157,7 @@ class SpeculationPlanner:
         got = self.speculator(step.upstream).step(step.tenant, step.session, step.adapter, now,
                                                   prefetch_load=lambda a, t: t + grace, place=place,
                                                   load_s=load_s)
-        grace = {u.name: u.victim_grace_s for u in snapshot.upstreams}
+        grace = {u.name: u.victim_grace_s for u in snapshot.upstreams} if got.prefetches else {}
         return [PrefetchSignal(upstream=p.host, adapter=p.adapter, digest=snapshot.adapters[p.adapter].sha256,
                                priority=0, reason=p.reason,
                                evict=() if p.victim is None else (str(p.victim),),

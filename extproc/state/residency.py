@@ -73,10 +73,10 @@ class SentCounts:
 
     ``record`` is called once per routed request, from any request thread (``--server
     threads`` runs several): the increment holds a lock, so no count is lost. ``value`` is
-    one dict read, no lock. ``routed_ago`` says how long ago a request for an adapter left
-    for an upstream (``clock``: ``time.monotonic``): it may be on its way to an
-    engine that does not list it as running or waiting yet (vLLM's gauge lags), and no
-    eviction the gateway names may take its adapter (``AgentLink.spare_routed``).
+    one dict read, no lock. ``recent`` names the adapters routed to an upstream lately
+    (``clock``: ``time.monotonic``): their requests may be on their way to an engine that
+    does not list them as running or waiting yet (vLLM's gauge lags), and no eviction may
+    take those adapters (``AgentLink.spare_routed``).
     Bounded: at most ``max_routes`` pairs; past it the older half is forgotten."""
 
     __slots__ = ("_counts", "_lock", "_routed", "max_routes", "clock")
@@ -114,11 +114,6 @@ class SentCounts:
                 if up == upstream:
                     out[adapter] = now - at
         return out
-
-    def routed_ago(self, upstream: str, adapter: str) -> float | None:
-        """Seconds since a request for ``adapter`` last left for ``upstream``; None: never."""
-        at = self._routed.get((upstream, adapter))
-        return None if at is None else self.clock() - at
 
 
 @dataclass(frozen=True, slots=True)

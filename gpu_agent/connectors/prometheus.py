@@ -20,8 +20,8 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 from gpu_agent.connectors.base import ConnectorError, EngineLoad, EngineUnavailable
 
-__all__ = ["Sample", "parse_samples", "sum_samples", "load_from_metrics", "scrape_load",
-           "MetricsScraper", "VLLM_LOAD", "SGLANG_LOAD"]
+__all__ = ["Sample", "parse_samples", "sum_samples", "load_from_metrics", "MetricsScraper",
+           "VLLM_LOAD", "SGLANG_LOAD"]
 
 VLLM_LOAD = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 SGLANG_LOAD = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
@@ -136,7 +136,6 @@ class MetricsScraper:
         self._last: tuple[float, str] | None = None
         self._inflight: asyncio.Future[str] | None = None
         self._filter = [("name[]", n) for n in names]   # emptied when the engine refuses it
-        self.reads = 0
 
     async def text(self, max_age_s: float | None = None) -> str:
         """The metrics text, at most ``max_age_s`` old (default: the scraper's)."""
@@ -153,7 +152,6 @@ class MetricsScraper:
 
         try:
             started = self._clock()
-            self.reads += 1
             try:
                 resp = None
                 if self._filter:
@@ -174,18 +172,3 @@ class MetricsScraper:
     async def load(self, names: tuple[str, str]) -> EngineLoad | None:
         """The engine's load (``load_from_metrics``) from a shared read."""
         return load_from_metrics(await self.text(), *names)
-
-
-async def scrape_load(client, engine: str, names: tuple[str, str], timeout_s: float) -> EngineLoad | None:
-    """``GET /metrics`` on ``client`` (an ``httpx.AsyncClient`` with the engine's base URL)
-    and read the load; EngineUnavailable when it does not answer, ConnectorError on a
-    non-200 answer."""
-    import httpx
-
-    try:
-        resp = await client.get("/metrics", timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise EngineUnavailable(f"{engine} /metrics: {exc!r}") from exc
-    if resp.status_code != 200:
-        raise ConnectorError(f"{engine} /metrics: HTTP {resp.status_code}")
-    return load_from_metrics(resp.text, *names)

@@ -22,7 +22,7 @@ import httpx
 from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import (ConnectorError, EngineConnector, EngineLoad, EngineUnavailable,
                                        listed_adapters)
-from gpu_agent.connectors.prometheus import SGLANG_LOAD, scrape_load
+from gpu_agent.connectors.prometheus import SGLANG_LOAD, MetricsScraper
 
 __all__ = ["SGLangConnector"]
 
@@ -33,12 +33,14 @@ class SGLangConnector(EngineConnector):
 
     def __init__(self, url: str, max_loaded_loras: int | None = None, timeout_s: float = 60.0,
                  api_key: str | None = None, client: httpx.AsyncClient | None = None,
-                 metrics_timeout_s: float = 1.0):
+                 metrics_timeout_s: float = 1.0, metrics_max_age_s: float = 0.1):
         self._url = url.rstrip("/")
         self.capacity = max_loaded_loras
         self.metrics_timeout_s = metrics_timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = client or httpx.AsyncClient(base_url=self._url, timeout=timeout_s, headers=headers)
+        self.metrics = MetricsScraper(self._client, "SGLang", metrics_timeout_s, max_age_s=metrics_max_age_s,
+                                      names=SGLANG_LOAD)
         self._known: set[str] = set()
 
     @property
@@ -84,4 +86,4 @@ class SGLangConnector(EngineConnector):
         return set(listed)
 
     async def engine_load(self) -> EngineLoad | None:
-        return await scrape_load(self._client, "SGLang", SGLANG_LOAD, self.metrics_timeout_s)
+        return await self.metrics.load(SGLANG_LOAD)

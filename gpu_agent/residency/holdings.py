@@ -128,7 +128,7 @@ class TierHoldings:
         if bet and hints:
             self.metrics.inc("ace_agent_prefetch_cancelled_total", reason="victim_in_use")
             raise PrefetchGivenUp(f"prefetch of {spec.name}: its hinted victim(s) {', '.join(hints)} are in use")
-        busy = await self.connector.busy() | self.just_adopted()
+        busy = await self.connector.busy() | self.spared()
         victims = plan_evictions(
             ordered(self.device, self.device.__getitem__,
                     lambda n: not self._states[n].pinned and n not in busy),
@@ -145,7 +145,7 @@ class TierHoldings:
         for name in names:
             self._kept[name] = until
 
-    def just_adopted(self) -> set[str]:
+    def spared(self) -> set[str]:
         """Adapters no eviction may take now: the engine loaded them itself within
         ``adopt_grace_s`` (for a request that may still be queued), or the gateway said it
         just sent requests for them (``keep``)."""
@@ -161,7 +161,7 @@ class TierHoldings:
         budget holds again. ``busy``: the engine's busy set when the caller just read it."""
         if self.device_count is None or len(self.device) <= self.device_count:
             return
-        busy = (await self.connector.busy() if busy is None else busy) | self.just_adopted()
+        busy = (await self.connector.busy() if busy is None else busy) | self.spared()
         short = Shortfall(count=len(self.device) - self.device_count)
         evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._loading  # noqa: E731
         for victim in plan_evictions(ordered(self.device, self.device.__getitem__, evictable), short):
@@ -194,7 +194,7 @@ class TierHoldings:
         `spec` still needs room: over our budgets, or (an engine with its own pool) over
         the engine's. What is still missing afterwards comes from the LRU, as always."""
         protected = ({n for n in hints if n in self._states and self._states[n].pinned} | set(self._loading)
-                     | self.just_adopted())
+                     | self.spared())
         victims = hinted_victims(hints, spec.name, resident=self.device, protected=protected)
         if not victims:
             return

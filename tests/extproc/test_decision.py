@@ -119,14 +119,13 @@ def test_sent_counts_remember_when_each_adapter_was_routed_and_stay_bounded():
     sent.record("e0", "a")
     sent.record("e0")                       # a request without an adapter counts, names nothing
     assert sent.value("e0") == 2
-    assert sent.routed_ago("e0", "a") == 0.0 and sent.routed_ago("e1", "a") is None
+    assert sent.recent("e0", 10.0) == {"a": 0.0} and sent.recent("e1", 10.0) == {}
     now[0] += 2.0
-    assert sent.routed_ago("e0", "a") == 2.0
+    assert sent.recent("e0", 10.0) == {"a": 2.0}
     sent.record("e0", "a")                  # routed again: fresh, and the newest
     for name in "bcde":
         sent.record("e0", name)
-    assert sent.routed_ago("e0", "e") == 0.0 and sent.routed_ago("e0", "d") == 0.0
-    assert sent.routed_ago("e0", "a") is None   # the older half went past max_routes
+    assert sent.recent("e0", 10.0) == {"e": 0.0, "d": 0.0, "c": 0.0}   # a, b: the older half past max_routes
 
 
 def test_sent_counts_name_the_adapters_routed_to_an_upstream_lately_newest_first():

@@ -169,7 +169,11 @@ def test_prefetch_queue_never_blocks_and_drops_when_full():
     import threading
     gate = threading.Event()
     sent = []
-    q = PrefetchQueue(lambda s: (gate.wait(5), sent.append(s)), maxsize=1)
+    def send(s):
+        gate.wait(5)
+        sent.append(s)
+
+    q = PrefetchQueue(send, maxsize=1)
     sig = PrefetchSignal("u", "a", "d", 1, "request_cold")
     results = [q.submit(sig) for _ in range(5)]
     assert results.count(True) >= 1 and results[-1] is False

@@ -73,7 +73,7 @@ def test_engine_load_ignores_its_timestamp_in_equality():
 
 @pytest.mark.parametrize("make, text, expected", [
     (lambda url, **kw: VLLMConnector(url, metrics_max_age_s=0.0, **kw), VLLM_TEXT, EngineLoad(5, 7)),
-    (SGLangConnector, SGLANG_TEXT, EngineLoad(4, 11)),
+    (lambda url, **kw: SGLangConnector(url, metrics_max_age_s=0.0, **kw), SGLANG_TEXT, EngineLoad(4, 11)),
 ])
 def test_connectors_scrape_their_engine_over_http(make, text, expected):
     async def main():
