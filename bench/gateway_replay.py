@@ -13,6 +13,10 @@ out, hinted victim first. Only the hosts are simulated:
   tier), never an adapter a queued or running request needs or one being loaded;
 - **load link**: one FIFO link per host (``bench.sim.LoadChannel``), a load of rank r
   taking ``load_base_ms + r * bytes_per_rank / bandwidth`` (``bench.sim.load_times``);
+- **agent reports**: each adapter's tier on each host, with a measured load time only
+  for the adapters that host's agent loaded (the planner's prefetches); the engine's own
+  loads are untimed by the agent, as in the stack (the planner prices those at the
+  typical measured load);
 - **engine**: ``--batch`` requests at a time, each ``--service-ms``; a request reaches
   it ``--lead-ms`` after the gateway saw it, and waits for a free place and its adapter.
 
@@ -56,7 +60,6 @@ __all__ = ["ARMS", "belady_hits", "replay"]
 
 ARMS = ("affinity", "ace")
 BASE = "base"
-_DEVICE = TierReport(tier=Tier.DEVICE.value, cold_load_ms=0.0)
 
 
 @dataclass
@@ -157,7 +160,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
            lead_ms: float = 5.0, speed: float = 1.0, load_base_ms: float = 25.0,
            bytes_per_rank: int = 2 * 4 * 4096 * 32 * 2, gbps: float = 1.6,
            settings: SpeculationSettings = SpeculationSettings(), place_every_s: float = 5.0,
-           ingress_victims: bool = True, keep_rows: bool = False) -> dict:
+           ingress_victims: bool = True, keep_rows: bool = False, known_slots: bool = False) -> dict:
     """One arm over ``trace`` (sorted by ``t``); ``speed`` divides the trace's times."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
@@ -171,10 +174,23 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
                         upstreams=upstreams, default_skills={}, max_body_bytes=1 << 20)
     sim = {h: Host(h, slots, batch) for h in names}
     load_s = {a: (load_base_ms + ad.rank * bytes_per_rank / (gbps * 1e6)) / 1000.0 for a, ad in catalog.items()}
-    cold = {a: TierReport(tier=Tier.REMOTE.value, cold_load_ms=1000.0 * load_s[a]) for a in catalog}
+    # what each host's agent reports: the tier, and the load time it measured, which it
+    # has only for the adapters it loaded itself there (prefetches; the engine loads the
+    # rest on its own, untimed by the agent), as in the stack
+    reports = {(tier, False): TierReport(tier=tier.value, cold_load_ms=None) for tier in (Tier.DEVICE, Tier.REMOTE)}
+    timed: dict[str, set[str]] = {h: set() for h in names}
+
+    def report(h: str, a: str, on: bool) -> TierReport:
+        tier = Tier.DEVICE if on else Tier.REMOTE
+        if a not in timed[h]:
+            return reports[(tier, False)]
+        return TierReport(tier=tier.value, cold_load_ms=1000.0 * load_s[a])
     sent = SentCounts()
     tables: dict[str, dict] = {}
     planner = SpeculationPlanner(settings, route=route_by_policy(route)) if arm == "ace" else None
+    # the pools' sizes as the gateway learns them (both arms: placement runs in both),
+    # unless ``known_slots``: placement is told the true size
+    learner = planner or SpeculationPlanner(settings)
     service = service_ms / 1000.0
     lead = lead_ms / 1000.0
     stalls: list[float] = []
@@ -195,11 +211,12 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
             host = sim[h]
             if host.changed or h not in tables:
                 on = set(host.resident(now))
-                tables[h] = {b: (_DEVICE if b in on else cold[b]) for b in catalog}
+                tables[h] = {b: report(h, b, b in on) for b in catalog}
                 host.changed = False
         loads = {h: sim[h].load_at(now) for h in names}
         if place_every_s and now - placed_at >= place_every_s:  # GatewaySpeculation.place
-            placement = demand_placement(counts, ResidencySnapshot.build(tables, placement=placement), slots)
+            placement = demand_placement(counts, ResidencySnapshot.build(tables, placement=placement),
+                                         slots if known_slots else learner.placement_slots())
             placed_at = now
         residency = ResidencySnapshot.build(tables, loads, {h: sent.value(h) for h in names}, placement)
         if planner is not None and ingress_victims:  # GatewaySpeculation.drain publishes them
@@ -214,13 +231,14 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
         in_flight = a in host.pool and host.pool[a] > now  # a prefetch still loading
         if a not in host.pool and arm == "ace":  # the ingress signal (priority 1): load now
             host.load(a, now, load_s[a], hint=residency.victims.get(up, ()))
+        learner.sync(residency, now)
         if planner is not None:
-            planner.sync(residency, now)
             step = ObservedRequest(upstream=up, tenant=r["tenant"], session=str(r["session"]), adapter=a, mode=mode)
             for sig in planner.step(step, snapshot, residency, sent, now):
                 target = sim[sig.upstream]
                 if sig.adapter not in target.pool:
                     target.load(sig.adapter, now, load_s[sig.adapter], hint=sig.evict, prefetched=True)
+                    timed[sig.upstream].add(sig.adapter)
         arrive = now + lead
         i = min(range(batch), key=host.free.__getitem__)
         start = max(arrive, host.free[i])
@@ -293,10 +311,17 @@ def main(argv=None) -> int:
     ap.add_argument("--service-ms", type=float, default=40.0, help="engine time per request")
     ap.add_argument("--lead-ms", type=float, default=5.0, help="gateway to engine")
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed (trace times are divided by it)")
+    ap.add_argument("--load-base-ms", type=float, default=25.0,
+                    help="a load's fixed cost (the stack's builtin engine measures ~5)")
+    ap.add_argument("--gbps", type=float, default=1.6,
+                    help="load link bandwidth, GB/s (a load of rank r adds r x the bytes per rank over it)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a SpeculationSettings field for the ace arm (e.g. max_inflight=0)")
     ap.add_argument("--place-every-s", type=float, default=5.0,
                     help="placement by demand recomputed this often (trace seconds; 0 = off: the ring's)")
+    ap.add_argument("--known-slots", action="store_true",
+                    help="placement is told the pools' size (default: the size the gateway learns, "
+                         "known once a pool is seen evicting)")
     ap.add_argument("--no-ingress-victims", action="store_true",
                     help="ace: the ingress prefetch names no victims (the agent's LRU makes room)")
     ap.add_argument("--out", help="JSON report")
@@ -321,7 +346,9 @@ def main(argv=None) -> int:
         for arm in args.arms.split(","):
             r = replay(trace, arm, hosts=args.hosts, slots=args.slots, batch=args.batch,
                        service_ms=args.service_ms, lead_ms=args.lead_ms, speed=args.speed, settings=settings,
-                       place_every_s=args.place_every_s, ingress_victims=not args.no_ingress_victims)
+                       load_base_ms=args.load_base_ms, gbps=args.gbps,
+                       place_every_s=args.place_every_s, ingress_victims=not args.no_ingress_victims,
+                       known_slots=args.known_slots)
             report[path][arm] = r
             print(f"{path} {arm:<9} hits {r['effective_hit_ratio']:.4f} belady {r['belady_hit_ratio']:.4f} "
                   f"resident {r['resident_hit_ratio']:.4f} loads {r['loads']} prefetch {r['prefetch']} "

@@ -113,6 +113,25 @@ class SpeculationPlanner:
         self.pace = StepPace(settings.horizon_s)
         self.expected = SessionDemand(settings.horizon_s, working_set=settings.working_set)
         self.first_steps = FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s)
+        self._typical: tuple[object, float] | None = None  # (the views it was read from, seconds)
+        self._pooled: dict[str, frozenset[str]] = {}  # upstream -> its device tier at the last sync
+        self.full: set[str] = set()  # upstreams whose pool was seen evicting at its learned capacity
+
+    def typical_load_s(self, residency: ResidencySnapshot) -> float:
+        """What a load that no agent has measured yet is expected to take: the median of
+        the loads the agents did measure (any adapter, any host), else ``DEFAULT_LOAD_S``.
+        A fixed default beside measured times skews the price both ways: an adapter the
+        engine loaded itself (never timed by its agent) looked 0.1 s to reload beside a
+        candidate measured at 5 ms, so nearly every prefetch against it was refused.
+        Read once per residency view."""
+        views = residency.by_upstream
+        memo = self._typical
+        if memo is not None and memo[0] is views:
+            return memo[1]
+        known = sorted(r.cold_load_ms for view in views.values() for r in view.values() if r.cold_load_ms)
+        typical = known[len(known) // 2] / 1000.0 if known else DEFAULT_LOAD_S
+        self._typical = (views, typical)
+        return typical
 
     def speculator(self, upstream: str) -> Speculator:
         spec = self.speculators.get(upstream)
@@ -125,10 +144,25 @@ class SpeculationPlanner:
         return spec
 
     def sync(self, residency: ResidencySnapshot, now: float) -> None:
-        """Align every known host's pool model with the agents' view."""
+        """Align every known host's pool model with the agents' view, and note each pool
+        seen evicting (``full``)."""
         for upstream, table in residency.by_upstream.items():
-            pooled = [a for a, r in table.items() if r.tier == Tier.DEVICE]
-            self.speculator(upstream).sync(pooled, now, learn_capacity=True)
+            pooled = frozenset(a for a, r in table.items() if r.tier == Tier.DEVICE)
+            spec = self.speculator(upstream)
+            before = self._pooled.get(upstream)
+            if before is not None and before - pooled and len(before) >= spec.cache.capacity:
+                self.full.add(upstream)  # it held the most it ever held and let one go: at capacity
+            self._pooled[upstream] = pooled
+            spec.sync(pooled, now, learn_capacity=True)
+
+    def placement_slots(self) -> int | None:
+        """The pool size placement may plan with: the smallest learned capacity among the
+        pools seen evicting, None while none was (the learned capacity only grows with what
+        a pool held, so before its first eviction it is a lower bound, and a cold fleet of
+        16 adapters over 4 x 8 slots looked crowded at 2-4 slots a host: placement moved
+        adapters for balance on engines 6% busy, each move a cold load)."""
+        sizes = [self.speculators[u].cache.capacity for u in self.full if u in self.speculators]
+        return min(sizes) if sizes else None
 
     def step(self, step: ObservedRequest, snapshot: Snapshot, residency: ResidencySnapshot, sent: SentCounts,
              now: float) -> list[PrefetchSignal]:
@@ -149,10 +183,11 @@ class SpeculationPlanner:
 
         def load_s(name: str) -> float:
             # the agents' measured load time from where the adapter lies (the slowest
-            # report: the target host may hold it no closer than the others)
+            # report: the target host may hold it no closer than the others); unmeasured:
+            # the typical measured load
             known = [r.cold_load_ms for view in residency.by_upstream.values()
                      if (r := view.get(name)) is not None and r.cold_load_ms]
-            return max(known) / 1000.0 if known else DEFAULT_LOAD_S
+            return max(known) / 1000.0 if known else self.typical_load_s(residency)
 
         got = self.speculator(step.upstream).step(step.tenant, step.session, step.adapter, now,
                                                   prefetch_load=lambda a, t: t + grace, place=place,
@@ -196,11 +231,11 @@ def route_by_policy(policy: RoutePolicy) -> PlannerRoute:
 
 
 def demand_placement(counts: Mapping[str, float], residency: ResidencySnapshot,
-                     slots: int) -> dict[str, tuple[str, ...]]:
+                     slots: int | None) -> dict[str, tuple[str, ...]]:
     """The placement by demand (``routing.place_by_demand``) over the hosts and adapters
     the agents report, from the requests counted per adapter, starting from
     ``residency.placement`` (the one published last: placement is sticky); empty with
-    one host."""
+    one host. ``slots`` None: no pool is known to be full (nothing is copied or moved)."""
     hosts = list(residency.by_upstream)
     if len(hosts) < 2:
         return {}
@@ -358,8 +393,7 @@ class GatewaySpeculation:
     def place(self) -> bool:
         """Publish the placement by demand (``demand_placement``) when it changed."""
         current = self.board.current
-        slots = min(self.planner.slots().values(), default=self.planner.initial_slots)
-        placement = demand_placement(self.counts, current, slots)
+        placement = demand_placement(self.counts, current, self.planner.placement_slots())
         if placement == dict(current.placement):
             return False
         self.board.place(placement)

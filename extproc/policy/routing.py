@@ -175,7 +175,7 @@ def replicas_of(demand: float, total: float, hosts: int, slots: int) -> int:
     return min(hosts, max(1, math.ceil(2 * demand / total * hosts)))
 
 
-def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots: int = 16,
+def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots: int | None = 16,
                     adapters: Iterable[str] = (),
                     previous: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, tuple[str, ...]]:
     """adapter -> owner hosts, evening out the demand per host with few moves.
@@ -183,7 +183,7 @@ def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots:
     Every adapter first gets its ``previous`` owners (placement is sticky: a moved adapter
     is a cold load) or, new, ``place``'s owner (count quota over the catalog: where it
     lands on an empty fleet). Only when the catalog is larger than the fleet's pools
-    (``hosts x slots``): an adapter carrying more than half a host's share gets
+    (``hosts x slots``; ``slots`` None: not known to be) an adapter carrying more than half a host's share gets
     ``replicas_of`` owners (the least loaded hosts of its walk), one that no longer does
     keeps its first; then, once ``BALANCE_MIN_REQUESTS`` requests per host were counted
     and while the busiest host carries more than ``1 + BALANCE_TOLERANCE`` times the
@@ -205,7 +205,7 @@ def place_by_demand(demand: Mapping[str, float], hosts: Iterable[str], *, slots:
     # per host is also the pressure per pool; when they can, a copy or a move is a cold
     # load that buys request balance alone, and the load bound (tier 3) already spills
     # a busy host
-    crowded = len(catalog) > n * slots
+    crowded = slots is not None and len(catalog) > n * slots
     out: dict[str, list[str]] = {}
     for a in catalog:
         owners = [h for h in previous.get(a, ()) if h in hosts_t] or [base[a]]

@@ -59,6 +59,13 @@ def test_no_move_while_the_hosts_are_even():
     assert place_by_demand(demand, HOSTS, slots=1, adapters=demand) == ring  # crowded, but even
 
 
+def test_unknown_pool_size_neither_copies_nor_moves():
+    demand = zipf_demand(200)
+    ring = place_by_demand({}, HOSTS, adapters=demand)
+    assert place_by_demand(demand, HOSTS, slots=None, adapters=demand) == ring
+    assert place_by_demand(demand, HOSTS, slots=16, adapters=demand) != ring  # known to be crowded: it does
+
+
 def test_placement_is_sticky_an_adapter_keeps_its_owners():
     demand = zipf_demand(60)
     first = place_by_demand(demand, HOSTS, slots=8, adapters=demand)  # 60 adapters, 32 slots

@@ -155,6 +155,47 @@ def test_sync_learns_the_pool_size_and_drops_what_the_engine_evicted():
     assert planner.slots() == {"u": 3}
 
 
+def test_placement_plans_with_a_pool_size_only_once_that_pool_was_seen_evicting():
+    # the learned capacity is the most a pool held: a lower bound until the pool lets one go
+    planner = SpeculationPlanner(initial_slots=2)
+    planner.sync(pool("u", "a", "b"), 0.0)
+    planner.sync(pool("u", "a", "b", "c"), 1.0)        # grew: more room than learned
+    planner.sync(pool("v", "x"), 1.0)
+    assert planner.placement_slots() is None
+    planner.sync(pool("u", "a", "c", "d"), 2.0)        # at its most, b went for d: full
+    planner.sync(pool("v", "y"), 2.0)                  # x went, but v held 1 of the 2 it may hold
+    assert planner.full == {"u"} and planner.placement_slots() == 3
+
+
+def test_gateway_placement_keeps_the_ring_while_no_pool_is_known_full(snapshot):
+    upstreams = tuple(Upstream(name=f"h{i}", address=f"127.0.0.1:{9000 + i}", flavour="builtin", base_model="base")
+                      for i in range(4))
+    names = [f"ad-{i}" for i in range(16)]
+    board = ResidencyBoard()
+    spec = gateway_speculation(replace(snapshot, upstreams=upstreams), Sink(), board)
+    spec.counts.update({a: (400.0 if a == "ad-0" else 10.0) for a in names})  # one adapter carries most
+    views = {f"h{i}": {a: TierReport("device" if i == 0 and a in names[:2] else "remote", None) for a in names}
+             for i in range(4)}
+    board.publish(ResidencySnapshot.build(views))
+    spec.planner.sync(board.current, 0.0)               # h0 holds 2: learned capacity 2, 4 x 2 < 16
+    spec.place()
+    ring = dict(board.current.placement)
+    assert all(len(o) == 1 for o in ring.values())      # no copy, no move: the pools may hold all 16
+    views["h0"] = {a: TierReport("device" if a in ("ad-0", "ad-2") else "remote", None) for a in names}
+    board.publish(ResidencySnapshot.build(views, placement=ring))
+    spec.planner.sync(board.current, 1.0)               # h0 let ad-1 go at its most: full at 2
+    spec.place()
+    assert len(board.current.placement["ad-0"]) > 1     # crowded now: the hot adapter gets owners
+
+
+def test_an_unmeasured_load_is_priced_at_the_typical_measured_one(snapshot):
+    planner = SpeculationPlanner()
+    views = ResidencySnapshot.build({"u": {"a": TierReport("device", None), "b": TierReport("remote", 4.0),
+                                           "c": TierReport("remote", 6.0), "d": TierReport("disk", 8.0)}})
+    assert planner.typical_load_s(views) == pytest.approx(0.006)
+    assert planner.typical_load_s(ResidencySnapshot.build({"u": {"a": TierReport("device", None)}})) == 0.1
+
+
 def test_prefetch_in_flight_survives_a_sync_for_the_grace_period(snapshot):
     planner = SpeculationPlanner(initial_slots=2, load_grace_s=2.0)
     _, now = teach(planner, snapshot, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
@@ -470,11 +511,14 @@ def test_drain_publishes_each_pools_first_victims(snapshot):
 def test_place_publishes_the_placement_by_demand_over_the_agents_hosts(snapshot):
     gs = gateway_speculation(snapshot, Sink())
     cold = TierReport("remote", None)
-    # 5 adapters over 2 hosts of (learned, at start) 2 slots: more than the pools hold
     gs.board.publish(ResidencySnapshot.build({h: {a: cold for a in "abcde"} for h in ("h1", "h2")}))
     assert gs.place() is True  # no counts yet: the ring's owners, one each
     assert all(len(o) == 1 for o in gs.board.current.placement.values())
     gs.counts.update({"a": 500.0, "b": 40.0, "c": 30.0, "d": 20.0, "e": 10.0})
+    # 5 adapters over 2 hosts whose pools were seen full at 2: more than the pools hold
+    for held in ("ab", "ac"):
+        gs.planner.sync(ResidencySnapshot.build({"h1": {a: TierReport("device" if a in held else "remote", None)
+                                                        for a in "abcde"}}), 0.0)
     gs.place()
     placement = gs.board.current.placement
     assert set(placement) == set("abcde")
