@@ -240,13 +240,16 @@ def preemptions(metrics_texts: list[str]) -> int | None:
 
 def prefetch_outcomes(metrics_texts: list[str]) -> dict[str, int]:
     """The agents' answers to prefetch signals (``ace_agent_prefetch_total{outcome}``: taken,
-    coalesced, left to the engine, or refused with the speculation budget's verdict), summed
-    over hosts."""
+    coalesced, left to the engine, or refused with the speculation budget's verdict), and
+    what became of taken ones that did not load (``ace_agent_prefetch_cancelled_total{reason}``
+    as ``cancelled_<reason>``), summed over hosts."""
     out: Counter = Counter()
     for text in metrics_texts:
         for sample in parse_samples(text):
             if sample.name == "ace_agent_prefetch_total" and "outcome" in sample.labels:
                 out[sample.labels["outcome"]] += int(sample.value)
+            elif sample.name == "ace_agent_prefetch_cancelled_total" and "reason" in sample.labels:
+                out[f"cancelled_{sample.labels['reason']}"] += int(sample.value)
     return dict(sorted(out.items()))
 
 

@@ -11,7 +11,8 @@ it busy) is skipped and counted, never evicted; a priced prefetch (one with a pr
 a bet against its hinted victims) whose hinted victims all are is given up
 (``PrefetchGivenUp``) rather than paid for with the LRU adapter, whose reuse nobody priced.
 An adapter the engine loaded itself (adopted by the reconcile) is nobody's victim for
-``adopt_grace_s``: it was loaded for a request that may still be queued.
+``adopt_grace_s``: it was loaded for a request that may still be queued (not on a
+self-managed engine, whose busy set names such a request's adapter from the start).
 
 One owner per tier. These holdings decide what leaves the host tier, and the device tier
 of an engine the agent drives (vLLM, SGLang: the engine only unloads when told): the plan
@@ -148,11 +149,17 @@ class TierHoldings:
     def spared(self) -> set[str]:
         """Adapters no eviction may take now: the engine loaded them itself within
         ``adopt_grace_s`` (for a request that may still be queued), or the gateway said it
-        just sent requests for them (``keep``)."""
+        just sent requests for them (``keep``). Not the first on a self-managed engine
+        (builtin): its busy set already names every adapter a request holds, claimed or
+        waits for, from the moment the engine accepts it, so the grace only kept good
+        victims from the gateway's prefetches (each of the engine's own loads, one every
+        few requests on a full pool, was nobody's victim for 2 s)."""
         now = self.clock()
         kept = self._kept
         for name in [n for n, until in kept.items() if until <= now]:
             del kept[name]
+        if self.connector.self_managed:
+            return {n for n in self.device if n in kept}
         return {n for n in self.device
                 if n in kept or ((at := self._states[n].engine_loaded_at) is not None and now - at < self.adopt_grace_s)}
 

@@ -138,6 +138,8 @@ def test_prefetch_outcomes_sum_the_agents_answers_by_outcome():
          'ace_agent_prefetch_total{outcome="rejected_not_worth"} 2.0\n')
     b = 'ace_agent_prefetch_total{outcome="accepted"} 4\nace_agent_prefetch_preempted_total 1\n'
     assert prefetch_outcomes([a, b]) == {"accepted": 7, "rejected_not_worth": 2}
+    c = 'ace_agent_prefetch_cancelled_total{reason="victim_in_use"} 5\n'
+    assert prefetch_outcomes([a, c]) == {"accepted": 3, "cancelled_victim_in_use": 5, "rejected_not_worth": 2}
     assert prefetch_outcomes(["ace_agent_loads_total 5\n"]) == {}
 
 

@@ -482,3 +482,26 @@ def test_the_reconcile_moves_what_the_engine_runs_to_the_most_recently_used_end(
         finally:
             await mgr.close()
     run(main())
+
+
+@pytest.mark.parametrize("self_managed, spared", [(False, {"a2"}), (True, set())])
+def test_what_the_engine_loaded_itself_is_spared_only_where_its_busy_set_lags(tmp_path, self_managed, spared):
+    """vLLM lists a request as running or waiting only some time after it arrives, so what
+    its resolver just loaded is nobody's victim for ``adopt_grace_s``. A self-managed engine
+    (builtin) names a request's adapter busy from the moment it accepts the request: there
+    the grace only kept the gateway's prefetches from their chosen victims."""
+    async def main():
+        eng = FakeConnector()
+        eng.self_managed = self_managed
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng, adopt_grace_s=2.0,
+                           clock=lambda: 100.0)
+        await mgr.start()
+        try:
+            await mgr.ensure_resident("a1")
+            eng.held.update({"a2": tmp_path})                          # loaded on demand by the engine
+            await mgr.reconcile()
+            assert mgr.view("a2").loaded_by == "engine"
+            assert mgr.holdings.spared() == spared
+        finally:
+            await mgr.close()
+    run(main())
