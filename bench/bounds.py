@@ -10,10 +10,11 @@ of ``slots`` adapters:
 - ``compulsory_hits``: every request but the first of each adapter on that host: the
   ceiling of any policy that loads an adapter onto a host only after a request for it
   reached that host. A policy that prefetches can beat it only with adapters it learned
-  elsewhere (another host's requests, a warm set).
+  elsewhere (another host's requests, a warm set) or loaded unasked (ace's start-up fill).
 - ``fleet_compulsory_hits`` (``fleet_bounds``): every request but the first of each
   adapter in the whole trace: the ceiling of every policy that starts cold and loads
-  only adapters some request has named (ace's cold-start arm included).
+  only adapters some request has named (affinity; not ace, whose gateway fills each empty
+  pool at start-up with the adapters routing places there: ``fill_signals``).
 
 A hit here is by count: timing (a load still in flight) is not modelled, so these are
 ceilings, not predictions.
@@ -97,7 +98,8 @@ def fleet_bounds(rows: Sequence[Mapping], slots: int) -> dict:
 
 #: why a request missed, in the order ``miss_causes`` tries them (first match wins)
 MISS_CAUSES = {
-    "compulsory": "the first request for its adapter in the whole fleet: no cold-start policy can hit it",
+    "compulsory": "the first request for its adapter in the whole fleet: only a load before any request "
+                  "named it (ace's start-up fill of free room) can hit it",
     "unpredictable": "a one-off request, a step that strays from its session's workflow (trace labels), or "
                      "the tenant's first request for this adapter: nothing learned online names it",
     "late": "its adapter was being loaded (a prefetch or an ingress load in flight) when the engine reached it",

@@ -271,9 +271,10 @@ def metric(text: str, series: str) -> float:
 async def fleet_ready(hosts: list[dict], expect_prefetches: bool, timeout_s: float = 30.0,
                       settle_s: float = 1.0) -> float:
     """Wait, as a readiness probe would, until no agent has a prefetch queued or loading
-    (each accepted prefetch is in its pool) and that has held for ``settle_s``: with a
-    learned state, the warm set is resident before traffic starts (``expect_prefetches``:
-    wait for it to arrive at all). Returns the seconds waited (``ready_wait_s``)."""
+    (each accepted prefetch is in its pool, or given up) and that has held for
+    ``settle_s``: with a learned state, the warm set is resident before traffic starts,
+    without one (prefetch on), the fill of the empty pools (``expect_prefetches``: wait for
+    them to arrive at all). Returns the seconds waited (``ready_wait_s``)."""
     t0 = time.monotonic()
     seen, since = None, t0
     async with httpx.AsyncClient(timeout=10) as client:
@@ -281,8 +282,11 @@ async def fleet_ready(hosts: list[dict], expect_prefetches: bool, timeout_s: flo
             texts = [(await client.get(h["metrics"])).text for h in hosts]
             accepted = [metric(t, 'ace_agent_prefetch_total{outcome="accepted"}') for t in texts]
             device = [metric(t, 'ace_agent_tier_adapters{tier="device"}') for t in texts]
-            done = all(metric(t, "ace_agent_prefetch_queue_depth") == 0 and d >= a
-                       for t, a, d in zip(texts, accepted, device))
+            # given up after acceptance (a start-up fill that found the pool full by its turn)
+            gone = [sum(s.value for s in parse_samples(t) if s.name == "ace_agent_prefetch_cancelled_total")
+                    for t in texts]
+            done = all(metric(t, "ace_agent_prefetch_queue_depth") == 0 and d + g >= a
+                       for t, a, d, g in zip(texts, accepted, device, gone))
             now = time.monotonic()
             if (accepted, device) != seen:
                 seen, since = (accepted, device), now
@@ -473,7 +477,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
         log(f"{label}stack up in {time.monotonic() - t_run:.0f}s, replaying {len(requests)} requests")
 
         async def go():
-            ready = await fleet_ready(st["hosts"], expect_prefetches=warm_file is not None)
+            ready = await fleet_ready(st["hosts"], expect_prefetches=warm_file is not None or (ARMS.get(arm) or FRONT_ARMS[arm])[1])
             log(f"{label}ready after {ready:.1f}s")
             calibration = None
             run_speed = speed

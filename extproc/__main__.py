@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             popularity = PopularityFile(popularity_path(settings.db))
             _, slots = popularity.load()
             planner = SpeculationPlanner(route=route_by_policy(route), slots=slots)
-            speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity).start()
+            speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity,
+                                             fill=settings.startup_fill == "on").start()
         gateway = Gateway(store, residency=link.board if link else None,
                           prefetch=link or NullPrefetchSink(), route=route, speculation=speculation,
                           metrics=GatewayMetrics(), shed_load=settings.shed_load,

@@ -37,6 +37,9 @@ _HELP = {
     "workers": "gRPC worker threads; each in-flight HTTP request holds one stream",
     "routing_policy": "module:function choosing the upstream (default extproc.policy.routing:choose_upstream with one upstream, extproc.policy.routing:route with several)",
     "prefetch_queue": "bound of the out-of-band prefetch signal queue",
+    "startup_fill": "on: with nothing learned (no <db>.popularity.json), each GPU agent's empty pool is "
+                    "offered, once, the adapters routing places on its host, loaded only into free room "
+                    "(docs/prediction.md, \"Warm set and restart\"); off: pools fill on demand only",
     "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
     "server": "gRPC server flavour: h2 (default: gRPC on a bare asyncio HTTP/2 loop, fewest "
               "syscalls, see docs/gateway.md), aio (grpc.aio) or threads (grpc thread pool)",
@@ -102,6 +105,7 @@ class Settings:
     workers: int = 32
     routing_policy: str | None = None
     prefetch_queue: int = 1024
+    startup_fill: str = "on"
     log_level: str = "INFO"
     server: str = "h2"
     h2_max_streams: int = 4096      # extproc.transport.h2server.MAX_STREAMS (not imported: it pulls in grpc)
@@ -140,6 +144,8 @@ class Settings:
             raise ConfigError("--database-url must be a postgresql:// URL")
         if self.server not in ("aio", "threads", "h2"):
             raise ConfigError(f"--server must be aio, threads or h2, got {self.server!r}")
+        if self.startup_fill not in ("on", "off"):
+            raise ConfigError(f"--startup-fill must be on or off, got {self.startup_fill!r}")
         if self.workers < 1 or self.prefetch_queue < 1:
             raise ConfigError("--workers and --prefetch-queue must be positive")
         if not 1 <= self.h2_max_streams <= (1 << 31) - 1:
@@ -239,7 +245,8 @@ class Settings:
                        db=Path(ns["db"]), database_url=ns["database_url"] or None, listen=str(ns["listen"]),
                        metrics_listen=str(ns["metrics_listen"]), workers=int(ns["workers"]),
                        routing_policy=ns["routing_policy"] or None,
-                       prefetch_queue=int(ns["prefetch_queue"]), log_level=str(ns["log_level"]),
+                       prefetch_queue=int(ns["prefetch_queue"]), startup_fill=str(ns["startup_fill"]).lower(),
+                       log_level=str(ns["log_level"]),
                        server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]),
                        **{name: Path(ns[name]) if ns[name] else None
                           for name in ("agent_tls_ca", "agent_tls_cert", "agent_tls_key")},

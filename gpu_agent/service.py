@@ -58,7 +58,7 @@ class AgentService(pb_grpc.AgentServicer):
     async def Prefetch(self, request, context):
         result = self.manager.prefetch(
             request.adapter, request.digest, request.priority, request.reason, evict=request.evict,
-            keep=request.keep,
+            keep=request.keep, room_only=request.room_only,
             probability=request.probability if request.HasField("probability") else None,
             victim_reuse_probability=(request.victim_reuse_probability
                                       if request.HasField("victim_reuse_probability") else None))

@@ -111,10 +111,12 @@ def local_stack(fixtures: Path, work: Path, replicas: int = 1):
             say(f"PostgreSQL for the shared gateway state: {pg.url} (data and log: {pg.home})")
         say(f"starting the GPU agent with its builtin engine, {replicas} ext_proc gateway replica(s) "
             f"and Envoy (logs: {work})")
-        # a pool of 2 MiB holds about half of the fixtures' 3.4 MiB of adapters
+        # a pool of 2 MiB holds about half of the fixtures' 3.4 MiB of adapters; the pool
+        # starts empty (no start-up fill) so that the demo can show a cold load beside a prefetch
         st = stack.enter_context(gateway_stack(
             work, catalog, lambda path, engine, agent: write_state(path, catalog, engine, agent),
             token=TOKEN, agent_args=["--reconcile-interval-s", "0.5", "--pool-mb", "2"],
+            extproc_args=["--startup-fill", "off"],
             replicas=replicas, database_url=database_url))
         yield {**st, "database_url": database_url}
 

@@ -42,6 +42,9 @@ class PrefetchSignal:
     # adapters requests were routed to on ``upstream`` within ``spare_s`` (the sender fills
     # it): the agent lets no eviction take them for a while (PrefetchRequest.keep)
     keep: tuple[str, ...] = ()
+    # load only into free device room, evicting nothing (PrefetchRequest.room_only): the
+    # start-up fill of an empty pool
+    room_only: bool = False
 
 
 class PrefetchSink(Protocol):

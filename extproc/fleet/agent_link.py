@@ -112,7 +112,7 @@ class _Agent:
             reply = self.stub.Prefetch(
                 pb.PrefetchRequest(adapter=signal.adapter, digest=signal.digest,
                                    priority=signal.priority, reason=signal.reason, evict=signal.evict,
-                                   keep=signal.keep, **bet),
+                                   keep=signal.keep, room_only=signal.room_only, **bet),
                 timeout=self.link.send_timeout_s, metadata=self.link.metadata)
             self.sent += 1
             if reply.outcome == pb.PrefetchReply.REJECTED:

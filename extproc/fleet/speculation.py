@@ -58,17 +58,19 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from extproc.domain.decision import Decision
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
-from extproc.policy.routing import RoutePolicy, place_by_demand
+from extproc.policy.routing import RoutePolicy, place, place_by_demand
 from extproc.policy.speculator import DEFAULT_LOAD_S, SpeculationSettings, Speculator
 from extproc.policy.warmset import warm_set
 from extproc.domain.prefetch import PrefetchSignal, PrefetchSink
 from extproc.state.residency import ResidencySnapshot, SentCounts
 from extproc.state.skill_modes import DYNAMIC_LORA_PREFETCH, OFF, PROD
+from extproc.state.catalog import PUBLIC
 from extproc.state.store import Snapshot
 from ace_common.tiers import Tier
 
 __all__ = ["GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
-           "SpeculationPlanner", "ObservedRequest", "demand_placement", "route_by_policy", "warm_signals"]
+           "SpeculationPlanner", "ObservedRequest", "demand_placement", "fill_signals", "route_by_policy",
+           "warm_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +246,38 @@ def demand_placement(counts: Mapping[str, float], residency: ResidencySnapshot,
                            previous=residency.placement)
 
 
+#: at most this many start-up fill signals per host (the agent answers each at once and
+#: refuses the rest with ``no_room`` once its pool is full)
+FILL_MAX = 64
+
+
+def fill_signals(snapshot: Snapshot, hosts: list[str], *, adapters: Iterable[str],
+                 only: Iterable[str] | None = None, per_host: int = FILL_MAX) -> list[PrefetchSignal]:
+    """The start-up fill when nothing was learned: each host is offered the adapters routing
+    places on it (``routing.place`` over ``adapters``, the fleet's: where ``route`` sends them
+    on an empty fleet) that serve its base model, public ones first, at most ``per_host``;
+    ``room_only``, so the agent loads them only into free device room and evicts nothing for
+    them. An empty pool holds nothing anyone asked for, so a fill costs no hit, and where the
+    pools can hold the catalog (16 adapters over 4 x 8 slots) no first request waits for a
+    load. Signals for the hosts in ``only`` (default all)."""
+    base = {u.name: u.base_model for u in snapshot.upstreams}
+    known = sorted(a for a in set(adapters) if a in snapshot.adapters)
+    if not hosts or not known:
+        return []
+    owners = place(known, tuple(hosts))
+    to = set(hosts if only is None else only)
+    out: list[PrefetchSignal] = []
+    for h in hosts:
+        if h not in to:
+            continue
+        mine = [snapshot.adapters[a] for a in known if owners[a] == h]
+        mine = [a for a in mine if base.get(h) in (None, a.base_model)]
+        mine.sort(key=lambda a: (a.owner != PUBLIC, a.name))
+        out += [PrefetchSignal(upstream=h, adapter=a.name, digest=a.sha256, priority=0, reason="fill",
+                               room_only=True) for a in mine[:per_host]]
+    return out
+
+
 def warm_signals(counts: Mapping[str, float], snapshot: Snapshot, slots: Mapping[str, int],
                  hosts: list[str], *, adapters: Iterable[str] | None = None,
                  only: Iterable[str] | None = None) -> list[PrefetchSignal]:
@@ -330,8 +364,10 @@ class GatewaySpeculation:
     def __init__(self, store, board, sink: PrefetchSink, planner: SpeculationPlanner | None = None, *,
                  popularity: PopularityFile | None = None, max_pending: int = 4096,
                  poll_s: float = 0.005, save_every_s: float = 30.0, warm_wait_s: float = 10.0,
-                 place_every_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 place_every_s: float = 5.0, fill: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.board, self.sink = store, board, sink
+        self.fill = fill  # with nothing learned, fill each empty pool at start-up (fill_signals)
         self.popularity = popularity
         saved = popularity.read() if popularity is not None else Saved({}, {})
         self.counts: dict[str, float] = saved.counts
@@ -343,7 +379,7 @@ class GatewaySpeculation:
         self.place_every_s = place_every_s
         self._pending: deque[tuple] = deque()
         self.observed = self.dropped = self.sent = self.send_dropped = self.shadow_prefetches = 0
-        self.warm_sent = 0
+        self.warm_sent = self.fill_sent = 0
         self._warmed: set[str] = set()
         self.warm_wait_s = warm_wait_s
         self._started = clock()
@@ -444,9 +480,9 @@ class GatewaySpeculation:
     def _warm(self) -> None:
         """Submit each host's warm set once, when its agent's residency first arrives;
         placed over every agent host (routing's placement), so the first hosts wait for
-        the others up to ``warm_wait_s``."""
-        if not self.counts or not self._warm_slots:
-            return
+        the others up to ``warm_wait_s``. With nothing learned (no counts or pool sizes
+        from a previous run): the fill of free room (``fill_signals``) instead, unless
+        ``fill`` is off."""
         residency = self.board.current
         hosts = [h for h in residency.by_upstream if h not in self._warmed]
         if not hosts:
@@ -459,10 +495,15 @@ class GatewaySpeculation:
         if not _prefetch_enabled(snap):
             return
         fleet = {a for view in residency.by_upstream.values() for a in view}
-        for signal in warm_signals(self.counts, snap, self._warm_slots, list(residency.by_upstream),
-                                   adapters=fleet, only=hosts):
+        if self.counts and self._warm_slots:
+            for signal in warm_signals(self.counts, snap, self._warm_slots, list(residency.by_upstream),
+                                       adapters=fleet, only=hosts):
+                if self.sink.submit(signal):
+                    self.warm_sent += 1
+            return
+        for signal in fill_signals(snap, list(residency.by_upstream), adapters=fleet, only=hosts) if self.fill else ():
             if self.sink.submit(signal):
-                self.warm_sent += 1
+                self.fill_sent += 1
 
     def _restore(self, transitions: dict) -> None:
         """What the last run learned about workflows; sessions start afresh."""
@@ -484,7 +525,7 @@ class GatewaySpeculation:
     def counters(self) -> dict[str, int]:
         return {**self.planner.counters(), "observed": self.observed, "dropped": self.dropped,
                 "signals_sent": self.sent, "signals_dropped": self.send_dropped,
-                "shadow_prefetches": self.shadow_prefetches, "warm_sent": self.warm_sent}
+                "shadow_prefetches": self.shadow_prefetches, "warm_sent": self.warm_sent, "fill_sent": self.fill_sent}
 
 
 def _prefetch_enabled(snap: Snapshot) -> bool:

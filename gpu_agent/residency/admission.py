@@ -44,7 +44,8 @@ class PrefetchAdmission:
 
     def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
                  evict: Iterable[str] = (), *, probability: float | None = None,
-                 victim_reuse_probability: float | None = None, keep: Iterable[str] = ()) -> ResidencyResult:
+                 victim_reuse_probability: float | None = None, keep: Iterable[str] = (),
+                 room_only: bool = False) -> ResidencyResult:
         """``evict``: adapters to evict first should the load need device room (catalog
         names only; others are ignored). A duplicate of a still-queued prefetch replaces
         the queued hints with its own when it has any. ``probability`` (the sender's
@@ -52,7 +53,9 @@ class PrefetchAdmission:
         ``victim_reuse_probability`` feed the speculation budget: a hint it refuses is
         REJECTED with its verdict. ``keep``: adapters the sender just sent requests for to
         this engine; no eviction takes them for a while (``TierHoldings.keep``), whatever
-        becomes of this hint."""
+        becomes of this hint. ``room_only``: load it only into free device room, never
+        evicting for it: REJECTED ``no_room`` when there is none now, given up when there is
+        none by its turn (the gateway's start-up fill)."""
         if keep:
             self.holdings.keep(self._known_hints("", keep))
         spec = self.catalog.get(name)
@@ -67,6 +70,9 @@ class PrefetchAdmission:
             device.move_to_end(name)
             self.metrics.inc("ace_agent_prefetch_total", outcome="already_resident")
             return ResidencyResult(ResidencyOutcome.ALREADY_RESIDENT)
+        if room_only and self.holdings.likely_victim(spec, ()) is not None:
+            self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_no_room")
+            return rejected("no_room")
         if probability is None and reason.startswith(REQUEST_REASON) and self.holdings.connector.loads_on_demand:
             # a request's own load, which this engine makes itself when the request arrives:
             # fetch its files ahead (the engine's load joins the fetch), load nothing here;
@@ -93,6 +99,7 @@ class PrefetchAdmission:
         self._states[name].pending_reason = reason
         self._states[name].pending_evict = hints
         self._states[name].priced = probability is not None
+        self._states[name].room_only = room_only
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
         return ResidencyResult(ResidencyOutcome.ACCEPTED)

@@ -160,11 +160,13 @@ class ResidencyManager:
     # ---- the API: loads --------------------------------------------------------------
     def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
                  evict: Iterable[str] = (), *, probability: float | None = None,
-                 victim_reuse_probability: float | None = None, keep: Iterable[str] = ()) -> ResidencyResult:
+                 victim_reuse_probability: float | None = None, keep: Iterable[str] = (),
+                 room_only: bool = False) -> ResidencyResult:
         """Decide at once; the load itself runs in the background
         (``gpu_agent.residency.admission``)."""
         return self.admission.prefetch(name, digest, priority, reason, evict, probability=probability,
-                                       victim_reuse_probability=victim_reuse_probability, keep=keep)
+                                       victim_reuse_probability=victim_reuse_probability, keep=keep,
+                                       room_only=room_only)
 
     async def ensure_resident(self, name: str, _by: str = "request") -> AdapterView:
         """Load `name` to the device tier (coalesced with any load already running).

@@ -137,6 +137,13 @@ class LoadPipeline:
         await asyncio.shield(task)
         return self._view(name)
 
+    def _give_up_without_room(self, spec: Adapter) -> None:
+        """A ``room_only`` prefetch finds the device without free room: given up, nothing
+        evicted for it (``ace_agent_prefetch_cancelled_total{reason="no_room"}``)."""
+        if self.holdings.likely_victim(spec, ()) is not None:
+            self.metrics.inc("ace_agent_prefetch_cancelled_total", reason="no_room")
+            raise PrefetchGivenUp(f"prefetch of {spec.name}: loads only into free room, and there is none")
+
     def _load_done(self, name: str) -> None:
         self.inflight.pop(name, None)
         self._publish(name)
@@ -156,11 +163,14 @@ class LoadPipeline:
         state = self.states[name]
         hints, state.pending_evict = state.pending_evict, ()
         priced, state.priced = state.priced and by == "prefetch", False
+        room_only, state.room_only = state.room_only and by == "prefetch", False
         t0 = time.perf_counter()
         start_tier = self._view(name).tier
         self._count_start_tier(start_tier)
         self._publish(name)
         try:
+            if room_only:
+                self._give_up_without_room(spec)  # before its files are fetched, too
             was_local = self.store.local_path(spec) is not None
             # the download and its hashing run on this event loop: with an engine in this
             # process (builtin), a prefetch's waits for its requests and compute first
@@ -190,6 +200,8 @@ class LoadPipeline:
             demand = by in ("request", "pin") or name in self.demand  # or a request joined it
             async with self.holdings.lock:
                 if name not in self.holdings.device:
+                    if room_only and name not in self.demand:
+                        self._give_up_without_room(spec)
                     await self.holdings.make_device_room(spec, hints, bet=priced and name not in self.demand)
                     t = time.perf_counter()
                     pinned = state.pinned

@@ -96,3 +96,4 @@ class AdapterState:
     pending_evict: tuple[str, ...] = ()  # adapters to evict first if its load needs room
     engine_loaded_at: float | None = None  # when reconcile found the engine had loaded it itself
     priced: bool = False  # the queued prefetch is a bet (it came with a probability) against its hinted victims
+    room_only: bool = False  # the queued prefetch loads only into free device room (PrefetchRequest.room_only)

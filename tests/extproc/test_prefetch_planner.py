@@ -495,6 +495,46 @@ def test_warm_set_waits_for_every_agent_host_and_follows_the_routing_placement(t
     assert {s.upstream for s in sink2.signals} == {"engine-1"} and len(sink2.signals) == len(names)
 
 
+def test_with_nothing_learned_each_empty_pool_is_filled_with_what_routing_places_there(tmp_path, snapshot):
+    from extproc.state.catalog import PUBLIC, Upstream
+    from extproc.policy.routing import place
+    hosts = ["engine-1", "engine-2"]
+    names = sorted(snapshot.adapters)
+    ups = tuple(Upstream(h, f"127.0.0.1:{i}", "builtin", snapshot.upstreams[0].base_model, agent=f"127.0.0.1:9{i}")
+                for i, h in enumerate(hosts))
+    snap = replace(snapshot, upstreams=ups,
+                   default_skills={**snapshot.default_skills, "dynamic_lora_prefetch": "prod"})
+    board, sink = ResidencyBoard(), Sink()
+    gs = GatewaySpeculation(FakeStore(snap), board, sink, popularity=PopularityFile(tmp_path / "none.json"),
+                            clock=lambda: 0.0)
+    remote = {a: TierReport("remote", None) for a in names}
+    board.publish(ResidencySnapshot.build({h: remote for h in hosts}))
+    gs._warm()
+    gs._warm()                                               # once per host
+    owners = place(names, tuple(hosts))
+    assert sorted((s.adapter, s.upstream) for s in sink.signals) == sorted(owners.items())
+    assert all(s.room_only and s.reason == "fill" and s.probability is None and s.evict == () for s in sink.signals)
+    for h in hosts:                                          # public adapters first
+        publics = [snap.adapters[s.adapter].owner == PUBLIC for s in sink.signals if s.upstream == h]
+        assert publics == sorted(publics, reverse=True)
+    assert gs.counters()["fill_sent"] == len(names)
+    # prefetch off everywhere: no fill
+    board2, sink2 = ResidencyBoard(ResidencySnapshot.build({h: remote for h in hosts})), Sink()
+    GatewaySpeculation(FakeStore(replace(snapshot, upstreams=ups)), board2, sink2, clock=lambda: 0.0)._warm()
+    assert sink2.signals == []
+
+
+def test_fill_signals_are_bounded_per_host_and_skip_other_base_models(snapshot):
+    from extproc.fleet.speculation import fill_signals
+    from extproc.state.catalog import Upstream
+    names = sorted(snapshot.adapters)
+    one = (Upstream("h", "127.0.0.1:1", "builtin", snapshot.upstreams[0].base_model),)
+    assert len(fill_signals(replace(snapshot, upstreams=one), ["h"], adapters=names, per_host=1)) == 1
+    other = (Upstream("h", "127.0.0.1:1", "builtin", "some-other-base"),)
+    assert fill_signals(replace(snapshot, upstreams=other), ["h"], adapters=names) == []
+    assert fill_signals(snapshot, ["h"], adapters=["not-in-the-catalog"]) == []
+
+
 def test_drain_publishes_each_pools_first_victims(snapshot):
     sink = Sink()
     gs = gateway_speculation(snapshot, sink)

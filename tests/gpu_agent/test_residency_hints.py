@@ -195,3 +195,46 @@ def test_adapters_the_gateway_just_sent_requests_for_are_nobodys_victim_for_a_wh
         finally:
             await mgr.close()
     run(main())
+
+
+def test_a_room_only_prefetch_loads_into_free_room_and_never_evicts(tmp_path):
+    """PrefetchRequest.room_only (the gateway's start-up fill): refused at once on a full
+    pool, loaded where there is room, given up if the room is gone by its turn."""
+    async def main():
+        eng = FakeConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            got = mgr.prefetch("a4", reason="fill", room_only=True)
+            assert (got.outcome, got.reason) == (ResidencyOutcome.REJECTED, "no_room")
+            assert unloads(eng) == [] and mgr.metrics.counter("ace_agent_prefetch_total",
+                                                              outcome="rejected_no_room") == 1
+            await mgr.evict("a3")                                        # room for one
+            assert mgr.prefetch("a4", reason="fill", room_only=True).outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="a4 filled in")
+            assert unloads(eng) == ["a3"]                                # only the explicit eviction
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_a_room_only_prefetch_whose_room_was_taken_by_its_turn_is_given_up(tmp_path):
+    async def main():
+        eng = FakeConnector(capacity=3)
+        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
+        await mgr.start()
+        try:
+            await mgr.ensure_resident("a1")
+            await mgr.ensure_resident("a2")
+            eng.load_delay_s = 0.05
+            busy = asyncio.ensure_future(mgr.ensure_resident("a3"))      # a request's load takes the room
+            await async_wait_until(lambda: ("load", "a3") in eng.calls, what="a3 loading")
+            assert mgr.prefetch("a4", reason="fill", room_only=True).outcome is ResidencyOutcome.ACCEPTED
+            await busy
+            await async_wait_until(
+                lambda: mgr.metrics.counter("ace_agent_prefetch_cancelled_total", reason="no_room") == 1,
+                what="the fill given up")
+            assert mgr.view("a4").tier is not Tier.DEVICE and unloads(eng) == []
+            assert ("load", "a4") not in eng.calls
+        finally:
+            await mgr.close()
+    run(main())

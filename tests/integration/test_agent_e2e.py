@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 
 import grpc
 import httpx
@@ -44,7 +45,9 @@ def builtin_agent(tmp_path_factory, name: str):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     with builtin_agent(tmp_path_factory, "agent-e2e") as (tmp, engine_port, agent, state):
-        with gateway_front(tmp, state, f"127.0.0.1:{engine_port}", env={"ACE_AGENT_TOKEN": TOKEN}) as port:
+        # the pool starts empty (no start-up fill): these tests watch adapters go from cold to resident
+        with gateway_front(tmp, state, f"127.0.0.1:{engine_port}", env={"ACE_AGENT_TOKEN": TOKEN},
+                           extproc_args=["--startup-fill", "off"]) as port:
             yield {"agent": agent, "base": f"http://127.0.0.1:{port}"}
 
 
@@ -82,3 +85,24 @@ def test_prefetched_and_cold_side_by_side_through_envoy(stack):
     # the engine's own load made it resident for the next request
     wait_until(lambda: trace(through_gateway(stack, "legal-review"))["residency"] == "device",
                interval=0.05, what="the gateway sees legal-review in the pool")
+
+
+def test_with_nothing_learned_the_gateway_fills_the_empty_pool_before_any_request(tmp_path_factory):
+    """The start-up fill (``--startup-fill on``, the default): no popularity file, so each
+    agent is offered the adapters routing places on its host, loaded only into free room;
+    the first request for one of them finds it resident."""
+    import yaml
+
+    with builtin_agent(tmp_path_factory, "agent-fill") as (tmp, engine_port, agent, state):
+        names = [a["name"] for a in yaml.safe_load((fixtures_dir(tmp_path_factory) / "catalog.yaml").read_text())
+                 ["adapters"]]
+        with gateway_front(tmp, state, f"127.0.0.1:{engine_port}", env={"ACE_AGENT_TOKEN": TOKEN}) as port:
+            wait_until(lambda: agent.metric('ace_agent_tier_adapters{tier="device"}') >= 1
+                       and agent.metric("ace_agent_prefetch_queue_depth") == 0,
+                       interval=0.05, what="the fill loaded")
+            resident = [n for n in names
+                        if rpc(agent, "Status", pb.StatusRequest(adapter=n)).tier == pb.TIER_DEVICE]
+            assert resident and agent.metric('ace_agent_prefetch_total{outcome="accepted"}') >= len(resident)
+            assert not re.search(r"^ace_agent_evictions_total\{[^}]*\} [1-9]", agent.metrics(), re.M)  # none
+            first = through_gateway({"base": f"http://127.0.0.1:{port}"}, resident[0])
+            assert first.headers["x-ace-adapter-tier"] == "device"

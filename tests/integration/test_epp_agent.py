@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 def stack(tmp_path_factory):
     with builtin_agent(tmp_path_factory, "epp-agent") as (tmp, engine_port, _agent, state):
         with extproc_process(tmp, state, env={"ACE_AGENT_TOKEN": TOKEN},
-                             extproc_args=["--protocol", "epp"]) as (address, _):
+                             extproc_args=["--protocol", "epp", "--startup-fill", "off"]) as (address, _):
             with run_epp_envoy(tmp, extproc=address) as port:
                 yield {"base": f"http://127.0.0.1:{port}", "engine": f"127.0.0.1:{engine_port}"}
 

@@ -84,7 +84,9 @@ def stack(tmp_path_factory):
     try:
         agent.start()
         state = write_state(tmp, fixtures / "catalog.yaml", f"127.0.0.1:{vllm.port}", f"127.0.0.1:{agent.port}")
-        with gateway_front(tmp, state, f"127.0.0.1:{vllm.port}", env={"ACE_AGENT_TOKEN": TOKEN}) as port:
+        # the pool starts empty (no start-up fill): these tests watch adapters go from cold to resident
+        with gateway_front(tmp, state, f"127.0.0.1:{vllm.port}", env={"ACE_AGENT_TOKEN": TOKEN},
+                           extproc_args=["--startup-fill", "off"]) as port:
             yield {"vllm": vllm, "agent": agent, "base": f"http://127.0.0.1:{port}", "log": tmp / "extproc.log"}
     finally:
         agent.stop()

@@ -23,7 +23,7 @@ TIER_HOST: Tier
 TIER_DEVICE: Tier
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("adapter", "digest", "priority", "reason", "evict", "probability", "victim_reuse_probability", "keep")
+    __slots__ = ("adapter", "digest", "priority", "reason", "evict", "probability", "victim_reuse_probability", "keep", "room_only")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class PrefetchRequest(_message.Message):
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     VICTIM_REUSE_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    ROOM_ONLY_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     digest: str
     priority: int
@@ -40,7 +41,8 @@ class PrefetchRequest(_message.Message):
     probability: float
     victim_reuse_probability: float
     keep: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., priority: _Optional[int] = ..., reason: _Optional[str] = ..., evict: _Optional[_Iterable[str]] = ..., probability: _Optional[float] = ..., victim_reuse_probability: _Optional[float] = ..., keep: _Optional[_Iterable[str]] = ...) -> None: ...
+    room_only: bool
+    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., priority: _Optional[int] = ..., reason: _Optional[str] = ..., evict: _Optional[_Iterable[str]] = ..., probability: _Optional[float] = ..., victim_reuse_probability: _Optional[float] = ..., keep: _Optional[_Iterable[str]] = ..., room_only: _Optional[bool] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("outcome", "reason")
