@@ -22,13 +22,18 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def full_pool(tmp_path, eng, **budgets):
-    """a1, a2, a3 on the device, a1 least recently used."""
+async def pool_of(tmp_path, eng, *names, **budgets):
+    """A started manager with ``names`` on the device, the first least recently used."""
     mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng, **budgets)
     await mgr.start()
-    for name in ("a1", "a2", "a3"):
+    for name in names:
         await mgr.ensure_resident(name)
     return mgr
+
+
+async def full_pool(tmp_path, eng, **budgets):
+    """a1, a2, a3 on the device, a1 least recently used."""
+    return await pool_of(tmp_path, eng, "a1", "a2", "a3", **budgets)
 
 
 def unloads(eng):
@@ -220,11 +225,8 @@ def test_a_room_only_prefetch_loads_into_free_room_and_never_evicts(tmp_path):
 def test_a_room_only_prefetch_whose_room_was_taken_by_its_turn_is_given_up(tmp_path):
     async def main():
         eng = FakeConnector(capacity=3)
-        mgr = make_manager(make_catalog(tmp_path, NAMES), tmp_path / "cache", eng)
-        await mgr.start()
+        mgr = await pool_of(tmp_path, eng, "a1", "a2")
         try:
-            await mgr.ensure_resident("a1")
-            await mgr.ensure_resident("a2")
             eng.load_delay_s = 0.05
             busy = asyncio.ensure_future(mgr.ensure_resident("a3"))      # a request's load takes the room
             await async_wait_until(lambda: ("load", "a3") in eng.calls, what="a3 loading")
