@@ -58,9 +58,9 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from extproc.domain.decision import Decision
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
-from extproc.policy.routing import RoutePolicy, place, place_by_demand
+from extproc.policy.routing import RoutePolicy, place_by_demand
 from extproc.policy.speculator import DEFAULT_LOAD_S, SpeculationSettings, Speculator
-from extproc.policy.warmset import warm_set
+from extproc.policy.warmset import fill_set, warm_set
 from extproc.domain.prefetch import PrefetchSignal, PrefetchSink
 from extproc.state.residency import ResidencySnapshot, SentCounts
 from extproc.state.skill_modes import DYNAMIC_LORA_PREFETCH, OFF, PROD
@@ -253,26 +253,21 @@ FILL_MAX = 64
 
 def fill_signals(snapshot: Snapshot, hosts: list[str], *, adapters: Iterable[str],
                  only: Iterable[str] | None = None, per_host: int = FILL_MAX) -> list[PrefetchSignal]:
-    """The start-up fill when nothing was learned: each host is offered the adapters routing
-    places on it (``routing.place`` over ``adapters``, the fleet's: where ``route`` sends them
-    on an empty fleet) that serve its base model, public ones first, at most ``per_host``;
-    ``room_only``, so the agent loads them only into free device room and evicts nothing for
-    them. An empty pool holds nothing anyone asked for, so a fill costs no hit, and where the
-    pools can hold the catalog (16 adapters over 4 x 8 slots) no first request waits for a
-    load. Signals for the hosts in ``only`` (default all)."""
+    """The start-up fill when nothing was learned: ``warmset.fill_set`` over ``adapters``
+    (the fleet's) that the catalog knows, each host's share filtered to its base model;
+    ``room_only``, so the agent loads them only into free device room and evicts nothing
+    for them. An empty pool holds nothing anyone asked for, so a fill costs no hit, and where
+    the pools can hold the catalog (16 adapters over 4 x 8 slots) no first request waits for
+    a load. Signals for the hosts in ``only`` (default all)."""
     base = {u.name: u.base_model for u in snapshot.upstreams}
-    known = sorted(a for a in set(adapters) if a in snapshot.adapters)
-    if not hosts or not known:
-        return []
-    owners = place(known, tuple(hosts))
+    known = {a: snapshot.adapters[a].owner == PUBLIC for a in set(adapters) if a in snapshot.adapters}
+    plan = fill_set(known, hosts, len(known))
     to = set(hosts if only is None else only)
     out: list[PrefetchSignal] = []
     for h in hosts:
         if h not in to:
             continue
-        mine = [snapshot.adapters[a] for a in known if owners[a] == h]
-        mine = [a for a in mine if base.get(h) in (None, a.base_model)]
-        mine.sort(key=lambda a: (a.owner != PUBLIC, a.name))
+        mine = [snapshot.adapters[a] for a in plan[h] if base.get(h) in (None, snapshot.adapters[a].base_model)]
         out += [PrefetchSignal(upstream=h, adapter=a.name, digest=a.sha256, priority=0, reason="fill",
                                room_only=True) for a in mine[:per_host]]
     return out

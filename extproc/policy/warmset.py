@@ -13,7 +13,7 @@ from typing import Iterable, Mapping, Sequence
 
 from extproc.policy.routing import place, ring_walk
 
-__all__ = ["warm_set"]
+__all__ = ["fill_set", "warm_set"]
 
 
 def warm_set(
@@ -53,4 +53,20 @@ def warm_set(
                 copies -= 1
         if all(len(v) >= per_host for v in out.values()):
             break
+    return out
+
+
+def fill_set(public: Mapping[str, bool], hosts: Sequence[str], per_host: int) -> dict[str, list[str]]:
+    """host -> adapters to offer its empty pool when nothing was learned (no popularity):
+    every adapter of ``public`` (name -> visible to every tenant) on its ``routing.place``
+    owner, where ``route`` sends it on an empty fleet; public ones first, then by name; at
+    most ``per_host`` each."""
+    out: dict[str, list[str]] = {h: [] for h in hosts}
+    if not hosts or not public:
+        return out
+    owners = place(sorted(public), tuple(hosts))
+    for adapter in sorted(public, key=lambda a: (not public[a], a)):
+        mine = out[owners[adapter]]
+        if len(mine) < per_host:
+            mine.append(adapter)
     return out
