@@ -477,7 +477,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
         log(f"{label}stack up in {time.monotonic() - t_run:.0f}s, replaying {len(requests)} requests")
 
         async def go():
-            ready = await fleet_ready(st["hosts"], expect_prefetches=warm_file is not None or (ARMS.get(arm) or FRONT_ARMS[arm])[1])
+            ready = await fleet_ready(st["hosts"], expect_prefetches=warm_file is not None or {**ARMS, **FRONT_ARMS}[arm][1])
             log(f"{label}ready after {ready:.1f}s")
             calibration = None
             run_speed = speed

@@ -261,7 +261,7 @@ def fill_signals(snapshot: Snapshot, hosts: list[str], *, adapters: Iterable[str
     a load. Signals for the hosts in ``only`` (default all)."""
     base = {u.name: u.base_model for u in snapshot.upstreams}
     known = {a: snapshot.adapters[a].owner == PUBLIC for a in set(adapters) if a in snapshot.adapters}
-    plan = fill_set(known, hosts, len(known))
+    plan = fill_set(known, hosts)
     to = set(hosts if only is None else only)
     out: list[PrefetchSignal] = []
     for h in hosts:
@@ -496,7 +496,9 @@ class GatewaySpeculation:
                 if self.sink.submit(signal):
                     self.warm_sent += 1
             return
-        for signal in fill_signals(snap, list(residency.by_upstream), adapters=fleet, only=hosts) if self.fill else ():
+        if not self.fill:
+            return
+        for signal in fill_signals(snap, list(residency.by_upstream), adapters=fleet, only=hosts):
             if self.sink.submit(signal):
                 self.fill_sent += 1
 

@@ -56,17 +56,15 @@ def warm_set(
     return out
 
 
-def fill_set(public: Mapping[str, bool], hosts: Sequence[str], per_host: int) -> dict[str, list[str]]:
+def fill_set(public: Mapping[str, bool], hosts: Sequence[str]) -> dict[str, list[str]]:
     """host -> adapters to offer its empty pool when nothing was learned (no popularity):
     every adapter of ``public`` (name -> visible to every tenant) on its ``routing.place``
-    owner, where ``route`` sends it on an empty fleet; public ones first, then by name; at
-    most ``per_host`` each."""
+    owner, where ``route`` sends it on an empty fleet; public ones first, then by name (the
+    caller bounds how many it offers)."""
     out: dict[str, list[str]] = {h: [] for h in hosts}
     if not hosts or not public:
         return out
     owners = place(sorted(public), tuple(hosts))
     for adapter in sorted(public, key=lambda a: (not public[a], a)):
-        mine = out[owners[adapter]]
-        if len(mine) < per_host:
-            mine.append(adapter)
+        out[owners[adapter]].append(adapter)
     return out

@@ -70,7 +70,7 @@ class PrefetchAdmission:
             device.move_to_end(name)
             self.metrics.inc("ace_agent_prefetch_total", outcome="already_resident")
             return ResidencyResult(ResidencyOutcome.ALREADY_RESIDENT)
-        if room_only and self.holdings.likely_victim(spec, ()) is not None:
+        if room_only and not self.holdings.has_free_room(spec):
             self.metrics.inc("ace_agent_prefetch_total", outcome="rejected_no_room")
             return rejected("no_room")
         if probability is None and reason.startswith(REQUEST_REASON) and self.holdings.connector.loads_on_demand:

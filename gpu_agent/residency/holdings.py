@@ -103,13 +103,17 @@ class TierHoldings:
                   else sum(self.device.values()) + (incoming or 0) - self.device_bytes)
         return Shortfall(count=count, size=nbytes)
 
-    def likely_victim(self, spec: Adapter, hints: tuple[str, ...]) -> str | None:
-        """The adapter loading `spec` would displace now: None when there is room, else
-        the first hinted resident one, else the device tier's least recently used."""
+    def has_free_room(self, spec: Adapter) -> bool:
+        """Loading `spec` now needs no eviction: the engine's own pool says so (builtin),
+        else the agent's device budgets."""
         room = self.connector.has_room(spec)
-        if room is None:  # the agent's own device budgets decide
-            room = self.shortfall(spec.size_bytes).met
-        if room:
+        return self.shortfall(spec.size_bytes).met if room is None else room
+
+    def likely_victim(self, spec: Adapter, hints: tuple[str, ...]) -> str | None:
+        """The adapter loading `spec` would displace now: None when there is room (or
+        nothing may go), else the first hinted resident one, else the device tier's least
+        recently used."""
+        if self.has_free_room(spec):
             return None
         evictable = [n for n in self.device if not self._states[n].pinned and n not in self._loading]
         return next((h for h in hints if h in evictable), evictable[0] if evictable else None)

@@ -140,7 +140,7 @@ class LoadPipeline:
     def _give_up_without_room(self, spec: Adapter) -> None:
         """A ``room_only`` prefetch finds the device without free room: given up, nothing
         evicted for it (``ace_agent_prefetch_cancelled_total{reason="no_room"}``)."""
-        if self.holdings.likely_victim(spec, ()) is not None:
+        if not self.holdings.has_free_room(spec):
             self.metrics.inc("ace_agent_prefetch_cancelled_total", reason="no_room")
             raise PrefetchGivenUp(f"prefetch of {spec.name}: loads only into free room, and there is none")
 

@@ -240,3 +240,18 @@ def test_a_room_only_prefetch_whose_room_was_taken_by_its_turn_is_given_up(tmp_p
         finally:
             await mgr.close()
     run(main())
+
+
+def test_a_room_only_prefetch_is_refused_by_a_pool_full_of_adapters_that_may_not_go(tmp_path):
+    """No free room is no free room, whether or not something could be evicted."""
+    async def main():
+        eng = FakeConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            for name in ("a1", "a2", "a3"):
+                mgr.pin(name)
+            got = mgr.prefetch("a4", reason="fill", room_only=True)
+            assert (got.outcome, got.reason) == (ResidencyOutcome.REJECTED, "no_room")
+        finally:
+            await mgr.close()
+    run(main())
