@@ -118,6 +118,7 @@ else
 # the builtin engine's bench with ARMS=...,vllm_router[,vllm_router_session] needs vllm-router
 bench: $(if $(findstring vllm_router,$(ARMS)),$(ROUTER_STAMP),)
 # make bench [HOSTS=1,2,4] [ARMS=round_robin,affinity,ace] [TRACE=FILE] [WARM_FROM=FILE] [SLOTS=N] [SPEED=auto|N]
+#   [AGENT_ARGS="--prefetch-waste-share 0.5"] (appended to every agent's command line)
 #   [OUT=FILE] (default reports/multi_lora_eval.json; e.g. a quick check of the router arms:
 #   make bench TRACE=FILE HOSTS=2 ARMS=round_robin,vllm_router,vllm_router_session,affinity,ace OUT=var/check.json)
 # The committed 800-request report: the ace arm starts from the state learned on the
@@ -152,7 +153,8 @@ bench: $(STAMP) $(FIXTURES)/.done
 	$(if $(and $(SEED),$(filter hundreds sixteen,$(SCENARIO))),mkdir -p var && $(BIN)/python data/multi_lora_eval/generate.py --scenario $(SCENARIO) --seed $(SEED) --out $(BENCH_TRACE),)
 	$(BIN)/python -m bench.multi_lora_eval --out $(BENCH_OUT) $(if $(BENCH_TRACE),--trace $(BENCH_TRACE),) \
 		$(if $(HOSTS),--hosts $(HOSTS),) $(if $(ARMS),--arms $(ARMS),) $(if $(WARM_FROM),--warm-from $(WARM_FROM),) \
-		$(if $(SLOTS),--slots $(SLOTS),) $(if $(SPEED),--speed $(SPEED),) $(if $(SCENARIO),--scenario $(SCENARIO),)
+		$(if $(SLOTS),--slots $(SLOTS),) $(if $(SPEED),--speed $(SPEED),) $(if $(SCENARIO),--scenario $(SCENARIO),) \
+		$(if $(AGENT_ARGS),--agent-args "$(AGENT_ARGS)",)
 endif
 
 # On a machine with a CUDA GPU (not CI): the CUDA-only tests + bench-agent on the device,

@@ -70,11 +70,13 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -190,9 +192,10 @@ FRONT_ARMS: dict[str, tuple[str, bool]] = {arm: ("extproc.policy.routing:route",
 
 @contextlib.contextmanager
 def stack(work: Path, catalog: Path, tenants: list[str], hosts: int, pool_adapters: int, pool_mb: int,
-          arm: str):
+          arm: str, extra_agent_args: Sequence[str] = ()):
     """The fleet (``tools.localstack.fleet_stack``): ``hosts`` engine hosts, each pool
-    capped, the arm's routing policy and prefetch mode; yields its addresses and keys."""
+    capped, the arm's routing policy and prefetch mode; yields its addresses and keys.
+    ``extra_agent_args``: appended to every agent's command line (``--agent-args``)."""
     from tools.localstack import fleet_stack
 
     policy, prefetch = {**ARMS, **FRONT_ARMS}[arm]
@@ -201,7 +204,7 @@ def stack(work: Path, catalog: Path, tenants: list[str], hosts: int, pool_adapte
         return state_yaml(path, catalog, tenants, fleet, prefetch)
 
     agent_args = ["--device-max-adapters", str(pool_adapters), "--pool-mb", str(pool_mb),
-                  "--reconcile-interval-s", "0.2", *COLD_AGENT_ARGS]
+                  "--reconcile-interval-s", "0.2", *COLD_AGENT_ARGS, *extra_agent_args]
     with fleet_stack(work, catalog, hosts, write_state, token=TOKEN, agent_args=agent_args, agent_env=agent_env(hosts),
                      extproc_args=["--routing-policy", policy]) as st:
         if arm in ROUTER_ARMS:
@@ -473,7 +476,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
     t_run = time.monotonic()
     _, log_at = store_fetches(store_log)
     label = f"{hosts} hosts {arm}: "
-    with stack(run_dir, rcat, tenants, hosts, pool, pool_mb, arm) as st:
+    with stack(run_dir, rcat, tenants, hosts, pool, pool_mb, arm, shlex.split(args.agent_args)) as st:
         log(f"{label}stack up in {time.monotonic() - t_run:.0f}s, replaying {len(requests)} requests")
 
         async def go():
@@ -648,6 +651,7 @@ def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top:
         "fleets": results, "checks": fleet_checks(results, args.scenario),
         "fleet_hosts": top, "pool_adapters": pool, "pool_mb": pool_mb, "pool_bytes": pool_mb << 20,
         "pool_bytes_needed": pool_needed, "adapters": len(names), "agent_cold_args": list(COLD_AGENT_ARGS),
+        "agent_extra_args": shlex.split(args.agent_args),
         "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
         "arms": {arm: {"routing_policy": policy, "dynamic_lora_prefetch": "prod" if on else "off"}
                  for arm, (policy, on) in {**ARMS, **FRONT_ARMS}.items()},
@@ -705,6 +709,8 @@ def main(argv=None) -> int:
                     help="adapter slots of each host's pool (default: half of the trace's adapters; make bench SLOTS=)")
     ap.add_argument("--open-loop", action="store_true",
                     help="send every request at its own t (default: sessions closed-loop, think_s after each answer)")
+    ap.add_argument("--agent-args", default="",
+                    help="extra arguments for every agent, e.g. '--prefetch-waste-share 0.5' (make bench AGENT_ARGS=)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")
     return run(ap.parse_args(argv))
 

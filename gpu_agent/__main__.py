@@ -53,7 +53,8 @@ async def run(settings) -> None:
         device_bytes=(settings.device_budget_mb << 20 or None) if drives_device else None,
         host_bytes=settings.host_budget_mb << 20, queue_size=settings.queue_size,
         workers=settings.workers, reconcile_interval_s=settings.reconcile_interval_s,
-        load_interval_s=settings.load_interval_s, link_budget_ms=settings.prefetch_link_budget_ms)
+        load_interval_s=settings.load_interval_s, link_budget_ms=settings.prefetch_link_budget_ms,
+        waste_share=settings.prefetch_waste_share)
     metrics = AgentMetrics()
     manager = ResidencyManager(catalog, store, connector, budgets, metrics)
     await manager.start()

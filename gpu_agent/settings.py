@@ -63,6 +63,12 @@ class AgentSettings:
     prefetch_link_budget_ms: float = _f(200.0, "speculation budget: a prefetch hint that carries a probability is "
                                                  "refused (link_busy) while more than this much load work (ms, "
                                                  "expected from measured loads) is queued or running ahead of it")
+    prefetch_waste_share: float | None = _f(None, "speculation budget: the share of a bet's load time charged "
+                                                   "against it when it goes unused, as the time the engine's "
+                                                   "compute loses to the load (0-1); default: the engine's "
+                                                   "(vLLM/SGLang 1: a load stops their steps; builtin: 0 on "
+                                                   "CUDA, where loads run on a side stream, "
+                                                   "CPU_LOAD_COMPUTE_SHARE on the CPU)")
     reconcile_interval_s: float = _f(2.0, "how often the engine's adapter list is compared with ours")
     load_interval_s: float = _f(0.5, "how often the engine's load (running + waiting requests: vLLM/SGLang "
                                      "from GET /metrics, builtin from its batcher) is measured and sent on "
@@ -112,6 +118,8 @@ class AgentSettings:
                                 "(the gateway forgets a load it has not heard about for 5 s)")
         if self.prefetch_link_budget_ms < 0:
             raise SettingsError("--prefetch-link-budget-ms must be >= 0")
+        if self.prefetch_waste_share is not None and not 0 <= self.prefetch_waste_share <= 1:
+            raise SettingsError("--prefetch-waste-share must be between 0 and 1")
         if self.queue_size < 1 or self.workers < 1:
             raise SettingsError("--queue-size and --workers must be >= 1")
         return self
@@ -122,7 +130,8 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentSettings:
                                      description="GPU agent: adapter residency and prefetch API")
     for f in fields(AgentSettings):
         flag = "--" + f.name.replace("_", "-")
-        kind = {int: int, float: float, str: str}.get(type(f.default), Path if "Path" in str(f.type) else str)
+        kind = {int: int, float: float, str: str}.get(
+            type(f.default), Path if "Path" in str(f.type) else float if "float" in str(f.type) else str)
         parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
     ns = parser.parse_args(argv)
     return AgentSettings(**vars(ns)).validate()

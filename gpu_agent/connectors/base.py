@@ -63,11 +63,12 @@ class EngineConnector(abc.ABC):
     #: (gpu_agent.residency.admission); and since that loop is the engine's, a prefetch's
     #: fetch waits for ``prefetch_turn`` too (gpu_agent.residency.pipeline).
     loads_on_demand: bool = False
-    #: True when a load stops the engine's steps while it runs (vLLM and SGLang run it on
-    #: their scheduler loop between two steps): a speculative load that is not used then
-    #: costs whoever arrives meanwhile its load time, and the speculation budget charges
-    #: it so (``HintBet.waste_ms``). The builtin engine loads beside its forward loop.
-    loads_block_compute: bool = False
+    #: The share of a load's time the engine's compute loses to it: a speculative load
+    #: that is not used costs whoever arrives meanwhile that much, and the speculation
+    #: budget charges it so (``HintBet.waste_ms`` = share x the load's expected time).
+    #: 1.0 where a load stops the engine's steps (vLLM and SGLang run it on their
+    #: scheduler loop between two steps); the builtin engine's own (by its device).
+    load_compute_share: float = 0.0
 
     async def start(self) -> None:
         """Open clients / start the in-process engine."""

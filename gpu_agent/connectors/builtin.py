@@ -51,10 +51,24 @@ class StoreSource:
         return path, False  # the store verified the digest when the files entered
 
 
+#: The share of a load's time the builtin engine's forward passes lose to it when both run
+#: on the CPU: the load's fetch, digest, parse and copy are CPU work on the cores the
+#: forward uses, so all of it, as on vLLM (docs/agent.md, "The speculation budget"; shares
+#: 0, 0.5 and 1 side by side in docs/bench-history.md, 2026-12-03 "A wasted load's cost on
+#: the CPU"). On CUDA the copy runs on a side stream and the forward loses ~none.
+CPU_LOAD_COMPUTE_SHARE = 1.0
+
+
 class BuiltinConnector(EngineConnector):
     kind = "builtin"
     self_managed = True
     loads_on_demand = True
+
+    @property
+    def load_compute_share(self) -> float:  # type: ignore[override]
+        pool = getattr(self.engine, "pool", None)
+        device = getattr(getattr(pool, "device", None), "type", "cpu")
+        return CPU_LOAD_COMPUTE_SHARE if device == "cpu" else 0.0
 
     def __init__(self, store: ArtifactStore, engine_settings: Any = None, engine: Any = None,
                  http_host: str = "127.0.0.1", http_port: int | None = None):

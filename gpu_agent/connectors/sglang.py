@@ -29,7 +29,7 @@ __all__ = ["SGLangConnector"]
 
 class SGLangConnector(EngineConnector):
     kind = "sglang"
-    loads_block_compute = True
+    load_compute_share = 1.0
 
     def __init__(self, url: str, max_loaded_loras: int | None = None, timeout_s: float = 60.0,
                  api_key: str | None = None, client: httpx.AsyncClient | None = None,

@@ -34,11 +34,14 @@ class PrefetchAdmission:
     the loads in flight and their expected times)."""
 
     def __init__(self, pipeline: LoadPipeline, *, queue_size: int, link_budget_ms: float,
-                 metrics: AgentMetrics, publish: Callable[[str], None]):
+                 metrics: AgentMetrics, publish: Callable[[str], None], waste_share: float | None = None):
         self.pipeline = pipeline
         self.catalog, self.holdings, self.queue = pipeline.catalog, pipeline.holdings, pipeline.queue
         self._states: Mapping[str, AdapterState] = pipeline.states
         self.queue_size, self.link_budget_ms = queue_size, link_budget_ms
+        # the share of a wasted bet's load time charged against it (HintBet.waste_ms);
+        # None: the engine's (EngineConnector.load_compute_share)
+        self._waste_share = waste_share
         self.metrics = metrics
         self._publish = publish
 
@@ -113,6 +116,12 @@ class PrefetchAdmission:
         return tuple(out)
 
     # ---- the speculation budget's inputs -----------------------------------------------
+    @property
+    def waste_share(self) -> float:
+        if self._waste_share is not None:
+            return self._waste_share
+        return self.holdings.connector.load_compute_share
+
     def _link(self) -> LinkState:
         ahead = self.queue.queued | set(self.pipeline.inflight)
         load_ms = self.pipeline.load_ms
@@ -126,7 +135,7 @@ class PrefetchAdmission:
             return HintBet(None, 0.0)
         load_ms = self.pipeline.load_ms
         mine = load_ms(spec)
-        waste = mine if self.holdings.connector.loads_block_compute else 0.0
+        waste = mine * self.waste_share
         victim = self.holdings.likely_victim(spec, hints)
         if victim is None:
             return HintBet(probability, mine, waste_ms=waste)

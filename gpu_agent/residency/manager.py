@@ -75,7 +75,7 @@ class ResidencyManager:
                                      metrics=self.metrics, publish=self._publish, view=self.view)
         self.admission = PrefetchAdmission(self.pipeline, queue_size=budgets.queue_size,
                                            link_budget_ms=budgets.link_budget_ms, metrics=self.metrics,
-                                           publish=self._publish)
+                                           publish=self._publish, waste_share=budgets.waste_share)
         self.reconciler = Reconciler(states, connector, self.holdings, inflight, metrics=self.metrics,
                                      publish=self._publish, reload=self.admission.prefetch, clock=clock)
         self.operations = OperatorActions(catalog, states, store, connector, self.holdings, inflight,

@@ -48,9 +48,9 @@ class HintBet:
     stall_ms: float                        # what a request would wait for this adapter's load
     victim_reuse_probability: float = 0.0  # of the adapter this load would displace
     victim_reload_ms: float = 0.0          # 0 when the load needs no room
-    # the engine time a load takes from requests: where a load stops the engine's steps
-    # (vLLM, SGLang: ``EngineConnector.loads_block_compute``) its load time, which a
-    # wasted bet costs whoever arrives meanwhile; 0 where loads run beside the compute
+    # the engine time a load takes from requests, which a wasted bet costs whoever arrives
+    # meanwhile: the load's time x the engine's ``load_compute_share`` (vLLM, SGLang: all
+    # of it; the builtin engine on the CPU: the share its forward passes lose; on CUDA: 0)
     waste_ms: float = 0.0
 
 

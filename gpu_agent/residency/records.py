@@ -76,6 +76,9 @@ class ResidencyBudgets:
     reconcile_interval_s: float = 2.0
     load_interval_s: float = 0.5        # engine load measurements; 0: none (always unknown)
     link_budget_ms: float = DEFAULT_LINK_BUDGET_MS  # load work queued ahead of a hint with a probability
+    # the share of a bet's load time charged against it if unused (HintBet.waste_ms);
+    # None: the engine's (EngineConnector.load_compute_share)
+    waste_share: float | None = None
     # An adapter the engine loaded itself (found by reconcile) is nobody's victim for this
     # long: it was loaded for a request that may still be queued (the engine's busy gauge
     # lags), and unloading it then fails that request (docs/engine.md, "Unloading an adapter

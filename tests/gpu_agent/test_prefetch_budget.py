@@ -117,7 +117,7 @@ def test_the_agent_refuses_a_bet_that_does_not_pay_and_holds_off_while_a_request
 class BlockingConnector(FakeConnector):
     """An engine whose loads stop its steps (vLLM, SGLang)."""
 
-    loads_block_compute = True
+    load_compute_share = 1.0
 
 
 def test_on_an_engine_whose_loads_stop_its_steps_a_bet_pays_for_the_time_a_wasted_load_takes(tmp_path):
@@ -140,3 +140,40 @@ def test_on_an_engine_whose_loads_stop_its_steps_a_bet_pays_for_the_time_a_waste
             finally:
                 await mgr.close()
     asyncio.run(main())
+
+
+def test_a_set_waste_share_overrides_the_engines_and_the_builtin_engine_charges_by_its_device(tmp_path):
+    """``--prefetch-waste-share`` (ResidencyBudgets.waste_share) replaces the connector's
+    share: the 40% bet the free-running fake takes is refused when its wasted load is
+    charged in full. The builtin engine charges CPU_LOAD_COMPUTE_SHARE on the CPU (its loads
+    take the cores its forward passes use) and nothing on CUDA (a side stream)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gpu_agent.connectors.builtin import CPU_LOAD_COMPUTE_SHARE, BuiltinConnector
+    from gpu_agent.settings import SettingsError, parse_args
+
+    async def main():
+        for share, want in ((None, ResidencyOutcome.ACCEPTED), (1.0, ResidencyOutcome.REJECTED)):
+            where = tmp_path / f"share-{share}"
+            mgr = make_manager(make_catalog(where, ["a1"]), where / "cache", FakeConnector(capacity=3),
+                               waste_share=share)
+            await mgr.start()
+            try:
+                assert mgr.prefetch("a1", reason="predicted", probability=0.4).outcome is want
+            finally:
+                await mgr.close()
+    asyncio.run(main())
+
+    conn = BuiltinConnector(store=None)
+    for device, share in (("cpu", CPU_LOAD_COMPUTE_SHARE), ("cuda", 0.0)):
+        conn.engine = SimpleNamespace(pool=SimpleNamespace(device=torch.device(device)))
+        assert conn.load_compute_share == share, device
+    assert 0.0 < CPU_LOAD_COMPUTE_SHARE <= 1.0
+    (tmp_path / "c.yaml").write_text("adapters: []\n")
+    args = ["--catalog", str(tmp_path / "c.yaml"), "--auth", "none"]
+    assert parse_args(args).prefetch_waste_share is None
+    assert parse_args(args + ["--prefetch-waste-share", "0.25"]).prefetch_waste_share == 0.25
+    with pytest.raises(SettingsError, match="prefetch-waste-share"):
+        parse_args(args + ["--prefetch-waste-share", "1.5"])
