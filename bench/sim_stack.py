@@ -92,6 +92,14 @@ def calibration(report: dict, hosts: int, model: dict, sim: dict) -> list[dict]:
         pre = fleet["ace"].get("prefetch") or {}
         rows.append({"term": "ace: prefetches sent / used", "stack": [pre.get("sent"), pre.get("used")],
                      "sim": [sim["ace"].get("prefetches"), sim["ace"].get("prefetch_used")], "differs": True})
+        # the agents' speculation budget (gpu_agent.residency.prefetch_budget) refuses bets
+        # the simulator's hosts take: not worth their load, or a request's load in flight
+        outcomes = pre.get("agent_outcomes") or {}
+        refused = {k[len("rejected_"):]: v for k, v in sorted(outcomes.items())
+                   if k in ("rejected_not_worth", "rejected_demand_queued", "rejected_link_busy") and v}
+        if refused:
+            rows.append({"term": "ace: bets the agents refused (the simulator takes every bet)",
+                         "stack": refused, "sim": {}, "differs": True})
     return rows
 
 
