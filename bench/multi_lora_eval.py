@@ -476,7 +476,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
     t_run = time.monotonic()
     _, log_at = store_fetches(store_log)
     label = f"{hosts} hosts {arm}: "
-    with stack(run_dir, rcat, tenants, hosts, pool, pool_mb, arm, shlex.split(args.agent_args)) as st:
+    with stack(run_dir, rcat, tenants, hosts, pool, pool_mb, arm, args.agent_args) as st:
         log(f"{label}stack up in {time.monotonic() - t_run:.0f}s, replaying {len(requests)} requests")
 
         async def go():
@@ -651,7 +651,7 @@ def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top:
         "fleets": results, "checks": fleet_checks(results, args.scenario),
         "fleet_hosts": top, "pool_adapters": pool, "pool_mb": pool_mb, "pool_bytes": pool_mb << 20,
         "pool_bytes_needed": pool_needed, "adapters": len(names), "agent_cold_args": list(COLD_AGENT_ARGS),
-        "agent_extra_args": shlex.split(args.agent_args),
+        "agent_extra_args": args.agent_args,
         "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
         "arms": {arm: {"routing_policy": policy, "dynamic_lora_prefetch": "prod" if on else "off"}
                  for arm, (policy, on) in {**ARMS, **FRONT_ARMS}.items()},
@@ -709,7 +709,7 @@ def main(argv=None) -> int:
                     help="adapter slots of each host's pool (default: half of the trace's adapters; make bench SLOTS=)")
     ap.add_argument("--open-loop", action="store_true",
                     help="send every request at its own t (default: sessions closed-loop, think_s after each answer)")
-    ap.add_argument("--agent-args", default="",
+    ap.add_argument("--agent-args", type=shlex.split, default=[],
                     help="extra arguments for every agent, e.g. '--prefetch-waste-share 0.5' (make bench AGENT_ARGS=)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")
     return run(ap.parse_args(argv))

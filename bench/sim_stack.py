@@ -36,12 +36,15 @@ import sys
 from pathlib import Path
 
 from bench.trace import TraceError, load_trace
+from gpu_agent.residency.prefetch_budget import HintVerdict
 
 __all__ = ["TOLERANCE", "agreement", "calibration", "measured_model"]
 
 TOLERANCE = 0.03  # hit ratio: the simulator agrees with the stack within 3 points
 DEFAULT_LEAD_MS = 50.0
 ARMS = ("round_robin", "affinity", "ace")
+# the agents' speculation budget refuses these bets, which the simulator's hosts take
+REFUSED_BETS = tuple(v for v in HintVerdict if v not in (HintVerdict.ACCEPT, HintVerdict.INVALID))
 
 
 def agreement(stack: dict, sim: dict, tolerance: float = TOLERANCE) -> dict:
@@ -92,11 +95,8 @@ def calibration(report: dict, hosts: int, model: dict, sim: dict) -> list[dict]:
         pre = fleet["ace"].get("prefetch") or {}
         rows.append({"term": "ace: prefetches sent / used", "stack": [pre.get("sent"), pre.get("used")],
                      "sim": [sim["ace"].get("prefetches"), sim["ace"].get("prefetch_used")], "differs": True})
-        # the agents' speculation budget (gpu_agent.residency.prefetch_budget) refuses bets
-        # the simulator's hosts take: not worth their load, or a request's load in flight
         outcomes = pre.get("agent_outcomes") or {}
-        refused = {k[len("rejected_"):]: v for k, v in sorted(outcomes.items())
-                   if k in ("rejected_not_worth", "rejected_demand_queued", "rejected_link_busy") and v}
+        refused = {v.value: outcomes[f"rejected_{v.value}"] for v in REFUSED_BETS if outcomes.get(f"rejected_{v.value}")}
         if refused:
             rows.append({"term": "ace: bets the agents refused (the simulator takes every bet)",
                          "stack": refused, "sim": {}, "differs": True})

@@ -66,9 +66,9 @@ class AgentSettings:
     prefetch_waste_share: float | None = _f(None, "speculation budget: the share of a bet's load time charged "
                                                    "against it when it goes unused, as the time the engine's "
                                                    "compute loses to the load (0-1); default: the engine's "
-                                                   "(vLLM/SGLang 1: a load stops their steps; builtin: 0 on "
-                                                   "CUDA, where loads run on a side stream, "
-                                                   "CPU_LOAD_COMPUTE_SHARE on the CPU)")
+                                                   "(vLLM/SGLang 1: a load stops their steps; builtin: 1 on "
+                                                   "the CPU, where loads take the forward's cores, 0 on "
+                                                   "CUDA, where they run on a side stream)")
     reconcile_interval_s: float = _f(2.0, "how often the engine's adapter list is compared with ours")
     load_interval_s: float = _f(0.5, "how often the engine's load (running + waiting requests: vLLM/SGLang "
                                      "from GET /metrics, builtin from its batcher) is measured and sent on "

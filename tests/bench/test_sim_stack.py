@@ -54,6 +54,15 @@ def test_measured_model_takes_the_fleet_sizes_demand_loads():
     cal = {c["term"]: c for c in sim_stack.calibration(report, 1, dict(m, slots=6), {})}
     assert cal["pool slots per host"]["differs"] is True and cal["ace arm's start"]["differs"] is True
     assert cal["replay speed"]["differs"] is False
+    refused = "ace: bets the agents refused (the simulator takes every bet)"
+    assert refused not in cal  # no refusal counted: no such term
+    report["fleets"]["1"]["ace"]["prefetch"]["agent_outcomes"] = {
+        "accepted": 9, "rejected_not_worth": 4, "rejected_demand_queued": 2, "rejected_queue_full": 1,
+        "rejected_invalid_probability": 5}
+    sim = {"ace": {"prefetches": 9, "prefetch_used": 5, "requests_per_host": {"host-0": 800}}}
+    cal = {c["term"]: c for c in sim_stack.calibration(report, 1, dict(m, slots=6), sim)}
+    # the budget's refusals, not a full queue nor a malformed hint
+    assert cal[refused]["stack"] == {"demand_queued": 2, "not_worth": 4} and cal[refused]["differs"] is True
 
 
 def test_cli_merges_each_configuration_into_the_report(tmp_path):
