@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[tuple[str, str], list] = defaultdict(list)
     for line in path.with_name(path.stem + "_rows.jsonl").read_text().splitlines():
         r = json.loads(line)
-        rows[(str(r.pop("hosts")), r.pop("arm"))].append(r)
+        if r.pop("replay", 1) == 1:  # an entry's fields are its first replay's (--replays)
+            rows[(str(r.pop("hosts")), r.pop("arm"))].append(r)
     for n, arms in report["fleets"].items():
         for arm, entry in arms.items():
             entry["miss_causes"] = stack_miss_causes(ok_rows(rows[(n, arm)]), requests, report["pool_adapters"])

@@ -54,6 +54,17 @@ would have taught it, written with the gateway's ``PopularityFile``): its warm s
 start-up and its transition model from the first session on. The report's ``warm_from``
 says which (null or the file).
 
+**Replays** (``--replays N``, default 1): the machine's speed drifts during a run (a
+hot request's forward pass differed by up to 7% between two arms of one run on the
+shared 2-core machine), as much as the TTFT checks' 5% + 1 ms tolerance. With N > 1 the
+compared pair, ``affinity`` and ``ace``, replays the trace N times each, every time on a
+fresh cold stack, in a palindromic order (all arms, then the pair reversed, then in
+order again: ``affinity ace ... ace affinity``), so a drift that is linear in time
+weighs on both alike (``replay_order``). Each such entry then carries ``replays`` (each
+replay's headline) and ``pooled`` (TTFT and stall percentiles over every replay's rows,
+hit ratio, errors summed), and the checks compare ``pooled``; the other fields are the
+first replay's.
+
 The report (``bench.report``): ``fleets.{hosts}.{arm}`` (``fleet_entry``) with
 ``checks`` (``fleet_checks``); the top-level fields of the largest fleet with
 ``baseline`` = ``affinity`` and ``prefetch`` = ``ace`` when both ran; the TTFT plot of
@@ -76,13 +87,14 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
 import yaml
 
 from bench.bounds import fleet_bounds, miss_causes
+from bench import proc_cpu
 from bench.pacing import engine_seconds, pilot_compute_s, replay_speed
 from bench.report import build_report, fleet_checks, fleet_entry, format_fleets, format_report, percentiles, \
     ttft_breakdown
@@ -461,12 +473,12 @@ def ok_rows(rows: list[dict]) -> list[dict]:
 
 def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[str], store: tuple[int, Path],
             hosts: int, arm: str, pool: int, pool_mb: int, warm_file: Path | None, probe: bool,
-            speed: float | None) -> tuple[list, dict, float, dict | None]:
+            speed: float | None, replay_no: int = 1) -> tuple[list, dict, float, dict | None]:
     """One arm on one fleet: a fresh stack, the whole trace, then the counters. With
     ``speed`` None, a pilot on this stack chooses it first (``bench.pacing``); returns the
     rows, the entry, the speed and the calibration (None when given)."""
     store_port, store_log = store
-    run_dir = work / f"{hosts}-{arm}"
+    run_dir = work / (f"{hosts}-{arm}" if replay_no == 1 else f"{hosts}-{arm}-r{replay_no}")
     run_dir.mkdir()
     if warm_file is not None:
         shutil.copy(warm_file, run_dir / "gw.popularity.json")
@@ -475,7 +487,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
     remote_catalog(catalog, f"http://127.0.0.1:{store_port}", rcat, names)
     t_run = time.monotonic()
     _, log_at = store_fetches(store_log)
-    label = f"{hosts} hosts {arm}: "
+    label = f"{hosts} hosts {arm}{f' #{replay_no}' if replay_no > 1 else ''}: "
     with stack(run_dir, rcat, tenants, hosts, pool, pool_mb, arm, args.agent_args) as st:
         log(f"{label}stack up in {time.monotonic() - t_run:.0f}s, replaying {len(requests)} requests")
 
@@ -491,9 +503,11 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                     f"(busiest host predicted {calibration['predicted_busiest_busy']:.0%} busy)")
             async with httpx.AsyncClient(timeout=10) as client:
                 before = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
+                cpu_before = proc_cpu.snapshot()
                 t0 = time.monotonic()
                 rows = await replay(requests, st, run_speed, closed_loop=not args.open_loop, label=label)
                 elapsed = time.monotonic() - t0
+                cpu = proc_cpu.account(cpu_before, proc_cpu.snapshot())
                 after = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
             busy = {n: round((after[n][0] - before[n][0]) / elapsed, 4) for n in before}
             load_busy = {n: round((after[n][1] - before[n][1]) / elapsed, 4) for n in before}
@@ -507,12 +521,13 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
             if probe:
                 t = requests[0]
                 ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
-            return rows, dict(loads), by_host, preempted, outcomes, ov, ready, run_speed, calibration, busy, load_busy
+            return (rows, dict(loads), by_host, preempted, outcomes, ov, ready, run_speed, calibration, busy, load_busy,
+                    cpu)
 
         t_replay = time.monotonic()
         load_avg = os.getloadavg()[0]
         (rows, loads, loads_by_host, preempted, outcomes, overhead, ready, speed, calibration, busy,
-         load_busy) = asyncio.run(go())
+         load_busy, cpu) = asyncio.run(go())
         replay_s = time.monotonic() - t_replay
         fetches, _ = store_fetches(store_log, log_at)
     counters = speculation_counters(run_dir / "extproc.log") or {}  # the gateway has stopped
@@ -528,7 +543,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                "machine_load_avg_1m": [round(load_avg, 2), round(os.getloadavg()[0], 2)],
                "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
                "speculation": counters or None, "gateway_overhead_ms": overhead,
-               "speed": speed, "engine_busy": busy, "engine_load_busy": load_busy,
+               "speed": speed, "engine_busy": busy, "engine_load_busy": load_busy, "process_cpu_s": cpu,
                "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool),
                "miss_causes": stack_miss_causes(ok, requests, pool)})
     log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "
@@ -546,6 +561,41 @@ def stack_miss_causes(ok: list[dict], requests: list[dict], pool: int, stall_eps
     rows = [{**r, "hit": r["wait_ms"] <= stall_eps_ms,
              "late": r["wait_ms"] > stall_eps_ms and r.get("action") == "adapter_prefetched_applied"} for r in ok]
     return miss_causes(rows, pool, labels={r.get("id"): r.get("workflow", "") for r in requests})
+
+
+PAIR = ("affinity", "ace")  # the arms the checks compare: the ones --replays repeats
+
+
+def replay_order(hosts_list: Sequence[int], arms: Sequence[str], replays: int = 1) -> list[tuple[int, str, int]]:
+    """``(hosts, arm, replay)`` in the order they run: per fleet, every arm once, then
+    for each further replay the compared pair (``PAIR``, those of ``arms``) in reverse
+    order of the pass before, so each of the pair sits at the same mean position."""
+    out: list[tuple[int, str, int]] = []
+    for n in hosts_list:
+        out.extend((n, arm, 1) for arm in arms)
+        pair = [arm for arm in arms if arm in PAIR]
+        for k in range(2, replays + 1):
+            pair.reverse()
+            out.extend((n, arm, k) for arm in pair)
+    return out
+
+
+def pooled_entry(done: Sequence[Mapping]) -> dict:
+    """``replays`` (each replay's ``order``, hit ratio, errors, stall and TTFT percentiles)
+    and ``pooled`` (the percentiles over every replay's rows, the hit ratio over all of
+    them, errors summed) for one arm replayed ``len(done)`` times."""
+    ok = [r for d in done for r in ok_rows(d["rows"])]
+    entries = [d["entry"] for d in done]
+    total = sum(e["total"] for e in entries)
+    return {
+        "replays": [{"order": d["order"], "effective_hit_ratio": d["entry"]["effective_hit_ratio"],
+                     "errors": d["entry"]["errors"], "stall_ms": d["entry"]["stall_ms"],
+                     "ttft_ms": d["entry"]["ttft_ms"]} for d in done],
+        "pooled": {"replays": len(done), "requests": len(ok), "errors": sum(e["errors"] for e in entries),
+                   "effective_hit_ratio": sum(e["effective_hits"] for e in entries) / total if total else None,
+                   "stall_ms": percentiles(r["wait_ms"] for r in ok),
+                   "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None)},
+    }
 
 
 def parse_list(text: str, allowed: tuple, kind) -> list:
@@ -566,6 +616,8 @@ def run(args) -> int:
             raise ValueError("--hosts: at least 1 host")
         if args.slots is not None and args.slots < 1:
             raise ValueError("--slots: at least 1 slot")
+        if args.replays < 1:
+            raise ValueError("--replays: at least 1")
         if args.speed != "auto":
             try:
                 ok = float(args.speed) > 0
@@ -589,31 +641,40 @@ def run(args) -> int:
         cmd = [python(), "-m", "http.server", str(store_port), "--bind", "127.0.0.1", "--directory",
                str(catalog.parent)]
         store_log = work / "store.log"
-        runs = [(n, arm) for n in hosts_list for arm in arms]
+        runs = replay_order(hosts_list, arms, args.replays)
         log(f"fleet benchmark: {len(requests)} requests, hosts {hosts_list}, arms {arms}, pool {pool} of "
             f"{len(names)} adapters / {pool_mb} MiB per host, speed {args.speed}, ace learns "
             f"{'from ' + str(args.warm_from) if args.warm_from else 'online from a cold start'}")
         top = max(hosts_list)
         results: dict[str, dict[str, dict]] = {}
         all_rows: dict[tuple[int, str], list] = {}
+        replays: dict[tuple[int, str], list[dict]] = {}
         speeds: dict[int, float | None] = {n: None if args.speed == "auto" else float(args.speed) for n in hosts_list}
         calibrations: dict[str, dict] = {}
         with running(cmd, store_log) as store:
             wait_port(store_port, timeout=30, proc=store, log=store_log)
-            for i, (n, arm) in enumerate(runs, 1):
-                log(f"[{i}/{len(runs)}] {n} hosts, arm {arm} ({time.monotonic() - t_all:.0f}s so far)")
+            for i, (n, arm, k) in enumerate(runs, 1):
+                log(f"[{i}/{len(runs)}] {n} hosts, arm {arm}{f' (replay {k})' if k > 1 else ''} "
+                    f"({time.monotonic() - t_all:.0f}s so far)")
                 warm_file = None
                 if warm_requests is not None and {**ARMS, **FRONT_ARMS}[arm][1]:
                     warm_file = learned_state(warm_requests, [f"engine-{k}" for k in range(1, n + 1)], pool,
                                               work / f"learned-{n}.popularity.json")
                 rows, entry, speeds[n], cal = run_arm(args, requests, work, catalog, names, (store_port, store_log),
                                                       n, arm, pool, pool_mb, warm_file,
-                                                      probe=(n == top and arm == "ace"), speed=speeds[n])
+                                                      probe=(n == top and arm == "ace" and k == 1), speed=speeds[n],
+                                                      replay_no=k)
                 if cal is not None:
                     calibrations[str(n)] = cal
-                results.setdefault(str(n), {})[arm] = entry
-                all_rows[(n, arm)] = rows
+                replays.setdefault((n, arm), []).append({"order": i, "rows": rows, "entry": entry})
+                if k == 1:
+                    results.setdefault(str(n), {})[arm] = entry
+                all_rows.setdefault((n, arm), []).extend(dict(r, replay=k) for r in rows)
+        for (n, arm), done in replays.items():
+            if len(done) > 1:
+                results[str(n)][arm].update(pooled_entry(done))
         report = fleet_report(args, requests, results, all_rows, top, catalog, names, pool, pool_needed, pool_mb)
+        report["replay_order"] = [f"{n}:{arm}#{k}" for n, arm, k in runs]
         report["speed_by_hosts"] = {str(n): speeds[n] for n in hosts_list}
         report["speed_calibration"] = calibrations
         report["wall_s"] = round(time.monotonic() - t_all, 1)
@@ -653,6 +714,7 @@ def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top:
         "pool_bytes_needed": pool_needed, "adapters": len(names), "agent_cold_args": list(COLD_AGENT_ARGS),
         "agent_extra_args": args.agent_args,
         "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
+        "replays": args.replays,
         "arms": {arm: {"routing_policy": policy, "dynamic_lora_prefetch": "prod" if on else "off"}
                  for arm, (policy, on) in {**ARMS, **FRONT_ARMS}.items()},
         "adapter_sizes": {a["name"]: a["size_bytes"] for a in adapters},
@@ -660,7 +722,8 @@ def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top:
     arms = results.get(str(top), {})
     if "affinity" not in arms or "ace" not in arms:
         return common
-    base_rows, pre_rows = ok_rows(all_rows[(top, "affinity")]), ok_rows(all_rows[(top, "ace")])
+    base_rows, pre_rows = (ok_rows([r for r in all_rows[(top, arm)] if r.get("replay", 1) == 1])
+                           for arm in ("affinity", "ace"))
     cold = [r["wait_ms"] for r in base_rows if r["tier"] in ("remote", "disk")]
     warm = [r["wait_ms"] for r in base_rows + pre_rows if r["tier"] == "host"]
     warm_source = "host->pool swaps"
@@ -711,6 +774,9 @@ def main(argv=None) -> int:
                     help="send every request at its own t (default: sessions closed-loop, think_s after each answer)")
     ap.add_argument("--agent-args", type=shlex.split, default=[],
                     help="extra arguments for every agent, e.g. '--prefetch-waste-share 0.5' (make bench AGENT_ARGS=)")
+    ap.add_argument("--replays", type=int, default=1,
+                    help="replays of the trace for affinity and ace each, in palindromic order; the checks compare "
+                         "their pooled percentiles (default 1; make bench REPLAYS=)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")
     return run(ap.parse_args(argv))
 

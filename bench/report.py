@@ -346,15 +346,33 @@ def sixteen_targets(ace: Mapping, aff: Mapping) -> dict:
     return out
 
 
+def compared(entry: Mapping) -> Mapping:
+    """What the checks compare of one arm: the entry, with its stall and TTFT percentiles
+    over every replay's rows and its errors summed over them (``pooled``) in place of the
+    first replay's when it was replayed more than once (``bench.multi_lora_eval
+    --replays``: the machine's drift is what pooling cancels). Hit counts and bounds stay
+    the first replay's: they do not depend on the machine's speed."""
+    pooled = entry.get("pooled")
+    if not pooled:
+        return entry
+    return {**entry, "replays_pooled": pooled["replays"], "errors": pooled["errors"],
+            "stall_ms": pooled["stall_ms"], "ttft_ms": pooled["ttft_ms"]}
+
+
 def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "800") -> dict:
     """What the report can check about itself: per fleet, ``ace`` against ``affinity`` at
     every stall and TTFT percentile, errors per arm; for 4 hosts, the scenario's targets
-    (``TARGETS`` for the 800 trace, ``hundreds_targets``)."""
+    (``TARGETS`` for the 800 trace, ``hundreds_targets``). Each arm as ``compared`` gives
+    it (pooled over replays where it has them; ``compared`` says which)."""
     out: dict = {}
-    for n, arms in fleets.items():
+    for n, entries in fleets.items():
+        arms = {arm: compared(e) for arm, e in entries.items()}
         c: dict = {"errors": {arm: e["errors"] for arm, e in arms.items()},
                    "no_errors": all(e["errors"] == 0 for e in arms.values())}
         ace, aff = arms.get("ace"), arms.get("affinity")
+        if ace and aff:
+            c["compared"] = (f"pooled over {aff['replays_pooled']} replays each, palindromic order"
+                             if aff.get("replays_pooled") and ace.get("replays_pooled") else "one replay each")
         if ace and aff:
             c["ace_no_worse_than_affinity"] = {
                 metric: {q: _no_worse(ace[metric][q], aff[metric][q]) for q in aff[metric]}

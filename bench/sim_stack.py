@@ -167,7 +167,8 @@ def main(argv=None) -> int:
         requests = load_trace(args.trace)
         report = json.loads(report_path.read_text())
         rows_path = report_path.with_name(report_path.stem + "_rows.jsonl")
-        rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+        rows = [r for r in (json.loads(line) for line in rows_path.read_text().splitlines() if line.strip())
+                if r.get("replay", 1) == 1]  # the report's entries are each arm's first replay
     except (TraceError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

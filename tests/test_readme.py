@@ -114,6 +114,18 @@ def test_hundreds_section_renders_targets_breakdown_bounds_and_plot():
     assert "| 4 | ace | 42% | 91.00% | 80.00% | 90.00% | 1.0 / 9.0 |" in text
     assert "50.0: 40.0 / 0.0 / 5.0 / 30.0 / 5.0 |" in text
     assert "(reports/hundreds_eval.png)" in text
+    assert "Replayed" not in text  # one replay each: no pooled table
+    # replayed twice: each replay's TTFT and the pooled percentiles the checks compare
+    pooled = {"replays": 2, "requests": 200, "errors": 0, "effective_hit_ratio": 0.9,
+              "stall_ms": {"p50": 0.0, "p99": 9.0}, "ttft_ms": {"p50": 10.0, "p90": 11.0, "p95": 12.0, "p99": 13.0}}
+    for arm, order in (("affinity", (1, 4)), ("ace", (2, 3))):
+        fleets["4"][arm].update(pooled=pooled, replays=[{"order": k, "ttft_ms": {"p50": 10.0, "p99": 12.5 + k}}
+                                                        for k in order])
+    r.update(replays=2, replay_order=["4:affinity#1", "4:ace#1", "4:ace#2", "4:affinity#2"],
+             checks=fleet_checks(fleets, "hundreds"))
+    text = "\n".join(hundreds(r))
+    assert "in the order `4:affinity#1 4:ace#1 4:ace#2 4:affinity#2`" in text
+    assert "| 4 | ace | 2 / 3 | 0 | 0.0 | 9.0 | 10.0 | 11.0 | 12.0 | 13.0 | 10.0, 14.5 / 10.0, 15.5 |" in text
 
 
 def test_sim_vs_stack_section_names_the_terms_that_differ():

@@ -171,7 +171,37 @@ def fleet(r: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
+        *pooled_table(r),
         *checks,
+    ]
+
+
+def pooled_table(r: dict) -> list[str]:
+    """The arms replayed more than once (``--replays``): each replay's TTFT and the pooled
+    percentiles the checks compare; nothing when no arm was."""
+    rows = []
+    for n, arms in r["fleets"].items():
+        for arm, e in arms.items():
+            p = e.get("pooled")
+            if not p:
+                continue
+            rows.append(f"| {n} | {arm} | {' / '.join(str(x['order']) for x in e['replays'])} | {p['errors']} | "
+                        + " | ".join(_ms(p["stall_ms"][f"p{q}"]) for q in (50, 99)) + " | "
+                        + " | ".join(_ms(p["ttft_ms"][f"p{q}"]) for q in (50, 90, 95, 99)) + " | "
+                        + " / ".join(f"{_ms(x['ttft_ms']['p50'])}, {_ms(x['ttft_ms']['p99'])}" for x in e["replays"])
+                        + " |")
+    if not rows:
+        return []
+    return [
+        f"Replayed {r['replays']} times each on fresh cold stacks, in the order `{' '.join(r['replay_order'])}` "
+        "(palindromic, so a drift of the machine's speed weighs on both alike); the checks below compare the "
+        "pooled rows of every replay (the table above is each arm's first replay).",
+        "",
+        "| hosts | arm | run positions | errors | stall p50 ms | stall p99 ms | TTFT p50 ms | TTFT p90 ms "
+        "| TTFT p95 ms | TTFT p99 ms | each replay: TTFT p50, p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
     ]
 
 

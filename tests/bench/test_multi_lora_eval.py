@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from bench.multi_lora_eval import remote_catalog, state_yaml
+from bench.report import percentiles
 
 
 def test_remote_catalog_points_every_adapter_at_the_store(tmp_path):
@@ -179,7 +180,8 @@ def test_hosts_and_arms_are_validated():
 
 @pytest.mark.slow
 def test_small_fleet_run_writes_the_report(tmp_path):
-    """2 engine hosts behind Envoy + ext_proc, 40 requests, all three arms, ace cold."""
+    """2 engine hosts behind Envoy + ext_proc, 40 requests, all three arms, ace cold;
+    affinity and ace replayed twice (``--replays 2``), their checks on the pooled rows."""
     import json
     from pathlib import Path
 
@@ -188,7 +190,7 @@ def test_small_fleet_run_writes_the_report(tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps(json.loads((root / "data/multi_lora_eval/multi_lora_eval_800.json").read_text())[:40]))
     out = tmp_path / "r.json"
-    assert main(["--trace", str(trace), "--hosts", "2", "--speed", "20", "--out", str(out),
+    assert main(["--trace", str(trace), "--hosts", "2", "--speed", "20", "--out", str(out), "--replays", "2",
                  "--fixtures", str(root / ".fixtures")]) == 0
     report = json.loads(out.read_text())
     assert report["warm_from"] is None and set(report["fleets"]) == {"2"}
@@ -219,13 +221,64 @@ def test_small_fleet_run_writes_the_report(tmp_path):
     assert report["checks"]["2"]["no_errors"] is True
     assert report["speed_by_hosts"] == {"2": 20.0} and "below_saturation" in report["checks"]["2"]
     assert out.with_suffix(".png").exists()
+    # the pair replayed twice, palindromic; round robin once
+    assert report["replays"] == 2 and report["replay_order"] == [
+        "2:round_robin#1", "2:affinity#1", "2:ace#1", "2:ace#2", "2:affinity#2"]
+    assert "pooled" not in arms["round_robin"]
+    rows = [json.loads(line) for line in out.with_name("r_rows.jsonl").read_text().splitlines()]
+    for name in ("affinity", "ace"):
+        pooled, replays = arms[name]["pooled"], arms[name]["replays"]
+        assert [r["order"] for r in replays] == ([2, 5] if name == "affinity" else [3, 4])
+        assert pooled["replays"] == 2 and pooled["requests"] == 80 and pooled["errors"] == 0
+        mine = [r for r in rows if r["arm"] == name]
+        assert sorted(r["replay"] for r in mine) == [1] * 40 + [2] * 40
+        assert pooled["ttft_ms"]["p99"] == pytest.approx(percentiles([r["ttft_ms"] for r in mine])["p99"])
+        assert replays[0]["ttft_ms"] == arms[name]["ttft_ms"]  # the entry's own fields: replay 1
+    assert report["checks"]["2"]["compared"] == "pooled over 2 replays each, palindromic order"
 
 
-def test_bad_speed_and_slots_are_refused():
+def test_bad_speed_slots_and_replays_are_refused():
     from bench.multi_lora_eval import main
     assert main(["--speed", "fast", "--out", "/nonexistent/r.json"]) == 2
     assert main(["--speed", "-1", "--out", "/nonexistent/r.json"]) == 2
     assert main(["--slots", "0", "--out", "/nonexistent/r.json"]) == 2
+    assert main(["--replays", "0", "--out", "/nonexistent/r.json"]) == 2
+
+
+def test_replay_order_repeats_the_compared_pair_palindromically():
+    from bench.multi_lora_eval import replay_order
+    assert replay_order([4], ["round_robin", "affinity", "ace"]) == [
+        (4, "round_robin", 1), (4, "affinity", 1), (4, "ace", 1)]
+    order = replay_order([1, 4], ["affinity", "vllm_router", "ace"], 3)
+    assert order[:6] == [(1, "affinity", 1), (1, "vllm_router", 1), (1, "ace", 1),
+                         (1, "ace", 2), (1, "affinity", 2), (1, "affinity", 3)]
+    four = [(arm, k) for n, arm, k in order if n == 4]
+    assert four == [("affinity", 1), ("vllm_router", 1), ("ace", 1), ("ace", 2), ("affinity", 2),
+                    ("affinity", 3), ("ace", 3)]
+    # two replays: each of the pair at the same mean position, so a linear drift weighs on both alike
+    two = [arm for _, arm, _ in replay_order([4], ["round_robin", "vllm_router", "affinity", "ace"], 2)]
+    mean = {a: sum(i for i, x in enumerate(two) if x == a) / two.count(a) for a in ("affinity", "ace")}
+    assert mean["affinity"] == mean["ace"]
+    assert replay_order([2], ["round_robin"], 3) == [(2, "round_robin", 1)]
+
+
+def test_pooled_entry_percentiles_over_every_replay():
+    from bench.multi_lora_eval import pooled_entry
+
+    def rows(ttfts, wait=0.0):
+        return [{"status": 200, "wait_ms": wait, "ttft_ms": t} for t in ttfts]
+    done = [{"order": 2, "rows": rows([10.0] * 9 + [100.0]) + [{"id": "x", "error": "boom"}],
+             "entry": {"total": 11, "effective_hits": 10, "effective_hit_ratio": 10 / 11, "errors": 1,
+                       "stall_ms": {"p50": 0.0}, "ttft_ms": {"p50": 10.0}}},
+            {"order": 5, "rows": rows([20.0] * 10, wait=5.0),
+             "entry": {"total": 10, "effective_hits": 0, "effective_hit_ratio": 0.0, "errors": 0,
+                       "stall_ms": {"p50": 5.0}, "ttft_ms": {"p50": 20.0}}}]
+    out = pooled_entry(done)
+    assert [r["order"] for r in out["replays"]] == [2, 5] and out["replays"][1]["ttft_ms"] == {"p50": 20.0}
+    pooled = out["pooled"]
+    assert (pooled["replays"], pooled["requests"], pooled["errors"]) == (2, 20, 1)
+    assert pooled["effective_hit_ratio"] == pytest.approx(10 / 21)
+    assert pooled["ttft_ms"]["p50"] == pytest.approx(20.0) and pooled["ttft_ms"]["p99"] > 20 and pooled["stall_ms"]["p50"] == pytest.approx(2.5)
 
 
 def test_pool_size_takes_the_slots_knob():

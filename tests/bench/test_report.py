@@ -136,6 +136,23 @@ def test_fleet_checks_ace_against_affinity_within_noise_and_targets():
     assert not c["no_errors"] and "targets" not in c
 
 
+def test_fleet_checks_compare_pooled_replays_where_an_arm_has_them():
+    from bench.report import compared, fleet_checks
+    aff = arm([0] * 100, [10] * 100)
+    ace = arm([0] * 100, [14] * 100)  # its first replay is worse than 1.05x + 1 ms ...
+    assert fleet_checks({"2": {"affinity": aff, "ace": ace}})["2"]["ace_no_worse_everywhere"] is False
+    pooled = {"replays": 2, "requests": 200, "errors": 1, "effective_hit_ratio": 1.0,
+              "stall_ms": aff["stall_ms"], "ttft_ms": dict(aff["ttft_ms"])}
+    ace_pooled = {**ace, "pooled": pooled}  # ... the pooled replays are not
+    aff_pooled = {**aff, "pooled": {**pooled, "errors": 0}}
+    c = fleet_checks({"4": {"affinity": aff_pooled, "ace": ace_pooled}}, scenario="hundreds")["4"]
+    assert c["compared"] == "pooled over 2 replays each, palindromic order"
+    assert c["ace_no_worse_everywhere"] and c["targets"]["ttft_no_worse"]["met"]
+    assert c["errors"] == {"affinity": 0, "ace": 1} and not c["targets"]["no_errors"]["met"]
+    assert compared(ace)["ttft_ms"] == ace["ttft_ms"] and compared(ace_pooled)["ttft_ms"] == aff["ttft_ms"]
+    assert fleet_checks({"2": {"affinity": aff_pooled, "ace": ace}})["2"]["compared"] == "one replay each"
+
+
 def test_format_fleets_shows_every_arm():
     from bench.report import format_fleets
     text = format_fleets({"1": {"affinity": arm([0, 5], [1, 2]), "ace": arm([0, 0], [1, 1])}}, "prev.json")
