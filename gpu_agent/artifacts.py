@@ -158,6 +158,8 @@ class DiskCache:
         return self.budget_bytes == 0
 
     def path(self, digest: str) -> Path | None:
+        """The entry's directory, for a use of its files: it becomes the most recently
+        used. A question that reads nothing asks ``digest in cache`` instead."""
         if digest in self._lru:
             self._lru.move_to_end(digest)
             return self.root / digest
@@ -283,8 +285,17 @@ class ArtifactStore:
         """Fetches (downloads or local verifications) under way now."""
         return len(self._inflight)
 
+    def has_local(self, spec: Adapter) -> bool:
+        """Whether a verified local copy of ``spec`` is on disk now: a question only (the
+        disk cache's LRU order is not touched; ``local_path`` is for using the files)."""
+        if spec.is_remote:
+            return spec.sha256 in self.cache
+        return spec.sha256 in self._verified_local
+
     def local_path(self, spec: Adapter) -> Path | None:
-        """The verified local directory if the adapter is on disk now (no I/O beyond stat)."""
+        """The verified local directory if the adapter is on disk now (no I/O beyond stat),
+        to read its files: a cache entry becomes the most recently used (``has_local``
+        asks without that)."""
         if spec.is_remote:
             return self.cache.path(spec.sha256)
         if spec.sha256 in self._verified_local:

@@ -37,7 +37,7 @@ class StoreSource:
         spec = self.store.catalog.get(entry.name)
         if spec is None:  # registered at run time from a local directory
             return "remote" if entry.is_remote else "disk"
-        return "remote" if spec.is_remote and self.store.local_path(spec) is None else "disk"
+        return "remote" if spec.is_remote and not self.store.has_local(spec) else "disk"
 
     def fetches_in_flight(self) -> int:
         """Fetches under way in the store (the engine's and the agent's prefetches')."""
@@ -175,8 +175,10 @@ class BuiltinConnector(EngineConnector):
         return pool.pages_for(adapter) > pool.stats()["pages_free"]
 
     async def loaded(self) -> set[str]:
+        """The adapters in the engine's pool (the reconcile asks every interval: the pool's
+        own list, not a walk of the whole catalog)."""
         res = self.engine.adapters
-        return {n for n in res.names() if res.tier(n) == "device"}
+        return {n for n in self.engine.pool.resident() if res.knows(n)}
 
     async def busy(self) -> set[str]:
         """Held, claimed (a request the engine accepted is about to use it), loading, or

@@ -124,7 +124,7 @@ class ResidencyManager:
             tier = Tier.DEVICE
         elif name in self.holdings.host or self.connector.in_host(name):
             tier = Tier.HOST
-        elif self.store.local_path(spec) is not None or not spec.is_remote:
+        elif self.store.has_local(spec) or not spec.is_remote:
             tier = Tier.DISK
         else:
             tier = Tier.REMOTE

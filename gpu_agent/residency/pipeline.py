@@ -72,7 +72,7 @@ class LoadPipeline:
     def fetch_ahead(self, spec: Adapter) -> bool:
         """Start fetching ``spec``'s files now, for a request the engine will load it for
         itself (the engine's own load joins this fetch in the store); True when started."""
-        if self.store.local_path(spec) is not None or spec.name in self.inflight:
+        if self.store.has_local(spec) or spec.name in self.inflight:
             return False
 
         async def fetch() -> None:
@@ -171,7 +171,7 @@ class LoadPipeline:
         try:
             if room_only:
                 self._give_up_without_room(spec)  # before its files are fetched, too
-            was_local = self.store.local_path(spec) is not None
+            was_local = self.store.has_local(spec)
             # the download and its hashing run on this event loop: with an engine in this
             # process (builtin), a prefetch's waits for its requests and compute first
             if (by not in ("request", "pin") and not was_local and self.connector.loads_on_demand

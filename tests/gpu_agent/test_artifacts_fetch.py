@@ -130,3 +130,31 @@ def test_a_refused_connection_and_a_silent_store_are_fetch_errors(tmp_path):
             finally:
                 never.set()
     asyncio.run(scenario())
+
+
+def test_asking_whether_files_are_on_disk_leaves_the_lru_order_alone(tmp_path):
+    """The reconcile, a residency view and the engine's tier ask about every adapter often;
+    asking is not using: the disk cache still evicts the least recently *fetched or read*
+    copy (before, every question moved the asked copy to the end of the LRU)."""
+    from gpu_agent.connectors.builtin import StoreSource
+
+    async def scenario():
+        catalog_root = tmp_path / "src"
+        make_catalog(catalog_root, ["a", "b", "c"])
+        async with static_server(catalog_root / "adapters") as (url, _):
+            store, catalog = _store(tmp_path, url, names=("a", "b", "c"))
+            a, b, c = (catalog.get(n) for n in "abc")
+            store.cache.budget_bytes = a.size_bytes + b.size_bytes  # room for two
+            try:
+                for spec in (a, b):  # a is the older
+                    await store.ensure_local(spec, set())
+                assert store.has_local(a) and store.has_local(b) and not store.has_local(c)
+                assert StoreSource(store).tier(a) == "disk" and StoreSource(store).tier(c) == "remote"
+                await store.ensure_local(c, set())  # room for c: the least recently used goes
+                assert not store.has_local(a) and store.has_local(b) and store.has_local(c)
+                assert store.local_path(b) is not None  # reading b's files is a use ...
+                await store.ensure_local(a, set())  # ... so c goes now
+                assert store.has_local(b) and not store.has_local(c)
+            finally:
+                await store.aclose()
+    asyncio.run(scenario())
