@@ -112,11 +112,22 @@ def test_accounting_per_host(fleet):
     hits = {n: 0 for n in hosts}
     by_agent = {n: 0 for n in hosts}   # unregistered when sent, loaded by its agent meanwhile
     errors, prefetched = [], 0
+    unregistered: list[tuple[str, str, int]] = []  # (host, vLLM's log mark, its count when sent)
+
+    def count_agent_loads() -> None:
+        """Once the fleet settled after such a request (its agent's load, if any, has
+        returned, so vLLM has logged it: read right after the response, the line could
+        still be on its way), whether its agent loaded it meanwhile."""
+        while unregistered:
+            host, mark, count = unregistered.pop()
+            by_agent[host] += log_lines(hosts[host], mark) > count
+
     with httpx.Client(timeout=120) as client:
         for s in range(SESSIONS):
             for step, adapter in enumerate(WORKFLOWS[s % len(WORKFLOWS)]):
                 registry = wait_until(lambda: settled(fleet["hosts"]), timeout=60, interval=0.2,
                                       what="fleet settled")
+                count_agent_loads()
                 own = f"Loaded new LoRA adapter: name '{adapter}'"
                 before_own = {n: log_lines(h, own) for n, h in hosts.items()}
                 r = client.post(fleet["gateway"] + "/v1/chat/completions", headers={
@@ -132,10 +143,11 @@ def test_accounting_per_host(fleet):
                 hits[host] += adapter in registry[host]
                 # the gateway's ingress signal made the agent load it, and the agent's load
                 # reached vLLM before the request did (the request waited for it: cold)
-                by_agent[host] += (adapter not in registry[host]
-                                   and log_lines(hosts[host], own) > before_own[host])
+                if adapter not in registry[host]:
+                    unregistered.append((host, own, before_own[host]))
                 prefetched += trace["action"] == "adapter_prefetched_applied"
     wait_until(lambda: settled(fleet["hosts"]), timeout=60, interval=0.2, what="fleet settled")
+    count_agent_loads()
     cold = {n: log_lines(h, "Resolved and loaded LoRA adapter") for n, h in hosts.items()}
     agent_loads = {n: log_lines(h, "Loaded new LoRA adapter") for n, h in hosts.items()}
     accepted = {n: metric(h, 'ace_agent_prefetch_total{outcome="accepted"}') for n, h in hosts.items()}
