@@ -569,7 +569,8 @@ PAIR = ("affinity", "ace")  # the arms the checks compare: the ones --replays re
 def replay_order(hosts_list: Sequence[int], arms: Sequence[str], replays: int = 1) -> list[tuple[int, str, int]]:
     """``(hosts, arm, replay)`` in the order they run: per fleet, every arm once, then
     for each further replay the compared pair (``PAIR``, those of ``arms``) in reverse
-    order of the pass before, so each of the pair sits at the same mean position."""
+    order of the pass before: with an even number of replays each of the pair sits at
+    the same mean position in the run."""
     out: list[tuple[int, str, int]] = []
     for n in hosts_list:
         out.extend((n, arm, 1) for arm in arms)
