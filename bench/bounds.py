@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from bench.multi_lora_eval import ok_rows, stack_miss_causes
+    from bench.report import first_replay_rows
     from bench.trace import load_trace
 
     ap = argparse.ArgumentParser(prog="python -m bench.bounds", description=main.__doc__.split(";")[0])
@@ -198,10 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(path.read_text())
     requests = load_trace(report["trace"])
     rows: dict[tuple[str, str], list] = defaultdict(list)
-    for line in path.with_name(path.stem + "_rows.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r.pop("replay", 1) == 1:  # an entry's fields are its first replay's (--replays)
-            rows[(str(r.pop("hosts")), r.pop("arm"))].append(r)
+    for r in first_replay_rows(path):
+        rows[(str(r.pop("hosts")), r.pop("arm"))].append(r)
     for n, arms in report["fleets"].items():
         for arm, entry in arms.items():
             entry["miss_causes"] = stack_miss_causes(ok_rows(rows[(n, arm)]), requests, report["pool_adapters"])

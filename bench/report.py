@@ -34,7 +34,9 @@ percentile beyond noise (``<= NOISE_FACTOR x + NOISE_MS``), no errors in any arm
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "by_step",
     "fleet_checks",
     "fleet_entry",
+    "first_replay_rows",
     "format_fleets",
     "format_report",
     "hit_counts",
@@ -346,6 +349,15 @@ def sixteen_targets(ace: Mapping, aff: Mapping) -> dict:
     return out
 
 
+def first_replay_rows(report_path: Path) -> list[dict]:
+    """The per-request rows written beside a ``bench.multi_lora_eval`` report
+    (``<report>_rows.jsonl``) of each arm's first replay: the rows its entries' counts,
+    bounds and miss causes come from (``--replays`` adds more, marked ``replay``)."""
+    path = report_path.with_name(report_path.stem + "_rows.jsonl")
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return [r for r in rows if r.get("replay", 1) == 1]
+
+
 def compared(entry: Mapping) -> Mapping:
     """What the checks compare of one arm: the entry, with its stall and TTFT percentiles
     over every replay's rows and its errors summed over them (``pooled``) in place of the
@@ -355,8 +367,7 @@ def compared(entry: Mapping) -> Mapping:
     pooled = entry.get("pooled")
     if not pooled:
         return entry
-    return {**entry, "replays_pooled": pooled["replays"], "errors": pooled["errors"],
-            "stall_ms": pooled["stall_ms"], "ttft_ms": pooled["ttft_ms"]}
+    return {**entry, "errors": pooled["errors"], "stall_ms": pooled["stall_ms"], "ttft_ms": pooled["ttft_ms"]}
 
 
 def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "800") -> dict:
@@ -371,9 +382,9 @@ def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "8
                    "no_errors": all(e["errors"] == 0 for e in arms.values())}
         ace, aff = arms.get("ace"), arms.get("affinity")
         if ace and aff:
-            c["compared"] = (f"pooled over {aff['replays_pooled']} replays each, palindromic order"
-                             if aff.get("replays_pooled") and ace.get("replays_pooled") else "one replay each")
-        if ace and aff:
+            pooled = entries["ace"].get("pooled") and entries["affinity"].get("pooled")
+            c["compared"] = f"pooled over {pooled['replays']} replays each, palindromic order" if pooled \
+                else "one replay each"
             c["ace_no_worse_than_affinity"] = {
                 metric: {q: _no_worse(ace[metric][q], aff[metric][q]) for q in aff[metric]}
                 for metric in ("stall_ms", "ttft_ms")}

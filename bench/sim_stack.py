@@ -35,6 +35,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.report import first_replay_rows
 from bench.trace import TraceError, load_trace
 from gpu_agent.residency.prefetch_budget import HintVerdict
 
@@ -166,9 +167,7 @@ def main(argv=None) -> int:
     try:
         requests = load_trace(args.trace)
         report = json.loads(report_path.read_text())
-        rows_path = report_path.with_name(report_path.stem + "_rows.jsonl")
-        rows = [r for r in (json.loads(line) for line in rows_path.read_text().splitlines() if line.strip())
-                if r.get("replay", 1) == 1]  # the report's entries are each arm's first replay
+        rows = first_replay_rows(report_path)
     except (TraceError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -190,3 +190,11 @@ def test_sixteen_targets():
     assert t["effective_hit_ratio"]["ceiling"] == 0.9867
     worse = sixteen_targets({**ace, "ttft_ms": {**pct, "p99": 40.0}}, aff)
     assert not worse["ttft_ms_no_worse"]["met"]
+
+
+def test_first_replay_rows_are_the_rows_the_entries_come_from(tmp_path):
+    import json
+    from bench.report import first_replay_rows
+    rows = [{"arm": "ace", "id": "a"}, {"arm": "ace", "id": "b", "replay": 1}, {"arm": "ace", "id": "c", "replay": 2}]
+    (tmp_path / "r_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    assert [r["id"] for r in first_replay_rows(tmp_path / "r.json")] == ["a", "b"]
