@@ -298,6 +298,21 @@ def test_the_thread_runs_and_stops(snapshot):
     assert any(s.adapter == "acme-legal" for s in sink.signals)
 
 
+def test_an_idle_thread_sleeps_until_a_request_wakes_it(snapshot):
+    """No polling while idle: with hour-long poll and idle waits, a request is still
+    handled at once (observe wakes the thread), and close() does not wait out the hour
+    (the thread then batches for poll_s: close interrupts that too)."""
+    gs = GatewaySpeculation(FakeStore(snapshot), ResidencyBoard(), Sink(),
+                            SpeculationPlanner(initial_slots=2), poll_s=3600.0, idle_wait_s=3600.0).start()
+    try:
+        wait_until(lambda: gs._idle, what="the thread waiting for work")
+        gs.observe(decision(snapshot, "code-python", PROD), "acme", "s1")
+        wait_until(lambda: gs.counters()["observed"] == 1, what="the request handled")
+    finally:
+        gs.close(timeout=30.0)
+    assert not gs._thread.is_alive()
+
+
 # -- processor wiring: the session reaches the observer
 
 class Recorder:
