@@ -268,6 +268,49 @@ def prefetch_outcomes(metrics_texts: list[str]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def gc_pauses(metrics_texts: list[str], name: str = "ace_agent_gc_pause_seconds",
+              slow_s: float = 0.01) -> dict[str, dict[str, float]]:
+    """Garbage collections so far, from /metrics texts (``name{generation}``: the agents'
+    ``ace_agent_gc_pause_seconds``, the gateway's ``ace_gateway_gc_pause_seconds``), summed
+    over the texts, per generation: ``n``, ``sum_ms`` and ``slow`` (longer than ``slow_s``,
+    read from the histogram's bucket at that bound). Subtract two reads (``gc_pause_delta``)
+    for a replay's own."""
+    out: dict[str, dict[str, float]] = {}
+    for text in metrics_texts:
+        for sample in parse_samples(text):
+            if sample.name.removesuffix("_count").removesuffix("_sum").removesuffix("_bucket") != name:
+                continue
+            g = out.setdefault(f"gen{sample.labels.get('generation', '?')}", {"n": 0, "sum_ms": 0.0, "slow": 0})
+            if sample.name.endswith("_count"):
+                g["n"] += int(sample.value)
+                g["slow"] += int(sample.value)
+            elif sample.name.endswith("_sum"):
+                g["sum_ms"] += sample.value * 1e3
+            elif sample.name.endswith("_bucket") and float(sample.labels.get("le", "inf")) == slow_s:
+                g["slow"] -= int(sample.value)
+    return out
+
+
+def gc_pause_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """``after`` minus ``before`` (two ``gc_pauses`` reads), sum in ms rounded to 0.1."""
+    out = {}
+    for gen, a in sorted(after.items()):
+        b = before.get(gen, {})
+        out[gen] = {"n": a["n"] - b.get("n", 0), "sum_ms": round(a["sum_ms"] - b.get("sum_ms", 0.0), 1),
+                    "slow": a["slow"] - b.get("slow", 0)}
+    return out
+
+
+async def gc_pauses_of(st: dict) -> dict[str, dict]:
+    """``{"agents": gc_pauses over every host, "gateway": the ext_proc's}`` now."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        agents = gc_pauses([(await client.get(h["metrics"])).text for h in st["hosts"]])
+        gateway = {}
+        if st.get("gateway_metrics"):
+            gateway = gc_pauses([(await client.get(st["gateway_metrics"])).text], "ace_gateway_gc_pause_seconds")
+    return {"agents": agents, "gateway": gateway}
+
+
 async def agent_counters(metrics_urls: list[str]) -> tuple[int | None, dict[str, int]]:
     """(prefetch loads the agents preempted, their prefetch outcomes), from their /metrics."""
     async with httpx.AsyncClient(timeout=10) as client:
@@ -504,10 +547,13 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
             async with httpx.AsyncClient(timeout=10) as client:
                 before = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
                 cpu_before = proc_cpu.snapshot()
+                gc_before = await gc_pauses_of(st)
                 t0 = time.monotonic()
                 rows = await replay(requests, st, run_speed, closed_loop=not args.open_loop, label=label)
                 elapsed = time.monotonic() - t0
                 cpu = proc_cpu.account(cpu_before, proc_cpu.snapshot())
+                gc_after = await gc_pauses_of(st)
+                gc_delta = {who: gc_pause_delta(gc_before[who], gc_after[who]) for who in gc_after}
                 after = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
             busy = {n: round((after[n][0] - before[n][0]) / elapsed, 4) for n in before}
             load_busy = {n: round((after[n][1] - before[n][1]) / elapsed, 4) for n in before}
@@ -522,12 +568,12 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                 t = requests[0]
                 ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
             return (rows, dict(loads), by_host, preempted, outcomes, ov, ready, run_speed, calibration, busy, load_busy,
-                    cpu)
+                    cpu, gc_delta)
 
         t_replay = time.monotonic()
         load_avg = os.getloadavg()[0]
         (rows, loads, loads_by_host, preempted, outcomes, overhead, ready, speed, calibration, busy,
-         load_busy, cpu) = asyncio.run(go())
+         load_busy, cpu, gc_replay) = asyncio.run(go())
         replay_s = time.monotonic() - t_replay
         fetches, _ = store_fetches(store_log, log_at)
     counters = speculation_counters(run_dir / "extproc.log") or {}  # the gateway has stopped
@@ -544,6 +590,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
                "speculation": counters or None, "gateway_overhead_ms": overhead,
                "speed": speed, "engine_busy": busy, "engine_load_busy": load_busy, "process_cpu_s": cpu,
+               "gc_pauses": gc_replay,
                "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool),
                "miss_causes": stack_miss_causes(ok, requests, pool)})
     log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "

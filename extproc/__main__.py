@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
+from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_enabled, freeze_startup_heap
 from extproc.fleet.discovery import HostDiscovery, make_source
 from extproc.errors import ConfigError
 from extproc.transport.health_port import HealthPort
@@ -28,12 +30,15 @@ def popularity_path(db: Path) -> Path:
     return Path(db).with_suffix(".popularity.json")
 
 
-def start_metrics(listen: str, gateway: Gateway, link, speculation, reloads: StateFileWatch):
+def start_metrics(listen: str, gateway: Gateway, link, speculation, reloads: StateFileWatch,
+                  gc_pauses: GcPauses | None = None):
     """/metrics on its own port, in a daemon thread: one registry for this gateway."""
     from prometheus_client import CollectorRegistry
     registry = CollectorRegistry()
     registry.register(GatewayCollector(gateway.metrics, link, speculation, link.board if link else None))
     registry.register(ConfigReloadCollector(reloads))
+    if gc_pauses is not None:
+        registry.register(GcPauseCollector(gc_pauses, "ace_gateway_gc_pause_seconds"))
     gateway.store.on_snapshot(propagation_histogram(registry).observe)
     server = serve_metrics(registry, listen)
     logging.getLogger("extproc").info("metrics on http://%s:%d/metrics", *server.server_address[:2])
@@ -45,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_args(argv)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        gc_pauses = GcPauses().install()
         metrics_server = health = reloads = None
         store = Store(settings.config, settings.state_db(), settings.catalog,
                       upstreams_required=not settings.discovers)
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             tls = (load_cert(settings.tls_cert, settings.tls_key) if settings.tls_cert
                    else self_signed())
         if settings.metrics_listen != "off":
-            metrics_server = start_metrics(settings.metrics_listen, gateway, link, speculation, reloads)
+            metrics_server = start_metrics(settings.metrics_listen, gateway, link, speculation, reloads, gc_pauses)
         source = make_source(settings.discovery, settings.discovery_interval_s)
         if source is not None:
             source.start(HostDiscovery(store, template, link).publish)
@@ -86,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"extproc: configuration error: {exc}", file=sys.stderr)
         return 2
+    if freeze_enabled():   # the start-up heap out of every later collection (ace_common.gc_pauses)
+        logging.getLogger("extproc").info("froze %d start-up objects out of the garbage collector's walks",
+                                          freeze_startup_heap())
     try:
         if settings.server == "aio":
             asyncio.run(serve_aio(gateway, settings.listen, protocol=settings.protocol, tls=tls,
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if link is not None:
             link.close()
         store.close()
+        logging.getLogger("extproc").info("gc pauses: %s", json.dumps(gc_pauses.summary(), sort_keys=True))
     return 0
 
 

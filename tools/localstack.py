@@ -291,7 +291,8 @@ def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: st
     ``write_state(path, hosts)`` writes the gateway's state YAML once the hosts' ports
     are known (``hosts``: a list of ``{"name", "engine", "agent"}``, ``engine-1`` first);
     what it returns is yielded as ``state``. Yields ``gateway`` (Envoy's URL), ``hosts``
-    (each with its ``engine`` URL and agent ``metrics`` URL too) and ``state``.
+    (each with its ``engine`` URL and agent ``metrics`` URL too), ``state`` and
+    ``gateway_metrics`` (the ext_proc's /metrics URL).
     ``agent_env``: extra environment for the agents only.
     """
     work.mkdir(parents=True, exist_ok=True)
@@ -315,6 +316,9 @@ def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: st
             wait_http(host["engine_url"] + "/health", timeout=180, proc=proc, log=log)
         fleet = [host for _, _, host in started]
         state = write_state(work / "state.yaml", fleet)
+        gateway_metrics = free_port()
         port = stack.enter_context(gateway_front(work, work / "state.yaml", fleet[0]["engine"], env=env,
-                                                 extproc_args=extproc_args, message_timeout=message_timeout))
-        yield {"gateway": f"http://127.0.0.1:{port}", "hosts": fleet, "state": state}
+                                                 extproc_args=extproc_args, message_timeout=message_timeout,
+                                                 metrics_port=gateway_metrics))
+        yield {"gateway": f"http://127.0.0.1:{port}", "hosts": fleet, "state": state,
+               "gateway_metrics": f"http://127.0.0.1:{gateway_metrics}/metrics"}

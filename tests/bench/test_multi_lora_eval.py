@@ -296,3 +296,31 @@ def test_metric_reads_one_series_or_zero():
     assert metric(text, 'ace_agent_prefetch_total{outcome="accepted"}') == 3.0
     assert metric(text, "ace_agent_prefetch_queue_depth") == 0.0
     assert metric(text, 'ace_agent_tier_adapters{tier="device"}') == 0.0
+
+
+def test_a_replays_gc_pauses_are_read_from_the_scrapes_and_subtracted():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ace_common.gc_pauses import GcPauseCollector, GcPauses
+    from bench.multi_lora_eval import gc_pause_delta, gc_pauses
+
+    def scrape(*pauses):
+        texts = []
+        for p in pauses:
+            registry = CollectorRegistry()
+            registry.register(GcPauseCollector(p, "ace_agent_gc_pause_seconds"))
+            texts.append(generate_latest(registry).decode())
+        return texts
+
+    host1, host2 = GcPauses(), GcPauses()
+    host1.record(2, 0.057)
+    before = gc_pauses(scrape(host1, host2))
+    host1.record(2, 0.004)
+    host2.record(2, 0.030)
+    host2.record(0, 0.0001)
+    after = gc_pauses(scrape(host1, host2))
+    assert after["gen2"] == {"n": 3, "sum_ms": pytest.approx(91.0), "slow": 2}   # summed over hosts
+    delta = gc_pause_delta(before, after)
+    assert delta["gen2"] == {"n": 2, "sum_ms": 34.0, "slow": 1}
+    assert delta["gen0"] == {"n": 1, "sum_ms": 0.1, "slow": 0}
+    assert gc_pauses(scrape(host1), "ace_gateway_gc_pause_seconds") == {}   # another process's name
