@@ -20,10 +20,11 @@ waits for it.
 """
 from __future__ import annotations
 
+import bisect
 import gc
+import json
 import logging
 import os
-import threading
 import time
 from typing import Iterator
 
@@ -42,8 +43,9 @@ class GcPauses:
     """Durations of this process's garbage collections, by generation (0, 1, 2).
 
     ``install`` adds a ``gc.callbacks`` hook (once per object); the hook runs in whichever
-    thread triggered the collection and only does arithmetic on plain lists (the
-    collector does not run inside itself). ``snapshot`` is for a metrics scrape or a log."""
+    thread triggered the collection and only does arithmetic on plain lists. Collections
+    never overlap (CPython runs one at a time, under the GIL), so one start time is kept.
+    ``snapshot`` is for a metrics scrape; ``close`` uninstalls and logs the totals."""
 
     def __init__(self, slow_s: float = 0.02, buckets: tuple[float, ...] = GC_PAUSE_BUCKETS_S) -> None:
         self.slow_s = slow_s
@@ -51,7 +53,7 @@ class GcPauses:
         self._counts = [[0] * (len(buckets) + 1) for _ in range(3)]   # per generation, +Inf last
         self._sums = [0.0, 0.0, 0.0]
         self._max = [0.0, 0.0, 0.0]
-        self._started: dict[int, float] = {}   # thread id -> perf_counter at "start"
+        self._began: float | None = None   # perf_counter at the running collection's "start"
         self._installed = False
 
     def install(self) -> "GcPauses":
@@ -65,22 +67,22 @@ class GcPauses:
             gc.callbacks.remove(self._hook)
             self._installed = False
 
+    def close(self, logger: logging.Logger) -> None:
+        """Uninstall, and log the totals as ``gc pauses: {json}`` (a process's shutdown)."""
+        self.uninstall()
+        logger.info("gc pauses: %s", json.dumps(self.summary(), sort_keys=True))
+
     def _hook(self, phase: str, info: dict) -> None:
-        me = threading.get_ident()
         if phase == "start":
-            self._started[me] = time.perf_counter()
+            self._began = time.perf_counter()
             return
-        began = self._started.pop(me, None)
-        if began is None:   # installed mid-collection
-            return
-        self.record(info.get("generation", 2), time.perf_counter() - began)
+        began, self._began = self._began, None
+        if began is not None:   # None: installed mid-collection
+            self.record(info.get("generation", 2), time.perf_counter() - began)
 
     def record(self, generation: int, seconds: float) -> None:
         g = min(max(generation, 0), 2)
-        i = 0
-        while i < len(self.buckets) and seconds > self.buckets[i]:
-            i += 1
-        self._counts[g][i] += 1
+        self._counts[g][bisect.bisect_left(self.buckets, seconds)] += 1
         self._sums[g] += seconds
         if seconds > self._max[g]:
             self._max[g] = seconds
@@ -106,12 +108,18 @@ class GcPauses:
                 for g, s in self.snapshot().items()}
 
 
-def freeze_startup_heap() -> int:
-    """Collect once, then move every tracked object to the permanent generation (Python >=
-    3.7); returns how many objects were frozen. Call it once start-up is done."""
+def freeze_startup_heap(logger: logging.Logger | None = None) -> int | None:
+    """Unless ``ACE_GC_FREEZE=off``: collect once, then move every tracked object to the
+    permanent generation; returns how many objects were frozen (None: off) and logs it to
+    ``logger``. Call it once start-up is done."""
+    if not freeze_enabled():
+        return None
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    frozen = gc.get_freeze_count()
+    if logger is not None:
+        logger.info("froze %d start-up objects out of the garbage collector's walks", frozen)
+    return frozen
 
 
 def freeze_enabled() -> bool:

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
-from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_enabled, freeze_startup_heap
+from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_startup_heap
 from extproc.fleet.discovery import HostDiscovery, make_source
 from extproc.errors import ConfigError
 from extproc.transport.health_port import HealthPort
@@ -92,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"extproc: configuration error: {exc}", file=sys.stderr)
         return 2
-    if freeze_enabled():   # the start-up heap out of every later collection (ace_common.gc_pauses)
-        logging.getLogger("extproc").info("froze %d start-up objects out of the garbage collector's walks",
-                                          freeze_startup_heap())
+    freeze_startup_heap(logging.getLogger("extproc"))   # out of every later collection (ace_common.gc_pauses)
     try:
         if settings.server == "aio":
             asyncio.run(serve_aio(gateway, settings.listen, protocol=settings.protocol, tls=tls,
@@ -120,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         if link is not None:
             link.close()
         store.close()
-        logging.getLogger("extproc").info("gc pauses: %s", json.dumps(gc_pauses.summary(), sort_keys=True))
+        gc_pauses.close(logging.getLogger("extproc"))
     return 0
 
 

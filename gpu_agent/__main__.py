@@ -20,7 +20,7 @@ __all__ = ["main", "run"]
 async def run(settings) -> None:
     from aiohttp import web
 
-    from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_enabled, freeze_startup_heap
+    from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_startup_heap
     from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
     from gpu_agent.connectors import make_connector
     from gpu_agent.metrics import AgentMetrics
@@ -79,9 +79,7 @@ async def run(settings) -> None:
         site = web.TCPSite(runner, settings.grpc_host, settings.metrics_port)
         await site.start()
         metrics_port = site._server.sockets[0].getsockname()[1]
-    if freeze_enabled():   # the model, catalog and modules out of every later collection
-        logging.getLogger("gpu_agent").info("froze %d start-up objects out of the garbage collector's walks",
-                                            freeze_startup_heap())
+    freeze_startup_heap(logging.getLogger("gpu_agent"))   # the model, catalog and modules
     print(json.dumps({"event": "ready", "grpc_port": grpc_port, "metrics_port": metrics_port,
                       "engine": settings.engine, "engine_url": connector.url}), flush=True)
     stop = asyncio.Event()
@@ -94,8 +92,7 @@ async def run(settings) -> None:
     if runner is not None:
         await runner.cleanup()
     await manager.close()
-    gc_pauses.uninstall()
-    logging.getLogger("gpu_agent").info("gc pauses: %s", json.dumps(gc_pauses.summary(), sort_keys=True))
+    gc_pauses.close(logging.getLogger("gpu_agent"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,15 +54,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineSettings, str, 
 
 
 async def _main(settings: EngineSettings, host: str, port: int) -> None:
-    from ace_common.gc_pauses import GcPauses, freeze_enabled, freeze_startup_heap
+    from ace_common.gc_pauses import GcPauses, freeze_startup_heap
     from gpu_agent.engine.core import Engine
     from gpu_agent.engine.server import serve
 
     engine = Engine.create(settings)
     runner, bound = await serve(engine, host, port)
     gc_pauses = GcPauses().install()
-    if freeze_enabled():   # the model's weights and the modules out of every later collection
-        freeze_startup_heap()
+    freeze_startup_heap(logging.getLogger("gpu_agent.engine"))   # the model's weights and the modules
     logging.getLogger("gpu_agent.engine").info(
         "serving %s with %d adapters on http://%s:%d", engine.model_name,
         len(engine.adapters.names()), host, bound)
@@ -73,8 +72,7 @@ async def _main(settings: EngineSettings, host: str, port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
-    gc_pauses.uninstall()
-    logging.getLogger("gpu_agent.engine").info("gc pauses: %s", gc_pauses.summary())
+    gc_pauses.close(logging.getLogger("gpu_agent.engine"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,7 +52,8 @@ def test_the_scrape_shows_a_histogram_per_generation():
     assert 'ace_test_gc_pause_seconds_count{generation="2"} 0.0' in text
 
 
-def test_frozen_start_up_objects_are_left_out_of_later_collections():
+def test_frozen_start_up_objects_are_left_out_of_later_collections(monkeypatch):
+    monkeypatch.delenv("ACE_GC_FREEZE", raising=False)
     class Node:
         pass
 
@@ -66,6 +67,22 @@ def test_frozen_start_up_objects_are_left_out_of_later_collections():
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+def test_turned_off_nothing_is_frozen(monkeypatch):
+    monkeypatch.setenv("ACE_GC_FREEZE", "off")
+    assert freeze_startup_heap() is None
+    assert gc.get_freeze_count() == 0
+
+
+def test_close_uninstalls_and_logs_the_totals(caplog):
+    pauses = GcPauses().install()
+    pauses.record(1, 0.002)
+    with caplog.at_level(logging.INFO, logger="test.gc"):
+        pauses.close(logging.getLogger("test.gc"))
+    assert pauses._hook not in gc.callbacks
+    assert caplog.records[-1].getMessage().startswith('gc pauses: {"gen0": {"max_ms": 0.0, "n": 0')
+    assert '"gen1": {"max_ms": 2.0, "n": 1, "sum_ms": 2.0}' in caplog.records[-1].getMessage()
 
 
 @pytest.mark.parametrize("value, on", [(None, True), ("on", True), ("off", False), ("0", False), ("OFF", False)])
