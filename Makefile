@@ -87,11 +87,11 @@ $(ROUTER_STAMP):
 	@touch $@
 
 # make bench ENGINE=vllm [ARMS=round_robin,vllm_router,vllm_router_session,affinity,ace]
-#   [VLLM_HOSTS=2] [VLLM_REQUESTS=120] [VLLM_S=2]: real vLLM hosts (bench/vllm_eval.py,
+#   [VLLM_HOSTS=2] [VLLM_REQUESTS=240] [VLLM_S=4] [TRACE=...]: real vLLM hosts (bench/vllm_eval.py,
 #   sizes in docs/engine.md "Real vLLM hosts") -> reports/vllm_eval.json
 VLLM_HOSTS ?= 2
-VLLM_REQUESTS ?= 120
-VLLM_S ?= 2
+VLLM_REQUESTS ?= 240
+VLLM_S ?= 4
 bench-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP)
 	$(BIN)/python -m bench.vllm_eval --out reports/vllm_eval.json --hosts $(VLLM_HOSTS) --requests $(VLLM_REQUESTS) \
 		--max-cpu-loras $(VLLM_S) $(if $(TRACE),--trace $(TRACE),) $(if $(ARMS),--arms $(ARMS),)

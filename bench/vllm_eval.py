@@ -1,6 +1,6 @@
 """``make bench ENGINE=vllm``: the trace replayed through real vLLM hosts, arm by arm.
 
-    python -m bench.vllm_eval [--trace FILE] [--requests N] [--hosts 2] [--max-cpu-loras 2]
+    python -m bench.vllm_eval [--trace FILE] [--requests 240] [--hosts 2] [--max-cpu-loras 4]
         [--arms round_robin,vllm_router,vllm_router_session,affinity,ace] --out reports/vllm_eval.json
 
 Every host is one real vLLM (``tools.vllm_fleet``: ``--enable-lora --max-loras 2
@@ -373,12 +373,13 @@ def plot(rows_path: Path, out: Path, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", type=Path, default=ROOT / "data" / "multi_lora_eval" / "multi_lora_eval_800.json")
-    p.add_argument("--requests", type=int, default=120, help="whole sessions from the start until this many requests")
+    p.add_argument("--trace", type=Path, default=ROOT / "data" / "multi_lora_eval" / "vllm_hosts.json",
+                   help="default: generate.py --scenario vllm (about 24 adapters, 240 requests)")
+    p.add_argument("--requests", type=int, default=240, help="whole sessions from the start until this many requests")
     host_args(p, "vllm_eval.json")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--max-loras", type=int, default=2)
-    p.add_argument("--max-cpu-loras", type=int, default=2)
+    p.add_argument("--max-cpu-loras", type=int, default=4, help="S: vLLM's CPU cache, the agent's device tier")
     p.add_argument("--max-lora-rank", type=int, default=0, help="0: the trace's largest rank")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--sample-every", type=int, default=5)

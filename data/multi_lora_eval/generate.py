@@ -3,9 +3,12 @@
     python data/multi_lora_eval/generate.py [--n 800] [--seed 20261130] [--out FILE]
     python data/multi_lora_eval/generate.py --scenario hundreds [--seed N] [--out FILE]
     python data/multi_lora_eval/generate.py --scenario sixteen [--seed N] [--out FILE]
+    python data/multi_lora_eval/generate.py --scenario vllm [--seed N] [--out FILE]
 
 ``--scenario hundreds`` is the mission's scale: 200+ adapters, 48 tenants (``hundreds.py``);
-``--scenario sixteen``: 16 adapters, 12 tenants, 1,200 requests (``sixteen.py``).
+``--scenario sixteen``: 16 adapters, 12 tenants, 1,200 requests (``sixteen.py``);
+``--scenario vllm``: about 24 adapters, 5 tenants, 240 requests for two real vLLM hosts
+(``vllm_hosts.py``).
 The rest of this docstring is the default scenario, ``800``:
 
 800 requests from 8 tenants over 5 domains and the fixtures' 10 adapters (ranks 8-128).
@@ -187,22 +190,23 @@ def _request(rng: random.Random, t: float, think: float | None, tenant: str, ses
     }
 
 
-SCENARIOS = ("800", "hundreds", "sixteen")
+SCENARIOS = ("800", "hundreds", "sixteen", "vllm")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenario", choices=SCENARIOS, default="800",
                     help="800: the 10-adapter trace; hundreds: 200+ adapters, 48 tenants (hundreds.py); "
-                         "sixteen: 16 adapters, 12 tenants (sixteen.py)")
-    ap.add_argument("--n", type=int, default=None, help="number of requests (800; hundreds: 2400; sixteen: 1200)")
-    ap.add_argument("--seed", type=int, default=None, help="random seed (800: 20261130; hundreds: 20261201; sixteen: 20261204)")
+                         "sixteen: 16 adapters, 12 tenants (sixteen.py); "
+                         "vllm: about 24 adapters, 5 tenants, for make bench ENGINE=vllm (vllm_hosts.py)")
+    ap.add_argument("--n", type=int, default=None, help="number of requests (800; hundreds: 2400; sixteen: 1200; vllm: 240)")
+    ap.add_argument("--seed", type=int, default=None, help="random seed (800: 20261130; hundreds: 20261201; sixteen: 20261204; vllm: 20261210)")
     ap.add_argument("--tenants", type=int, default=None, help="hundreds only: tenants (48)")
     ap.add_argument("--public", type=int, default=None, help="hundreds only: public adapters (112)")
     ap.add_argument("--session-rate", type=float, default=None,
                     help="hundreds only: sessions opened per second (0.5 per 48 tenants)")
     ap.add_argument("--out", default=None, help="output file (.json: one array; .jsonl: one object per line; "
-                    "default: multi_lora_eval_800.json or hundreds.json beside this script)")
+                    "default: the scenario's .json beside this script)")
     args = ap.parse_args(argv)
     here = Path(__file__).resolve().parent
     if args.scenario == "hundreds":
@@ -222,6 +226,15 @@ def main(argv: list[str] | None = None) -> int:
 
         reqs = sixteen.generate_sixteen(args.n or sixteen.N_REQUESTS, sixteen.SEED if args.seed is None else args.seed)
         out = Path(args.out or here / "sixteen.json")
+    elif args.scenario == "vllm":
+        if args.tenants is not None or args.public is not None or args.session_rate is not None:
+            ap.error("--tenants, --public and --session-rate are for --scenario hundreds")
+        sys.path.insert(0, str(here))
+        import vllm_hosts
+
+        reqs = vllm_hosts.generate_vllm(args.n or vllm_hosts.N_REQUESTS,
+                                        vllm_hosts.SEED if args.seed is None else args.seed)
+        out = Path(args.out or here / "vllm_hosts.json")
     else:
         if args.tenants is not None or args.public is not None or args.session_rate is not None:
             ap.error("--tenants, --public and --session-rate are for --scenario hundreds")

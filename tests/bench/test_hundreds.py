@@ -100,3 +100,27 @@ def test_sixteen_has_its_shape():
     assert len({r["tenant"] for r in reqs}) == 12
     assert set({r["adapter"]: r["rank"] for r in reqs}.values()) <= {8, 16, 32, 64, 128}
     assert sum(1 for r in reqs if r["workflow"] == "one-off") >= 10
+
+
+VLLM_TRACE = ROOT / "data/multi_lora_eval/vllm_hosts.json"
+
+
+def test_committed_vllm_trace_is_the_generator_output(tmp_path):
+    out = tmp_path / "v.json"
+    subprocess.run([sys.executable, str(GENERATE), "--scenario", "vllm", "--out", str(out)], check=True,
+                   capture_output=True)
+    assert out.read_bytes() == VLLM_TRACE.read_bytes()
+
+
+def test_vllm_trace_exceeds_two_hosts_caches_threefold():
+    """Issue 20's shape: two hosts of 4 CPU-cache entries hold a third of the catalog, and
+    sessions run habitual workflows (several steps, several adapters each)."""
+    reqs = load_trace(VLLM_TRACE)
+    assert len(reqs) == 240
+    adapters = {r["adapter"] for r in reqs}
+    assert len(adapters) >= 3 * 2 * 4
+    assert set({r["adapter"]: r["rank"] for r in reqs}.values()) <= {8, 16, 32, 64, 128}
+    by_session: dict[str, set] = {}
+    for r in reqs:
+        by_session.setdefault(r["session"], set()).add(r["adapter"])
+    assert sum(1 for s in by_session.values() if len(s) >= 2) >= len(by_session) // 3
