@@ -191,7 +191,8 @@ def decide(snapshot: Snapshot, residency: ResidencySnapshot, sent: SentCounts,
         # evicts by predicted use, not by the agent's LRU
         signal = PrefetchSignal(upstream=upstream.name, adapter=adapter.name, digest=adapter.sha256,
                                 priority=1, reason="request_unknown" if not res.known else "request_cold",
-                                evict=residency.victims.get(upstream.name, ()), spare_s=upstream.victim_grace_s)
+                                evict=residency.victims.get(upstream.name, ())[:upstream.victim_hints],
+                                spare_s=upstream.victim_grace_s)
     return Decision(upstream=upstream, adapter=adapter, selected_by=selection.source, skills=skills,
                     residency=res, multi_lora_action=ml_action, multi_lora_would=would,
                     prefetch_action=pf_action, prefetch_signal=signal, foreign_model=selection.foreign_model)

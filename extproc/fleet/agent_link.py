@@ -140,7 +140,8 @@ class _Agent:
                     if ev.kind == pb.ResidencyEvent.LOAD:  # residency unchanged
                         self.link._publish_load(self.upstream, event_load(ev))
                     else:
-                        self.link._publish(self.upstream, table if ev.engine_up else None, event_load(ev))
+                        self.link._publish(self.upstream, table if ev.engine_up else None, event_load(ev),
+                                           ev.device_slots)
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
@@ -187,6 +188,7 @@ class AgentLink:
         self._tables: dict[str, Mapping[str, TierReport]] = {}  # frozen per upstream
         # upstream -> (requests, monotonic arrival, board.sent's value at the arrival)
         self._loads: dict[str, tuple[int, float, int]] = {}
+        self._slots: dict[str, int] = {}  # upstream -> device slots its agent announced
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loads, name="agent-load-expiry", daemon=True)
@@ -268,8 +270,9 @@ class AgentLink:
         return agent is not None and agent.connected
 
     def _publish(self, upstream: str, table: Mapping[str, TierReport] | None,
-                 load: int | None = None) -> None:
-        """The upstream's residency (None: unknown, the upstream leaves the view) and load."""
+                 load: int | None = None, slots: int = 0) -> None:
+        """The upstream's residency (None: unknown, the upstream leaves the view), load and
+        device slots (0: not announced)."""
         with self._lock:
             if table is None:
                 self._loads.pop(upstream, None)
@@ -279,6 +282,10 @@ class AgentLink:
             else:
                 self._tables[upstream] = MappingProxyType(dict(table))
                 self._set_load(upstream, load)
+                if slots:
+                    self._slots[upstream] = slots
+                else:
+                    self._slots.pop(upstream, None)
             self._swap()
 
     def _publish_load(self, upstream: str, load: int | None) -> None:
@@ -308,7 +315,8 @@ class AgentLink:
                  if u in self._tables and now - at <= self.load_max_age_s]
         loads = MappingProxyType({u: n for u, n, _ in fresh})
         marks = MappingProxyType({u: base for u, _, base in fresh})
-        self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), loads, marks))
+        slots = MappingProxyType({u: n for u, n in self._slots.items() if u in self._tables})
+        self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), loads, marks, slots=slots))
 
     def _expire_loads(self) -> None:
         """Drop loads not heard about for load_max_age_s (an agent gone silent without its

@@ -36,8 +36,10 @@ p99 for ``decide``) is not spent on it.
   seen), so "likely to be used soon" means "before the sessions' next steps", whatever
   the traffic's pace. The simulator's ``speculative`` policy runs the same rule.
 - **Pool model**: synced from the residency snapshot (the adapters on the ``device``) whenever
-  the snapshot changes; its capacity is learned as the most adapters seen in one pool
-  (the agents do not publish the pool's size).
+  the snapshot changes. Its capacity is the pool's size where the agent announces one
+  (``ResidencySnapshot.slots``: vLLM's and SGLang's cache, which the engine's own loads
+  overshoot for a moment, so counting would learn 5-6 for a cache of 4), else learned as
+  the most adapters seen in one pool (the builtin engine's pool is sized in bytes).
 - **Warm set**: at start-up, ``extproc.policy.warmset.warm_set`` over the request counts
   this gateway persisted (``PopularityFile``, next to the SQLite file); each host's
   list is submitted once, when its agent's residency first arrives. No file, no warm set.
@@ -149,15 +151,19 @@ class SpeculationPlanner:
 
     def sync(self, residency: ResidencySnapshot, now: float) -> None:
         """Align every known host's pool model with the agents' view, and note each pool
-        seen evicting (``full``)."""
+        seen evicting (``full``). A pool whose agent announces its size (``slots``: vLLM,
+        SGLang) is modelled at that size; the others' size is learned."""
         for upstream, table in residency.by_upstream.items():
             pooled = frozenset(a for a, r in table.items() if r.tier == Tier.DEVICE)
             spec = self.speculator(upstream)
+            slots = residency.slots.get(upstream)
+            if slots:
+                spec.cache.capacity = slots
             before = self._pooled.get(upstream)
             if before is not None and before - pooled and len(before) >= spec.cache.capacity:
                 self.full.add(upstream)  # it held the most it ever held and let one go: at capacity
             self._pooled[upstream] = pooled
-            spec.sync(pooled, now, learn_capacity=True)
+            spec.sync(pooled, now, learn_capacity=not slots)
 
     def placement_slots(self) -> int | None:
         """The pool size placement may plan with: the smallest learned capacity among the
@@ -204,10 +210,11 @@ class SpeculationPlanner:
                                spare_s=grace.get(p.host, 0.0))
                 for p in got.prefetches]
 
-    def victims(self, now: float, n: int = 2) -> dict[str, tuple[str, ...]]:
-        """Per upstream, the ``n`` adapters its pool model would evict first
-        (``Speculator.victims``): what a request's ingress prefetch asks the agent to
-        evict (``ResidencySnapshot.victims``)."""
+    def victims(self, now: float, n: int | None = None) -> dict[str, tuple[str, ...]]:
+        """Per upstream, the adapters its pool model would evict first, coldest first, the
+        ``n`` first (None: its whole ranking) (``Speculator.victims``): what a request's
+        ingress prefetch asks the agent to evict (``ResidencySnapshot.victims``; the
+        decision names ``Upstream.victim_hints`` of them)."""
         return {u: tuple(map(str, s.victims(now, n))) for u, s in self.speculators.items()}
 
     def slots(self) -> dict[str, int]:

@@ -268,9 +268,10 @@ class Speculator:
         return [(c, q) for c, q in sorted(acc.items(), key=lambda kv: -kv[1])
                 if q >= st.min_p and c not in skip and c != adapter]
 
-    def victims(self, now: float, n: int = 2) -> list[Hashable]:
-        """The ``n`` entries this host's model would evict first (lowest use probability,
-        ties to the least recently used), coldest first; loads in flight are not offered."""
+    def victims(self, now: float, n: int | None = 2) -> list[Hashable]:
+        """The ``n`` entries (None: all) this host's model would evict first (lowest use
+        probability, ties to the least recently used), coldest first; loads in flight are
+        not offered."""
         self._now = now
         scored = [(self.score(k, e), i, k) for i, (k, e) in enumerate(self.cache.entries.items())
                   if not e.pinned and e.ready_at <= now]

@@ -100,3 +100,14 @@ class Upstream:
         as it arrives and evicts no claimed one; one evicted just before costs a reload,
         not an error: 0."""
         return 0.0 if self.flavour == "builtin" else 0.5
+
+    @property
+    def victim_hints(self) -> int | None:
+        """How many of this host's ranked victims (its pool model's, coldest first) a
+        request's own load names (``PrefetchSignal.evict``); None: the whole ranking. The
+        builtin engine: 2 (its busy set is exact, so the first two are rarely both taken).
+        vLLM and SGLang: all, since the adapters routed to within ``victim_grace_s`` leave
+        the list (``spare_routed``): with two names it often ended empty and the agent
+        chose by its own LRU, which knows no session's next step (in ``make bench
+        ENGINE=vllm``, 28 of 100 unloads on a host; docs/bench-history.md)."""
+        return 2 if self.flavour == "builtin" else None

@@ -127,7 +127,10 @@ class ResidencySnapshot:
     ``ResidencyBoard.place``; an adapter missing there is placed by the ring).
     ``victims``: upstream -> the adapters the speculation's model of that pool would
     evict first (``ResidencyBoard.suggest_victims``): a request's ingress prefetch names
-    them, so a demand load evicts by predicted use, not by the agent's LRU."""
+    them, so a demand load evicts by predicted use, not by the agent's LRU. ``slots``:
+    upstream -> the most adapters its device tier holds, where its agent announces one
+    (``ResidencyEvent.device_slots``: vLLM's, SGLang's cache size; missing: not announced,
+    the builtin engine's pool is sized in bytes)."""
 
     by_upstream: Mapping[str, Mapping[str, TierReport]] = field(
         default_factory=lambda: MappingProxyType({}))
@@ -135,6 +138,7 @@ class ResidencySnapshot:
     sent_at_load: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     placement: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     victims: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    slots: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def of(self, upstream: str, adapter: str) -> TierReport:
         return self.by_upstream.get(upstream, _EMPTY).get(adapter, UNKNOWN)

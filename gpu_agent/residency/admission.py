@@ -85,6 +85,8 @@ class PrefetchAdmission:
             self.metrics.inc("ace_agent_prefetch_total", outcome="left_to_engine")
             return ResidencyResult(ResidencyOutcome.ACCEPTED, "engine_loads_on_demand")
         hints = self._known_hints(name, evict)
+        if probability is None and hints and reason.startswith(REQUEST_REASON):
+            self.holdings.rank_victims(hints)
         inflight = self.pipeline.inflight
         if name in inflight or name in self.queue:
             if hints and name not in inflight:

@@ -39,7 +39,7 @@ from ace_common.tiers import Tier
 from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
 from gpu_agent.errors import PoolExhausted, PrefetchGivenUp
-from gpu_agent.eviction import EvictReason, Shortfall, hinted_victims, ordered, plan_evictions
+from gpu_agent.eviction import EvictReason, Shortfall, hinted_first, hinted_victims, ordered, plan_evictions
 from gpu_agent.metrics import AgentMetrics
 from gpu_agent.residency.records import AdapterState
 
@@ -74,6 +74,8 @@ class TierHoldings:
         self.lock = asyncio.Lock()
         self.engine_up = True   # the engine answered the last reconcile (or load)
         self._kept: dict[str, float] = {}   # name -> until (clock): requests were just sent for it
+        # the gateway's latest ranking of this pool's victims (a request's signal), until (clock)
+        self._ranking: tuple[tuple[str, ...], float] = ((), 0.0)
 
     # ---- host tier -------------------------------------------------------------------
     def admit_host(self, name: str, blob: bytes) -> None:
@@ -139,9 +141,19 @@ class TierHoldings:
                     lambda n: not self._states[n].pinned and n not in busy),
             self.shortfall(spec.size_bytes))
         for victim in victims:
-            await self.unload(victim, EvictReason.BUDGET)
+            await self.unload(victim, EvictReason.BUDGET, why=f"room for {spec.name}")
         if over():
             raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
+
+    def rank_victims(self, names: tuple[str, ...]) -> None:
+        """The gateway's ranking of this pool's victims, coldest first (a request's own
+        signal names it: ``Upstream.victim_hints``). A shrink that follows an adapter the
+        engine loaded itself evicts by it, before its LRU, for ``adopt_grace_s``."""
+        self._ranking = (names, self.clock() + self.adopt_grace_s)
+
+    def ranking(self) -> tuple[str, ...]:
+        names, until = self._ranking
+        return names if self.clock() < until else ()
 
     def keep(self, names: Iterable[str]) -> None:
         """The gateway just sent requests for ``names`` to this engine (``Prefetch.keep``),
@@ -175,13 +187,15 @@ class TierHoldings:
         busy = (await self.connector.busy() if busy is None else busy) | self.spared()
         short = Shortfall(count=len(self.device) - self.device_count)
         evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._loading  # noqa: E731
-        for victim in plan_evictions(ordered(self.device, self.device.__getitem__, evictable), short):
-            await self.unload(victim, EvictReason.BUDGET)
+        order = hinted_first(ordered(self.device, self.device.__getitem__, evictable), self.ranking())
+        for victim in plan_evictions(order, short):
+            await self.unload(victim, EvictReason.BUDGET, why="the device tier is over its budget")
 
-    async def unload(self, name: str, reason: EvictReason, publish: bool = True) -> None:
+    async def unload(self, name: str, reason: EvictReason, publish: bool = True, why: str = "") -> None:
         """Take `name` off the device (the engine unloads it) and count why."""
         await self.connector.unload(name)
         self.device.pop(name, None)
+        log.info("unloaded %s (%s%s)", name, reason.value, f": {why}" if why else "")
         self.evicted(name, Tier.DEVICE, reason, publish=publish)
 
     def evicted(self, name: str, tier: Tier, reason: EvictReason, publish: bool = True) -> None:
@@ -221,7 +235,7 @@ class TierHoldings:
             if not over() and not await self.connector.needs_room(spec):
                 return
             try:
-                await self.unload(victim, EvictReason.HINT)
+                await self.unload(victim, EvictReason.HINT, why=f"room for {spec.name}")
             except EngineUnavailable:
                 raise
             except ConnectorError as exc:  # it became busy meanwhile: the next hint, or LRU

@@ -59,6 +59,10 @@ class ResidencyManager:
             raise SettingsError(f"the {connector.kind} engine owns its device tier: give its pool the budgets "
                                 "(max_adapters, pool bytes), not the agent's ResidencyBudgets")
         self.device_count = budgets.device_count if budgets.device_count is not None else connector.capacity
+        # what the residency stream announces as the pool's size (ResidencyEvent.device_slots):
+        # the count the agent holds the engine's cache to; 0 where the engine sizes its own
+        # pool (builtin: bytes, so the count varies with ranks)
+        self.device_slots = 0 if connector.self_managed else (self.device_count or 0)
         self.version = 0
         self.base_model_bytes = _weights_bytes(catalog.base_model_path)
         states = {spec.name: AdapterState(spec) for spec in catalog}

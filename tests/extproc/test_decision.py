@@ -103,6 +103,19 @@ def test_the_ingress_prefetch_names_the_pools_first_victims(snapshot):
     assert d.prefetch_signal.evict == ()
 
 
+def test_the_ingress_prefetch_names_the_whole_ranking_where_routed_victims_are_spared(snapshot):
+    """On vLLM and SGLang the sender drops the just-routed adapters from ``evict``: the
+    signal carries the pool model's whole ranking so that a named victim is left; the
+    builtin engine, whose busy set is exact, gets the first two."""
+    ranking = ("v1", "v2", "v3", "v4")
+    on = {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
+    res = replace(_res("remote"), victims={"local-vllm": ranking})
+    assert _decide(snapshot, res, on).prefetch_signal.evict == ranking
+    up = snapshot.upstreams[0]
+    builtin = replace(snapshot, upstreams=(replace(up, flavour="builtin"),))
+    assert _decide(builtin, res, on).prefetch_signal.evict == ranking[:2]
+
+
 def test_the_ingress_prefetch_carries_the_hosts_grace_for_just_routed_victims(snapshot):
     """vLLM and SGLang list a request late and fail it when its adapter goes: the signal
     tells the sender to spare what was just routed there; the builtin engine needs none."""

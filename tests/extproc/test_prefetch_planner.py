@@ -580,3 +580,17 @@ def test_place_publishes_the_placement_by_demand_over_the_agents_hosts(snapshot)
     assert len(placement["a"]) == 2  # most of all demand: more than half a host's share
     assert gs.place() is False  # unchanged: nothing published again
     assert gs.board.current.of("h1", "a").tier == "remote"  # the agents' view is kept
+
+
+def test_a_pool_whose_agent_announces_its_slots_is_modelled_at_that_size():
+    """vLLM's resolver loads a request's adapter before the agent shrinks the cache back to
+    S: the pool shows S + 1 for a moment, which a learned capacity would keep for good."""
+    planner = SpeculationPlanner(initial_slots=2)
+    five = pool("u", "a", "b", "c", "d", "e")
+    planner.sync(replace(five, slots={"u": 4}), 0.0)
+    spec = planner.speculator("u")
+    assert spec.cache.capacity == 4 and len(spec.cache) == 4
+    planner.sync(replace(pool("u", "a", "b", "c", "e"), slots={"u": 4}), 1.0)
+    assert spec.cache.capacity == 4 and planner.full == {"u"}   # held its 4+ and let d go
+    planner.sync(five, 2.0)                                      # not announced (builtin): learned
+    assert spec.cache.capacity == 5

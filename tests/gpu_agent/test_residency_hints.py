@@ -255,3 +255,29 @@ def test_a_room_only_prefetch_is_refused_by_a_pool_full_of_adapters_that_may_not
         finally:
             await mgr.close()
     run(main())
+
+
+def test_the_shrink_after_an_engine_load_evicts_by_the_gateways_latest_ranking(tmp_path):
+    """vLLM's resolver often loads a request's adapter before the agent's own load of it
+    runs; the reconcile then adopts it and shrinks the device tier. That shrink follows the
+    victims the request's signal ranked (the gateway's model of what each session needs
+    next), not the agent's LRU, while the ranking is fresh (``adopt_grace_s``)."""
+    async def main():
+        now = [1000.0]
+        eng = FakeConnector(capacity=3)
+        mgr = await pool_of(tmp_path, eng, "a1", "a2", adopt_grace_s=2.0, clock=lambda: now[0])
+        try:
+            got = mgr.prefetch("a3", priority=1, reason="request_cold", evict=["a2", "nope", "a1"])
+            assert got.outcome is ResidencyOutcome.ACCEPTED
+            assert mgr.holdings.ranking() == ("a2", "a1")    # catalog names only, in order
+            await async_wait_until(lambda: mgr.view("a3").tier is Tier.DEVICE, what="a3 loaded")
+            assert unloads(eng) == []                        # there was room
+            now[0] += 5.0
+            assert mgr.holdings.ranking() == ()              # a stale ranking is not followed
+            mgr.holdings.rank_victims(("a2",))
+            eng.held.update({"a4": tmp_path})                # the resolver loaded a4 for a request
+            await mgr.reconcile()                            # 4 on a device of 3: one goes
+            assert unloads(eng) == ["a2"]                    # the ranked one, not a1 (the LRU)
+        finally:
+            await mgr.close()
+    run(main())

@@ -490,3 +490,31 @@ def test_a_bet_against_a_just_routed_victim_waits_out_the_grace_once_then_goes_o
     sent = link.spare_routed(ingress)                                # a request's own load: sent without it,
     assert sent.evict == ("a1",) and sent.keep == ("a2",)            # and the agent told to keep it
     link.close()
+
+
+def test_an_agent_that_keeps_a_count_announces_its_slots_and_the_pool_model_uses_them(tmp_path):
+    """vLLM's cache holds S adapters; its resolver overshoots it for a moment, so the most
+    adapters seen at once overstated the pool (5-6 for S = 4 in ``make bench ENGINE=vllm``).
+    The agent announces S on its residency stream; the gateway's pool model takes it."""
+    from extproc.fleet.speculation import SpeculationPlanner
+
+    counted = AgentThread(tmp_path / "counted", free_port(), capacity=2)
+    counted.start()
+    link = AgentLink({"u1": f"127.0.0.1:{counted.port}"}, token=TOKEN).start()
+    try:
+        wait_until(lambda: link.board.current.slots.get("u1") == 2, what="the announced slots")
+        planner = SpeculationPlanner(initial_slots=8)
+        planner.sync(link.board.current, 0.0)
+        assert planner.slots() == {"u1": 2}
+    finally:
+        link.close()
+        counted.stop()
+    unbounded = AgentThread(tmp_path / "unbounded", free_port())
+    unbounded.start()
+    link = AgentLink({"u1": f"127.0.0.1:{unbounded.port}"}, token=TOKEN).start()
+    try:
+        wait_until(lambda: "u1" in link.board.current.by_upstream, what="the agent's view")
+        assert link.board.current.slots == {}            # no count announced: learned as before
+    finally:
+        link.close()
+        unbounded.stop()
