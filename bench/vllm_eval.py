@@ -83,6 +83,21 @@ def first_requests(requests: list[dict], n: int) -> list[dict]:
     return sorted(out, key=lambda r: r["t"])
 
 
+def error_statuses(rows: list[dict]) -> dict[str, int]:
+    """The failed requests by what failed them: the HTTP status, or ``transport`` when no
+    answer came (``error`` in the row)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        if "error" in r:
+            key = "transport"
+        elif r.get("status") != 200:
+            key = str(r.get("status"))
+        else:
+            continue
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
 def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict], prefetch: bool) -> dict:
     """``make bench``'s gateway state (``bench.multi_lora_eval.state_yaml``) with vLLM upstreams."""
     keys = bench_state_yaml(path, catalog, tenants, hosts, prefetch)
@@ -299,7 +314,8 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
     cold = sum(h["on_demand_loads"] for h in per_host.values())
     registered = [r["registered"] for r in ok if "registered" in r]
     entry = {
-        "total": len(rows), "errors": len(rows) - len(ok), "served": served_n,
+        "total": len(rows), "errors": len(rows) - len(ok), "error_statuses": error_statuses(rows),
+        "served": served_n,
         "hits": served_n - cold, "hit_ratio": (served_n - cold) / served_n if served_n else None,
         "on_demand_loads": cold, "agent_loads": sum(h["agent_loads"] for h in per_host.values()),
         "unloads": sum(h["unloads"] for h in per_host.values()),

@@ -38,3 +38,10 @@ def test_inference_perf_summary_reads_the_tools_files():
     assert got["per_adapter"]["ip-adapter-01"]["ttft_ms"] == {"p50": 10.0, "p90": 20.0, "p99": 30.0}
     assert got["per_adapter"]["ip-adapter-15"] == {"successes": 0, "failures": 0, "ttft_ms": None}
     assert len(adapters()) == 15 and abs(sum(s for _, s in adapters()) - 1) < 1e-6
+
+
+def test_error_statuses_name_what_failed_each_request():
+    from bench.vllm_eval import error_statuses
+    rows = [{"status": 200}, {"status": 404}, {"status": 404}, {"status": 503}, {"error": "ReadTimeout"}]
+    assert error_statuses(rows) == {"404": 2, "503": 1, "transport": 1}
+    assert error_statuses([{"status": 200}]) == {}
