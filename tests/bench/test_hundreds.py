@@ -84,13 +84,15 @@ def test_trace_catalog_makes_missing_adapters_once(tmp_path, tmp_path_factory):
 
 
 SIXTEEN = ROOT / "data/multi_lora_eval/sixteen.json"
+VLLM_TRACE = ROOT / "data/multi_lora_eval/vllm_hosts.json"
 
 
-def test_committed_sixteen_trace_is_the_generator_output(tmp_path):
-    out = tmp_path / "s.json"
-    subprocess.run([sys.executable, str(GENERATE), "--scenario", "sixteen", "--out", str(out)], check=True,
+@pytest.mark.parametrize("scenario, committed", [("sixteen", SIXTEEN), ("vllm", VLLM_TRACE)])
+def test_committed_scenario_trace_is_the_generator_output(tmp_path, scenario, committed):
+    out = tmp_path / "t.json"
+    subprocess.run([sys.executable, str(GENERATE), "--scenario", scenario, "--out", str(out)], check=True,
                    capture_output=True)
-    assert out.read_bytes() == SIXTEEN.read_bytes()
+    assert out.read_bytes() == committed.read_bytes()
 
 
 def test_sixteen_has_its_shape():
@@ -101,15 +103,6 @@ def test_sixteen_has_its_shape():
     assert set({r["adapter"]: r["rank"] for r in reqs}.values()) <= {8, 16, 32, 64, 128}
     assert sum(1 for r in reqs if r["workflow"] == "one-off") >= 10
 
-
-VLLM_TRACE = ROOT / "data/multi_lora_eval/vllm_hosts.json"
-
-
-def test_committed_vllm_trace_is_the_generator_output(tmp_path):
-    out = tmp_path / "v.json"
-    subprocess.run([sys.executable, str(GENERATE), "--scenario", "vllm", "--out", str(out)], check=True,
-                   capture_output=True)
-    assert out.read_bytes() == VLLM_TRACE.read_bytes()
 
 
 def test_vllm_trace_exceeds_two_hosts_caches_threefold():
