@@ -45,6 +45,7 @@ import os
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -86,16 +87,9 @@ def first_requests(requests: list[dict], n: int) -> list[dict]:
 def error_statuses(rows: list[dict]) -> dict[str, int]:
     """The failed requests by what failed them: the HTTP status, or ``transport`` when no
     answer came (``error`` in the row)."""
-    out: dict[str, int] = {}
-    for r in rows:
-        if "error" in r:
-            key = "transport"
-        elif r.get("status") != 200:
-            key = str(r.get("status"))
-        else:
-            continue
-        out[key] = out.get(key, 0) + 1
-    return dict(sorted(out.items()))
+    failed = Counter("transport" if "error" in r else str(r.get("status"))
+                     for r in rows if "error" in r or r.get("status") != 200)
+    return dict(sorted(failed.items()))
 
 
 def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict], prefetch: bool) -> dict:

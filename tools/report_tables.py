@@ -540,8 +540,11 @@ def vllm_eval(r: dict) -> list[str]:
                 f"{e['on_demand_loads'] + e['agent_loads']} | {_ttft3(by_reg.get('registered'))} | "
                 f"{_ttft3(by_reg.get('not_registered'))} |")
     t = r["targets"]
-    failed = [f"{arm} {e['errors']} ({', '.join(f'{n} × HTTP {k}' if k.isdigit() else f'{n} × {k}' for k, n in e['error_statuses'].items())})"
-              if e.get("error_statuses") else f"{arm} {e['errors']}" for arm, e in arms.items() if e["errors"]]
+    def failure(arm: str, e: dict) -> str:
+        why = ", ".join(f"{n} × {'HTTP ' if k.isdigit() else ''}{k}" for k, n in (e.get("error_statuses") or {}).items())
+        return f"{arm} {e['errors']}" + (f" ({why})" if why else "")
+
+    failed = [failure(arm, e) for arm, e in arms.items() if e["errors"]]
     checks = [f"- 0 errors in every arm — {_ok(t['no_errors'])}" + (f": {'; '.join(failed)}" if failed else "") + "."]
     if "hits_over_affinity" in t:
         worse = [q for q, ok in t["ttft_no_worse_than_affinity"].items() if not ok]

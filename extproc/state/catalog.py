@@ -104,10 +104,10 @@ class Upstream:
     @property
     def victim_hints(self) -> int | None:
         """How many of this host's ranked victims (its pool model's, coldest first) a
-        request's own load names (``PrefetchSignal.evict``); None: the whole ranking. The
-        builtin engine: 2 (its busy set is exact, so the first two are rarely both taken).
-        vLLM and SGLang: all, since the adapters routed to within ``victim_grace_s`` leave
-        the list (``spare_routed``): with two names it often ended empty and the agent
-        chose by its own LRU, which knows no session's next step (in ``make bench
-        ENGINE=vllm``, 28 of 100 unloads on a host; docs/bench-history.md)."""
-        return 2 if self.flavour == "builtin" else None
+        request's own load names (``PrefetchSignal.evict``); None: the whole ranking.
+        Where just-routed adapters are spared (``victim_grace_s`` > 0: vLLM, SGLang) the
+        sender drops them from the list (``spare_routed``), and two names often left none,
+        so the agent chose by its own LRU, which knows no session's next step (33 of 105
+        evictions in one ``make bench ENGINE=vllm`` ace arm; docs/bench-history.md): the
+        whole ranking. Elsewhere (builtin, whose busy set is exact) the first two."""
+        return None if self.victim_grace_s > 0 else 2
