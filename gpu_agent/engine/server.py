@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,9 +55,15 @@ def _num(body: dict, key: str, kind: type, default: Any, lo: float | None = None
     v = body.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            kind is int and isinstance(v, float) and not v.is_integer()):
         raise InvalidRequest(f"`{key}` must be {'an integer' if kind is int else 'a number'}", param=key)
-    v = kind(v)
+    if isinstance(v, float) and not math.isfinite(v):   # json.loads takes NaN and Infinity;
+        raise InvalidRequest(f"`{key}` must be a finite number", param=key)   # sampling with them fails the batch
+    try:
+        v = kind(v)
+    except OverflowError:   # an integer beyond a double's range where a number is asked for
+        raise InvalidRequest(f"`{key}` is out of range", param=key) from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise InvalidRequest(f"`{key}` must be in [{lo}, {hi}], got {v}", param=key)
     return v
@@ -83,7 +90,7 @@ def parse_sampling(body: dict, *, chat: bool) -> Sampling:
         max_tokens=_num(body, max_key, int, 16, 1, None),
         temperature=_num(body, "temperature", float, 0.0, 0.0, 2.0),
         top_p=_num(body, "top_p", float, 1.0, 0.0, 1.0) or 1.0,
-        seed=_num(body, "seed", int, None),
+        seed=_num(body, "seed", int, None, -(2 ** 63), 2 ** 64 - 1),   # what torch.Generator takes
         stop=[s for s in stop if s],
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
@@ -567,7 +574,10 @@ def build_app(engine: Engine) -> web.Application:
 async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
     """Start serving in the running loop; returns the runner (``await runner.cleanup()``)
     and the bound port (``port=0`` picks a free one)."""
-    runner = web.AppRunner(build_app(engine), access_log=None)
+    # one header line up to 16 KiB (aiohttp's default is 8 KiB): Envoy's drop-in config lets
+    # 12 KiB of headers through and answers 431 itself beyond, so the engine is never the
+    # tighter limit (it would answer plain text and close the connection)
+    runner = web.AppRunner(build_app(engine), access_log=None, max_line_size=16384, max_field_size=16384)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

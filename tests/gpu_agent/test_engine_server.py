@@ -200,9 +200,15 @@ def test_models_health_and_errors(fx):
             ({"model": "code-sql", "prompt": "x", "max_tokens": 100000}, "max_tokens"),
             ({"model": "code-sql", "prompt": [1, 99999]}, "prompt"),
             ({"prompt": "x"}, "model"),
+            # json.loads takes these; sampling with a NaN temperature failed the whole batch
+            ({"model": "code-sql", "prompt": "x", "temperature": float("nan")}, "temperature"),
+            ({"model": "code-sql", "prompt": "x", "top_p": float("inf")}, "top_p"),
+            ({"model": "code-sql", "prompt": "x", "temperature": 10 ** 400}, "temperature"),
+            ({"model": "code-sql", "prompt": "x", "seed": 2 ** 64}, "seed"),
         ]
-        for body, param in bad:
-            r = await c.post("/v1/completions", json=body)
+        for body, param in bad:   # json.dumps: writes NaN and Infinity, as some clients do
+            r = await c.post("/v1/completions", content=json.dumps(body).encode(),
+                             headers={"content-type": "application/json"})
             assert r.status_code == 400, (body, r.text)
             assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
         r = await c.post("/v1/chat/completions", json={"model": "code-sql", "messages": "hi"})
