@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from extproc.domain.auth import Principal, authenticate
-from extproc.errors import BadRequest, InvalidField, MethodNotAllowed, PayloadTooLarge, Unauthorized
+from extproc.errors import (BadRequest, InvalidField, MethodNotAllowed, PayloadTooLarge, Unauthorized,
+                            UnsupportedMediaType)
 from extproc.domain.headers import TENANT_HEADER
 from extproc.app.outcomes import CONTINUE, Outcome, RequestHead
 from extproc.rewrite.codec import decode
@@ -62,7 +63,7 @@ def parse_object(body: bytes) -> dict[str, Any]:
 
 
 class Authenticated:
-    """Common header phase: POST only, a valid key, a body within the limit."""
+    """Common header phase: POST only, a valid key, a body within the limit, not compressed."""
 
     methods = ("POST",)
     response_body_phase = False
@@ -82,6 +83,13 @@ class Authenticated:
         if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
             raise PayloadTooLarge(f"body of {length} bytes exceeds the limit of "
                                   f"{snap.max_body_bytes} bytes")
+        encoding = h.get("content-encoding")
+        if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+            # the gateway reads and rewrites the body as JSON; a header that claims otherwise
+            # would reach the engine beside a plain body, which it then fails to decompress
+            raise UnsupportedMediaType(f"Content-Encoding {encoding[:40]!r} is not supported: "
+                                       "send the JSON body uncompressed", param="content-encoding",
+                                       code="unsupported_content_encoding")
         return self.after_auth(head)
 
     def after_auth(self, head: RequestHead) -> Outcome:

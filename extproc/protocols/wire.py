@@ -4,11 +4,12 @@ from __future__ import annotations
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
+from google.protobuf.message import DecodeError
 
 from extproc.app.outcomes import Continue, Outcome, Reply, RequestHead
 from extproc.domain.headers import SESSION_HEADER, SKILL_OVERRIDE_HEADER, TENANT_HEADER
 
-__all__ = ["request_head", "head_from_attributes", "to_response", "serialize_response", "set_headers", "pb",
+__all__ = ["UNREADABLE", "parse_request", "request_head", "head_from_attributes", "to_response", "serialize_response", "set_headers", "pb",
            "METADATA_NAMESPACE", "SERVICE", "NO_PHASE", "HEALTH_SERVICES"]
 
 # ImmediateResponse.details of every answer the gateway makes itself: Envoy's local-reply
@@ -28,12 +29,29 @@ _HEADER_CUT = len(_HEADER_ATTR)
 _METHOD, _PATH = "request.method", "request.url_path"
 #: (attribute key, header name) of the headers ace's Envoy config sends as request_attributes
 _ASKED = tuple((f"{_HEADER_ATTR}{name}']", name)
-               for name in ("authorization", TENANT_HEADER, SKILL_OVERRIDE_HEADER, SESSION_HEADER))
+               for name in ("authorization", TENANT_HEADER, SKILL_OVERRIDE_HEADER, SESSION_HEADER,
+                            "content-encoding"))
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY = {phase: pb.ProcessingResponse(**{phase: {}}) for phase in (
     "request_headers", "request_body", "response_headers", "response_body",
     "request_trailers", "response_trailers")}
+
+
+#: what ``parse_request`` returns for bytes that do not parse: this one (empty) instance,
+#: told apart by identity (not None: grpcio's sync server takes None as a failed parse)
+UNREADABLE = pb.ProcessingRequest()
+
+
+def parse_request(data: bytes) -> pb.ProcessingRequest:
+    """A ``ProcessingRequest`` from its bytes, or ``UNREADABLE`` when they do not parse. A
+    client reaches this: Envoy copies a header it was asked for (``request_attributes``)
+    into a proto ``string``, which must be UTF-8, and HTTP/1 lets a header carry any byte
+    (an ``Authorization: Bearer \\xff``). The stream answers it with a 400 (``dispatch``)."""
+    try:
+        return pb.ProcessingRequest.FromString(data)
+    except DecodeError:
+        return UNREADABLE
 
 
 def request_head(msg: pb.HttpHeaders) -> RequestHead:

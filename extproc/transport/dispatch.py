@@ -5,7 +5,10 @@ The servers are transports (``extproc.transport.h2server`` + ``extproc.transport
 ``extproc.transport.grpc_servers``: ``aio`` and ``threads`` on grpcio). For each ``Process`` call they
 ``open()`` a stream, hand it each ProcessingRequest (``answer``), write the answers it
 returns in order, and end the gRPC stream (status OK) once ``ended`` is true; an
-``InvalidMessage`` ends it with INVALID_ARGUMENT and the error's text. Nothing else.
+``InvalidMessage`` ends it with INVALID_ARGUMENT and the error's text. Nothing else. A
+message whose bytes do not parse (``wire.parse_request``: a client's header that is not
+UTF-8, copied into a proto string) is handed over as ``wire.UNREADABLE`` and answered with
+a 400 (``UNREADABLE_ERROR``) that ends the stream, the same in every server flavour.
 
 - protocol ``ace`` (``ExchangeStream``): one answer per message from the request's
   ``extproc.app.exchange.Exchange``; the stream ends with the exchange's last answer (``done_after``).
@@ -23,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from grpc_health.v1 import health, health_pb2
 
 from extproc.protocols.epp import EppStats, EppStream
-from extproc.errors import InvalidMessage
-from extproc.app.outcomes import CONTINUE
-from extproc.protocols.wire import (HEALTH_SERVICES, NO_PHASE, head_from_attributes, pb, request_head,
+from extproc.errors import BadRequest, InvalidMessage
+from extproc.app.outcomes import CONTINUE, Reply
+from extproc.protocols.wire import (HEALTH_SERVICES, NO_PHASE, UNREADABLE, head_from_attributes, pb, request_head,
                           serialize_response, to_response)
 
 if TYPE_CHECKING:
@@ -35,6 +38,19 @@ __all__ = ["Dispatcher", "ExchangeStream", "PickerStream", "ServingHealth", "SER
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+#: the answer to a message that does not parse: the request cannot be read, so it is refused
+UNREADABLE_ERROR = BadRequest("the request's headers could not be read: a header or the path is not "
+                        "valid UTF-8", code="invalid_header_encoding")
+
+
+def _unreadable(gateway: "Gateway", as_bytes: bool) -> Sequence[Any]:
+    gateway.metrics.error(UNREADABLE_ERROR.status, UNREADABLE_ERROR.code)
+    reply = Reply(UNREADABLE_ERROR.status, UNREADABLE_ERROR.to_json())
+    # an immediate response answers any request phase alike
+    return (serialize_response("request_headers", reply) if as_bytes
+            else to_response("request_headers", reply),)
 
 
 class ExchangeStream:
@@ -49,6 +65,9 @@ class ExchangeStream:
 
     def answer(self, msg: pb.ProcessingRequest) -> Sequence[Any]:
         exchange = self.exchange
+        if msg is UNREADABLE:
+            self.ended = True
+            return _unreadable(exchange.gw, self.as_bytes)
         phase = msg.WhichOneof("request")
         if phase == "request_body":
             outcome = exchange.on_request_body(
@@ -71,14 +90,18 @@ class ExchangeStream:
 class PickerStream:
     """One ext_proc stream in the endpoint picker protocol (``extproc.protocols.epp``)."""
 
-    __slots__ = ("stream", "as_bytes")
-    ended = False   # Envoy half-closes it
+    __slots__ = ("stream", "as_bytes", "gateway", "ended")
 
     def __init__(self, gateway: "Gateway", stats: EppStats, as_bytes: bool) -> None:
         self.stream = EppStream(gateway, stats)
         self.as_bytes = as_bytes
+        self.gateway = gateway
+        self.ended = False   # Envoy half-closes it, but for an unreadable message
 
     def answer(self, msg: pb.ProcessingRequest) -> Sequence[Any]:
+        if msg is UNREADABLE:
+            self.ended = True
+            return _unreadable(self.gateway, self.as_bytes)
         answers = self.stream.handle(msg)
         return [a.SerializeToString() for a in answers] if self.as_bytes else answers
 

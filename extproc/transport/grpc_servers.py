@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from extproc.transport.dispatch import Dispatcher, ServingHealth
 from extproc.errors import InvalidMessage
+from extproc.protocols.wire import parse_request, pb
 from extproc.transport.handover import await_handover, serve_until_signal
 from extproc.transport.h2server import H2Server, serve_h2
 from extproc.transport.health_port import ServerLifecycle
@@ -74,6 +75,17 @@ class AioExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 return   # ends the stream: Envoy needs us no more for this request
 
 
+def _add_processor(server, servicer: pb_grpc.ExternalProcessorServicer) -> None:
+    """``add_ExternalProcessorServicer_to_server``, but a message that does not parse reaches
+    ``Process`` as ``wire.UNREADABLE`` (``wire.parse_request``), answered with a 400, instead of
+    grpcio ending the call INTERNAL (a 503 from a fail-closed Envoy)."""
+    handler = grpc.method_handlers_generic_handler("envoy.service.ext_proc.v3.ExternalProcessor", {
+        "Process": grpc.stream_stream_rpc_method_handler(
+            servicer.Process, request_deserializer=parse_request,
+            response_serializer=pb.ProcessingResponse.SerializeToString)})
+    server.add_generic_rpc_handlers((handler,))
+
+
 def _add_port(server, listen: str, tls: ServingCert | None) -> int:
     if tls is None:
         return server.add_insecure_port(listen)
@@ -88,7 +100,7 @@ async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protoco
                     tls: ServingCert | None = None, lifecycle: ServerLifecycle | None = None,
                     handover_s: float = 0.0) -> None:
     server = grpc.aio.server(options=_OPTIONS)
-    pb_grpc.add_ExternalProcessorServicer_to_server(AioExternalProcessor(gateway, protocol), server)
+    _add_processor(server, AioExternalProcessor(gateway, protocol))
     health_servicer = await ServingHealth().grpcio_aio_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = _add_port(server, listen, tls)
@@ -104,7 +116,7 @@ async def serve_aio(gateway: Gateway, listen: str, grace_s: float = 5.0, protoco
 def build_server(gateway: Gateway, listen: str, workers: int, protocol: str = "ace",
                  tls: ServingCert | None = None) -> tuple[grpc.Server, health.HealthServicer, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_OPTIONS)
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, protocol), server)
+    _add_processor(server, ExternalProcessor(gateway, protocol))
     health_servicer = ServingHealth().grpcio_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = _add_port(server, listen, tls)

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2
 from extproc.errors import InvalidMessage
 from extproc.transport.h2frames import (HEADERS, END_HEADERS, RESPONSE_HEADERS, TRAILERS_OK, RecvWindow, frame,
                               status_block)
-from extproc.protocols.wire import pb
+from extproc.protocols.wire import parse_request, pb
 
 __all__ = ["Call", "ProcessCall", "NullProcessCall", "HealthCheckCall", "UnknownCall"]
 
@@ -72,7 +72,7 @@ class ProcessCall(Call):
     def on_message(self, data: bytes) -> None:
         stream = self.stream
         try:
-            answers = stream.answer(pb.ProcessingRequest.FromString(data))
+            answers = stream.answer(parse_request(data))
         except InvalidMessage as exc:
             self.finish(INVALID_ARGUMENT, str(exc))
             return

@@ -894,15 +894,29 @@ def test_sigterm_drain_is_bounded(state, tmp_path):
             release.set()
 
 
-def test_unparseable_message_fails_the_call_only(h2, aio, no_errors_logged):
-    with channel(h2.address) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            list(ch.stream_stream(PROCESS)(iter([b"\xff\xff\xff"]), timeout=TIMEOUT))
-    with channel(aio) as ch:
-        with pytest.raises(grpc.RpcError) as ref:
-            list(ch.stream_stream(PROCESS)(iter([b"\xff\xff\xff"]), timeout=TIMEOUT))
-    assert err.value.code() == grpc.StatusCode.INTERNAL   # gRPC's code for it; grpc.aio says UNKNOWN
-    assert ref.value.code() == grpc.StatusCode.UNKNOWN
+def _not_utf8_key() -> bytes:
+    """The one-message request of a client that sent ``Authorization: Bearer \xc3\xff``:
+    Envoy copies the header's bytes into the attribute, a proto string, as they are."""
+    raw = body_request(chat(), authorization="Bearer @@").SerializeToString()
+    assert raw.count(b"Bearer @@") == 1
+    return raw.replace(b"Bearer @@", b"Bearer \xc3\xff")
+
+
+def _refused_400(answers: list[bytes]) -> dict:
+    assert len(answers) == 1
+    reply = pb.ProcessingResponse.FromString(answers[0]).immediate_response
+    assert reply.status.code == 400
+    return json.loads(reply.body)["error"]
+
+
+@pytest.mark.parametrize("raw", [_not_utf8_key(), b"\xff\xff\xff"], ids=["key not utf-8", "garbage"])
+def test_a_message_that_does_not_parse_is_refused_with_a_400(h2, aio, no_errors_logged, raw):
+    """Not the call's INTERNAL, which a fail-closed Envoy turns into a 503 (a client's odd
+    header is not the gateway being down); the same on the h2 and grpc.aio servers."""
+    for address in (h2.address, aio):
+        with channel(address) as ch:
+            answers = list(ch.stream_stream(PROCESS)(iter([raw]), timeout=TIMEOUT))
+        assert _refused_400(answers)["code"] == "invalid_header_encoding"
     assert_still_serving(h2)
 
 
@@ -960,3 +974,10 @@ def test_epp_same_answers_on_every_flavour(epp_servers, name):
 def test_epp_health_services_on_every_flavour(epp_servers, service):
     for address in epp_servers.values():
         assert health_check(address, service) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_epp_refuses_a_message_that_does_not_parse_on_every_flavour(epp_servers):
+    for address in epp_servers.values():
+        with channel(address) as ch:
+            answers = list(ch.stream_stream(PROCESS)(iter([_not_utf8_key()]), timeout=TIMEOUT))
+        assert _refused_400(answers)["code"] == "invalid_header_encoding"

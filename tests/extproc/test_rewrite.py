@@ -11,7 +11,7 @@ from extproc.state.catalog import Upstream
 from extproc.domain.decision import InferenceRequest, decide
 from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport
 from extproc.rewrite import rewrite_request
-from extproc.rewrite.codec import decode, encode
+from extproc.rewrite.codec import decode, encode, loads_strict
 from tests.support.seeds import SEED_EXECUTE, SEED_HINTS
 
 BODY = {"model": "ace-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
@@ -174,14 +174,14 @@ JSON_CORPUS = [
 
 
 @pytest.mark.parametrize("raw", JSON_CORPUS)
-def test_decode_is_json_loads(raw):
+def test_decode_is_strict_json_loads(raw):
     """Same value (types, key order, float spelling) or the same exception and message."""
-    mine, theirs = _outcome(decode, raw), _outcome(json.loads, raw)
+    mine, theirs = _outcome(decode, raw), _outcome(loads_strict, raw)
     assert mine[0] == theirs[0]
     assert _same(mine[1], theirs[1]) if mine[0] == "ok" else mine[1] == theirs[1]
 
 
-def test_decode_is_json_loads_on_mutated_bodies():
+def test_decode_is_strict_json_loads_on_mutated_bodies():
     rng = random.Random(7)
     bases = [json.dumps({"model": "code-python", "messages": [{"role": "user", "content": "Write a parser. " * 20}],
                          "temperature": 0.7, "seed": 42, "stop": None, "stream": False}).encode(),
@@ -199,9 +199,23 @@ def test_decode_is_json_loads_on_mutated_bodies():
                 raw[at:at] = bytes([rng.choice(alphabet)])
             else:
                 raw[at:at] = rng.choice(numbers).encode()
-        mine, theirs = _outcome(decode, bytes(raw)), _outcome(json.loads, bytes(raw))
+        mine, theirs = _outcome(decode, bytes(raw)), _outcome(loads_strict, bytes(raw))
         assert mine[0] == theirs[0], raw
         assert _same(mine[1], theirs[1]) if mine[0] == "ok" else mine[1] == theirs[1], raw
+
+
+@pytest.mark.parametrize("raw", [b'{"a":NaN}', b'{"a":Infinity}', b'{"a":-Infinity}', b'{"a":1e400}',
+                                 b'{"a":[1,-1e309]}', b'{"t":NaN,"n":' + b"9" * 30 + b'}'])
+def test_decode_refuses_what_is_not_a_json_number(raw):
+    """``json.loads`` takes these (as nan / inf); an engine sampling with them fails its batch."""
+    assert not isinstance(_outcome(json.loads, raw)[0], type)   # json itself takes them
+    with pytest.raises(ValueError):
+        decode(raw)
+
+
+def test_decode_keeps_every_finite_number():
+    raw = b'{"a":1e-400,"b":1.7976931348623157e308,"c":-0.0,"d":' + b"9" * 30 + b',"e":5e-324}'
+    assert _same(decode(raw), json.loads(raw))
 
 
 @pytest.mark.parametrize("obj, spelled", [
