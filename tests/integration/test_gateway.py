@@ -309,6 +309,82 @@ def test_error_body_over_limit_413(stack):
          "payload_too_large")
 
 
+def test_error_numbers_json_does_not_have_400_and_never_reach_the_engine(stack):
+    """NaN, Infinity and 1e400 are what Python's json takes and an engine sampling with them
+    fails on (the builtin engine failed the whole batch's forward pass)."""
+    before = len(stack.up.requests)
+    for raw in (b'{"model": "ace-tiny-llama", "messages": [], "temperature": NaN}',
+                b'{"model": "ace-tiny-llama", "messages": [], "top_p": Infinity}',
+                b'{"model": "ace-tiny-llama", "messages": [], "temperature": 1e400}'):
+        _err(stack.post("/v1/chat/completions", raw, ALICE), 400, "invalid_json")
+    assert len(stack.up.requests) == before
+
+
+def test_error_compressed_body_415(stack):
+    """The gateway reads and rewrites the body as JSON: a Content-Encoding beside it is
+    refused, not sent on (the engine then failed to decompress the plain body: a 500)."""
+    before = len(stack.up.requests)
+    err = _err(stack.post("/v1/chat/completions", CHAT, {**ALICE, "content-encoding": "gzip"}), 415,
+               "unsupported_content_encoding")
+    assert err["param"] == "content-encoding"
+    assert len(stack.up.requests) == before
+    assert stack.post("/v1/chat/completions", CHAT, {**ALICE, "content-encoding": "identity"}).status_code == 200
+
+
+def test_error_key_that_is_not_utf8_is_a_400_not_a_503(stack):
+    """HTTP/1 lets a header carry any byte; Envoy copies the key into a proto string for the
+    ext_proc, which must be UTF-8. The message that does not parse is refused with a 400
+    (it was the gRPC call's INTERNAL, which fail-closed Envoy answered 503)."""
+    port = int(stack.base.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=scaled(30))
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        body = json.dumps(CHAT).encode()
+        conn.putheader("authorization", b"Bearer \xc3\xa9\xff")
+        conn.putheader("content-type", "application/json")
+        conn.putheader("content-length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        assert (r.status, r.getheader("content-type")) == (400, "application/json")
+        assert json.loads(r.read())["error"]["code"] == "invalid_header_encoding"
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("raw, status", [
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}", 426),
+], ids=["request line", "chunk size", "HTTP/1.0"])
+def test_error_requests_envoy_refuses_are_openai_errors(stack, raw, status):
+    """Envoy's HTTP codec answers these itself (they never reach the ext_proc): JSON too."""
+    import socket
+    port = int(stack.base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=scaled(30)) as sock:
+        sock.sendall(raw)
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status}".encode()), data[:300]
+    assert b"content-type: application/json" in head.lower()
+    assert json.loads(body)["error"]["code"] == "malformed_request"
+
+
+def test_error_headers_over_limit_431_from_envoy(stack):
+    """12 KiB of request headers at most (vLLM's server refuses a 16 KiB head in plain text):
+    beyond, Envoy answers 431 itself, OpenAI-shaped; just under, the request is served."""
+    under = {f"x-pad-{i}": "p" * 2000 for i in range(5)}           # ~10 KiB
+    r = stack.post("/v1/chat/completions", CHAT, {**ALICE, **under})
+    assert r.status_code == 200, r.text
+    assert stack.last().headers["x-pad-4"] == "p" * 2000
+    over = {f"x-pad-{i}": "p" * 2000 for i in range(7)}            # ~14 KiB
+    _err(stack.post("/v1/chat/completions", CHAT, {**ALICE, **over}), 431, "request_headers_too_large")
+
+
 def _http_client_post(port: int, path: str, body, chunked: bool = False) -> tuple[int, str, bytes]:
     """POST the way urllib/requests do (http.client): the whole body, then the answer."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=scaled(60))
