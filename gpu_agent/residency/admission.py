@@ -139,7 +139,7 @@ class PrefetchAdmission:
         mine = load_ms(spec)
         waste = mine * self.waste_share
         victim = self.holdings.likely_victim(spec, hints)
+        reuse = victim_reuse_probability or 0.0   # checked even with no victim: never ignored if invalid
         if victim is None:
-            return HintBet(probability, mine, waste_ms=waste)
-        return HintBet(probability, mine, victim_reuse_probability or 0.0,
-                       load_ms(self._states[victim].spec), waste_ms=waste)
+            return HintBet(probability, mine, reuse, waste_ms=waste)
+        return HintBet(probability, mine, reuse, load_ms(self._states[victim].spec), waste_ms=waste)

@@ -101,12 +101,16 @@ def test_the_agent_refuses_a_bet_that_does_not_pay_and_holds_off_while_a_request
                                        what="the request's load in flight")
                 assert await prefetch("a1", probability=1.0) == ("REJECTED", "demand_queued")
                 assert await prefetch("a1", probability=float("nan")) == ("REJECTED", "invalid_probability")
+                # checked whether or not the load would need a victim
+                assert await prefetch("a1", probability=1.0, victim_reuse_probability=float("inf")) == \
+                    ("REJECTED", "invalid_probability")
                 assert await prefetch("a1") == ("ACCEPTED", "")
                 engine.go.set()
                 await request
             m = manager.metrics
-            for outcome in ("rejected_not_worth", "rejected_demand_queued", "rejected_invalid_probability"):
-                assert m.counter("ace_agent_prefetch_total", outcome=outcome) == 1, outcome
+            for outcome, n in (("rejected_not_worth", 1), ("rejected_demand_queued", 1),
+                               ("rejected_invalid_probability", 2)):
+                assert m.counter("ace_agent_prefetch_total", outcome=outcome) == n, outcome
         finally:
             health.cancel()
             await server.stop(grace=None)
