@@ -574,10 +574,10 @@ def build_app(engine: Engine) -> web.Application:
 async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
     """Start serving in the running loop; returns the runner (``await runner.cleanup()``)
     and the bound port (``port=0`` picks a free one)."""
-    # one header line up to 16 KiB (aiohttp's default is 8 KiB): Envoy's drop-in config lets
-    # 12 KiB of headers through and answers 431 itself beyond, so the engine is never the
-    # tighter limit (it would answer plain text and close the connection)
-    runner = web.AppRunner(build_app(engine), access_log=None, max_line_size=16384, max_field_size=16384)
+    # one header line up to 64 KiB (aiohttp's default is 8 KiB): what Envoy lets through (60 KiB
+    # of headers; beyond, it answers 431 itself) the engine takes too, as vLLM's server does,
+    # instead of a plain-text 400 and a closed connection
+    runner = web.AppRunner(build_app(engine), access_log=None, max_line_size=65536, max_field_size=65536)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -375,13 +375,13 @@ def test_error_requests_envoy_refuses_are_openai_errors(stack, raw, status):
 
 
 def test_error_headers_over_limit_431_from_envoy(stack):
-    """12 KiB of request headers at most (vLLM's server refuses a 16 KiB head in plain text):
-    beyond, Envoy answers 431 itself, OpenAI-shaped; just under, the request is served."""
-    under = {f"x-pad-{i}": "p" * 2000 for i in range(5)}           # ~10 KiB
+    """Beyond Envoy's 60 KiB of request headers, Envoy answers 431 itself, OpenAI-shaped (it
+    was plain text); below, the request is served."""
+    under = {f"x-pad-{i}": "p" * 2000 for i in range(25)}           # ~50 KiB
     r = stack.post("/v1/chat/completions", CHAT, {**ALICE, **under})
     assert r.status_code == 200, r.text
-    assert stack.last().headers["x-pad-4"] == "p" * 2000
-    over = {f"x-pad-{i}": "p" * 2000 for i in range(7)}            # ~14 KiB
+    assert stack.last().headers["x-pad-24"] == "p" * 2000
+    over = {f"x-pad-{i}": "p" * 2000 for i in range(35)}            # ~70 KiB
     _err(stack.post("/v1/chat/completions", CHAT, {**ALICE, **over}), 431, "request_headers_too_large")
 
 
