@@ -140,7 +140,9 @@ def _deny(handler):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid agent token")
         yield  # pragma: no cover - makes this an async generator
 
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    # the request is not parsed: a peer without the token never reaches the protobuf parser
+    # (its garbage was an UNKNOWN and a logged traceback per call, not UNAUTHENTICATED)
+    kw = dict(request_deserializer=None, response_serializer=handler.response_serializer)
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(stream, **kw)
     return grpc.unary_unary_rpc_method_handler(unary, **kw)

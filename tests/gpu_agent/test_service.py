@@ -176,6 +176,11 @@ def test_token_auth_required_but_health_open(tmp_path):
                     async for _ in stub.WatchResidency(pb.WatchRequest()):
                         pass
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                # bytes that are no message, without the token: refused before any parse
+                for raw in (b"\xff\xff\xff", b"\x0a\x02\xc3\xff"):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await ch.unary_unary("/ace.agent.v1.Agent/Prefetch")(raw)
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 health = health_pb2_grpc.HealthStub(ch)
                 h = await health.Check(health_pb2.HealthCheckRequest(service=""))
                 assert h.status == health_pb2.HealthCheckResponse.SERVING
