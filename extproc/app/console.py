@@ -207,8 +207,9 @@ class TenantKeys(_ConsoleCall):
         role = parse_role(req.get("role", "developer"))
         check_grant(caller, tenant, role)
         name = req.get("name", "")
-        if not isinstance(name, str) or len(name) > 200:
-            raise InvalidField("name must be a string of at most 200 characters", param="name")
+        if not isinstance(name, str) or len(name) > 200 or not name.isprintable():
+            # printable: a name is shown on the settings page and written in log lines
+            raise InvalidField("name must be a string of at most 200 printable characters", param="name")
         now = time.time()
         secret, new = issue(tenant, name, role, parse_expiry(req.get("expires"), now), now)
         snap = self.gw.store.add_key(new)

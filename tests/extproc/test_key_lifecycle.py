@@ -194,6 +194,8 @@ def test_a_tenant_admin_cannot_reach_another_tenant_or_escalate(store):
     err(call(gw, "/api/v1/tenant/keys", "alice", "POST", {"tenant": "globex"}), 403, "tenant_mismatch")
     err(call(gw, "/api/v1/tenant/keys", "alice", "POST", {"role": "owner"}), 422, "invalid_value")
     err(call(gw, "/api/v1/tenant/keys", "alice", "POST", {"expires": "2001-01-01"}), 422, "invalid_value")
+    for name in ("ci\nINFO forged log line", "a\x00b", "x" * 201, 5):   # shown on the page, written in logs
+        err(call(gw, "/api/v1/tenant/keys", "alice", "POST", {"name": name}), 422, "invalid_value")
     for path in ("/api/v1/tenant/keys/rotate", "/api/v1/tenant/keys/revoke"):
         err(call(gw, path, "alice", "POST", {"id": bob}), 404, "key_not_found")       # globex's: not found
         err(call(gw, path, "alice", "POST", {"id": "abc"}), 422, "invalid_value")
