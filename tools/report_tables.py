@@ -532,7 +532,8 @@ def vllm_eval(r: dict) -> list[str]:
     for arm, e in arms.items():
         ag = e.get("agents") or {}
         pf = f"{ag.get('prefetch:accepted', 0)}/{sum(v for k, v in ag.items() if k.startswith('prefetch:rejected'))}"
-        rows.append(f"| {arm} | {e['hits']}/{e['served']} | {e['on_demand_loads']} | {e['agent_loads']} | "
+        re_reads = f" ({e['re_reads']} re-reads)" if e.get("re_reads") else ""
+        rows.append(f"| {arm} | {e['hits']}/{e['served']} | {e['on_demand_loads']}{re_reads} | {e['agent_loads']} | "
                     f"{e['unloads']} | {pf} | {_ttft3(e['ttft_ms'])} | {e['errors']} | "
                     + ", ".join(f"{v:.2f}" for v in e["engine_busy"].values())
                     + f" | {' → '.join(f'{v:g}' for v in e['machine_load_avg_1m'])} |")
@@ -569,11 +570,15 @@ def vllm_eval(r: dict) -> list[str]:
     out = [
         "### Real vLLM hosts — `make bench ENGINE=vllm` → `reports/vllm_eval.json`",
         "",
-        f"{hosts} real vLLM hosts (CPU build, the fixtures' model, `{flags}`, filesystem resolver) with their agents; "
+        f"{hosts} real vLLM hosts (CPU build, the fixtures' model, `{flags}`, filesystem resolver) with their agents "
+        "(in the vllm-router arms they only watch: they unload nothing); "
         f"the first {r['requests']} requests (whole sessions, {r['adapters']} adapters) of `{r['trace']}`, "
         f"closed-loop, arms in the order {', '.join(r['arm_order'])}. `vllm_router`: vllm-router's default policy "
         "(`cache_aware`); `vllm_router_session`: its `consistent_hash` on the session the client sends. Hits = "
-        "requests vLLM served − its resolver's on-demand loads; prefetch = the agents' accepted / refused hints; "
+        "requests vLLM served − its on-demand loads: the reads into its CPU cache that requests waited for (its "
+        "resolver's registrations, and re-reads of registered adapters its CPU LRU had dropped, which vLLM does not "
+        "log: ace's measuring plugin, tools/vllm_measure, counts every read); prefetch = the agents' accepted / "
+        "refused hints; "
         "`engine_busy`: vLLM's CPU seconds per wall second per thread, per host; load = the machine's 1-minute load "
         "average at the arm's start → end.",
         "",

@@ -139,7 +139,7 @@ def cpu_seconds(pid: int) -> float:
 
 def _vllm_env(resolver_dir: Path, threads: int | None) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_NO_USAGE_STATS="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", VLLM_PLUGINS="lora_filesystem_resolver",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", VLLM_PLUGINS="lora_filesystem_resolver,ace_measure",
                VLLM_LORA_RESOLVER_CACHE_DIR=str(resolver_dir.resolve()))
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")

@@ -34,6 +34,7 @@ from tests.support.agent import AUTH, TOKEN
 from tests.support.vllm import BASE_MODEL, fixtures_dir, vllm_python
 from tests.support.wait import wait_until
 from tools.vllm_fleet import VLLMFlags, peak_rss_mb, vllm_fleet
+from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ_MARK, REGISTERED as MEASURE_REGISTERED
 
 pytestmark = pytest.mark.vllm
 
@@ -162,6 +163,10 @@ def test_accounting_per_host(fleet):
         assert served(h) - before[n] == sent[n], n
         assert hits[n] + cold[n] + by_agent[n] == sent[n], n
         assert agent_loads[n] <= accepted[n], n
+        # ace's measuring plugin (tools/vllm_measure) runs in vLLM and sees every read into its
+        # CPU cache: each registration, and any re-read of one its CPU LRU had dropped
+        assert log_lines(h, MEASURE_REGISTERED) >= 1, n
+        assert log_lines(h, CPU_CACHE_READ_MARK) >= cold[n] + agent_loads[n], n
     assert sum(agent_loads.values()) > 0          # the agents prefetched into vLLM
     assert prefetched <= sum(hits.values())
 
