@@ -281,3 +281,66 @@ def test_the_shrink_after_an_engine_load_evicts_by_the_gateways_latest_ranking(t
         finally:
             await mgr.close()
     run(main())
+
+
+def test_a_requests_own_signal_makes_room_at_once_where_the_engine_registers_it_itself(tmp_path):
+    """vLLM's resolver registers the request's adapter when the request arrives, into a CPU
+    cache of the agent's device size: the agent frees the gateway's victim at once, not
+    after its own load's turn (it waits while vLLM runs requests), so vLLM never drops a
+    registered adapter by its own LRU (it then stays registered: a silent re-read)."""
+    async def main():
+        eng = FakeConnector(capacity=3)
+        eng.registers_on_demand = True
+        mgr = await full_pool(tmp_path, eng)
+        turn = asyncio.Event()
+
+        async def prefetch_turn() -> bool:   # vLLM busy with the request: the load waits
+            await turn.wait()
+            return True
+        eng.prefetch_turn = prefetch_turn
+        try:
+            assert mgr.prefetch("a4", priority=1, reason="request_cold", evict=["a2"]).outcome \
+                is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: unloads(eng) == ["a2"], what="the victim unloaded ahead")
+            assert ("load", "a4") not in eng.calls and set(eng.held) == {"a1", "a3"}
+            turn.set()
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="a4 loaded in its turn")
+            assert unloads(eng) == ["a2"] and set(eng.held) == {"a1", "a3", "a4"}
+            # a prefetch (not a request's own signal) still makes its room in its turn
+            turn.clear()
+            assert mgr.prefetch("a2", priority=1, probability=0.9, victim_reuse_probability=0.0,
+                                evict=["a1"]).outcome is ResidencyOutcome.ACCEPTED
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert unloads(eng) == ["a2"]
+            turn.set()
+            await async_wait_until(lambda: mgr.view("a2").tier is Tier.DEVICE, what="a2 loaded")
+        finally:
+            turn.set()
+            await mgr.close()
+    run(main())
+
+
+def test_without_an_engine_that_registers_by_itself_the_room_waits_for_the_load(tmp_path):
+    async def main():
+        eng = FakeConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        turn = asyncio.Event()
+
+        async def prefetch_turn() -> bool:
+            await turn.wait()
+            return True
+        eng.prefetch_turn = prefetch_turn
+        try:
+            mgr.prefetch("a4", priority=1, reason="request_cold", evict=["a2"])
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert unloads(eng) == []
+            turn.set()
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="a4 loaded")
+            assert unloads(eng) == ["a2"]
+        finally:
+            turn.set()
+            await mgr.close()
+    run(main())
+
