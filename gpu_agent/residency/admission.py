@@ -87,9 +87,6 @@ class PrefetchAdmission:
         hints = self._known_hints(name, evict)
         if probability is None and hints and reason.startswith(REQUEST_REASON):
             self.holdings.rank_victims(hints)
-        if probability is None and reason.startswith(REQUEST_REASON) and self.holdings.connector.registers_on_demand:
-            # the request reaches the engine before this load's turn: its room, now
-            self.pipeline.room_ahead(spec, hints)
         inflight = self.pipeline.inflight
         if name in inflight or name in self.queue:
             if hints and name not in inflight:

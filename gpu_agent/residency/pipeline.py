@@ -85,31 +85,6 @@ class LoadPipeline:
         task.add_done_callback(self._ahead.discard)
         return True
 
-    def room_ahead(self, spec: Adapter, hints: tuple[str, ...]) -> bool:
-        """Make device room for ``spec`` now, for a request on its way to an engine that
-        registers a missing adapter itself when the request arrives (vLLM's resolver),
-        ahead of the agent's own load, which waits its turn behind that request. vLLM's
-        CPU cache holds ``--max-cpu-loras`` adapters: registering one more makes vLLM drop
-        its own least recently used at once, which then stays registered (a re-read on its
-        next request) unless it is the one the agent unloads after. Made now, the room
-        means vLLM drops nothing, and the victim is the gateway's (``hints``) or the
-        agent's LRU, as for any load. True when started; with room already, or an engine
-        that manages its own memory, nothing to do."""
-        if self.connector.self_managed or spec.name in self.holdings.device or self.holdings.has_free_room(spec):
-            return False
-
-        async def room() -> None:
-            try:
-                async with self.holdings.lock:
-                    if spec.name not in self.holdings.device:
-                        await self.holdings.make_device_room(spec, hints)
-            except Exception as exc:  # the load itself makes room again, and reports it
-                log.info("room ahead of %s: %s", spec.name, exc)
-        task = asyncio.ensure_future(room())
-        self._ahead.add(task)
-        task.add_done_callback(self._ahead.discard)
-        return True
-
     # ---- the workers -----------------------------------------------------------------
     async def work_off_queue(self) -> None:
         while True:
