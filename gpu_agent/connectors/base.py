@@ -63,12 +63,6 @@ class EngineConnector(abc.ABC):
     #: (gpu_agent.residency.admission); and since that loop is the engine's, a prefetch's
     #: fetch waits for ``prefetch_turn`` too (gpu_agent.residency.pipeline).
     loads_on_demand: bool = False
-    #: True when the engine, in its own process, registers an adapter a request names that
-    #: it does not hold (vLLM's filesystem resolver) into a cache of the agent's device size,
-    #: dropping its own least recently used adapter at once: the slot is then freed by the
-    #: agent's recency order (the closest to the engine's), not the gateway's ranking, which
-    #: would lose a second adapter (gpu_agent.residency.pipeline, .holdings).
-    registers_on_demand: bool = False
     #: The share of a load's time the engine's compute loses to it: a speculative load
     #: that is not used costs whoever arrives meanwhile that much, and the speculation
     #: budget charges it so (``HintBet.waste_ms`` = share x the load's expected time).

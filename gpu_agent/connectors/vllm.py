@@ -68,7 +68,6 @@ def parse_lora_metrics(text: str) -> tuple[set[str], set[str]]:
 class VLLMConnector(EngineConnector):
     kind = "vllm"
     load_compute_share = 1.0
-    registers_on_demand = True   # its filesystem resolver, where deployed
 
     def __init__(self, url: str, max_cpu_loras: int | None = 4, timeout_s: float = 30.0,
                  api_key: str | None = None, client: httpx.AsyncClient | None = None,

@@ -187,9 +187,7 @@ class TierHoldings:
         busy = (await self.connector.busy() if busy is None else busy) | self.spared()
         short = Shortfall(count=len(self.device) - self.device_count)
         evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._loading  # noqa: E731
-        order = ordered(self.device, self.device.__getitem__, evictable)
-        if not self.connector.registers_on_demand:   # there, the engine dropped its own LRU already
-            order = hinted_first(order, self.ranking())
+        order = hinted_first(ordered(self.device, self.device.__getitem__, evictable), self.ranking())
         for victim in plan_evictions(order, short):
             await self.unload(victim, EvictReason.BUDGET, why="the device tier is over its budget")
 

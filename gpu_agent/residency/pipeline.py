@@ -144,16 +144,6 @@ class LoadPipeline:
             self.metrics.inc("ace_agent_prefetch_cancelled_total", reason="no_room")
             raise PrefetchGivenUp(f"prefetch of {spec.name}: loads only into free room, and there is none")
 
-    async def _engine_registered(self, name: str) -> bool:
-        """Whether an engine that registers adapters for its requests itself holds ``name``
-        already; False for the others, or when it cannot tell."""
-        if not self.connector.registers_on_demand:
-            return False
-        try:
-            return name in await self.connector.loaded()
-        except AgentError:
-            return False
-
     def _load_done(self, name: str) -> None:
         self.inflight.pop(name, None)
         self._publish(name)
@@ -212,11 +202,6 @@ class LoadPipeline:
                 if name not in self.holdings.device:
                     if room_only and name not in self.demand:
                         self._give_up_without_room(spec)
-                    if hints and not priced and await self._engine_registered(name):
-                        # the engine registered it for its request meanwhile (vLLM's resolver)
-                        # and dropped its own LRU adapter then: the agent's recency order
-                        # names that one best, the ranking another (a re-read later)
-                        hints = ()
                     await self.holdings.make_device_room(spec, hints, bet=priced and name not in self.demand)
                     t = time.perf_counter()
                     pinned = state.pinned

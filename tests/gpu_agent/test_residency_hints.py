@@ -258,11 +258,10 @@ def test_a_room_only_prefetch_is_refused_by_a_pool_full_of_adapters_that_may_not
 
 
 def test_the_shrink_after_an_engine_load_evicts_by_the_gateways_latest_ranking(tmp_path):
-    """An engine that loads a request's adapter itself but does not evict by its own LRU
-    when it does: the reconcile adopts it and shrinks the device tier by the victims the
-    request's signal ranked (the gateway's model of what each session needs next), not
-    the agent's LRU, while the ranking is fresh (``adopt_grace_s``). (vLLM drops its own
-    LRU adapter as it registers: below.)"""
+    """vLLM's resolver often loads a request's adapter before the agent's own load of it
+    runs; the reconcile then adopts it and shrinks the device tier. That shrink follows the
+    victims the request's signal ranked (the gateway's model of what each session needs
+    next), not the agent's LRU, while the ranking is fresh (``adopt_grace_s``)."""
     async def main():
         now = [1000.0]
         eng = FakeConnector(capacity=3)
@@ -282,37 +281,3 @@ def test_the_shrink_after_an_engine_load_evicts_by_the_gateways_latest_ranking(t
         finally:
             await mgr.close()
     run(main())
-
-
-def test_where_the_engine_registered_the_adapter_itself_the_slot_goes_by_recency(tmp_path):
-    """vLLM's resolver registers a request's adapter into a CPU cache of the agent's device
-    size and drops its own least recently used adapter at once, which stays registered. The
-    agent then frees the slot by its recency order (the closest to vLLM's), in its load of
-    that adapter and in the shrink after adopting it: the ranked victim would be a second
-    adapter lost, the one vLLM dropped a re-read on its next request."""
-    async def main():
-        for registers, expected in ((True, ["a1"]), (False, ["a3"])):
-            eng = FakeConnector(capacity=3)
-            eng.registers_on_demand = registers
-            mgr = await full_pool(tmp_path / str(registers), eng)          # a1 least recently used
-            try:
-                eng.held["a4"] = tmp_path                                   # the resolver registered a4
-                got = mgr.prefetch("a4", priority=1, reason="request_cold", evict=["a3"])
-                assert got.outcome is ResidencyOutcome.ACCEPTED
-                await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="a4 held")
-                assert unloads(eng) == expected, registers
-            finally:
-                await mgr.close()
-
-        eng = FakeConnector(capacity=3)                                     # the shrink after adopting
-        eng.registers_on_demand = True
-        mgr = await pool_of(tmp_path / "shrink", eng, "a1", "a2", "a3")
-        try:
-            mgr.holdings.rank_victims(("a3",))
-            eng.held["a4"] = tmp_path
-            await mgr.reconcile()
-            assert unloads(eng) == ["a1"]                                    # its LRU, not the ranked a3
-        finally:
-            await mgr.close()
-    run(main())
-
