@@ -288,11 +288,10 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         return state_yaml(path, catalog, tenants, fleet, prefetch)
 
     if arm in ROUTER_ARMS:
-        # the agents only watch: a budget no catalog reaches, so they never unload (vLLM's own
-        # CPU LRU drops what it drops, as in a deployment with no agent; the plugin counts
+        # the agents only watch: a budget of the whole catalog, so they never unload (vLLM's
+        # own CPU LRU drops what it drops, as in a deployment with no agent; the plugin counts
         # the re-reads). Unloading at S raced requests nobody told them of (a 404).
-        flags = VLLMFlags(args.max_loras, len({r["adapter"] for r in requests}) + args.max_cpu_loras,
-                          args.max_lora_rank)
+        flags = VLLMFlags(args.max_loras, len({r["adapter"] for r in requests}), args.max_lora_rank)
     with vllm_fleet(run_dir, catalog, fixtures / "model", fixtures / "adapters", args.vllm_python, args.hosts,
                     flags, write_state, token=TOKEN, agent_args=["--reconcile-interval-s", "0.2"],
                     extproc_args=["--routing-policy", policy], engines=engines) as st:

@@ -19,22 +19,21 @@ if TYPE_CHECKING:
     from extproc.app.context import Gateway
     from extproc.domain.decision import Decision
 
-__all__ = ["Exchange", "Stage"]
+__all__ = ["Exchange", "Stage", "error_reply"]
 
 log = logging.getLogger(__name__)
 
 
-def _error_reply(exc: GatewayError) -> Reply:
-    return Reply(exc.status, exc.to_json())
-
-
-def _count_error(gw: Gateway, handler: "Handler | None", exc: GatewayError) -> None:
-    """An error answer: by status and code; an inference request's also as a request whose
-    action is the code (its tenant once the key was checked, never the client's header)."""
+def error_reply(gw: Gateway, exc: GatewayError, handler: "Handler | None" = None) -> Reply:
+    """An error answer, counted: by status and code; an inference request's also as a
+    request whose action is the code (its tenant once the key was checked, never the
+    client's header). The one place a ``GatewayError`` becomes a reply (``Exchange``, and
+    the servers' refusal of a message that does not parse: extproc.transport.dispatch)."""
     gw.metrics.error(exc.status, exc.code)
     if getattr(handler, "uncounted", False):
         principal = getattr(handler, "principal", None)
         gw.metrics.request(principal.tenant.id if principal is not None else "", "", exc.code, "")
+    return Reply(exc.status, exc.to_json())
 
 
 class Stage(IntEnum):
@@ -62,13 +61,11 @@ class Exchange:
         try:
             return phase(arg)
         except GatewayError as exc:
-            _count_error(self.gw, self.handler, exc)
-            return _error_reply(exc)
+            return error_reply(self.gw, exc, self.handler)
         except Exception:  # a bug: say so in the log, answer a clean JSON error, never hang
             log.exception("ext_proc handler failed")
             exc = GatewayError("internal gateway error")
-            _count_error(self.gw, self.handler, exc)
-            return _error_reply(exc)
+            return error_reply(self.gw, exc, self.handler)
 
     def _enter(self, expected: Stage, phase: str) -> None:
         if self.stage is not expected:
@@ -89,8 +86,7 @@ class Exchange:
             if head is None:   # Envoy config lacks request_attributes: never pass unchecked
                 log.error("request body without headers or request_attributes: check the Envoy config")
                 exc = GatewayError("gateway misconfigured: no request headers")
-                _count_error(self.gw, None, exc)
-                return _error_reply(exc)
+                return error_reply(self.gw, exc)
             first = self.on_request_headers(head)
             if isinstance(first, Reply):
                 return first

@@ -27,7 +27,8 @@ from grpc_health.v1 import health, health_pb2
 
 from extproc.protocols.epp import EppStats, EppStream
 from extproc.errors import BadRequest, InvalidMessage
-from extproc.app.outcomes import CONTINUE, Reply
+from extproc.app.exchange import error_reply
+from extproc.app.outcomes import CONTINUE
 from extproc.protocols.wire import (HEALTH_SERVICES, NO_PHASE, UNREADABLE, head_from_attributes, pb, request_head,
                           serialize_response, to_response)
 
@@ -42,12 +43,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 #: the answer to a message that does not parse: the request cannot be read, so it is refused
 UNREADABLE_ERROR = BadRequest("the request's headers could not be read: a header or the path is not "
-                        "valid UTF-8", code="invalid_header_encoding")
+                              "valid UTF-8", code="invalid_header_encoding")
 
 
 def _unreadable(gateway: "Gateway", as_bytes: bool) -> Sequence[Any]:
-    gateway.metrics.error(UNREADABLE_ERROR.status, UNREADABLE_ERROR.code)
-    reply = Reply(UNREADABLE_ERROR.status, UNREADABLE_ERROR.to_json())
+    reply = error_reply(gateway, UNREADABLE_ERROR)
     # an immediate response answers any request phase alike
     return (serialize_response("request_headers", reply) if as_bytes
             else to_response("request_headers", reply),)

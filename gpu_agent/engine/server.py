@@ -58,8 +58,8 @@ def _num(body: dict, key: str, kind: type, default: Any, lo: float | None = None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (
             kind is int and isinstance(v, float) and not v.is_integer()):
         raise InvalidRequest(f"`{key}` must be {'an integer' if kind is int else 'a number'}", param=key)
-    if isinstance(v, float) and not math.isfinite(v):   # json.loads takes NaN and Infinity;
-        raise InvalidRequest(f"`{key}` must be a finite number", param=key)   # sampling with them fails the batch
+    if isinstance(v, float) and not math.isfinite(v):   # json.loads takes NaN and Infinity, and
+        raise InvalidRequest(f"`{key}` must be a finite number", param=key)   # they fail the batch
     try:
         v = kind(v)
     except OverflowError:   # an integer beyond a double's range where a number is asked for
