@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import json
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ CAROL = {"authorization": f"Bearer {KEYS['carol']}"}
 class Stack:
     def __init__(self, base: str, up: RecordingUpstream) -> None:
         self.base, self.up = base, up
+        self.port = int(base.rsplit(":", 1)[1])   # Envoy's, for raw HTTP/1 clients
         self.http = httpx.Client(base_url=base, timeout=10)
 
     def post(self, path: str, body, headers=None, **kw) -> httpx.Response:
@@ -335,8 +337,7 @@ def test_error_key_that_is_not_utf8_is_a_400_not_a_503(stack):
     """HTTP/1 lets a header carry any byte; Envoy copies the key into a proto string for the
     ext_proc, which must be UTF-8. The message that does not parse is refused with a 400
     (it was the gRPC call's INTERNAL, which fail-closed Envoy answered 503)."""
-    port = int(stack.base.rsplit(":", 1)[1])
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=scaled(30))
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=scaled(30))
     try:
         conn.putrequest("POST", "/v1/chat/completions")
         body = json.dumps(CHAT).encode()
@@ -358,9 +359,7 @@ def test_error_key_that_is_not_utf8_is_a_400_not_a_503(stack):
 ], ids=["request line", "chunk size", "HTTP/1.0"])
 def test_error_requests_envoy_refuses_are_openai_errors(stack, raw, status):
     """Envoy's HTTP codec answers these itself (they never reach the ext_proc): JSON too."""
-    import socket
-    port = int(stack.base.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=scaled(30)) as sock:
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=scaled(30)) as sock:
         sock.sendall(raw)
         data = b""
         while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
@@ -407,7 +406,6 @@ def test_error_body_far_over_limit_is_read_then_413(stack):
     """64 MiB and more, with a content-length or chunked: Envoy reads the whole body, then
     answers the OpenAI 413. (It used to answer as soon as its buffer overflowed, stop reading
     and close, so a client still writing got a connection reset, never the 413.)"""
-    port = int(stack.base.rsplit(":", 1)[1])
     before = len(stack.up.requests)
     big = b'{"model": "ace-tiny-llama", "padding": "' + b"x" * (64 << 20) + b'"}'
 
@@ -420,7 +418,7 @@ def test_error_body_far_over_limit_is_read_then_413(stack):
     for path, body, chunked in (("/v1/chat/completions", big, False),
                                 ("/v1/chat/completions", chunks(160 << 20), True),
                                 ("/v1/execute", big, False)):
-        status, ctype, data = _http_client_post(port, path, body, chunked)
+        status, ctype, data = _http_client_post(stack.port, path, body, chunked)
         assert (status, ctype) == (413, "application/json"), (path, chunked, status, data[:200])
         assert json.loads(data)["error"]["code"] == "payload_too_large"
     # httpx (the OpenAI SDK's transport) sees the same
