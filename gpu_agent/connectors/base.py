@@ -69,6 +69,15 @@ class EngineConnector(abc.ABC):
     #: 1.0 where a load stops the engine's steps (vLLM and SGLang run it on their
     #: scheduler loop between two steps); the builtin engine's own (by its device).
     load_compute_share: float = 0.0
+    #: True when the engine's adapter cache drops its own least recently used adapter
+    #: whenever it reads one, and an unload only forgets the name (vLLM: its CPU cache,
+    #: ``--max-cpu-loras``, keeps an unloaded adapter's weights, under an id no later
+    #: request uses, until that LRU drops them). A victim named by anyone else (the
+    #: gateway's ``evict`` hints, its ranking) then leaves a dead copy in the cache while
+    #: the cache drops its LRU adapter, still registered, which the next request for it
+    #: re-reads: the agent's view and the engine's part. So on such an engine the agent's
+    #: own LRU (its view of the engine's order of use) alone picks victims.
+    evicts_own_lru: bool = False
 
     async def start(self) -> None:
         """Open clients / start the in-process engine."""

@@ -13,7 +13,10 @@
 `capacity` mirrors the engine's `--max-cpu-loras`: vLLM keeps that many adapters in its
 own CPU LRU and silently re-reads evicted ones from `lora_path` on the next request, so
 the agent keeps its device tier at the same size and unloads its own LRU adapter
-explicitly. Then the agent's view and the engine's agree, and `/v1/models` says so.
+explicitly. Then the agent's view and the engine's agree, and `/v1/models` says so. An
+unload only forgets the name (the weights stay cached until that LRU drops them), so the
+agent never unloads a victim someone named (``evicts_own_lru``): only its LRU, which
+follows vLLM's order of use, keeps the two caches alike.
 
 A load or an unload runs on vLLM's engine core between two steps, so every request it
 is running waits for it (12-73 ms per load in `make bench ENGINE=vllm` on the shared
@@ -68,6 +71,7 @@ def parse_lora_metrics(text: str) -> tuple[set[str], set[str]]:
 class VLLMConnector(EngineConnector):
     kind = "vllm"
     load_compute_share = 1.0
+    evicts_own_lru = True
 
     def __init__(self, url: str, max_cpu_loras: int | None = 4, timeout_s: float = 30.0,
                  api_key: str | None = None, client: httpx.AsyncClient | None = None,

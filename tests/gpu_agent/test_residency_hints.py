@@ -183,7 +183,8 @@ def test_other_engines_still_load_a_requests_own_prefetch(tmp_path):
 def test_adapters_the_gateway_just_sent_requests_for_are_nobodys_victim_for_a_while(tmp_path):
     """``keep`` (PrefetchRequest): vLLM lists a request as busy only some time after it
     arrives; what the gateway says it just sent requests for is skipped by every eviction,
-    the LRU's included, for ``adopt_grace_s``."""
+    the LRU's included, for ``adopt_grace_s``; and having just been used, they become the
+    most recently used (the engine's own cache order has them so)."""
     async def main():
         now = [1000.0]
         eng = FakeConnector(capacity=3)
@@ -196,7 +197,7 @@ def test_adapters_the_gateway_just_sent_requests_for_are_nobodys_victim_for_a_wh
             now[0] += 10.0                                                  # past the grace
             assert mgr.prefetch("a2", priority=1, reason="request_cold").outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view("a2").tier is Tier.DEVICE, what="a2 loaded")
-            assert unloads(eng) == ["a2", "a1"]
+            assert unloads(eng) == ["a2", "a3"]                             # a1 was used after a3
         finally:
             await mgr.close()
     run(main())
@@ -278,6 +279,54 @@ def test_the_shrink_after_an_engine_load_evicts_by_the_gateways_latest_ranking(t
             eng.held.update({"a4": tmp_path})                # the resolver loaded a4 for a request
             await mgr.reconcile()                            # 4 on a device of 3: one goes
             assert unloads(eng) == ["a2"]                    # the ranked one, not a1 (the LRU)
+        finally:
+            await mgr.close()
+    run(main())
+
+
+class OwnLRUConnector(FakeConnector):
+    """An engine whose cache evicts its own least recently used adapter, whatever the
+    agent unloads (vLLM's CPU cache)."""
+    evicts_own_lru = True
+
+
+def test_an_engine_that_evicts_its_own_lru_gets_the_lru_as_victim_not_the_hinted_one(tmp_path):
+    """vLLM keeps an unloaded adapter's weights in its CPU cache and drops its own LRU
+    one when it reads the next: a hinted victim there would leave a dead copy cached and
+    the LRU adapter, still registered, re-read by its next request. So hints, priced bets'
+    included, leave the victim to the LRU there."""
+    async def main():
+        eng = OwnLRUConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            r = mgr.prefetch("a4", evict=["a3"], probability=0.9, victim_reuse_probability=0.0)
+            assert r.outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="a4 loaded")
+            assert unloads(eng) == ["a1"]                  # the LRU, as the engine's cache drops
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 0
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="budget") == 1
+            # a request's ingress ranking does not order the shrink either
+            mgr.prefetch("a1", reason="request_cold", evict=["a4"])
+            await async_wait_until(lambda: mgr.view("a1").tier is Tier.DEVICE, what="a1 loaded")
+            assert unloads(eng) == ["a1", "a2"]
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_on_an_engine_that_evicts_its_own_lru_a_bet_whose_hinted_victim_is_busy_still_loads(tmp_path):
+    """The bet was priced against a victim the agent does not pick there: its victim being
+    in use gives nothing up; the LRU that is not busy goes."""
+    async def main():
+        eng = OwnLRUConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            eng.busy_set = {"a3"}
+            r = mgr.prefetch("a4", evict=["a3"], probability=0.9, victim_reuse_probability=0.0)
+            assert r.outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="a4 loaded")
+            assert unloads(eng) == ["a1"]
+            assert mgr.metrics.counter("ace_agent_prefetch_cancelled_total", reason="victim_in_use") == 0
         finally:
             await mgr.close()
     run(main())
