@@ -57,6 +57,11 @@ class AgentSettings:
     device_budget_mb: int = _f(0, "device tier byte budget (MiB), vLLM/SGLang; 0 = none "
                                   "(builtin: the pool's bytes are --pool-mb)")
     max_cpu_loras: int = _f(4, "vllm: the engine's --max-cpu-loras, mirrored by the device tier")
+    vllm_resolver: bool = _f(False, "vllm: the engine has a LoRA resolver (VLLM_PLUGINS=lora_filesystem_resolver) "
+                                    "and registers a request's unregistered adapter itself; the agent then "
+                                    "leaves a request's own load to it (the gateway's ingress signal only "
+                                    "fetches the files ahead) and adopts what it registered. Off: the agent "
+                                    "makes that load, since nothing else would")
     max_loaded_loras: int = _f(0, "sglang: the engine's --max-loaded-loras (0 = no count limit)")
     queue_size: int = _f(64, "pending prefetches beyond which new ones are rejected")
     workers: int = _f(1, "concurrent background loads")
@@ -130,6 +135,10 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentSettings:
                                      description="GPU agent: adapter residency and prefetch API")
     for f in fields(AgentSettings):
         flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
+            continue
         kind = {int: int, float: float, str: str}.get(
             type(f.default), Path if "Path" in str(f.type) else float if "float" in str(f.type) else str)
         parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])

@@ -4,7 +4,7 @@ Every host is what a user deploys: one vLLM process started with
 ``--enable-lora --max-loras N --max-cpu-loras S --max-lora-rank R``, runtime LoRA
 updating on (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) and the filesystem resolver
 (``VLLM_PLUGINS=lora_filesystem_resolver``) for on-demand loads, plus one GPU agent
-with the vLLM connector (``--engine vllm --max-cpu-loras S``) driving it. One ext_proc
+with the vLLM connector (``--engine vllm --max-cpu-loras S --vllm-resolver``) driving it. One ext_proc
 and one Envoy sit in front (``tools.localstack.gateway_front``). Flags and environment
 follow /work/shared/ENGINES.md ("Running a real vLLM here"); the numbers that size a
 fleet on this machine are in docs/engine.md ("Real vLLM hosts").
@@ -229,7 +229,7 @@ def vllm_fleet(work: Path, catalog: Path, model_dir: Path, resolver_dir: Path, v
             home = work / f"host-{i}"
             grpc_port, metrics_port = free_port(), free_port()
             cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", "vllm",
-                   "--engine-url", engine.url, "--max-cpu-loras", str(flags.max_cpu_loras),
+                   "--engine-url", engine.url, "--max-cpu-loras", str(flags.max_cpu_loras), "--vllm-resolver",
                    "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
                    "--cache-dir", str(home / "agent-cache"), "--auth", "token", *agent_args]
             proc = stack.enter_context(running(cmd, home / "agent.log", env=env))

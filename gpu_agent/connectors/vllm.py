@@ -76,8 +76,11 @@ class VLLMConnector(EngineConnector):
     def __init__(self, url: str, max_cpu_loras: int | None = 4, timeout_s: float = 30.0,
                  api_key: str | None = None, client: httpx.AsyncClient | None = None,
                  metrics_timeout_s: float = 1.0, idle_wait_s: float = 1.0, idle_poll_s: float = 0.1,
-                 metrics_max_age_s: float = 0.1):
+                 metrics_max_age_s: float = 0.1, resolver: bool = False):
         self._url = url.rstrip("/")
+        # with a LoRA resolver vLLM registers a request's unknown adapter itself: the
+        # agent's load of it would only race that one (and unload a victim for it)
+        self.loads_on_demand = resolver
         self.capacity = max_cpu_loras
         self.metrics_timeout_s = metrics_timeout_s
         self.idle_wait_s = idle_wait_s

@@ -190,3 +190,12 @@ def test_vllm_prefetch_turn_waits_until_the_engine_runs_nothing():
             finally:
                 await conn.close()
     asyncio.run(main())
+
+
+def test_vllm_with_a_resolver_loads_a_requests_adapter_itself():
+    """With a LoRA resolver (``--vllm-resolver``) vLLM registers a request's unknown
+    adapter itself: the agent leaves a request's own load to it (``loads_on_demand``,
+    gpu_agent.residency.admission), as with the builtin engine; without one it makes it."""
+    assert VLLMConnector("http://127.0.0.1:1", resolver=True).loads_on_demand is True
+    assert VLLMConnector("http://127.0.0.1:1").loads_on_demand is False
+    assert VLLMConnector("http://127.0.0.1:1").evicts_own_lru is True

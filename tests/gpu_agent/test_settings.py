@@ -48,3 +48,14 @@ def test_load_interval_defaults_accepts_off_and_refuses_out_of_range(catalog):
     for bad in ("-0.1", "2.5", "nan"):
         with pytest.raises(SettingsError, match="--load-interval-s"):
             parse_args(base + ["--load-interval-s", bad])
+
+
+def test_a_vllm_resolver_is_a_switch_off_by_default(catalog):
+    """--vllm-resolver: vLLM registers a request's unknown adapter itself, so the agent
+    leaves that load to it; off by default (nothing else would make it)."""
+    base = ["--catalog", str(catalog), "--auth", "none", "--engine", "vllm", "--engine-url", "http://127.0.0.1:1"]
+    assert parse_args(base).vllm_resolver is False
+    assert parse_args([*base, "--vllm-resolver"]).vllm_resolver is True
+    assert parse_args([*base, "--vllm-resolver", "--no-vllm-resolver"]).vllm_resolver is False
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--vllm-resolver", "yes"])
