@@ -41,7 +41,7 @@ from pathlib import Path
 import yaml
 
 from bench.scenario_fixtures import trace_catalog
-from bench.vllm_eval import TOKEN, engine_counts, host_args
+from bench.vllm_eval import TOKEN, add_waited_loads, engine_counts, host_args
 from bench.vllm_router import vllm_router
 from tools.vllm_fleet import BASE_MODEL, VLLMFlags, vllm_fleet, vllm_hosts
 
@@ -144,6 +144,7 @@ def run_target(args, target: str, catalog: Path, work: Path) -> dict:
         registered = {h["name"]: len(h["vllm"].adapters()) for h in hosts}
     engines_out = {n: {k: round(after[n][k] - before[n][k], 2) for k in after[n] if k != "cpu_s"} for n in after}
     for n in engines_out:
+        add_waited_loads(engines_out[n], f"{target} {n}")
         engines_out[n]["registered_at_end"] = registered[n]
     files = {p.name: json.loads(p.read_text()) for p in sorted(reports.rglob("*.json"))} if reports.exists() else {}
     tail = (run_dir / "inference-perf.log").read_text(errors="replace")[-1500:]

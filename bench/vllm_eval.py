@@ -231,6 +231,19 @@ def engine_counts(host: dict) -> dict:
             "cpu_s": cpu_seconds(v.proc.pid)}
 
 
+def add_waited_loads(h: dict, what: str) -> dict:
+    """Adds to one host's ``engine_counts`` difference what requests waited for: every read
+    into the CPU cache but the agents' (each of theirs is one registration), that is the
+    resolver's registrations and the re-reads of registered adapters vLLM's CPU LRU had
+    dropped (``on_demand_loads``, of which ``re_reads``)."""
+    h["on_demand_loads"] = round(h["cpu_cache_reads"] - h["agent_loads"])
+    h["re_reads"] = h["on_demand_loads"] - round(h["resolver_loads"])
+    if h["re_reads"] < 0:
+        raise RuntimeError(f"{what}: fewer reads into vLLM's CPU cache than registrations ({h}): "
+                           "is ace's measuring plugin loaded (tools/vllm_measure)?")
+    return h
+
+
 def agent_counters(host: dict) -> dict:
     """The agent's prefetch outcomes and evictions (its /metrics), summed over labels but the
     outcome / reason."""
@@ -319,14 +332,7 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
     ok = [r for r in rows if "error" not in r and r["status"] == 200]
     served_n = sum(h["served"] for h in per_host.values())
     for h in per_host.values():
-        # what requests waited for: every read into the CPU cache but the agents' (each of
-        # theirs is one registration): the resolver's registrations and the re-reads of
-        # registered adapters vLLM's CPU LRU had dropped
-        h["on_demand_loads"] = round(h["cpu_cache_reads"] - h["agent_loads"])
-        h["re_reads"] = h["on_demand_loads"] - round(h["resolver_loads"])
-        if h["re_reads"] < 0:
-            raise RuntimeError(f"{arm}: fewer reads into vLLM's CPU cache than registrations ({h}): "
-                               "is ace's measuring plugin loaded (tools/vllm_measure)?")
+        add_waited_loads(h, arm)
     cold = sum(h["on_demand_loads"] for h in per_host.values())
     registered = [r["registered"] for r in ok if "registered" in r]
     entry = {

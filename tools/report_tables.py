@@ -666,7 +666,8 @@ def inference_perf(r: dict) -> list[str]:
         eng = e["engines"].values()
         lines.append(
             f"- **{t}**: {e['front']}. Tool exit code {e['exit_code']}, {e['seconds']:g} s; the engines served "
-            f"{sum(h['served'] for h in eng)}, vLLM's on-demand loads {sum(h['on_demand_loads'] for h in eng)}, the "
+            f"{sum(h['served'] for h in eng)}, vLLM's on-demand loads {sum(h['on_demand_loads'] for h in eng)} "
+            f"({sum(h['re_reads'] for h in eng)} re-reads of registered adapters its CPU LRU had dropped), the "
             f"agents' loads {sum(h['agent_loads'] for h in eng)}, unloads {sum(h['unloads'] for h in eng)}; load "
             f"average {' → '.join(f'{v:g}' for v in e['machine_load_avg_1m'])}.")
     return [
