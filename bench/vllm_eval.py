@@ -231,7 +231,7 @@ def engine_counts(host: dict) -> dict:
             "cpu_s": cpu_seconds(v.proc.pid)}
 
 
-def add_waited_loads(h: dict, what: str) -> dict:
+def add_waited_loads(h: dict, what: str) -> None:
     """Adds to one host's ``engine_counts`` difference what requests waited for: every read
     into the CPU cache but the agents' (each of theirs is one registration), that is the
     resolver's registrations and the re-reads of registered adapters vLLM's CPU LRU had
@@ -241,7 +241,6 @@ def add_waited_loads(h: dict, what: str) -> dict:
     if h["re_reads"] < 0:
         raise RuntimeError(f"{what}: fewer reads into vLLM's CPU cache than registrations ({h}): "
                            "is ace's measuring plugin loaded (tools/vllm_measure)?")
-    return h
 
 
 def agent_counters(host: dict) -> dict:

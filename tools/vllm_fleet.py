@@ -4,8 +4,8 @@ Every host is what a user deploys: one vLLM process started with
 ``--enable-lora --max-loras N --max-cpu-loras S --max-lora-rank R``, runtime LoRA
 updating on (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) and the filesystem resolver
 (``VLLM_PLUGINS=lora_filesystem_resolver``) for on-demand loads, plus one GPU agent
-with the vLLM connector (``--engine vllm --max-cpu-loras S --vllm-resolver``) driving it. One ext_proc
-and one Envoy sit in front (``tools.localstack.gateway_front``). Flags and environment
+with the vLLM connector (``--engine vllm --max-cpu-loras S --vllm-resolver``) driving
+it. One ext_proc and one Envoy sit in front (``tools.localstack.gateway_front``). Flags and environment
 follow /work/shared/ENGINES.md ("Running a real vLLM here"); the numbers that size a
 fleet on this machine are in docs/engine.md ("Real vLLM hosts").
 

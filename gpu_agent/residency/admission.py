@@ -5,7 +5,8 @@ A prefetch is refused when its adapter is unknown or its digest differs; it is
 A request's own prefetch (the gateway's ingress signal) to an engine that loads the
 request's adapter itself (builtin) only starts the fetch of its files: the request's own
 load joins it, and nothing is loaded twice; its ``evict`` hints become that load's first
-victims (``EngineConnector.prefer_victims``). A hint that says how likely it is
+victims (``EngineConnector.prefer_victims``). An engine whose cache evicts its own LRU
+(vLLM) takes no named victim at all (``_victim_hints``). A hint that says how likely it is
 (``probability``) is put to the speculation budget
 (``gpu_agent.residency.prefetch_budget``), fed here with measured load times, the queue
 and the engine's own request loads; past the queue's bound it is ``queue_full``.
@@ -80,11 +81,11 @@ class PrefetchAdmission:
             # a request's own load, which this engine makes itself when the request arrives:
             # fetch its files ahead (the engine's load joins the fetch), load nothing here;
             # the gateway's victims are the ones that load evicts first
-            self.holdings.connector.prefer_victims(name, self._known_hints(name, evict))
+            self.holdings.connector.prefer_victims(name, self._victim_hints(name, evict))
             self.pipeline.fetch_ahead(spec)
             self.metrics.inc("ace_agent_prefetch_total", outcome="left_to_engine")
             return ResidencyResult(ResidencyOutcome.ACCEPTED, "engine_loads_on_demand")
-        hints = self._known_hints(name, evict)
+        hints = self._victim_hints(name, evict)
         if probability is None and hints and reason.startswith(REQUEST_REASON):
             self.holdings.rank_victims(hints)
         inflight = self.pipeline.inflight
@@ -108,6 +109,13 @@ class PrefetchAdmission:
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
         return ResidencyResult(ResidencyOutcome.ACCEPTED)
+
+    def _victim_hints(self, name: str, evict: Iterable[str]) -> tuple[str, ...]:
+        """The named victims this engine lets the agent follow: none where its cache evicts
+        its own LRU whatever is unloaded (``EngineConnector.evicts_own_lru``: vLLM, where
+        a named victim would stay cached, dead, while the cache drops a registered adapter);
+        the agent's LRU, in the engine's order of use, picks there."""
+        return () if self.holdings.connector.evicts_own_lru else self._known_hints(name, evict)
 
     def _known_hints(self, name: str, evict: Iterable[str]) -> tuple[str, ...]:
         """The hinted names that are catalog adapters (looked up, never used as paths)."""

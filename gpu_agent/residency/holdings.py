@@ -6,8 +6,7 @@ adapters, never a pinned one, one being loaded, or one the engine reports busy. 
 that cannot be met without evicting those fails the load; nothing grows past its budget.
 A prefetch may name adapters to evict first (``evict``: the victim the gateway's model of
 this pool chose): when its load needs device room, those go before the LRU
-(``hinted_victims``), except on an engine whose cache evicts its own LRU whatever is
-unloaded (``EngineConnector.evicts_own_lru``: vLLM), where only the LRU is right; a hinted victim that a request is about to use (the engine reports
+(``hinted_victims``); a hinted victim that a request is about to use (the engine reports
 it busy) is skipped and counted, never evicted; a priced prefetch (one with a probability:
 a bet against its hinted victims) whose hinted victims all are is given up
 (``PrefetchGivenUp``) rather than paid for with the LRU adapter, whose reuse nobody priced.
@@ -119,12 +118,7 @@ class TierHoldings:
         if self.has_free_room(spec):
             return None
         evictable = [n for n in self.device if not self._states[n].pinned and n not in self._loading]
-        return next((h for h in self.named_victims(hints) if h in evictable), evictable[0] if evictable else None)
-
-    def named_victims(self, hints: tuple[str, ...]) -> tuple[str, ...]:
-        """The victims a sender named that this engine lets the agent choose: none where
-        the engine's cache evicts its own LRU (``EngineConnector.evicts_own_lru``)."""
-        return () if self.connector.evicts_own_lru else hints
+        return next((h for h in hints if h in evictable), evictable[0] if evictable else None)
 
     async def make_device_room(self, spec: Adapter, hints: tuple[str, ...] = (), bet: bool = False) -> None:
         """``bet``: a speculative prefetch priced against its hinted victims (the sender's
@@ -134,7 +128,6 @@ class TierHoldings:
         def over() -> bool:
             return not self.shortfall(spec.size_bytes).met
 
-        hints = self.named_victims(hints)
         if hints:
             await self._evict_hinted(spec, hints, over)
         if not over():   # always, with a self-managed engine: its pool makes the rest of the room
@@ -160,7 +153,7 @@ class TierHoldings:
 
     def ranking(self) -> tuple[str, ...]:
         names, until = self._ranking
-        return self.named_victims(names) if self.clock() < until else ()
+        return names if self.clock() < until else ()
 
     def keep(self, names: Iterable[str]) -> None:
         """The gateway just sent requests for ``names`` to this engine (``Prefetch.keep``),
