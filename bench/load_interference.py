@@ -14,6 +14,12 @@ Two measurements, each first with no load running (``idle``), then while loads s
   wall time and the time to enter ``batch()`` (its set-up: the pool's lock), p50/p99/max,
   and ``steps_lock_held``: the steps that started while another thread held the pool's
   lock (their set-up waited for it), a count that does not depend on how busy the CPU is.
+  Phases while loading: ``loading`` (each load reads the file again: a disk-tier load),
+  ``loading_copy_only`` (host copies read before the phase: a host-tier hit) and, on
+  CUDA, ``loading_pinned_reads`` (each read pins a fresh host copy, the host tier's old
+  default). ``slow_steps`` counts the steps over ``slow_step_ms`` (3x the idle median
+  + 1 ms) and which loader activity (``read``, ``copy``) each overlapped. The forward
+  waits for its own stream only (not the pool's copy stream).
 - ``engine``: the builtin engine on the fixtures (``make fixtures``), two closed-loop
   clients on a resident adapter (8 tokens each) while the agent-style prefetch/evict cycle
   runs on the other adapters from disk (no host copies, as ``make bench`` runs). Reported:
@@ -88,7 +94,10 @@ def bench_pool(device: torch.device, layers: int, steps: int) -> dict[str, Any]:
     base = [torch.randn(BASE_H, BASE_H, dtype=dtype, device=device) * 0.01 for _ in ATTN]
     x = torch.randn(8, H, dtype=dtype, device=device)
     xb = torch.randn(8, BASE_H, dtype=dtype, device=device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    # The forward waits for its own stream (as an engine reading its sampled tokens does),
+    # not for the whole device: a prefetch's copy on the pool's side stream is not its work.
+    sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.type == "cuda" else (lambda: None)
+    spans: list[tuple[float, float]] = []
 
     def step() -> tuple[float, float]:
         busy[0] += _lock_held_elsewhere(pool)
@@ -101,14 +110,64 @@ def bench_pool(device: torch.device, layers: int, steps: int) -> dict[str, Any]:
                     y = torch.zeros_like(x)
                     apply_lora(y, x, pool, lb, layer, m)
         sync()
-        return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3
+        t2 = time.perf_counter()
+        spans.append((t0, t2))
+        return (t2 - t0) * 1e3, (t1 - t0) * 1e3
 
     busy = [0]
 
     def run(n: int) -> tuple[list[float], list[float]]:
         busy[0] = 0
+        spans.clear()
         out = [step() for _ in range(n)]
         return [a for a, _ in out], [b for _, b in out]
+
+    def phase(read_each_time: bool, slow_ms: float, pin: bool = False) -> dict[str, Any]:
+        """Steps while a loader thread loads the big adapters in turn: read from disk each
+        time (``read_each_time``), or from host copies read before the phase (a host-tier
+        hit: the copy alone). ``pin`` (CUDA): each read copies the file into freshly pinned
+        memory and the pool copies from it (the host tier's old default); else the host
+        copy stays pageable and goes through the pool's pinned staging buffers."""
+        stop, loads = threading.Event(), [0]
+        acts: list[tuple[str, float, float]] = []   # (read | copy, start, end) on the loader thread
+        held = [load_peft_dir(d, spec, pin_memory=pin) for d in dirs] if not read_each_time else []
+
+        def loader() -> None:
+            i = 0
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                ad = (load_peft_dir(dirs[i % len(dirs)], spec, pin_memory=pin)
+                      if read_each_time else held[i % len(held)])
+                t1 = time.perf_counter()
+                pool.load(ad, should_yield=lambda stage: False)   # a prefetch's copy: chunked
+                if not read_each_time:
+                    pool.evict(ad.name)                           # so the next turn copies again
+                acts.append(("read", t0, t1))
+                acts.append(("copy", t1, time.perf_counter()))
+                del ad
+                loads[0] += 1
+                i += 1
+        t = threading.Thread(target=loader, name="bench-loader", daemon=True)
+        t.start()
+        try:
+            step_ms, enter_ms = run(steps)
+            lock_held = busy[0]
+        finally:
+            stop.set()
+            t.join()
+        for name in [e for e in pool.resident() if e.startswith("big")]:
+            pool.evict(name)
+        # Which loader activity each slow step overlapped: names a stall's cause.
+        slow = {"steps": 0, "during_read": 0, "during_copy": 0}
+        for (s0, s1), ms in zip(spans, step_ms):
+            if ms <= slow_ms:
+                continue
+            slow["steps"] += 1
+            for kind, a0, a1 in acts:
+                if a0 < s1 and s0 < a1:
+                    slow[f"during_{kind}"] += 1
+        return {"step_ms": _pct(step_ms), "batch_enter_ms": _pct(enter_ms), "steps_lock_held": lock_held,
+                "loads_during": loads[0], "slow_steps": slow}
 
     with tempfile.TemporaryDirectory() as tmp:
         dirs = [_write(Path(tmp), ad) for ad in big]
@@ -117,28 +176,20 @@ def bench_pool(device: torch.device, layers: int, steps: int) -> dict[str, Any]:
             step()
         idle_step, idle_enter = run(steps)
         idle_busy = busy[0]
-        stop, loads = threading.Event(), [0]
-
-        def loader() -> None:
-            i = 0
-            while not stop.is_set():
-                ad = load_peft_dir(dirs[i % len(dirs)], spec, pin_memory=device.type == "cuda")
-                pool.load(ad, should_yield=lambda stage: False)   # a prefetch's copy: chunked
-                loads[0] += 1
-                i += 1
-        t = threading.Thread(target=loader, name="bench-loader", daemon=True)
-        t.start()
-        try:
-            load_step, load_enter = run(steps)
-            load_busy = busy[0]
-        finally:
-            stop.set()
-            t.join()
+        slow_ms = 3 * statistics.median(idle_step) + 1.0
+        loading = phase(True, slow_ms)
+        copy_only = phase(False, slow_ms)
+        pinned = phase(True, slow_ms, pin=True) if device.type == "cuda" else None
     mb = round(spec.num_layers * len(ATTN) * 2 * 128 * H * 4 / 2 ** 20, 1)
-    return {"layers": layers, "steps": steps, "adapter_mb_loaded": mb, "loads_during": loads[0],
-            "idle": {"step_ms": _pct(idle_step), "batch_enter_ms": _pct(idle_enter), "steps_lock_held": idle_busy},
-            "loading": {"step_ms": _pct(load_step), "batch_enter_ms": _pct(load_enter),
-                        "steps_lock_held": load_busy}}
+    rep = {"layers": layers, "steps": steps, "adapter_mb_loaded": mb, "loads_during": loading["loads_during"],
+           "slow_step_ms": round(slow_ms, 3),
+           "idle": {"step_ms": _pct(idle_step), "batch_enter_ms": _pct(idle_enter), "steps_lock_held": idle_busy},
+           "loading": loading, "loading_copy_only": copy_only}
+    if pinned is not None:
+        rep["loading_pinned_reads"] = pinned
+    if pool.staging is not None:
+        rep["staging_pieces"] = pool.staging.pieces
+    return rep
 
 
 def _lock_held_elsewhere(pool: AdapterPool) -> int:

@@ -42,7 +42,7 @@ import numpy as np
 from gpu_agent.errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
 from gpu_agent.eviction import Candidate, EvictionPolicy, EvictReason, LRUPolicy, Shortfall, plan_evictions
 from gpu_agent.engine.peft import BaseModelSpec, LoraAdapter
-from gpu_agent.engine.pool_copy import COPY_CHUNK_BYTES, CopyDone, copy_into_pages
+from gpu_agent.engine.pool_copy import COPY_CHUNK_BYTES, CopyDone, PinnedStaging, copy_into_pages
 
 __all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT", "VictimChooser",
            "COPY_CHUNK_BYTES"]
@@ -189,6 +189,8 @@ class AdapterPool:
         self._copying: dict[str, _Copy] = {}        # reserved pages being copied into, by name
         self._copy_ended = threading.Condition(self._lock)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # CUDA: pinned buffers taken now, so that no load pins memory while batches run
+        self.staging = PinnedStaging() if self.device.type == "cuda" else None
         self.evictions = 0
         self.loads = 0
         self.load_ms_total = 0.0
@@ -388,7 +390,7 @@ class AdapterPool:
         try:
             ready = copy_into_pages(self.pages, adapter, job.layout, job.ids, job.contiguous, job.one_copy,
                                     stream=self._copy_stream, chunked=should_yield is not None,
-                                    checkpoint=checkpoint)
+                                    checkpoint=checkpoint, staging=self.staging)
         except BaseException:
             with self._lock:
                 self._end_copy(job, free_pages=True)

@@ -10,11 +10,18 @@ torch ``copy_``), so the forward thread's Python runs while the bytes move. A pr
 copy goes in ``COPY_CHUNK_BYTES`` chunks and asks ``checkpoint`` between them (it may stop
 there: ``LoadYielded``); a request's copy goes in one piece (its reads in parallel parts).
 
-On CUDA the pieces are queued on the pool's side stream from pinned host memory (the host
-tier pins its buffers when the pool is on CUDA) and nothing waits for them here: the copy
-records a :class:`CopyDone` event, and the compute stream waits on it before the adapter's
-first use (``AdapterPool.batch`` / ``matrices``), so the load thread never stalls the
-device queue and the forward never reads a page before it is written.
+On CUDA the pieces are queued on the pool's side stream and nothing waits for them here:
+the copy records a :class:`CopyDone` event, and the compute stream waits on it before the
+adapter's first use (``AdapterPool.batch`` / ``matrices``), so the load thread never
+stalls the device queue and the forward never reads a page before it is written. The
+bytes reach the device through :class:`PinnedStaging`, a few pinned buffers the pool
+takes once when it is built: a piece is ``pread`` from the adapter's file (or copied from
+its host buffer) into a free buffer, and the DMA from that buffer is queued. Pinning
+memory while serving is what stalled forward steps on an H200: each ``cudaHostAlloc``
+of a 32 MB adapter's host copy held up the other thread's kernel launches for 29-115 ms
+(``bench.load_interference``, docs/pool.md); the staging buffers make that a startup
+cost. A host buffer that is pinned already (``load_peft_dir(pin_memory=True)``) is
+copied from directly.
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ import numpy as np
 
 from gpu_agent.errors import AdapterInvalid
 
-__all__ = ["copy_into_pages", "CopyDone", "COPY_CHUNK_BYTES", "PREAD_PART_MIN"]
+__all__ = ["copy_into_pages", "CopyDone", "PinnedStaging", "COPY_CHUNK_BYTES", "PREAD_PART_MIN",
+           "STAGING_SLOT_BYTES", "STAGING_SLOTS"]
 
 # A prefetch's one-piece copy is cut into chunks of this size, with a yield check between.
 COPY_CHUNK_BYTES = 256 << 10
@@ -34,6 +42,10 @@ COPY_CHUNK_BYTES = 256 << 10
 # (at most 4), read concurrently (os.preadv releases the GIL; the kernel copies from
 # the page cache with no page-table fill, unlike a fresh mmap).
 PREAD_PART_MIN = 4 << 20
+
+# CUDA: the pinned staging buffers (AdapterPool takes them once, when it is built).
+STAGING_SLOT_BYTES = 4 << 20
+STAGING_SLOTS = 4
 
 _readers = None
 _readers_lock = threading.Lock()
@@ -61,14 +73,72 @@ class CopyDone:
         return False
 
 
+class PinnedStaging:
+    """CUDA: ``slots`` pinned host buffers of ``slot_bytes`` through which pageable bytes
+    reach the device, allocated once (no ``cudaHostAlloc`` while serving).
+
+    :meth:`put` fills a free buffer (``pread`` from a file, or a host copy), queues the
+    DMA from it on the given stream and records the buffer's event; a buffer is filled
+    again only after its event completes. Several loading threads share the buffers
+    (a queue of free ones); a load never waits for the compute stream."""
+
+    def __init__(self, slot_bytes: int = STAGING_SLOT_BYTES, slots: int = STAGING_SLOTS) -> None:
+        import queue
+
+        import torch
+
+        if slot_bytes <= 0 or slots <= 0:
+            raise ValueError(f"staging needs slot_bytes > 0 and slots > 0, got {slot_bytes}, {slots}")
+        self.slot_bytes = slot_bytes
+        self._bufs = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        self._events = [torch.cuda.Event() for _ in range(slots)]
+        self._free: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+        for i in range(slots):
+            self._free.put(i)
+        self.pieces = 0          # DMAs queued from the staging buffers (a count for tests and stats)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * len(self._bufs)
+
+    def put(self, dst: Any, stream: Any, *, fd: int | None = None, offset: int = 0,
+            src: Any = None, name: str = "") -> None:
+        """Copy ``dst.numel()`` bytes into the device uint8 tensor ``dst``: from file ``fd``
+        at ``offset``, or from the host uint8 tensor ``src``; the DMAs are queued on
+        ``stream`` (the caller records the event that covers them)."""
+        import torch
+
+        n = dst.numel()
+        lo = 0
+        while lo < n:
+            k = min(self.slot_bytes, n - lo)
+            i = self._free.get()
+            try:
+                buf = self._bufs[i][:k]
+                self._events[i].synchronize()          # its last DMA has read it
+                if fd is not None:
+                    _pread_into(fd, buf, offset + lo, name)
+                else:
+                    buf.copy_(src[lo:lo + k])
+                with torch.cuda.stream(stream):
+                    dst[lo:lo + k].copy_(buf, non_blocking=True)
+                    self._events[i].record(stream)
+                self.pieces += 1
+            finally:
+                self._free.put(i)
+            lo += k
+
+
 def copy_into_pages(pages: Any, adapter: Any, layout: dict, ids: np.ndarray, contiguous: bool,
                     one_copy: bool, *, stream: Any, chunked: bool,
-                    checkpoint: Callable[[], None]) -> CopyDone | None:
+                    checkpoint: Callable[[], None], staging: PinnedStaging | None = None) -> CopyDone | None:
     """Write ``adapter``'s matrices into ``pages[ids]`` as ``layout`` places them.
 
     ``chunked`` (a prefetch): pieces of at most ``COPY_CHUNK_BYTES`` (or one matrix) with
     ``checkpoint()`` between them. ``stream`` (CUDA): queue on it and return the event the
-    compute stream must wait on; None on the CPU (the copy is done when this returns)."""
+    compute stream must wait on; None on the CPU (the copy is done when this returns).
+    ``staging`` (CUDA): the pinned buffers pageable bytes go through; without it (or for
+    a pinned host buffer) the DMA reads the host buffer directly."""
     import torch
 
     if stream is not None:
@@ -86,13 +156,21 @@ def copy_into_pages(pages: Any, adapter: Any, layout: dict, ids: np.ndarray, con
             p0 = int(ids[0])
             dst = pages[p0: p0 + len(ids)].view(-1).view(torch.uint8)
             raw = payload.file
-            step = COPY_CHUNK_BYTES if chunked else max(1, end - start)
+            readable = raw is not None and not raw.closed
+            stage = staging is not None and not payload.buffer.is_pinned()
+            # a prefetch yields between chunks; through the staging buffers a chunk is one
+            # buffer (4 MiB: ~1 ms of pread), so the loader takes the GIL 16x less often
+            chunk = staging.slot_bytes if stage else COPY_CHUNK_BYTES
+            step = chunk if chunked else max(1, end - start)
             for lo in range(0, end - start, step):
                 hi = min(lo + step, end - start)
                 if lo:
                     checkpoint()
-                if stream is None and raw is not None and not raw.closed:
+                if stream is None and readable:
                     _pread_into(raw.fileno(), dst[lo:hi], start + lo, adapter.name)
+                elif stage:
+                    staging.put(dst[lo:hi], stream, fd=raw.fileno() if readable else None, offset=start + lo,
+                                src=None if readable else payload.buffer[start + lo:start + hi], name=adapter.name)
                 else:
                     dst[lo:hi].copy_(payload.buffer[start + lo:start + hi], non_blocking=non_blocking)
         elif contiguous:

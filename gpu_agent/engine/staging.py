@@ -3,8 +3,8 @@
 ``AdapterTiers.ensure(name, path, sha256)`` makes an adapter resident in the pool and
 says where it came from (``device``, ``host`` or ``disk``: ``ace_common.tiers.Tier`` values) and how long each tier took
 (:class:`LoadTimings`). The host tier is an LRU of parsed adapters with a byte budget;
-its buffers are pinned when the pool lives on CUDA so the H2D copy (on the pool's side
-stream) runs at full PCIe speed. Remote fetching is the agent service's job: it puts the
+its buffers stay pageable (a CUDA pool carries them to the device through its pinned
+staging buffers, ``gpu_agent.engine.pool_copy.PinnedStaging``). Remote fetching is the agent service's job: it puts the
 files in a local directory and calls ``ensure`` with the catalog's digest once.
 """
 
@@ -93,7 +93,10 @@ class AdapterTiers:
     def __init__(self, pool: AdapterPool, host_budget_bytes: int, *, pin_host: bool | None = None) -> None:
         self.pool = pool
         self.host = HostCache(host_budget_bytes)
-        self.pin_host = pool.device.type == "cuda" if pin_host is None else pin_host
+        # Host copies stay pageable by default, on CUDA too: the pool's pinned staging
+        # buffers carry them to the device, and pinning each new host copy (cudaHostAlloc)
+        # stalled the forward's kernel launches (docs/pool.md).
+        self.pin_host = False if pin_host is None else pin_host
         self._lock = threading.RLock()
         self.last: dict[str, LoadTimings] = {}
 

@@ -161,3 +161,52 @@ def test_a_batch_runs_on_the_device_while_another_load_is_held_mid_copy(tmp_path
         go.set()
         loader.join(scaled(30))
     assert pool.contains("big")
+
+
+@pytest.mark.parametrize("file_open", [True, False])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_pageable_host_copies_reach_the_device_through_the_staging_buffers(tmp_path, file_open, prefetch):
+    """The host tier's copies stay pageable: the pool preads the file (or copies the host
+    buffer) into its pinned staging buffers, which it took when it was built, and queues
+    the DMA from them; the bytes are exact, several loads share the buffers, and no load
+    pins memory (a cudaHostAlloc while serving stalled the forward's launches)."""
+    import threading
+
+    from gpu_agent.engine.peft import load_peft_dir
+    from gpu_agent.engine.pool_copy import CopyDone, PinnedStaging
+
+    from .lora_testing import write_peft_dir
+
+    pool = _pool(budget_mb=64)
+    assert pool.staging is not None and pool.staging.nbytes > 0
+    pool.staging = PinnedStaging(slot_bytes=64 << 10, slots=2)   # small: every load wraps the buffers
+    ads = [make_adapter(f"p{r}", r, modules=MODULES, seed=r) for r in (128, 64, 32)]
+    loaded = [load_peft_dir(write_peft_dir(tmp_path, ad), SPEC) for ad in ads]
+    for ad in loaded:
+        assert not ad.payload.buffer.is_pinned()
+        if not file_open:
+            ad.payload.file.close()        # the copy then reads the host buffer
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    allocs_before = stats().get("num_host_alloc") if stats else None
+    yield_never = (lambda stage: False) if prefetch else None
+    entries: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda a=a: entries.__setitem__(a.name, pool.load(a, should_yield=yield_never)))
+               for a in loaded]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(entries) == sorted(a.name for a in ads)
+    assert all(isinstance(e.ready, CopyDone) for e in entries.values())
+    assert pool.staging.pieces >= sum(a.nbytes for a in ads) // pool.staging.slot_bytes
+    if allocs_before is not None:
+        assert stats().get("num_host_alloc") == allocs_before   # nothing pinned while loading
+    torch.cuda.synchronize()
+    for ad in ads:
+        entry = pool.entry(ad.name)
+        with pool.batch([ad.name]):
+            for (layer, module), (a, b) in ad.weights.items():
+                got_a, got_bt = pool.matrices(entry, layer, module)
+                torch.testing.assert_close(got_a.cpu(), a, rtol=0, atol=0)
+                torch.testing.assert_close(got_bt.t().cpu(), b, rtol=0, atol=0)
+    pool.check_invariants()
