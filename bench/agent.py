@@ -247,8 +247,10 @@ def bench_op(reps: int, rows: int = 64, n_adapters: int = 32) -> dict[str, Any]:
         # reference numbers (the 52 MB of adapter weights may then be served from a
         # large L3); blocks of calls interleaved so a noisy neighbour slows all alike.
         read_before = min(_time(lambda: big.sum()) for _ in range(3))
-        med = _round_robin({"batched": batched, "loop": loop, "dense": lambda: x @ w0.t(),
-                            "pad_bmm": pad_bmm}, reps, inner=5)
+        arms = {"batched": batched, "loop": loop, "dense": lambda: x @ w0.t(), "pad_bmm": pad_bmm}
+        if DEVICE.type == "cuda":   # batched is the masked form there; the per-segment GEMMs beside it
+            arms["segmented"] = lambda: apply_lora(y, x, pool, batch, 0, "q_proj", method="segmented")
+        med = _round_robin(arms, reps, inner=5)
         read_after = min(_time(lambda: big.sum()) for _ in range(3))
         # Cold: every call starts after streaming the 1 GiB buffer (as in a real forward,
         # where the rest of the model passes through the caches between two uses).
@@ -262,6 +264,7 @@ def bench_op(reps: int, rows: int = 64, n_adapters: int = 32) -> dict[str, Any]:
         "loop_ms": round(med["loop"], 4), "batched_ms": round(med["batched"], 4),
         "dense_ms": round(med["dense"], 4), "batched_floor_ms": round(floor, 4),
         "pad_bmm_ms": round(med["pad_bmm"], 4), "gather_ms": round(gather_ms, 4),
+        "segmented_ms": round(med["segmented"], 4) if "segmented" in med else None,
         "batched_vs_loop_speedup": round(med["loop"] / med["batched"], 3),
         "batched_vs_dense_ratio": round(med["batched"] / med["dense"], 3),
         "batched_vs_floor": round(med["batched"] / floor, 3),
@@ -414,6 +417,7 @@ def _table(rep: dict[str, Any]) -> str:
                  f"({rep['resident_lookup_ms'] / rep['cold_load_ms'][8] * 100:.2f}% of rank-8 cold)")
     lines.append(f"batched op: batched {rep['batched_ms']:.3f} ms | loop {rep['loop_ms']:.3f} | "
                  f"pad-bmm {rep['pad_bmm_ms']:.3f} | gather {rep['gather_ms']:.1f} | dense {rep['dense_ms']:.3f} | "
+                 + (f"segmented {rep['segmented_ms']:.3f} | " if rep.get("segmented_ms") is not None else "") +
                  f"floor {rep['batched_floor_ms']:.3f}")
     lines.append(f"  batched/floor {rep['batched_vs_floor']:.2f} (target <= 1.3) | loop/batched "
                  f"{rep['batched_vs_loop_speedup']:.2f} (>= 1) | batched/dense {rep['batched_vs_dense_ratio']:.3f} (<= 0.35)")

@@ -6,8 +6,16 @@ pool pages (``A`` and ``B^T`` are views of consecutive pages), so every adapter 
 read exactly once, no weight is copied or padded to the max rank, and rows without an
 adapter cost nothing. On CPU this op is bound by the memory bandwidth of reading the
 weights; see ``docs/pool.md`` for the alternatives measured (pad-to-max-rank ``bmm``,
-per-row gather, per-adapter loop over ungrouped rows). The same code runs on CUDA
-(no Triton kernel yet: see docs/pool.md).
+per-row gather, per-adapter loop over ungrouped rows).
+
+On CUDA two small GEMMs per segment are launch-bound (an H200 took 1.33 ms for 64 rows
+over 32 adapters, 15x the base model's dense matmul: docs/pool.md), so a small batch
+takes the *masked* form instead: the adapters' ``A`` matrices are concatenated into one
+``[sum r, in]`` (and ``B^T`` into ``[sum r, out]``), every row is multiplied by all of
+them, a ``[rows, sum r]`` mask keeps each row's own adapter's columns (times its scale),
+and one GEMM expands: five launches whatever the number of adapters, at ``segments``
+times the FLOPs, which a GPU has to spare while ``rows x sum r`` stays small
+(``MASKED_MAX``). No Triton kernel yet (docs/pool.md).
 """
 
 from __future__ import annotations
@@ -16,15 +24,24 @@ from typing import Any
 
 from gpu_agent.engine.pool import AdapterPool, LoraBatch
 
-__all__ = ["apply_lora", "lora_delta_reference"]
+__all__ = ["apply_lora", "lora_delta_reference", "MASKED_MAX"]
+
+#: the masked form (CUDA) while ``rows x sum of ranks`` is at most this: its extra FLOPs
+#: (``rows x sum r x (in + out)``, 2 GFLOP at hidden 4096) stay well under the launches
+#: it saves, 2 per adapter segment at ~10-20 us each
+MASKED_MAX = 1 << 18
 
 
-def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, module: str) -> Any:
+def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, module: str,
+               *, method: str | None = None) -> Any:
     """In place: ``y[i] += scale[a] * (x[i] @ A[a]^T) @ B[a]^T`` with ``a = adapter(i)``.
 
     ``x [n, in]``, ``y [n, out]`` (rows are tokens); rows without adapter untouched.
     Mixed ranks in one call; A/B are read from the pool pages. Rows whose adapter
     does not target ``(layer, module)`` are untouched too. Returns ``y``.
+    ``method``: ``"segmented"`` (two GEMMs per adapter segment), ``"masked"`` (see the
+    module's docstring), or None: masked on CUDA while ``rows x sum r <= MASKED_MAX``,
+    else segmented.
     """
     import torch
 
@@ -33,6 +50,13 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
         return y
     matrices = pool.matrices
     linear = torch.nn.functional.linear       # x @ A^T with A [r, in] as the weight
+    if method is None and x.is_cuda or method == "masked":
+        mats = [matrices(seg.entry, layer, module) for seg in segments]
+        total = sum(m[0].shape[0] for m in mats if m is not None)
+        if method == "masked" or batch.num_rows * total <= MASKED_MAX:
+            return _apply_masked(y, x, batch, mats, linear)
+    elif method not in (None, "segmented"):
+        raise ValueError(f"method must be 'segmented', 'masked' or None, got {method!r}")
     if batch.perm is None:
         # Every adapter's rows are consecutive in x: slice, no gather / scatter.
         for seg in segments:
@@ -56,6 +80,36 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
         # the scale rides on the expand GEMM (alpha); beta=0 ignores o's old contents
         torch.addmm(o, linear(xp, a), bt, beta=0, alpha=seg.entry.scale, out=o)
     y.index_add_(0, perm, out)
+    return y
+
+
+def _apply_masked(y: Any, x: Any, batch: LoraBatch, mats: list, linear: Any) -> Any:
+    """``y += ((x @ A_cat^T) * mask) @ B^T_cat`` over the segments whose adapter targets
+    this module (``mats[i]`` None: it does not); the mask is built once per batch and
+    per pattern of targeting segments."""
+    import torch
+
+    present = [(seg, m) for seg, m in zip(batch.segments, mats) if m is not None]
+    if not present:
+        return y
+    key = ("mask", tuple(m is not None for m in mats))
+    mask = batch._scratch.get(key)
+    if mask is None:
+        col_slot: list[int] = []
+        col_scale: list[float] = []
+        for seg, (a, _) in present:
+            col_slot += [seg.entry.slot] * a.shape[0]
+            col_scale += [seg.entry.scale] * a.shape[0]
+        dev = x.device
+        slots = torch.tensor(col_slot, dtype=torch.int64).to(dev, non_blocking=True)
+        scales = torch.tensor(col_scale, dtype=x.dtype).to(dev, non_blocking=True)
+        mask = (batch.row_slots[:batch.num_rows, None] == slots[None, :]).to(x.dtype) * scales
+        batch._scratch[key] = mask
+    a_cat = torch.cat([m[0] for _, m in present]) if len(present) > 1 else present[0][1][0]
+    bt_cat = torch.cat([m[1] for _, m in present]) if len(present) > 1 else present[0][1][1]
+    t = linear(x, a_cat)
+    t.mul_(mask)
+    y.addmm_(t, bt_cat)
     return y
 
 

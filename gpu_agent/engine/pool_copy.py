@@ -43,8 +43,10 @@ COPY_CHUNK_BYTES = 256 << 10
 # the page cache with no page-table fill, unlike a fresh mmap).
 PREAD_PART_MIN = 4 << 20
 
-# CUDA: the pinned staging buffers (AdapterPool takes them once, when it is built).
-STAGING_SLOT_BYTES = 4 << 20
+# CUDA: the pinned staging buffers (AdapterPool takes them once, when it is built): 16 MiB
+# each, so that _pread_into reads one in 4 parallel parts (4 MiB buffers, one part each,
+# made a rank-128 cold load 48 ms instead of 19 on the H200).
+STAGING_SLOT_BYTES = 16 << 20
 STAGING_SLOTS = 4
 
 _readers = None
@@ -159,7 +161,8 @@ def copy_into_pages(pages: Any, adapter: Any, layout: dict, ids: np.ndarray, con
             readable = raw is not None and not raw.closed
             stage = staging is not None and not payload.buffer.is_pinned()
             # a prefetch yields between chunks; through the staging buffers a chunk is one
-            # buffer (4 MiB: ~1 ms of pread), so the loader takes the GIL 16x less often
+            # buffer (16 MiB, read in parallel parts: ~1 ms on the H200), so the loader takes
+            # the GIL far less often than at 256 KiB (docs/bench-history.md, 2026-12-04)
             chunk = staging.slot_bytes if stage else COPY_CHUNK_BYTES
             step = chunk if chunked else max(1, end - start)
             for lo in range(0, end - start, step):

@@ -49,7 +49,8 @@ def test_pages_live_on_the_device_and_loads_are_exact():
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-3), (torch.bfloat16, 6e-2)])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_mixed_rank_batch_on_device_matches_the_dense_reference(dtype, atol, grouped):
+@pytest.mark.parametrize("method", [None, "segmented"])   # None: the masked form, on CUDA
+def test_mixed_rank_batch_on_device_matches_the_dense_reference(dtype, atol, grouped, method):
     pool = _pool(dtype)
     adapters = {f"r{r}": make_adapter(f"r{r}", r, modules=MODULES, dtype=dtype, seed=r,
                                       use_rslora=(r == 32), alpha=16) for r in RANKS}
@@ -66,7 +67,7 @@ def test_mixed_rank_batch_on_device_matches_the_dense_reference(dtype, atol, gro
         for layer in range(SPEC.num_layers):
             y = (x @ w0.t()).to(CUDA)
             with pool.batch(rows) as batch:
-                apply_lora(y, x.to(CUDA), pool, batch, layer, module)
+                apply_lora(y, x.to(CUDA), pool, batch, layer, module, method=method)
             ref = dense_reference(x, w0, rows, adapters, layer, module)
             torch.testing.assert_close(y.double().cpu(), ref, atol=atol, rtol=atol)
 

@@ -17,7 +17,8 @@ def _pool(dtype, budget_mb=8):
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
 @pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("grouped", [False, True])
-def test_mixed_batch_matches_dense_reference(dtype, atol, module, grouped):
+@pytest.mark.parametrize("method", ["segmented", "masked"])
+def test_mixed_batch_matches_dense_reference(dtype, atol, module, grouped, method):
     pool = _pool(dtype)
     adapters = {f"r{r}": make_adapter(f"r{r}", r, modules=MODULES, dtype=dtype,
                                       use_rslora=(r == 32), alpha=16) for r in RANKS}
@@ -36,7 +37,7 @@ def test_mixed_batch_matches_dense_reference(dtype, atol, module, grouped):
         y = x @ w0.t()
         with pool.batch(rows) as batch:
             assert (batch.perm is None) == grouped
-            apply_lora(y, x, pool, batch, layer, module)
+            apply_lora(y, x, pool, batch, layer, module, method=method)
         ref = dense_reference(x, w0, rows, adapters, layer, module)
         torch.testing.assert_close(y.double(), ref, atol=atol, rtol=atol)
 
@@ -116,3 +117,36 @@ def test_matrix_split_over_free_runs_is_gathered():
     with pool.batch(["x1", "x1"]) as batch:                # x1 does not target up_proj
         apply_lora(y1, x[:2], pool, batch, 0, "up_proj")
     assert not y1.any()
+
+
+@pytest.mark.parametrize("method", ["segmented", "masked", None])
+def test_adapters_that_skip_a_module_leave_their_rows_untouched_in_every_form(method):
+    """A batch mixing adapters that target a module with ones that do not: the masked
+    form's columns hold only the targeting adapters, and its mask (cached per batch and
+    per pattern) differs between modules; rows of the others and rows without adapter
+    keep the base output."""
+    pool = _pool(torch.float32)
+    full = make_adapter("full", 16, modules=MODULES, seed=1)
+    attn = make_adapter("attn", 8, modules=("q_proj", "k_proj", "v_proj", "o_proj"), seed=2)
+    adapters = {"full": full, "attn": attn}
+    for ad in adapters.values():
+        pool.load(ad)
+    rows = ["attn", "full", None, "attn", "full", "full"]
+    g = torch.Generator().manual_seed(4)
+    with pool.batch(rows) as batch:
+        for module in ("q_proj", "up_proj", "o_proj", "down_proj"):
+            fan_in, fan_out = SPEC.modules[module]
+            x = torch.randn(len(rows), fan_in, generator=g)
+            w0 = torch.randn(fan_out, fan_in, generator=g) / fan_in ** 0.5
+            y = x @ w0.t()
+            apply_lora(y, x, pool, batch, 1, module, method=method)
+            targeting = [n if n is not None and (1, module) in adapters[n].weights else None for n in rows]
+            torch.testing.assert_close(y.double(), dense_reference(x, w0, targeting, adapters, 1, module),
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_an_unknown_method_is_refused():
+    pool = _pool(torch.float32)
+    pool.load(make_adapter("a", 8))
+    with pool.batch(["a"]) as batch, pytest.raises(ValueError, match="method"):
+        apply_lora(torch.zeros(1, 32), torch.zeros(1, 32), pool, batch, 0, "q_proj", method="fused")
