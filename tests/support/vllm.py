@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.fixtures import fixtures_dir  # noqa: F401  (re-exported: the tests import it from here)
 from tests.support.procs import REPO, free_port
 from tests.support.wait import wait_until
 
@@ -29,17 +30,6 @@ def vllm_python() -> str:
     if not Path(py).is_file():
         pytest.fail(f"ACE_VLLM_PYTHON={py} does not exist")
     return py
-
-
-def fixtures_dir(tmp_factory) -> Path:
-    """The fixtures `make fixtures` wrote, or a fresh copy made for this session."""
-    made = REPO / ".fixtures"
-    if (made / "catalog.yaml").is_file() and (made / "model" / "config.json").is_file():
-        return made
-    from gpu_agent.fixtures import make_fixtures
-    out = tmp_factory.mktemp("fixtures")
-    make_fixtures(out)
-    return out
 
 
 class VLLMServer:
