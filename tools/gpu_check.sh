@@ -10,6 +10,10 @@
 #      device -> reports/load_interference_cuda.json.
 # Runs with whatever python3 has torch + CUDA (the device machine's image), from the
 # repository root; no install, no network. Exit status: the tests', then the bench's.
+# The fixtures (make fixtures) must be there: a device machine is bare, so send .fixtures
+# with the working tree (it is git-ignored). The agent's tests import nothing of the
+# gateway (tests/support/fixtures.py), whose dependencies (orjson) that image lacks.
+# One run on an H200 takes about a minute (docs/bench-history.md, 2026-12-04).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
