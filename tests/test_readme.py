@@ -155,3 +155,18 @@ def test_miss_table_and_sixteen_targets_render():
          "no_errors": {"met": True, "got": 0}}
     line = sixteen_targets(t)
     assert "99.00%" in line and "worse at ttft p99" in line and "**missed**" in line
+
+
+def test_gpu_sections_render_from_their_reports_and_are_left_out_without_them():
+    """``make gpu-check`` writes reports only a session lent a GPU can make: the README
+    shows them when committed (device, staging path, every phase), and nothing when absent."""
+    from tools.report_tables import render, working_tree_reports
+
+    load = working_tree_reports(REPO)
+    full = render(load)
+    for line in ("### Agent runtime on a GPU", "pinned staging buffers", "two GEMMs per adapter segment",
+                 "### Forward steps while loads stream in, on the GPU",
+                 "| disk reads pinned per load (the old default) |"):
+        assert line in full
+    without = render(lambda name: None if "cuda" in name else load(name))
+    assert "on a GPU" not in without and "### Agent runtime —" in without
