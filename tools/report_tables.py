@@ -163,7 +163,18 @@ def interference_cuda(r: dict) -> list[str]:
         row("disk reads through the staging buffers (default)", pool.get("loading")),
         row("host copies through the staging buffers", pool.get("loading_copy_only")),
         row("disk reads pinned per load (the old default)", pool.get("loading_pinned_reads")),
+        *_engine_lines(r.get("engine")),
     ]
+
+
+def _engine_lines(e: dict | None) -> list[str]:
+    if e is None:
+        return []
+    idle, busy = e["idle"], e["loading"]
+    return ["", f"The builtin engine on the same device (fixtures model and pool): TTFT p50 / p99 of {e['requests']} "
+            f"requests {busy['ttft_ms']['p50']:.2f} / {busy['ttft_ms']['p99']:.2f} ms while prefetches cycle "
+            f"({busy['loads_during']} completed), {idle['ttft_ms']['p50']:.2f} / {idle['ttft_ms']['p99']:.2f} ms "
+            "without."]
 
 
 def _pct(e: dict, key: str) -> str:
