@@ -92,19 +92,18 @@ def _apply_masked(y: Any, x: Any, batch: LoraBatch, mats: list, linear: Any) -> 
     present = [(seg, m) for seg, m in zip(batch.segments, mats) if m is not None]
     if not present:
         return y
-    key = ("mask", tuple(m is not None for m in mats))
-    mask = batch._scratch.get(key)
-    if mask is None:
+
+    def make_mask() -> Any:
         col_slot: list[int] = []
         col_scale: list[float] = []
         for seg, (a, _) in present:
             col_slot += [seg.entry.slot] * a.shape[0]
             col_scale += [seg.entry.scale] * a.shape[0]
-        dev = x.device
-        slots = torch.tensor(col_slot, dtype=torch.int64).to(dev, non_blocking=True)
-        scales = torch.tensor(col_scale, dtype=x.dtype).to(dev, non_blocking=True)
-        mask = (batch.row_slots[:batch.num_rows, None] == slots[None, :]).to(x.dtype) * scales
-        batch._scratch[key] = mask
+        slots = torch.tensor(col_slot, dtype=torch.int64).to(x.device, non_blocking=True)
+        scales = torch.tensor(col_scale, dtype=x.dtype).to(x.device, non_blocking=True)
+        return (batch.row_slots[:batch.num_rows, None] == slots[None, :]).to(x.dtype) * scales
+
+    mask = batch.memo(("mask", x.dtype, tuple(m is not None for m in mats)), make_mask)
     a_cat = torch.cat([m[0] for _, m in present]) if len(present) > 1 else present[0][1][0]
     bt_cat = torch.cat([m[1] for _, m in present]) if len(present) > 1 else present[0][1][1]
     t = linear(x, a_cat)

@@ -132,6 +132,14 @@ class LoraBatch:
             self._scratch[key] = buf
         return buf[: n * width].view(n, width)
 
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` once per batch for ``key`` (what every layer of this forward shares,
+        e.g. the masked LoRA form's row mask), then the same object."""
+        got = self._scratch.get(key)
+        if got is None:
+            got = self._scratch[key] = make()
+        return got
+
     def weights(self, seg: Segment, layer: int, module: str) -> tuple[Any, Any]:
         """(A [r, in], B^T [r, out]) of the segment's adapter, read from pool pages."""
         return self.pool.matrices(seg.entry, layer, module)
