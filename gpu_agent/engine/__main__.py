@@ -23,6 +23,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineSettings, str, 
     ap.add_argument("--host-cache-bytes", type=int, default=EngineSettings.host_cache_bytes,
                     help=h("host_cache_bytes"))
     ap.add_argument("--device", default=EngineSettings.device, help=h("device"))
+    ap.add_argument("--staging-bytes", type=int, default=EngineSettings.staging_bytes, help=h("staging_bytes"))
     ap.add_argument("--dtype", default=EngineSettings.dtype, help=h("dtype"))
     ap.add_argument("--max-batch-sequences", type=int, default=EngineSettings.max_batch_sequences,
                     help=h("max_batch_sequences"))

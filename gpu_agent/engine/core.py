@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Sequence
 from gpu_agent.engine.adapters import AdapterSource, EngineAdapters, read_catalog
 from gpu_agent.engine.batcher import Batcher, GenerationRequest, TokenEvent
 from gpu_agent.engine.errors import InvalidRequest, ModelNotFound
+from gpu_agent.engine.pool_copy import STAGING_MIN_SLOT_BYTES, STAGING_SLOT_BYTES, STAGING_SLOTS
 
 __all__ = ["EngineSettings", "Engine"]
 
@@ -41,6 +42,10 @@ class EngineSettings:
         "help": "host-memory tier for parsed adapters (LRU), in bytes; 0 = none (an adapter that "
                 "left the pool is read from disk again)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
+    staging_bytes: int = field(default=STAGING_SLOTS * STAGING_SLOT_BYTES, metadata={
+        "help": "CUDA: pinned host memory the pool takes at start-up to carry adapter bytes to the "
+                f"device, in {STAGING_SLOTS} buffers read in parallel parts (no memory is pinned while "
+                "serving); ignored on CPU"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     max_batch_sequences: int = field(default=32, metadata={
         "help": "most sequences in one forward pass"})
@@ -67,6 +72,9 @@ class EngineSettings:
             raise ValueError("give --model or --catalog (whose base_model.path names the model)")
         if self.pool_bytes <= 0:
             raise ValueError("pool_bytes must be positive")
+        if self.staging_bytes < STAGING_SLOTS * STAGING_MIN_SLOT_BYTES:
+            raise ValueError(f"staging_bytes must be >= {STAGING_SLOTS * STAGING_MIN_SLOT_BYTES} "
+                             f"({STAGING_SLOTS} buffers of at least {STAGING_MIN_SLOT_BYTES >> 10} KiB)")
         if self.host_cache_bytes < 0:
             raise ValueError("host_cache_bytes must be >= 0 (0 = no host tier)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -138,7 +146,7 @@ class Engine:
         spec = BaseModelSpec(name=name, num_layers=model.cfg.num_layers,
                              hidden_size=model.cfg.hidden_size, modules=model.cfg.module_shapes())
         pool = AdapterPool(spec, settings.pool_bytes, dtype=dtype, device=device,
-                           max_adapters=settings.max_adapters)
+                           max_adapters=settings.max_adapters, staging_bytes=settings.staging_bytes)
         root = Path(settings.catalog).parent.resolve() if settings.catalog is not None else None
         adapters = EngineAdapters(pool, spec, entries, source=source, root=root,
                                   host_budget_bytes=settings.host_cache_bytes,

@@ -42,7 +42,8 @@ import numpy as np
 from gpu_agent.errors import AdapterBusy, AdapterInvalid, AdapterNotResident, LoadYielded, PoolExhausted
 from gpu_agent.eviction import Candidate, EvictionPolicy, EvictReason, LRUPolicy, Shortfall, plan_evictions
 from gpu_agent.engine.peft import BaseModelSpec, LoraAdapter
-from gpu_agent.engine.pool_copy import COPY_CHUNK_BYTES, CopyDone, PinnedStaging, copy_into_pages
+from gpu_agent.engine.pool_copy import (COPY_CHUNK_BYTES, STAGING_SLOT_BYTES, STAGING_SLOTS, CopyDone, PinnedStaging,
+                                        copy_into_pages)
 
 __all__ = ["AdapterPool", "LoraBatch", "Segment", "PoolEntry", "EMPTY_SLOT", "VictimChooser",
            "COPY_CHUNK_BYTES"]
@@ -149,6 +150,9 @@ class AdapterPool:
     """Paged pool of LoRA adapters for one base model: the mechanism (pages, slots,
     batches), never the eviction decision.
 
+    ``staging_bytes`` (CUDA): the pinned host memory taken now for loads
+    (``PinnedStaging``, in ``STAGING_SLOTS`` buffers).
+
     ``budget_bytes`` is the size of the single page tensor; ``eviction`` is the record of
     use that orders candidates (LRU default). ``max_adapters`` (optional) also bounds how
     many adapters are resident at once: every load, whoever asks for it, makes room to
@@ -168,7 +172,8 @@ class AdapterPool:
 
     def __init__(self, spec: BaseModelSpec, budget_bytes: int, *, dtype: Any = None,
                  device: Any = None, eviction: EvictionPolicy | None = None,
-                 max_rows: int = 4096, max_adapters: int | None = None) -> None:
+                 max_rows: int = 4096, max_adapters: int | None = None,
+                 staging_bytes: int = STAGING_SLOTS * STAGING_SLOT_BYTES) -> None:
         import torch
 
         if max_adapters is not None and max_adapters < 1:
@@ -198,7 +203,8 @@ class AdapterPool:
         self._copy_ended = threading.Condition(self._lock)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # CUDA: pinned buffers taken now, so that no load pins memory while batches run
-        self.staging = PinnedStaging() if self.device.type == "cuda" else None
+        self.staging = (PinnedStaging(staging_bytes // STAGING_SLOTS, STAGING_SLOTS)
+                        if self.device.type == "cuda" else None)
         self.evictions = 0
         self.loads = 0
         self.load_ms_total = 0.0

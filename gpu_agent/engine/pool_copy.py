@@ -34,7 +34,7 @@ import numpy as np
 from gpu_agent.errors import AdapterInvalid
 
 __all__ = ["copy_into_pages", "CopyDone", "PinnedStaging", "COPY_CHUNK_BYTES", "PREAD_PART_MIN",
-           "STAGING_SLOT_BYTES", "STAGING_SLOTS"]
+           "STAGING_MIN_SLOT_BYTES", "STAGING_SLOT_BYTES", "STAGING_SLOTS"]
 
 # A prefetch's one-piece copy is cut into chunks of this size, with a yield check between.
 COPY_CHUNK_BYTES = 256 << 10
@@ -48,6 +48,7 @@ PREAD_PART_MIN = 4 << 20
 # made a rank-128 cold load 48 ms instead of 19 on the H200).
 STAGING_SLOT_BYTES = 16 << 20
 STAGING_SLOTS = 4
+STAGING_MIN_SLOT_BYTES = 64 << 10     # smaller buffers would make every piece a GIL round trip
 
 _readers = None
 _readers_lock = threading.Lock()

@@ -264,3 +264,10 @@ def test_the_builtin_engine_serves_one_mixed_adapter_batch_on_the_device(fixture
     for name, toks in got.items():
         ref_model = cpu if name is None else merge_adapter(cpu, adapters[name])
         assert toks == greedy_generate(ref_model, prompts[name], n_tokens), name
+
+
+def test_the_staging_size_is_split_into_the_pools_buffers():
+    from gpu_agent.engine.pool_copy import STAGING_SLOTS
+
+    pool = AdapterPool(SPEC, 8 << 20, device=CUDA, staging_bytes=STAGING_SLOTS << 20)
+    assert pool.staging.slot_bytes == 1 << 20 and pool.staging.nbytes == STAGING_SLOTS << 20
