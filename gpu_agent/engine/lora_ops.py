@@ -8,7 +8,7 @@ adapter cost nothing. On CPU this op is bound by the memory bandwidth of reading
 weights; see ``docs/pool.md`` for the alternatives measured (pad-to-max-rank ``bmm``,
 per-row gather, per-adapter loop over ungrouped rows).
 
-On CUDA two small GEMMs per segment are launch-bound (an H200 took 1.33 ms for 64 rows
+On CUDA two small GEMMs per segment are launch-bound (an H200 took 1.1-1.4 ms for 64 rows
 over 32 adapters, 15x the base model's dense matmul: docs/pool.md), so a small batch
 takes the *masked* form instead: the adapters' ``A`` matrices are concatenated into one
 ``[sum r, in]`` (and ``B^T`` into ``[sum r, out]``), every row is multiplied by all of
@@ -50,13 +50,13 @@ def apply_lora(y: Any, x: Any, pool: AdapterPool, batch: LoraBatch, layer: int, 
         return y
     matrices = pool.matrices
     linear = torch.nn.functional.linear       # x @ A^T with A [r, in] as the weight
-    if method is None and x.is_cuda or method == "masked":
+    if method not in (None, "segmented", "masked"):
+        raise ValueError(f"method must be 'segmented', 'masked' or None, got {method!r}")
+    if method == "masked" or (method is None and x.is_cuda):
         mats = [matrices(seg.entry, layer, module) for seg in segments]
         total = sum(m[0].shape[0] for m in mats if m is not None)
         if method == "masked" or batch.num_rows * total <= MASKED_MAX:
             return _apply_masked(y, x, batch, mats, linear)
-    elif method not in (None, "segmented"):
-        raise ValueError(f"method must be 'segmented', 'masked' or None, got {method!r}")
     if batch.perm is None:
         # Every adapter's rows are consecutive in x: slice, no gather / scatter.
         for seg in segments:
@@ -104,12 +104,19 @@ def _apply_masked(y: Any, x: Any, batch: LoraBatch, mats: list, linear: Any) -> 
         return (batch.row_slots[:batch.num_rows, None] == slots[None, :]).to(x.dtype) * scales
 
     mask = batch.memo(("mask", x.dtype, tuple(m is not None for m in mats)), make_mask)
-    a_cat = torch.cat([m[0] for _, m in present]) if len(present) > 1 else present[0][1][0]
-    bt_cat = torch.cat([m[1] for _, m in present]) if len(present) > 1 else present[0][1][1]
+    a_cat = _cat([a for _, (a, _) in present])      # [sum r, in]
+    bt_cat = _cat([bt for _, (_, bt) in present])   # [sum r, out]
     t = linear(x, a_cat)
     t.mul_(mask)
     y.addmm_(t, bt_cat)
     return y
+
+
+def _cat(parts: list) -> Any:
+    """One tensor of ``parts`` along rows (the part itself when alone: no copy)."""
+    import torch
+
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def lora_delta_reference(x: Any, a: Any, b: Any, scale: float) -> Any:

@@ -18,7 +18,7 @@ bytes reach the device through :class:`PinnedStaging`, a few pinned buffers the 
 takes once when it is built: a piece is ``pread`` from the adapter's file (or copied from
 its host buffer) into a free buffer, and the DMA from that buffer is queued. Pinning
 memory while serving is what stalled forward steps on an H200: each ``cudaHostAlloc``
-of a 32 MB adapter's host copy held up the other thread's kernel launches for 29-115 ms
+of a 32-128 MB adapter's host copy held up the other thread's kernel launches for 25-168 ms
 (``bench.load_interference``, docs/pool.md); the staging buffers make that a startup
 cost. A host buffer that is pinned already (``load_peft_dir(pin_memory=True)``) is
 copied from directly.

@@ -90,13 +90,13 @@ class HostCache:
 class AdapterTiers:
     """disk -> host -> pool for one pool."""
 
-    def __init__(self, pool: AdapterPool, host_budget_bytes: int, *, pin_host: bool | None = None) -> None:
+    def __init__(self, pool: AdapterPool, host_budget_bytes: int, *, pin_host: bool = False) -> None:
         self.pool = pool
         self.host = HostCache(host_budget_bytes)
         # Host copies stay pageable by default, on CUDA too: the pool's pinned staging
         # buffers carry them to the device, and pinning each new host copy (cudaHostAlloc)
         # stalled the forward's kernel launches (docs/pool.md).
-        self.pin_host = False if pin_host is None else pin_host
+        self.pin_host = pin_host
         self._lock = threading.RLock()
         self.last: dict[str, LoadTimings] = {}
 

@@ -66,7 +66,7 @@ def test_trace_catalog_makes_missing_adapters_once(tmp_path, tmp_path_factory):
     pytest.importorskip("torch")
     from bench.scenario_fixtures import trace_catalog
     from ace_common.catalog_schema import read_catalog_file
-    from tests.support.vllm import fixtures_dir
+    from tests.support.fixtures import fixtures_dir
 
     fixtures = fixtures_dir(tmp_path_factory)
     reqs = [{"adapter": "pub-x-00", "rank": 8, "domain": "x"}, {"adapter": "t01-y-0", "rank": 16, "domain": "y"}]

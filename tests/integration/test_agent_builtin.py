@@ -16,7 +16,7 @@ from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.agent import AUTH, agent_process
 from tests.support.procs import free_port, wait_http
-from tests.support.vllm import fixtures_dir
+from tests.support.fixtures import fixtures_dir
 from tests.support.wait import wait_until
 
 pytest.importorskip("torch")

@@ -20,7 +20,7 @@ from tests.integration.test_vllm_e2e import HEADERS, trace, write_state
 from tools.localstack import gateway_front
 from tests.support.agent import AUTH, TOKEN, agent_process
 from tests.support.procs import free_port, wait_http
-from tests.support.vllm import fixtures_dir
+from tests.support.fixtures import fixtures_dir
 from tests.support.wait import wait_until
 
 pytest.importorskip("torch")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.support.procs import REPO, python
-from tests.support.vllm import fixtures_dir
+from tests.support.fixtures import fixtures_dir
 from tests.support.wait import scaled, wait_until
 
 pytest.importorskip("torch")

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.procs import REPO
-from tests.support.vllm import fixtures_dir
+from tests.support.fixtures import fixtures_dir
 from tests.support.wait import wait_until
 
 pytest.importorskip("torch")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.support.vllm import fixtures_dir
+from tests.support.fixtures import fixtures_dir
 
 pytest.importorskip("torch")
 

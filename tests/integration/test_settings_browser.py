@@ -22,7 +22,7 @@ import yaml
 
 from tests.support.browser import chromium
 from tests.support.procs import REPO
-from tests.support.vllm import fixtures_dir
+from tests.support.fixtures import fixtures_dir
 from tests.support.wait import scaled, wait_until
 from tools.localstack import gateway_stack
 

@@ -18,7 +18,8 @@ import pytest
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.agent import AUTH, agent_process
-from tests.support.vllm import BASE_MODEL, VLLMServer, fixtures_dir, vllm_python
+from tests.support.fixtures import fixtures_dir
+from tests.support.vllm import BASE_MODEL, VLLMServer, vllm_python
 from tests.support.wait import scaled, wait_until
 
 pytestmark = pytest.mark.vllm

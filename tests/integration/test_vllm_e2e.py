@@ -23,7 +23,8 @@ from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tools.localstack import gateway_front
 from tests.support.agent import AUTH, TOKEN, agent_process
 from tests.support.procs import free_port
-from tests.support.vllm import BASE_MODEL, VLLMServer, fixtures_dir, vllm_python
+from tests.support.fixtures import fixtures_dir
+from tests.support.vllm import BASE_MODEL, VLLMServer, vllm_python
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.vllm

@@ -31,7 +31,8 @@ import yaml
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.agent import AUTH, TOKEN
-from tests.support.vllm import BASE_MODEL, fixtures_dir, vllm_python
+from tests.support.fixtures import fixtures_dir
+from tests.support.vllm import BASE_MODEL, vllm_python
 from tests.support.wait import wait_until
 from tools.vllm_fleet import VLLMFlags, peak_rss_mb, vllm_fleet
 from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ_MARK, REGISTERED as MEASURE_REGISTERED

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.fixtures import fixtures_dir  # noqa: F401  (re-exported: the tests import it from here)
 from tests.support.procs import REPO, free_port
 from tests.support.wait import wait_until
 
