@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from gpu_agent.artifacts import CONFIG, WEIGHTS, ArtifactStore, Catalog, DiskCache
-from tools.localstack import free_port, python, wait_port
+from tools.localstack import free_port, python, run_until_stopped, wait_port
 
 
 def _server_cpu_s(pid: int) -> float:
@@ -131,4 +131,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_until_stopped(main))

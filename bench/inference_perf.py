@@ -44,6 +44,7 @@ from bench.scenario_fixtures import trace_catalog
 from bench.vllm_eval import TOKEN, add_waited_loads, engine_counts, host_args
 from bench.vllm_router import vllm_router
 from tools.vllm_fleet import BASE_MODEL, VLLMFlags, vllm_fleet, vllm_hosts
+from tools.localstack import run_until_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("ace", "vllm_router")
@@ -202,4 +203,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_until_stopped(main))

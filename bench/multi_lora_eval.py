@@ -101,6 +101,7 @@ from bench.report import build_report, fleet_checks, fleet_entry, format_fleets,
 from bench.scenario_fixtures import trace_catalog
 from bench.trace import TraceError, load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
+from tools.localstack import run_until_stopped
 from ace_common.catalog_schema import read_catalog_file
 from gpu_agent.connectors.prometheus import parse_samples
 
@@ -151,16 +152,26 @@ def store_fetches(log_path: Path, start: int = 0) -> tuple[int, int]:
     return n, len(data)
 
 
-async def engine_loads(engine_url: str) -> dict[str, int]:
-    """The engine's ``ace_engine_adapter_cold_loads_total`` by tier (its /metrics)."""
+def engine_counters(text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """From an engine's /metrics text: its cold loads by tier
+    (``ace_engine_adapter_cold_loads_total``) and its pool's evictions by reason
+    (``ace_engine_adapter_evictions_total{tier="device"}``: ``hint``, the gateway's named
+    victim for a request's load; ``budget``, the pool's LRU order; ``operator``, an unload
+    the agent asked for, e.g. a priced bet's victim)."""
+    loads: dict[str, int] = {}
+    evictions: dict[str, int] = {}
+    for sample in parse_samples(text):
+        if sample.name == "ace_engine_adapter_cold_loads_total" and "tier" in sample.labels:
+            loads[sample.labels["tier"]] = loads.get(sample.labels["tier"], 0) + int(sample.value)
+        elif sample.name == "ace_engine_adapter_evictions_total" and sample.labels.get("tier") == "device":
+            reason = sample.labels.get("reason", "?")
+            evictions[reason] = evictions.get(reason, 0) + int(sample.value)
+    return loads, evictions
+
+
+async def engine_metrics(engine_url: str) -> str:
     async with httpx.AsyncClient(timeout=10) as client:
-        text = (await client.get(engine_url + "/metrics")).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("ace_engine_adapter_cold_loads_total{"):
-            tier = line.split('tier="', 1)[1].split('"', 1)[0]
-            out[tier] = int(float(line.rsplit(" ", 1)[1]))
-    return out
+        return (await client.get(engine_url + "/metrics")).text
 
 
 def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict], prefetch: bool) -> dict:
@@ -558,22 +569,24 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
             busy = {n: round((after[n][0] - before[n][0]) / elapsed, 4) for n in before}
             load_busy = {n: round((after[n][1] - before[n][1]) / elapsed, 4) for n in before}
             loads: Counter = Counter()
+            evictions: Counter = Counter()
             by_host = {}
             for h in st["hosts"]:  # before the overhead probe's requests
-                by_host[h["name"]] = await engine_loads(h["engine_url"])
+                by_host[h["name"]], evicted = engine_counters(await engine_metrics(h["engine_url"]))
                 loads.update(by_host[h["name"]])
+                evictions.update(evicted)
             preempted, outcomes = await agent_counters([h["metrics"] for h in st["hosts"]])
             ov = None
             if probe:
                 t = requests[0]
                 ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
             return (rows, dict(loads), by_host, preempted, outcomes, ov, ready, run_speed, calibration, busy, load_busy,
-                    cpu, gc_delta)
+                    cpu, gc_delta, dict(sorted(evictions.items())))
 
         t_replay = time.monotonic()
         load_avg = os.getloadavg()[0]
         (rows, loads, loads_by_host, preempted, outcomes, overhead, ready, speed, calibration, busy,
-         load_busy, cpu, gc_replay) = asyncio.run(go())
+         load_busy, cpu, gc_replay, pool_evictions) = asyncio.run(go())
         replay_s = time.monotonic() - t_replay
         fetches, _ = store_fetches(store_log, log_at)
     counters = speculation_counters(run_dir / "extproc.log") or {}  # the gateway has stopped
@@ -584,7 +597,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
     entry = fleet_entry(
         ok, errors=len(rows) - len(ok), requests_per_host=Counter(r["host"] or "unknown" for r in ok),
         loads_by_tier=loads, prefetch=prefetch,
-        extra={"loads_by_host": loads_by_host, "store_fetches": fetches, "replay_s": round(replay_s, 1),
+        extra={"loads_by_host": loads_by_host, "pool_evictions": pool_evictions, "store_fetches": fetches, "replay_s": round(replay_s, 1),
                "ready_wait_s": round(ready, 2),
                "machine_load_avg_1m": [round(load_avg, 2), round(os.getloadavg()[0], 2)],
                "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
@@ -830,4 +843,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_until_stopped(main))

@@ -69,6 +69,7 @@ from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLMFlags, cpu_seconds, vllm_fleet, vllm_hosts
 from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ_MARK, REGISTERED as MEASURE_REGISTERED
+from tools.localstack import run_until_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-agent-token"
@@ -465,4 +466,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_until_stopped(main))

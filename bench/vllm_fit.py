@@ -23,6 +23,7 @@ import httpx
 
 from ace_common.catalog_schema import read_catalog_file
 from tools.vllm_fleet import BASE_MODEL, VLLMFlags, peak_rss_mb, vllm_hosts
+from tools.localstack import run_until_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,4 +77,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_until_stopped(main))

@@ -40,41 +40,10 @@ import httpx
 import yaml
 
 from ace_common.catalog_schema import read_catalog_file
-from tools.localstack import REPO, gateway_stack
+from tools.localstack import REPO, Stopped, gateway_stack, stop_on_signals
 
 TOKEN = "demo-agent-token"
 KEYS = {"acme": "sk-ace-demo-acme", "medco": "sk-ace-demo-medco"}
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class Stopped(BaseException):
-    """A stop signal arrived: unwinds the stack's context managers like Ctrl-C does, so
-    every child is terminated and waited for (they run in their own sessions, so a signal
-    to the demo never reaches them by itself)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.held = False       # arrived while --keep held the stack up (its normal end)
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """SIGINT, SIGTERM and SIGHUP raise ``Stopped`` for the duration of the block; once one
-    arrived the others are ignored, so a second signal cannot cut the clean-up short."""
-    def stop(signum, _frame):
-        for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
-        raise Stopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def say(text: str = "") -> None:

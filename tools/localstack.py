@@ -11,12 +11,13 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import httpx
 
@@ -101,6 +102,50 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = N
         time.sleep(0.1)
     raise TimeoutError(f"{url} did not answer in {timeout}s ({last})"
                        + (f"\n--- log ---\n{log.read_text()[-4000:]}" if log else ""))
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(BaseException):
+    """A stop signal arrived: unwinds the stack's context managers like Ctrl-C does, so
+    every child is terminated and waited for (they run in their own sessions, so a signal
+    to the demo or a bench never reaches them by itself)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.held = False       # arrived while --keep held the stack up (its normal end)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGINT, SIGTERM and SIGHUP raise ``Stopped`` for the duration of the block; once one
+    arrived the others are ignored, so a second signal cannot cut the clean-up short."""
+    def stop(signum, _frame):
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_until_stopped(main: Callable[[], int]) -> int:
+    """A command's ``main()`` under :func:`stop_on_signals`: a stop signal (Ctrl-C,
+    SIGTERM, SIGHUP) unwinds it, so every process it started is stopped, and the exit
+    status is 128 + the signal's number. Benches' entry points run this way: their
+    children run in their own sessions and would outlive a bench killed any other way."""
+    try:
+        with stop_on_signals():
+            return main()
+    except Stopped as stop:
+        print(f"{stop}: stopped, every process it started stopped", file=sys.stderr)
+        return 128 + stop.signum
 
 
 @contextlib.contextmanager

@@ -144,6 +144,19 @@ def test_prefetch_outcomes_sum_the_agents_answers_by_outcome():
     assert prefetch_outcomes(["ace_agent_loads_total 5\n"]) == {}
 
 
+def test_engine_counters_read_cold_loads_by_tier_and_pool_evictions_by_reason():
+    from bench.multi_lora_eval import engine_counters
+
+    text = ('# TYPE ace_engine_adapter_cold_loads_total counter\n'
+            'ace_engine_adapter_cold_loads_total{tier="remote"} 7\n'
+            'ace_engine_adapter_cold_loads_total{tier="disk"} 2.0\n'
+            'ace_engine_adapter_evictions_total{tier="device",reason="hint"} 3\n'
+            'ace_engine_adapter_evictions_total{tier="device",reason="budget"} 4\n'
+            'ace_engine_adapter_evictions_total{tier="host",reason="budget"} 9\n')
+    assert engine_counters(text) == ({"remote": 7, "disk": 2}, {"hint": 3, "budget": 4})
+    assert engine_counters("ace_engine_loads_total 5\n") == ({}, {})
+
+
 def test_learned_state_is_the_gateways_own_file_from_another_trace(tmp_path):
     from bench.multi_lora_eval import learned_state
     from extproc.policy.prediction import TransitionModel

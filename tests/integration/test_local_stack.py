@@ -137,6 +137,41 @@ def test_bench_replays_a_small_trace_and_writes_the_report(tmp_path_factory, tmp
     assert (tmp_path / "report.png").exists()
 
 
+def test_bench_stops_every_process_it_started_on_sigterm(tmp_path_factory, tmp_path):
+    """A bench killed mid-replay (a CI timeout, ``kill``) stops its agents, ext_proc and
+    Envoy: they run in their own sessions, so nothing else would."""
+    trace = json.loads((REPO / "data" / "multi_lora_eval" / "multi_lora_eval_800.json").read_text())
+    rows = trace["requests"] if isinstance(trace, dict) else trace
+    path = tmp_path / "slow.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:40]))
+    out = tmp_path / "bench.out"
+    cmd = [python(), "-m", "bench.multi_lora_eval", "--trace", str(path), "--out", str(tmp_path / "r.json"),
+           "--hosts", "1", "--arms", "affinity", "--speed", "0.01",  # the replay outlasts the test
+           "--fixtures", str(fixtures_dir(tmp_path_factory))]
+    with open(out, "wb") as sink:
+        bench = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    children: dict[int, str] = {}
+    try:
+        wait_until(lambda: "replaying" in out.read_text() or bench.poll() is not None, timeout=300,
+                   interval=0.2, what="the bench's stack is up and replaying")
+        assert bench.poll() is None, out.read_text()[-4000:]
+        children = _descendants(bench.pid)
+        assert len(children) >= 3, children     # the agent, the ext_proc and Envoy
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=scaled(60)) == 128 + signal.SIGTERM, out.read_text()[-4000:]
+        wait_until(lambda: all(_started_at(pid) != started for pid, started in children.items()),
+                   what="every process the bench started is gone")
+        assert "SIGTERM: stopped" in out.read_text()
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        bench.wait()
+        for pid, started in children.items():
+            if _started_at(pid) == started:
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_free_ports_stay_out_of_the_kernels_ephemeral_range_and_never_repeat():
     """A server's port is not one an outgoing connection of the stack can take first
     (that raced: "address already in use" in the bench's 4-host start-up)."""
