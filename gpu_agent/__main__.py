@@ -13,8 +13,24 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_agent.engine.core import EngineSettings
+    from gpu_agent.settings import AgentSettings
 
 __all__ = ["main", "run"]
+
+
+def builtin_engine_settings(settings: AgentSettings) -> EngineSettings:
+    """The in-process builtin engine's settings from the agent's flags. The engine's pool
+    owns its device tier: the count budget is the pool's, enforced on every load, the
+    agent's prefetches and the engine's own on-demand loads alike."""
+    from gpu_agent.engine.core import EngineSettings
+    return EngineSettings(catalog=Path(settings.catalog), pool_bytes=settings.pool_mb << 20,
+                          host_cache_bytes=settings.engine_host_mb << 20,
+                          max_adapters=settings.device_max_adapters or None,
+                          prefetch_compute_defer_ms=settings.prefetch_compute_defer_ms)
 
 
 async def run(settings) -> None:
@@ -40,13 +56,7 @@ async def run(settings) -> None:
         connector = make_connector("sglang", url=settings.engine_url,
                                    max_loaded_loras=settings.max_loaded_loras or None, api_key=api_key)
     else:
-        from gpu_agent.engine.core import EngineSettings
-        # the engine's pool owns its device tier: the count budget is the pool's, enforced
-        # on every load, the agent's prefetches and the engine's own on-demand loads alike
-        engine_settings = EngineSettings(catalog=Path(settings.catalog), pool_bytes=settings.pool_mb << 20,
-                                         host_cache_bytes=settings.engine_host_mb << 20,
-                                         max_adapters=settings.device_max_adapters or None)
-        connector = make_connector("builtin", store=store, engine_settings=engine_settings,
+        connector = make_connector("builtin", store=store, engine_settings=builtin_engine_settings(settings),
                                    http_host=settings.engine_host, http_port=settings.engine_port)
     drives_device = not connector.self_managed   # builtin: the pool's budgets (above)
     budgets = ResidencyBudgets(

@@ -86,6 +86,11 @@ class AgentSettings:
     tls_key: Path | None = _f(None, "server private key, PEM (auth=mtls)")
     tls_client_ca: Path | None = _f(None, "CA that signs client certificates, PEM (auth=mtls)")
     pool_mb: int = _f(64, "builtin only: bytes of the paged adapter pool (MiB)")
+    prefetch_compute_defer_ms: float = _f(1000.0, "builtin only: a prefetch load waits while the engine has a "
+                                                 "request accepted, queued or running, for at most this "
+                                                 "long in all, then goes on (yielding to requests' loads "
+                                                 "only); 0 = never waits for compute (the engine's "
+                                                 "--prefetch-compute-defer-ms)")
     log_level: str = _f("INFO", "logging level")
 
     def token(self) -> str:
@@ -113,6 +118,8 @@ class AgentSettings:
                 raise SettingsError(f"{flag} must be >= 0")
         if self.pool_mb < 1:
             raise SettingsError("--pool-mb must be >= 1")
+        if not self.prefetch_compute_defer_ms >= 0:
+            raise SettingsError("--prefetch-compute-defer-ms must be >= 0")
         if self.engine == "builtin" and self.device_budget_mb:
             raise SettingsError("--device-budget-mb: the builtin engine's device tier is its pool; size it "
                                 "with --pool-mb (and --device-max-adapters for a count)")

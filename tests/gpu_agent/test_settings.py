@@ -59,3 +59,19 @@ def test_a_vllm_resolver_is_a_switch_off_by_default(catalog):
     assert parse_args([*base, "--vllm-resolver", "--no-vllm-resolver"]).vllm_resolver is False
     with pytest.raises(SystemExit):
         parse_args([*base, "--vllm-resolver", "yes"])
+
+
+def test_the_builtin_engines_compute_defer_is_the_agents_flag_with_the_engines_default(catalog):
+    """--prefetch-compute-defer-ms reaches the in-process engine; its default is the
+    engine's own, 0 turns the wait off, and a negative or NaN value is refused."""
+    from gpu_agent.__main__ import builtin_engine_settings
+    from gpu_agent.engine.core import EngineSettings
+
+    base = ["--catalog", str(catalog), "--auth", "none"]
+    default = EngineSettings.__dataclass_fields__["prefetch_compute_defer_ms"].default
+    assert parse_args(base).prefetch_compute_defer_ms == default
+    assert builtin_engine_settings(parse_args(base + ["--prefetch-compute-defer-ms", "0"])).prefetch_compute_defer_ms == 0
+    assert builtin_engine_settings(parse_args(base + ["--prefetch-compute-defer-ms", "250"])).prefetch_compute_defer_ms == 250
+    for bad in ("-1", "nan"):
+        with pytest.raises(SettingsError, match="--prefetch-compute-defer-ms"):
+            parse_args(base + ["--prefetch-compute-defer-ms", bad])
