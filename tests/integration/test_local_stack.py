@@ -2,6 +2,7 @@
 (tools.localstack.gateway_stack: agent + builtin engine, ext_proc, real Envoy)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,6 +78,37 @@ def _descendants(pid: int) -> dict[int, str]:
     return found
 
 
+@contextlib.contextmanager
+def _spawned(cmd: list[str], out: Path):
+    """``cmd`` running with its output in ``out``; on the way out, whatever the outcome,
+    it and every process it started that is still running are killed (``children``, which
+    the test fills from ``_descendants`` once they are up)."""
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    children: dict[int, str] = {}
+    try:
+        yield proc, children
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pid, started in children.items():
+            if _started_at(pid) == started:
+                os.kill(pid, signal.SIGKILL)
+
+
+def _stop_and_check_every_child_gone(proc: subprocess.Popen, children: dict[int, str], signum: int,
+                                     out: Path, rc: int) -> None:
+    """Send ``signum``; the process exits with ``rc`` and every one of ``children`` is gone."""
+    children.update(_descendants(proc.pid))
+    assert len(children) >= 3, children     # the agent, the ext_proc and Envoy
+    proc.send_signal(signum)
+    assert proc.wait(timeout=scaled(60)) == rc, out.read_text()[-4000:]
+    wait_until(lambda: all(_started_at(pid) != started for pid, started in children.items()),
+               what="every process it started is gone")
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_demo_keep_stops_its_whole_stack_on_a_stop_signal(signum, tmp_path_factory, tmp_path):
     """What a process manager or a closed terminal sends stops Envoy, the ext_proc and the
@@ -84,11 +116,7 @@ def test_demo_keep_stops_its_whole_stack_on_a_stop_signal(signum, tmp_path_facto
     out = tmp_path / "demo.out"
     cmd = [python(), "-m", "tools.demo", "--fixtures", str(fixtures_dir(tmp_path_factory)),
            "--work", str(tmp_path / "work"), "--keep"]
-    with open(out, "wb") as sink:
-        demo = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    children: dict[int, str] = {}
-    try:
+    with _spawned(cmd, out) as (demo, children):
         wait_until(lambda: "stack is up" in out.read_text() or demo.poll() is not None, timeout=300,
                    interval=0.2, what="the demo holds its stack up")
         assert demo.poll() is None, out.read_text()[-4000:]
@@ -99,20 +127,8 @@ def test_demo_keep_stops_its_whole_stack_on_a_stop_signal(signum, tmp_path_facto
         me = httpx.get(page.replace("/settings", "/api/v1/me"), timeout=10,
                        headers={"Authorization": "Bearer sk-ace-demo-acme"}).json()
         assert (me["tenant"], me["key"]["role"]) == ("acme", "admin")
-        children = _descendants(demo.pid)
-        assert len(children) >= 3, children     # the agent, the ext_proc and Envoy
-        demo.send_signal(signum)
-        assert demo.wait(timeout=scaled(60)) == 0, out.read_text()[-4000:]
-        wait_until(lambda: all(_started_at(pid) != started for pid, started in children.items()),
-                   what="every process the demo started is gone")
+        _stop_and_check_every_child_gone(demo, children, signum, out, 0)
         assert f"{signal.Signals(signum).name}: stack stopped" in out.read_text()
-    finally:  # whatever the outcome, leave nothing running
-        if demo.poll() is None:
-            demo.kill()
-        demo.wait()
-        for pid, started in children.items():
-            if _started_at(pid) == started:
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_bench_replays_a_small_trace_and_writes_the_report(tmp_path_factory, tmp_path):
@@ -134,6 +150,8 @@ def test_bench_replays_a_small_trace_and_writes_the_report(tmp_path_factory, tmp
     assert report["errors"] == {"baseline": 0, "prefetch": 0}
     for run in ("baseline", "prefetch"):
         assert set(report["ttft_ms"][run]) == {"p50", "p90", "p95", "p99"}
+    for fleet in report["fleets"].values():   # the pools' evictions, by reason, in every arm
+        assert all(isinstance(arm["pool_evictions"], dict) for arm in fleet.values())
     assert (tmp_path / "report.png").exists()
 
 
@@ -148,28 +166,12 @@ def test_bench_stops_every_process_it_started_on_sigterm(tmp_path_factory, tmp_p
     cmd = [python(), "-m", "bench.multi_lora_eval", "--trace", str(path), "--out", str(tmp_path / "r.json"),
            "--hosts", "1", "--arms", "affinity", "--speed", "0.01",  # the replay outlasts the test
            "--fixtures", str(fixtures_dir(tmp_path_factory))]
-    with open(out, "wb") as sink:
-        bench = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    children: dict[int, str] = {}
-    try:
+    with _spawned(cmd, out) as (bench, children):
         wait_until(lambda: "replaying" in out.read_text() or bench.poll() is not None, timeout=300,
                    interval=0.2, what="the bench's stack is up and replaying")
         assert bench.poll() is None, out.read_text()[-4000:]
-        children = _descendants(bench.pid)
-        assert len(children) >= 3, children     # the agent, the ext_proc and Envoy
-        bench.send_signal(signal.SIGTERM)
-        assert bench.wait(timeout=scaled(60)) == 128 + signal.SIGTERM, out.read_text()[-4000:]
-        wait_until(lambda: all(_started_at(pid) != started for pid, started in children.items()),
-                   what="every process the bench started is gone")
+        _stop_and_check_every_child_gone(bench, children, signal.SIGTERM, out, 128 + signal.SIGTERM)
         assert "SIGTERM: stopped" in out.read_text()
-    finally:
-        if bench.poll() is None:
-            bench.kill()
-        bench.wait()
-        for pid, started in children.items():
-            if _started_at(pid) == started:
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_free_ports_stay_out_of_the_kernels_ephemeral_range_and_never_repeat():
