@@ -691,6 +691,7 @@ def run(args) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="ace-bench-"))
     t_all = time.monotonic()
+    failed = False
     try:
         catalog = trace_catalog(requests + (warm_requests or []), Path(args.fixtures), log=log)
         names = {r["adapter"] for r in requests}
@@ -755,11 +756,14 @@ def run(args) -> int:
         print(format_fleets(report["fleets"], report["warm_from"]))
         log(f"wrote {out} and {out.with_suffix('.png')} in {report['wall_s']:.0f}s")
         return 0
+    except Exception:
+        failed = True   # keep the processes' logs of a run that broke
+        raise
     finally:
-        if not args.keep:
+        if not (args.keep or failed):
             shutil.rmtree(work, ignore_errors=True)
         else:
-            log(f"kept {work}")
+            log(f"kept {work}" + (" (the run failed: every process's log is there)" if failed else ""))
 
 
 def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top: int, catalog: Path, names: set[str],
