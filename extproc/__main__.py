@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_startup_heap
+from ace_common.stack_dump import install_stack_dump
 from extproc.fleet.discovery import HostDiscovery, make_source
 from extproc.errors import ConfigError
 from extproc.transport.health_port import HealthPort
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         gc_pauses = GcPauses().install()
+        install_stack_dump()   # kill -USR1: every thread's stack to the log (docs/gateway.md)
         metrics_server = health = reloads = None
         store = Store(settings.config, settings.state_db(), settings.catalog,
                       upstreams_required=not settings.discovers)

@@ -37,6 +37,7 @@ async def run(settings) -> None:
     from aiohttp import web
 
     from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_startup_heap
+    from ace_common.stack_dump import install_stack_dump
     from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
     from gpu_agent.connectors import make_connector
     from gpu_agent.metrics import AgentMetrics
@@ -68,6 +69,7 @@ async def run(settings) -> None:
         waste_share=settings.prefetch_waste_share)
     metrics = AgentMetrics()
     gc_pauses = GcPauses().install()
+    install_stack_dump()   # kill -USR1: every thread's stack to the log (docs/agent.md)
     metrics.registry.register(GcPauseCollector(gc_pauses, "ace_agent_gc_pause_seconds"))
     manager = ResidencyManager(catalog, store, connector, budgets, metrics)
     await manager.start()

@@ -135,3 +135,19 @@ def test_device_count_budget_holds_for_the_engines_own_on_demand_loads(tmp_path_
             pool = pool_adapters(proc.engine_url)
             return all(on_device(proc, n) == (n in pool) for n in names)
         wait_until(agrees, interval=0.05, what="the agent's view agrees with the pool")
+
+
+def test_sigusr1_dumps_every_threads_stack_and_the_agent_keeps_serving(agent):
+    """``kill -USR1`` (ace_common.stack_dump): each thread's stack goes to the agent's log,
+    the main thread's inside the event loop, and the agent answers as before."""
+    import os
+    import signal
+
+    before = agent.log.read_text()
+    os.kill(agent.pid, signal.SIGUSR1)
+    dumped = lambda: agent.log.read_text()[len(before):]  # noqa: E731
+    wait_until(lambda: "Current thread" in dumped() and "most recent call first" in dumped(),
+               what="the stack dump in the agent's log")
+    assert "asyncio" in dumped() or "selectors" in dumped()   # the main thread waits in its loop
+    assert "ace_agent_" in agent.metrics()
+    complete(agent, "code-sql")

@@ -192,3 +192,18 @@ def test_the_endpoint_picker_reloads_too(tmp_path):
                     wait_until(lambda: http.post("/v1/chat/completions", json=CHAT,
                                                  headers=DAVE).status_code == 200, what="the picker applies the key")
                     assert up.requests[-1].headers["x-ace-tenant-id"] == "initech"
+
+
+def test_sigusr1_dumps_every_threads_stack_and_the_gateway_keeps_serving(tmp_path):
+    """``kill -USR1`` (ace_common.stack_dump) writes each thread's stack to the ext_proc's
+    log, neither reloading nor stopping it: requests keep their answers."""
+    with gateway(tmp_path, None, "--config-poll-s", "0") as (http, proc, mport, state):
+        log = tmp_path / "extproc.log"
+        assert http.post("/v1/chat/completions", json=CHAT, headers=ALICE).status_code == 200
+        before = len(log.read_text())
+        proc.send_signal(signal.SIGUSR1)
+        wait_until(lambda: "Current thread" in log.read_text()[before:], what="the stack dump in the log")
+        assert "most recent call first" in log.read_text()[before:]
+        assert proc.poll() is None
+        assert http.post("/v1/chat/completions", json=CHAT, headers=ALICE).status_code == 200
+        assert metric(mport, "ace_gateway_config_reloads_total") == 0

@@ -21,6 +21,7 @@ class AgentProc:
     metrics_port: int
     log: Path
     engine_url: str | None = None
+    pid: int = 0
 
     @property
     def target(self) -> str:
@@ -49,4 +50,4 @@ def agent_process(catalog: Path, work: Path, engine: str, extra: Sequence[str] =
     with running(cmd, log, env={"ACE_AGENT_TOKEN": TOKEN}) as proc:
         wait_port(grpc_port, timeout=timeout, proc=proc, log=log)
         wait_port(metrics_port, timeout=timeout, proc=proc, log=log)
-        yield AgentProc(grpc_port, metrics_port, log, engine_url)
+        yield AgentProc(grpc_port, metrics_port, log, engine_url, proc.pid)
