@@ -150,8 +150,12 @@ def run_until_stopped(main: Callable[[], int]) -> int:
 
 @contextlib.contextmanager
 def running(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None,
-            cwd: Path | None = None) -> Iterator[subprocess.Popen]:
-    """Run `cmd` for the duration of the block; SIGTERM then SIGKILL on exit."""
+            cwd: Path | None = None, dump_stacks_on_error: bool = False) -> Iterator[subprocess.Popen]:
+    """Run `cmd` for the duration of the block; SIGTERM then SIGKILL on exit.
+    ``dump_stacks_on_error`` (ace's own servers: ext_proc, agent): when the block raises an
+    error, the process is first asked for every thread's stack (SIGUSR1,
+    ``ace_common.stack_dump``), so its log says where it was, e.g. a server that stopped
+    answering."""
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
@@ -162,6 +166,10 @@ def running(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None,
                                 cwd=str(cwd or REPO), start_new_session=True)
         try:
             yield proc
+        except Exception:
+            if dump_stacks_on_error:
+                _dump_stacks(proc, log)
+            raise
         finally:
             if proc.poll() is None:
                 proc.terminate()
@@ -170,6 +178,23 @@ def running(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None,
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=10)
+
+
+def _dump_stacks(proc: subprocess.Popen, log: Path, wait_s: float = 5.0) -> None:
+    """SIGUSR1 to a live ace server, then wait (at most ``wait_s``) for its log to grow:
+    the dump is written from a C signal handler, even while its threads are stuck."""
+    if proc.poll() is not None:
+        return
+    size = log.stat().st_size if log.exists() else 0
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and log.stat().st_size > size and "most recent call first" in log.read_text(errors="replace")[size:]:
+            return
+        time.sleep(0.05)
 
 
 def python() -> str:
@@ -241,7 +266,7 @@ def extproc_process(work: Path, state: Path, *, env: dict[str, str] | None = Non
     cmd = [python(), "-m", "extproc", "--config", str(state), "--db", str(work / "gw.sqlite3"),
            "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics_port or free_port()}",
            "--health-listen", "off", *extproc_args]
-    with running(cmd, log, env=env) as proc:
+    with running(cmd, log, env=env, dump_stacks_on_error=True) as proc:
         wait_port(port, timeout=60, proc=proc, log=log)
         yield f"127.0.0.1:{port}", proc
 
@@ -303,7 +328,7 @@ def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_a
                  "--metrics-port", str(metrics_port), "--cache-dir", str(work / "agent-cache"),
                  "--auth", "token", *agent_args]
     with contextlib.ExitStack() as stack:
-        agent = stack.enter_context(running(agent_cmd, work / "agent.log", env=env))
+        agent = stack.enter_context(running(agent_cmd, work / "agent.log", env=env, dump_stacks_on_error=True))
         wait_port(grpc_port, timeout=120, proc=agent, log=work / "agent.log")
         wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=120, proc=agent, log=work / "agent.log")
         state = write_state(work / "state.yaml", f"127.0.0.1:{engine_port}", f"127.0.0.1:{grpc_port}")
@@ -351,7 +376,8 @@ def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: st
                    "--engine-port", str(engine_port), "--grpc-port", str(grpc_port),
                    "--metrics-port", str(metrics_port), "--cache-dir", str(home / "agent-cache"),
                    "--auth", "token", *agent_args]
-            proc = stack.enter_context(running(cmd, home / "agent.log", env={**env, **(agent_env or {})}))
+            proc = stack.enter_context(running(cmd, home / "agent.log", env={**env, **(agent_env or {})},
+                                               dump_stacks_on_error=True))
             started.append((proc, home / "agent.log", {
                 "name": f"engine-{i}", "engine": f"127.0.0.1:{engine_port}", "agent": f"127.0.0.1:{grpc_port}",
                 "engine_url": f"http://127.0.0.1:{engine_port}",

@@ -207,3 +207,20 @@ def test_sigusr1_dumps_every_threads_stack_and_the_gateway_keeps_serving(tmp_pat
         assert proc.poll() is None
         assert http.post("/v1/chat/completions", json=CHAT, headers=ALICE).status_code == 200
         assert metric(mport, "ace_gateway_config_reloads_total") == 0
+
+
+def test_a_stack_that_fails_asks_its_ext_proc_for_every_threads_stack_before_stopping_it(tmp_path):
+    """``tools.localstack.running(dump_stacks_on_error=True)``, as the benches and the demo
+    start ace's servers: an error in the block (a bench's request that timed out) leaves
+    the ext_proc's stacks in its log, then the process is stopped as usual."""
+    with RecordingUpstream() as up:
+        state = write_state(tmp_path, [upstream("one", up.address)])
+        with pytest.raises(RuntimeError, match="the block broke"):
+            with extproc_process(tmp_path, state) as (_, proc):
+                raise RuntimeError("the block broke")
+        assert proc.poll() is not None
+        log = (tmp_path / "extproc.log").read_text()
+        assert "Current thread" in log and "most recent call first" in log
+        with extproc_process(tmp_path, state) as (_, proc):   # a block that ends well: no dump
+            pass
+        assert proc.poll() is not None and "most recent call first" not in (tmp_path / "extproc.log").read_text()

@@ -47,7 +47,7 @@ def agent_process(catalog: Path, work: Path, engine: str, extra: Sequence[str] =
            "--cache-dir", str(work / "agent-cache"), "--auth", "token", *extra]
     if engine_url:
         cmd += ["--engine-url", engine_url]
-    with running(cmd, log, env={"ACE_AGENT_TOKEN": TOKEN}) as proc:
+    with running(cmd, log, env={"ACE_AGENT_TOKEN": TOKEN}, dump_stacks_on_error=True) as proc:
         wait_port(grpc_port, timeout=timeout, proc=proc, log=log)
         wait_port(metrics_port, timeout=timeout, proc=proc, log=log)
         yield AgentProc(grpc_port, metrics_port, log, engine_url, proc.pid)
