@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             planner = SpeculationPlanner(route=route_by_policy(route), slots=slots)
             speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity,
                                              fill=settings.startup_fill == "on").start()
+            link.on_refused = speculation.refused
         gateway = Gateway(store, residency=link.board if link else None,
                           prefetch=link or NullPrefetchSink(), route=route, speculation=speculation,
                           metrics=GatewayMetrics(), shed_load=settings.shed_load,

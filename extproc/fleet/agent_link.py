@@ -36,7 +36,7 @@ import random
 import threading
 import time
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
 
 import grpc
 
@@ -117,6 +117,8 @@ class _Agent:
             self.sent += 1
             if reply.outcome == pb.PrefetchReply.REJECTED:
                 log.info("agent %s rejected prefetch of %s: %s", self.upstream, signal.adapter, reply.reason)
+                if signal.probability is not None and self.link.on_refused is not None:
+                    self.link.on_refused(self.upstream, signal.adapter)
         except grpc.RpcError as exc:  # a prefetch is a hint: count it and move on
             self.failed += 1
             log.debug("prefetch to %s failed: %s", self.upstream, exc.code())
@@ -185,6 +187,10 @@ class AgentLink:
         self.send_timeout_s = send_timeout_s
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self.load_max_age_s = load_max_age_s
+        # told ``(upstream, adapter)`` when an agent refuses a bet (a signal that carries a
+        # probability), from the sender's thread: the gateway's speculation withdraws it
+        # from its pool model (``GatewaySpeculation.refused``)
+        self.on_refused: Callable[[str, str], None] | None = None
         self._tables: dict[str, Mapping[str, TierReport]] = {}  # frozen per upstream
         # upstream -> (requests, monotonic arrival, board.sent's value at the arrival)
         self._loads: dict[str, tuple[int, float, int]] = {}

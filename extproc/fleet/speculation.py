@@ -39,7 +39,9 @@ p99 for ``decide``) is not spent on it.
   the snapshot changes. Its capacity is the pool's size where the agent announces one
   (``ResidencySnapshot.slots``: vLLM's and SGLang's cache, which the engine's own loads
   overshoot for a moment, so counting would learn 5-6 for a cache of 4), else learned as
-  the most adapters seen in one pool (the builtin engine's pool is sized in bytes).
+  the most adapters seen in one pool (the builtin engine's pool is sized in bytes). A bet
+  an agent refuses (``AgentLink.on_refused`` -> ``refused``) leaves the model at the next
+  drain, instead of counting as in flight for ``load_grace_s``.
 - **Warm set**: at start-up, ``extproc.policy.warmset.warm_set`` over the request counts
   this gateway persisted (``PopularityFile``, next to the SQLite file); each host's
   list is submitted once, when its agent's residency first arrives. No file, no warm set.
@@ -221,6 +223,15 @@ class SpeculationPlanner:
         """Learned pool capacity per upstream (persisted for the next start's warm set)."""
         return {u: s.cache.capacity for u, s in self.speculators.items()}
 
+    def refused(self, upstream: str, adapter: str, now: float) -> bool:
+        """``upstream``'s agent refused the prefetch of ``adapter`` (its speculation budget,
+        no room, a full queue): the pool model drops it (``AdapterCache.withdraw``), so the
+        room it held is free again and a later prediction may offer it anew. Before, the
+        model kept a refused bet as in flight for ``load_grace_s``: its slot taken, and the
+        adapter never offered again meanwhile. False when the model had no such bet."""
+        spec = self.speculators.get(upstream)
+        return spec is not None and spec.cache.withdraw(adapter, now)
+
     def counters(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for spec in self.speculators.values():
@@ -384,6 +395,7 @@ class GatewaySpeculation:
         self.idle_wait_s = idle_wait_s
         self.place_every_s = place_every_s
         self._pending: deque[tuple] = deque()
+        self._refusals: deque[tuple[str, str]] = deque(maxlen=max_pending)  # (upstream, adapter)
         self.observed = self.dropped = self.sent = self.send_dropped = self.shadow_prefetches = 0
         self.warm_sent = self.fill_sent = 0
         self._warmed: set[str] = set()
@@ -411,6 +423,14 @@ class GatewaySpeculation:
             self._wake.set()
         return True
 
+    def refused(self, upstream: str, adapter: str) -> None:
+        """An agent refused a bet (``AgentLink.on_refused``, from its sender thread): the
+        planner's thread withdraws it from that pool's model at its next drain."""
+        self._refusals.append((upstream, adapter))
+        if self._idle:
+            self._idle = False
+            self._wake.set()
+
     # -- background
     def start(self) -> "GatewaySpeculation":
         self._thread.start()
@@ -428,6 +448,10 @@ class GatewaySpeculation:
         """Process everything pending now (the thread's loop body; tests call it directly);
         then publish the pools' first victims if they changed."""
         n = 0
+        refusals = self._refusals
+        while refusals:
+            upstream, adapter = refusals.popleft()
+            self.planner.refused(upstream, adapter, self.clock())
         pending = self._pending
         while pending:
             item = pending.popleft()
@@ -473,7 +497,7 @@ class GatewaySpeculation:
         placement and saves are checked then). The flag is raised before the queue is looked
         at again, so a request appended in between is either seen here or wakes the wait."""
         self._idle = True
-        if not self._pending and not self._stop.is_set():
+        if not self._pending and not self._refusals and not self._stop.is_set():
             self._wake.wait(self.idle_wait_s)
         self._idle = False
         self._wake.clear()

@@ -64,6 +64,7 @@ class CacheStats:
     prefetches: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
+    prefetch_refused: int = 0  # prefetches withdrawn: the agent refused the load (``withdraw``)
     evictions: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -185,6 +186,18 @@ class AdapterCache:
         self.stats.evictions += 1
         if entry.prefetched:
             self.stats.prefetch_wasted += 1
+        return True
+
+    def withdraw(self, key: Hashable, now: float) -> bool:
+        """A prefetch of ``key`` that will not happen (its agent refused the load): drop the
+        entry if it is still an unused prefetch in flight at ``now``, counted as refused,
+        neither an eviction nor a waste. False (nothing changes) otherwise."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.prefetched or entry.ready_at <= now:
+            return False
+        del self._entries[key]
+        self.used -= entry.size
+        self.stats.prefetch_refused += 1
         return True
 
     def pin(self, key: Hashable, pinned: bool = True) -> None:

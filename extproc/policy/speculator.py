@@ -370,4 +370,5 @@ class Speculator:
             "prefetches": s.prefetches,
             "prefetch_used": s.prefetch_used,
             "prefetch_wasted": s.prefetch_wasted,
+            "prefetch_refused": s.prefetch_refused,
         }

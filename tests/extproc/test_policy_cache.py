@@ -38,6 +38,19 @@ def test_unused_prefetch_counts_as_wasted_on_eviction():
     assert cache.stats.prefetch_wasted == 1 and cache.stats.prefetches == 1
 
 
+def test_a_refused_prefetch_is_withdrawn_not_evicted_or_wasted():
+    cache = AdapterCache(2)
+    cache.admit("a", 0.0)
+    cache.admit("b", ready_at=5.0, prefetched=True)
+    assert cache.withdraw("b", now=1.0)                      # still in flight: dropped
+    assert "b" not in cache and cache.used == 1
+    assert (cache.stats.prefetch_refused, cache.stats.prefetch_wasted, cache.stats.evictions) == (1, 0, 0)
+    assert not cache.withdraw("a", now=1.0)                  # not a prefetch
+    cache.admit("c", ready_at=2.0, prefetched=True)
+    assert not cache.withdraw("c", now=3.0)                  # its load is done by now: kept
+    assert not cache.withdraw("zz", now=3.0) and "c" in cache
+
+
 def test_victims_do_not_mutate_and_skip_pinned():
     cache = AdapterCache(2)
     cache.admit("a", 0.0)

@@ -210,6 +210,29 @@ def test_prefetch_in_flight_survives_a_sync_for_the_grace_period(snapshot):
     assert "acme-legal" not in planner.speculator("local-vllm").cache
 
 
+def test_a_refused_bet_leaves_the_model_at_once_and_is_offered_again(snapshot):
+    """Before, a bet the agent refused stayed in the pool model as in flight for the grace
+    period: it held a slot, and no later prediction offered the adapter meanwhile."""
+    planner = SpeculationPlanner(initial_slots=2, load_grace_s=2.0)
+    _, now = teach(planner, snapshot, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
+    planner.sync(pool("local-vllm", "code-python"), now + 10)   # acme-legal evicted by the engine
+    now += 10
+    got, _ = teach(planner, snapshot, [("n", "code-python")], start=now,
+                   residency=pool("local-vllm", "code-python"))
+    assert [s.adapter for s in got] == ["acme-legal"]
+    again, _ = teach(planner, snapshot, [("m", "code-python")], start=now + 0.1,
+                     residency=pool("local-vllm", "code-python"))
+    assert again == []                                             # in flight, as far as the model knows
+    assert planner.refused("local-vllm", "acme-legal", now + 0.2)  # the agent said no
+    assert "acme-legal" not in planner.speculator("local-vllm").cache
+    assert planner.counters()["prefetch_refused"] == 1
+    again, _ = teach(planner, snapshot, [("k", "code-python")], start=now + 0.3,
+                     residency=pool("local-vllm", "code-python"))
+    assert [s.adapter for s in again] == ["acme-legal"]          # offered anew
+    assert not planner.refused("local-vllm", "code-python", now + 0.4)   # resident, not a bet: kept
+    assert not planner.refused("elsewhere", "acme-legal", now + 0.4)
+
+
 # -- the hand-off and the background side (drained by hand: no thread)
 
 def gateway_speculation(snapshot, sink, board=None, **kw):
@@ -235,6 +258,20 @@ def test_prod_submits_predicted_prefetches_to_the_sink(snapshot):
     assert [s.adapter for s in sink.signals][-1] == "acme-legal"
     c = gs.counters()
     assert c["signals_sent"] == len(sink.signals) and c["observed"] == 9 and c["shadow_prefetches"] == 0
+
+
+def test_a_refusal_from_the_agent_link_reaches_the_model_at_the_next_drain(snapshot):
+    sink = Sink()
+    gs = gateway_speculation(snapshot, sink)
+    feed(gs, snapshot, PROD)
+    gs.observe(decision(snapshot, "code-python", PROD), "acme", "new")
+    gs.drain()
+    assert sink.signals[-1].adapter == "acme-legal"
+    assert "acme-legal" in gs.planner.speculator("local-vllm").cache
+    gs.refused("local-vllm", "acme-legal")      # what AgentLink.on_refused calls
+    gs.drain()
+    assert "acme-legal" not in gs.planner.speculator("local-vllm").cache
+    assert gs.counters()["prefetch_refused"] == 1
 
 
 def test_shadow_decides_and_counts_but_signals_nothing(snapshot):

@@ -429,6 +429,8 @@ def test_a_speculations_bet_travels_to_the_agent_which_refuses_a_losing_one(tmp_
     agent = AgentThread(tmp_path, free_port(), capacity=2)
     agent.start()
     link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
+    refused: list[tuple[str, str]] = []
+    link.on_refused = lambda upstream, adapter: refused.append((upstream, adapter))
     caplog.set_level(logging.INFO, logger="extproc.fleet.agent_link")
     try:
         for name in ("a1", "a2"):
@@ -438,11 +440,14 @@ def test_a_speculations_bet_travels_to_the_agent_which_refuses_a_losing_one(tmp_
         assert link.submit(PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=0, reason="predicted",
                                           evict=("a2",), probability=0.01, victim_reuse_probability=0.99))
         wait_until(lambda: "rejected prefetch of a3: not_worth" in caplog.text, what="the agent's refusal")
+        # the speculation hears it (and withdraws the bet from its pool model)
+        wait_until(lambda: refused == [("u1", "a3")], what="the refusal handed to on_refused")
         assert link.board.current.of("u1", "a2").tier == "device"
         # the same load without a bet (an older sender, or a request's own load): taken as before
         assert link.submit(PrefetchSignal(upstream="u1", adapter="a3", digest="", priority=0, reason="predicted",
                                           evict=("a2",)))
         wait_until(lambda: link.board.current.of("u1", "a3").tier == "device")
+        assert refused == [("u1", "a3")]
     finally:
         link.close()
         agent.close()
