@@ -196,14 +196,21 @@ def test_an_unmeasured_load_is_priced_at_the_typical_measured_one(snapshot):
     assert planner.typical_load_s(ResidencySnapshot.build({"u": {"a": TierReport("device", None)}})) == 0.1
 
 
-def test_prefetch_in_flight_survives_a_sync_for_the_grace_period(snapshot):
+def learned_then_offered(snapshot) -> tuple[SpeculationPlanner, float]:
+    """A planner taught code-python -> acme-legal; the engine evicts acme-legal, and the next
+    code-python request offers it again as a bet (at the returned time)."""
     planner = SpeculationPlanner(initial_slots=2, load_grace_s=2.0)
     _, now = teach(planner, snapshot, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
     planner.sync(pool("local-vllm", "code-python"), now + 10)   # acme-legal evicted by the engine
     now += 10
     got, _ = teach(planner, snapshot, [("n", "code-python")], start=now,
                    residency=pool("local-vllm", "code-python"))
-    assert [s.adapter for s in got] == ["acme-legal"]                # signalled at `now`
+    assert [s.adapter for s in got] == ["acme-legal"]
+    return planner, now
+
+
+def test_prefetch_in_flight_survives_a_sync_for_the_grace_period(snapshot):
+    planner, now = learned_then_offered(snapshot)                 # signalled at `now`
     planner.sync(pool("local-vllm", "code-python"), now + 1.0)      # not yet there: in flight
     assert "acme-legal" in planner.speculator("local-vllm").cache
     planner.sync(pool("local-vllm", "code-python"), now + 5.0)      # never arrived: dropped
@@ -213,13 +220,7 @@ def test_prefetch_in_flight_survives_a_sync_for_the_grace_period(snapshot):
 def test_a_refused_bet_leaves_the_model_at_once_and_is_offered_again(snapshot):
     """Before, a bet the agent refused stayed in the pool model as in flight for the grace
     period: it held a slot, and no later prediction offered the adapter meanwhile."""
-    planner = SpeculationPlanner(initial_slots=2, load_grace_s=2.0)
-    _, now = teach(planner, snapshot, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
-    planner.sync(pool("local-vllm", "code-python"), now + 10)   # acme-legal evicted by the engine
-    now += 10
-    got, _ = teach(planner, snapshot, [("n", "code-python")], start=now,
-                   residency=pool("local-vllm", "code-python"))
-    assert [s.adapter for s in got] == ["acme-legal"]
+    planner, now = learned_then_offered(snapshot)
     again, _ = teach(planner, snapshot, [("m", "code-python")], start=now + 0.1,
                      residency=pool("local-vllm", "code-python"))
     assert again == []                                             # in flight, as far as the model knows
@@ -260,12 +261,18 @@ def test_prod_submits_predicted_prefetches_to_the_sink(snapshot):
     assert c["signals_sent"] == len(sink.signals) and c["observed"] == 9 and c["shadow_prefetches"] == 0
 
 
-def test_a_refusal_from_the_agent_link_reaches_the_model_at_the_next_drain(snapshot):
+def fed_then_asked(snapshot, skills):
+    """``feed``, then one more code-python request drained: (the speculation, its sink)."""
     sink = Sink()
     gs = gateway_speculation(snapshot, sink)
-    feed(gs, snapshot, PROD)
-    gs.observe(decision(snapshot, "code-python", PROD), "acme", "new")
+    feed(gs, snapshot, skills)
+    gs.observe(decision(snapshot, "code-python", skills), "acme", "new")
     gs.drain()
+    return gs, sink
+
+
+def test_a_refusal_from_the_agent_link_reaches_the_model_at_the_next_drain(snapshot):
+    gs, sink = fed_then_asked(snapshot, PROD)
     assert sink.signals[-1].adapter == "acme-legal"
     assert "acme-legal" in gs.planner.speculator("local-vllm").cache
     gs.refused("local-vllm", "acme-legal")      # what AgentLink.on_refused calls
@@ -275,11 +282,7 @@ def test_a_refusal_from_the_agent_link_reaches_the_model_at_the_next_drain(snaps
 
 
 def test_shadow_decides_and_counts_but_signals_nothing(snapshot):
-    sink = Sink()
-    gs = gateway_speculation(snapshot, sink)
-    feed(gs, snapshot, SHADOW)
-    gs.observe(decision(snapshot, "code-python", SHADOW), "acme", "new")
-    gs.drain()
+    gs, sink = fed_then_asked(snapshot, SHADOW)
     assert sink.signals == [] and gs.counters()["shadow_prefetches"] >= 1
 
 
