@@ -15,6 +15,8 @@ import sys
 
 #: the signal that asks for the dump (SIGTERM and SIGINT stop, SIGHUP reloads the state file)
 DUMP_SIGNAL = signal.SIGUSR1
+#: a line of every dump (faulthandler's heading of each thread's frames), to find one in a log
+DUMP_MARKER = "most recent call first"
 
 
 def install_stack_dump() -> None:

@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 import httpx
 
+from ace_common.stack_dump import DUMP_MARKER, DUMP_SIGNAL
 from extproc.envoy_config import render, render_epp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,12 +188,12 @@ def _dump_stacks(proc: subprocess.Popen, log: Path, wait_s: float = 5.0) -> None
         return
     size = log.stat().st_size if log.exists() else 0
     try:
-        os.kill(proc.pid, signal.SIGUSR1)
+        os.kill(proc.pid, DUMP_SIGNAL)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and proc.poll() is None:
-        if log.exists() and log.stat().st_size > size and "most recent call first" in log.read_text(errors="replace")[size:]:
+        if log.exists() and log.stat().st_size > size and DUMP_MARKER in log.read_text(errors="replace")[size:]:
             return
         time.sleep(0.05)
 

@@ -418,15 +418,17 @@ class GatewaySpeculation:
             self.dropped += 1
             return False
         self._pending.append((d.upstream.name, tenant, session, d.adapter.name, d.skills[DYNAMIC_LORA_PREFETCH]))
-        if self._idle:  # the thread waits for work: wake it (once; it clears the flag)
-            self._idle = False
-            self._wake.set()
+        self._wake_if_idle()
         return True
 
     def refused(self, upstream: str, adapter: str) -> None:
         """An agent refused a bet (``AgentLink.on_refused``, from its sender thread): the
         planner's thread withdraws it from that pool's model at its next drain."""
         self._refusals.append((upstream, adapter))
+        self._wake_if_idle()
+
+    def _wake_if_idle(self) -> None:
+        """Work was queued: if the thread waits for work, wake it (once; it clears the flag)."""
         if self._idle:
             self._idle = False
             self._wake.set()

@@ -12,6 +12,7 @@ import grpc
 import httpx
 import pytest
 
+from ace_common.stack_dump import DUMP_MARKER
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.agent import AUTH, agent_process
@@ -146,7 +147,7 @@ def test_sigusr1_dumps_every_threads_stack_and_the_agent_keeps_serving(agent):
     before = agent.log.read_text()
     os.kill(agent.pid, signal.SIGUSR1)
     dumped = lambda: agent.log.read_text()[len(before):]  # noqa: E731
-    wait_until(lambda: "Current thread" in dumped() and "most recent call first" in dumped(),
+    wait_until(lambda: "Current thread" in dumped() and DUMP_MARKER in dumped(),
                what="the stack dump in the agent's log")
     assert "asyncio" in dumped() or "selectors" in dumped()   # the main thread waits in its loop
     assert "ace_agent_" in agent.metrics()

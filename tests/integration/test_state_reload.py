@@ -24,6 +24,7 @@ import httpx
 import pytest
 import yaml
 
+from ace_common.stack_dump import DUMP_MARKER
 from tests.extproc.builders import KEYS, sha, upstream, write_state
 from tests.support.envoy import run_envoy, run_epp_envoy
 from tests.support.procs import extproc_process, free_port
@@ -203,7 +204,7 @@ def test_sigusr1_dumps_every_threads_stack_and_the_gateway_keeps_serving(tmp_pat
         before = len(log.read_text())
         proc.send_signal(signal.SIGUSR1)
         wait_until(lambda: "Current thread" in log.read_text()[before:], what="the stack dump in the log")
-        assert "most recent call first" in log.read_text()[before:]
+        assert DUMP_MARKER in log.read_text()[before:]
         assert proc.poll() is None
         assert http.post("/v1/chat/completions", json=CHAT, headers=ALICE).status_code == 200
         assert metric(mport, "ace_gateway_config_reloads_total") == 0
@@ -220,7 +221,7 @@ def test_a_stack_that_fails_asks_its_ext_proc_for_every_threads_stack_before_sto
                 raise RuntimeError("the block broke")
         assert proc.poll() is not None
         log = (tmp_path / "extproc.log").read_text()
-        assert "Current thread" in log and "most recent call first" in log
+        assert "Current thread" in log and DUMP_MARKER in log
         with extproc_process(tmp_path, state) as (_, proc):   # a block that ends well: no dump
             pass
-        assert proc.poll() is not None and "most recent call first" not in (tmp_path / "extproc.log").read_text()
+        assert proc.poll() is not None and DUMP_MARKER not in (tmp_path / "extproc.log").read_text()
