@@ -37,6 +37,7 @@ from extproc.policy.cache import AdapterCache
 from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
 from extproc.policy.routing import LOAD_FLOOR, ring_walk
 from extproc.policy.speculator import SpeculationSettings, Speculator
+from gpu_agent.residency.prefetch_budget import HintBet, HintVerdict, LinkState, decide_hint
 
 __all__ = ["ARMS", "FleetRouter", "check_bounds", "run_fleet"]
 
@@ -118,8 +119,20 @@ class _Tally:
 
 
 def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: SpeculationSettings, *,
-            service_s: float, max_backlog_s: float, walks: dict | None = None) -> tuple[dict, list[int]]:
-    """One arm over the trace; returns its summary and the host of every request."""
+            service_s: float, max_backlog_s: float, walks: dict | None = None,
+            ingress: bool = True, agent_waste_share: float | None = None) -> tuple[dict, list[int]]:
+    """One arm over the trace; returns its summary and the host of every request.
+
+    ``ingress``: the ace arm loads a request's missing adapter when the gateway sees it
+    (``t``), as a gateway that signals the load at ingress can; False: when the request
+    reaches its engine (``s``), as the on-demand arms do and the stack's engines do
+    (``bench.sim_stack``).
+
+    ``agent_waste_share``: the ace arm's hosts take a prefetch only as the agents do
+    (``gpu_agent.residency.prefetch_budget.decide_hint``, a wasted load charged this share
+    of its time): a refused bet leaves the pool model (``AdapterCache.withdraw``), its
+    victim stays, its load is taken back off the link; counted in ``refused`` by verdict.
+    None: every bet the gateway offers is taken."""
     t, s, ad, tn, ss, L, first = cols
     n = len(t)
     names = [f"host-{h:03d}" for h in range(hosts)]
@@ -142,8 +155,38 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
     loads = [chan.load for chan in chans]
     on = [0]  # the host whose link the next load of the ace arm uses
 
+    demand_until = [0.0] * hosts  # per host: when its latest demand load completes
+    issued: dict = {}  # (host, adapter) -> the link as the prefetch found it
+    refused: dict[str, int] = {}
+
     def load(key: int, at: float) -> float:
-        return loads[on[0]](at, L[key])
+        h = on[0]
+        before = list(chans[h].free)
+        end = loads[h](at, L[key])
+        issued[(h, key)] = (max(0.0, min(before) - at) * 1000.0, demand_until[h] > at, before, end)
+        return end
+
+    def demand_load(h: int, at: float, key: int) -> float:
+        end = loads[h](at, L[key])
+        demand_until[h] = max(demand_until[h], end)
+        return end
+
+    def refuse(pf, now: float) -> None:
+        """The agent's budget on one prefetch the gateway sent (reverse order of issue)."""
+        busy_ms, queued, before, end = issued[(pf.host, pf.adapter)]
+        victim_ms = L[pf.victim] * 1000.0 if pf.victim is not None else 0.0
+        bet = HintBet(pf.use_probability, L[pf.adapter] * 1000.0, pf.victim_probability, victim_ms,
+                      waste_ms=L[pf.adapter] * 1000.0 * agent_waste_share)
+        verdict = decide_hint(bet, LinkState(demand_loads=int(queued), busy_ms=busy_ms))
+        if verdict is HintVerdict.ACCEPT:
+            return
+        refused[verdict.value] = refused.get(verdict.value, 0) + 1
+        cache = specs[pf.host].cache
+        cache.withdraw(pf.adapter, now)
+        if pf.victim is not None and pf.victim not in cache:
+            cache.admit(pf.victim, now)
+        if chans[pf.host].free[-1] == end and len(chans[pf.host].free) == 1:
+            chans[pf.host].free = before
 
     def place(b: int) -> Speculator:
         on[0] = router.choose(b)  # offer() loads right after: on that host's link
@@ -158,8 +201,15 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
         where[i] = h
         if arm == "ace":
             on[0] = h
-            ready = specs[h].step(tn[i], ss[i], a, now, load=load, engine_at=s[i],
-                                  may_load=chans[h].backlog(now) <= max_backlog_s, place=place).ready_at
+            demand = (lambda key, at, h=h: demand_load(h, at, key)) if ingress else \
+                (lambda key, _at, at=s[i], h=h: demand_load(h, at, key))
+            res = specs[h].step(tn[i], ss[i], a, now, load=demand, engine_at=s[i], prefetch_load=load,
+                                may_load=chans[h].backlog(now) <= max_backlog_s, place=place)
+            ready = res.ready_at
+            if agent_waste_share is not None:
+                for pf in reversed(res.prefetches):
+                    refuse(pf, now)
+            issued.clear()
         else:
             pool = pools[h]
             if a not in pool:
@@ -178,6 +228,8 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
         specs[0].ledger.flush()
         st = specs[0].ledger.stats
         out.update(predictions=st.predictions, predictions_used=st.used, predictions_wasted=st.wasted)
+        if agent_waste_share is not None:
+            out["refused"] = dict(sorted(refused.items()))
     return out, where
 
 

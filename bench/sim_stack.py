@@ -37,6 +37,7 @@ from pathlib import Path
 
 from bench.report import first_replay_rows
 from bench.trace import TraceError, load_trace
+from gpu_agent.connectors.builtin import CPU_LOAD_COMPUTE_SHARE
 from gpu_agent.residency.prefetch_budget import HintVerdict
 
 __all__ = ["TOLERANCE", "agreement", "calibration", "measured_model"]
@@ -68,6 +69,9 @@ def _spread(per_host: dict) -> float | None:
 def calibration(report: dict, hosts: int, model: dict, sim: dict) -> list[dict]:
     """Each term of the simulator's model beside what the stack did (``differs``)."""
     fleet = report["fleets"][str(hosts)]
+    realized = bool(sim) and all(r.get("clock") == "realized" for r in sim.values())
+    clock = ("each arm in the order and at the times the stack sent it (rows' sent_s)" if realized
+             else "open-loop on nominal t (previous t + 0.3 s + think)")
     rows = [
         {"term": "replay speed", "stack": model["speed"], "sim": model["speed"], "differs": False},
         {"term": "pool slots per host", "stack": report.get("pool_adapters"), "sim": model["slots"],
@@ -81,7 +85,9 @@ def calibration(report: dict, hosts: int, model: dict, sim: dict) -> list[dict]:
         {"term": "service time (s a request holds its host)", "stack": model["service_s"], "sim": model["service_s"],
          "differs": False},
         {"term": "replay loop", "stack": report.get("replay", "closed-loop"),
-         "sim": "open-loop on nominal t (previous t + 0.3 s + think)", "differs": True},
+         "sim": clock, "differs": not realized},
+        {"term": "a request's own adapter", "stack": "loaded when the request reaches its engine",
+         "sim": "loaded when the request reaches its engine (ingress=False)", "differs": False},
         {"term": "ace arm's start", "stack": report.get("warm_from") or "cold", "sim": "cold",
          "differs": bool(report.get("warm_from"))},
         {"term": "load link", "stack": "loads in parallel (agent + engine), concurrent with compute",
@@ -98,10 +104,37 @@ def calibration(report: dict, hosts: int, model: dict, sim: dict) -> list[dict]:
                      "sim": [sim["ace"].get("prefetches"), sim["ace"].get("prefetch_used")], "differs": True})
         outcomes = pre.get("agent_outcomes") or {}
         refused = {v.value: outcomes[f"rejected_{v.value}"] for v in REFUSED_BETS if outcomes.get(f"rejected_{v.value}")}
-        if refused:
-            rows.append({"term": "ace: bets the agents refused (the simulator takes every bet)",
-                         "stack": refused, "sim": {}, "differs": True})
+        sim_refused = sim["ace"].get("refused", {})
+        fill = (fleet["ace"].get("speculation") or {}).get("fill_sent")
+        if fill is not None:
+            rows.append({"term": "ace: start-up fill of empty pools (signals; among the prefetches sent)",
+                         "stack": fill, "sim": 0, "differs": bool(fill)})
+        evictions = fleet["ace"].get("pool_evictions")
+        if evictions is not None:
+            # the engine evicts the gateway's named victims (hint) where they reached it in
+            # time, else by its own LRU (budget); every eviction in the simulator is the model's
+            rows.append({"term": "ace: what chose the pool's evictions", "stack": evictions,
+                         "sim": "the pool model (lowest use probability), every time",
+                         "differs": bool(evictions.get("budget"))})
+        rows.append({"term": "ace: a wasted bet's load time charged (the agents' budget)",
+                     "stack": model.get("agent_waste_share"), "sim": model.get("agent_waste_share"), "differs": False})
+        rows.append({"term": "ace: bets the agents refused", "stack": refused, "sim": sim_refused,
+                     "differs": abs(sum(refused.values()) - sum(sim_refused.values()))
+                     > 0.25 * max(sum(refused.values()), 1)})
     return rows
+
+
+def agent_waste_share(report: dict) -> float:
+    """The share of a wasted load's time the bench's agents charged a bet: their
+    ``--prefetch-waste-share`` where the bench set it, else the builtin engine's on the
+    CPU (``CPU_LOAD_COMPUTE_SHARE``; the bench's engines run on the CPU)."""
+    args = [*(report.get("agent_cold_args") or []), *(report.get("agent_extra_args") or [])]
+    for i, a in enumerate(args):
+        if a == "--prefetch-waste-share" and i + 1 < len(args):
+            return float(args[i + 1])
+        if a.startswith("--prefetch-waste-share="):
+            return float(a.split("=", 1)[1])
+    return CPU_LOAD_COMPUTE_SHARE
 
 
 def measured_model(report: dict, rows: list[dict], requests: list[dict], hosts: int, slots: int | None) -> dict:
@@ -120,12 +153,33 @@ def measured_model(report: dict, rows: list[dict], requests: list[dict], hosts: 
     lead = round(statistics.median(outside), 2) if outside else None
     speed = (report.get("speed_by_hosts") or {}).get(str(hosts)) or report.get("speed")
     return {"speed": float(speed), "slots": slots or report["pool_adapters"], "load_ms_by_rank": load_ms,
+            "agent_waste_share": agent_waste_share(report),
             "load_ms_median": round(overall, 2), "load_ms_p90": p90,
             "lead_measured_ms": lead, "lead_ms": lead if lead is not None else DEFAULT_LEAD_MS,
             "service_s": round(statistics.median(r["total_ms"] for r in mine) / 1000.0, 4) if mine else 0.1}
 
 
-def simulate(requests: list[dict], hosts: int, model: dict, seed: int = 7) -> dict:
+def realized_order(rows: list[dict], hosts: int, arm: str, ids: list[str]) -> tuple[list[int], list[float]] | None:
+    """The order and send times (replay seconds from the first) in which the stack sent
+    ``arm``'s requests on this fleet size (the rows' ``sent_s``): the trace's indices by
+    send time. None when the rows lack a send time for any request of the trace."""
+    sent = {r["id"]: r["sent_s"] for r in rows
+            if r.get("hosts") == hosts and r.get("arm") == arm and r.get("sent_s") is not None}
+    if any(i not in sent for i in ids):
+        return None
+    order = sorted(range(len(ids)), key=lambda j: (sent[ids[j]], j))
+    t0 = sent[ids[order[0]]]
+    return order, [sent[ids[j]] - t0 for j in order]
+
+
+def simulate(requests: list[dict], hosts: int, model: dict, seed: int = 7,
+             rows: list[dict] | None = None) -> dict:
+    """The three arms in the fleet simulator. Each arm replays the requests in the order
+    and at the times the stack sent them in that arm (``realized_order``, from ``rows``),
+    else on the trace's nominal clock divided by the replay speed. A request reaches its
+    engine ``lead`` after it is sent (exponential, the measured median as mean); every
+    arm loads a request's own adapter when it reaches the engine, as the stack's engines
+    do (``ingress=False``); the ace arm's prefetches start when the gateway offers them."""
     import numpy as np
 
     from bench.fleet import run_arm
@@ -134,20 +188,28 @@ def simulate(requests: list[dict], hosts: int, model: dict, seed: int = 7) -> di
     from extproc.policy.speculator import SpeculationSettings
 
     w = encode_trace(requests)
-    rng = np.random.default_rng(seed)
-    t = (w.t / model["speed"]).tolist()
-    s = (w.t / model["speed"] + rng.exponential(model["lead_ms"] / 1000.0, len(w.t))).tolist()
+    ids = [r["id"] for r in requests]
+    nominal = (list(range(len(ids))), (w.t / model["speed"]).tolist())
+    lead = np.random.default_rng(seed).exponential(model["lead_ms"] / 1000.0, len(w.t)).tolist()
     L = [model["load_ms_by_rank"][int(r)] / 1000.0 for r in w.rank_of.tolist()]
-    cols = (t, s, w.adapter.tolist(), w.tenant.tolist(), w.session.tolist(), L, first_steps(w.session))
+    ad, tn, ss = w.adapter.tolist(), w.tenant.tolist(), w.session.tolist()
     out = {}
     walks: dict = {}
     for arm in ARMS:
+        realized = realized_order(rows, hosts, arm, ids) if rows else None
+        order, t = realized or nominal
+        s = [x + d for x, d in zip(t, lead)]
+        session = [ss[j] for j in order]
+        cols = (t, s, [ad[j] for j in order], [tn[j] for j in order], session, L,
+                first_steps(np.asarray(session)))
         r, where = run_arm(arm, cols, hosts, model["slots"], 1, SpeculationSettings(), service_s=model["service_s"],
-                           max_backlog_s=0.25, walks=walks)
+                           max_backlog_s=0.25, walks=walks, ingress=False,
+                           agent_waste_share=model.get("agent_waste_share"))
         counts: dict[str, int] = {}
         for h in where:
             counts[f"host-{h:03d}"] = counts.get(f"host-{h:03d}", 0) + 1
-        out[arm] = dict(r, requests_per_host=dict(sorted(counts.items())))
+        out[arm] = dict(r, requests_per_host=dict(sorted(counts.items())),
+                        clock="realized" if realized else "nominal")
     return out
 
 
@@ -176,7 +238,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     model = measured_model(report, rows, requests, args.hosts, args.slots)
-    sim = simulate(requests, args.hosts, model)
+    sim = simulate(requests, args.hosts, model, rows=rows)
     stack = report["fleets"][str(args.hosts)]
     result = {"trace": args.trace, "stack_report": str(report_path), "hosts": args.hosts, "model": model,
               "sim": {a: {k: v for k, v in r.items() if not k.startswith("_")} for a, r in sim.items()},

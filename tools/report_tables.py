@@ -440,8 +440,10 @@ def sim_vs_stack(r: dict) -> list[str]:
     lines = ["### Simulator against the stack — `make sim TRACE= HOSTS= SLOTS=` → `reports/sim_vs_stack.json`",
              "",
              "The fleet simulator replays a bench trace with the bench's fleet size, pool, replay speed and "
-             "measured load times (`bench.sim_stack`); per arm its hit ratio beside the stack's (agreement: "
-             "within 3 points), and the model's terms that differ from what the stack did.",
+             "measured load times (`bench.sim_stack`): each arm in the order and at the times the stack sent "
+             "it, a request's own adapter loaded when it reaches its engine, every bet put to the agents' "
+             "budget; per arm its hit ratio beside the stack's (agreement: within 3 points), and the model's "
+             "terms that differ from what the stack did.",
              "",
              "| trace @ hosts × slots | arm | stack | sim | diff | within 3 points |",
              "|---|---|---|---|---|---|"]

@@ -57,3 +57,36 @@ def test_fleet_targets_need_a_meaningful_gap():
     assert t["ace_minus_affinity_met"] and abs(t["gap_closed"] - 0.6) < 1e-9 and t["gap_closed_met"]
     res["8"]["ace"]["bounds"]["oracle"]["hit_ratio"] = 0.505
     assert fleet.fleet_targets(res, [8])["gap_closed"] is None
+
+
+def test_ace_loads_a_requests_own_adapter_at_ingress_or_at_its_engine():
+    from bench.fleet import run_arm
+    from extproc.policy.speculator import SpeculationSettings
+    cols = ([0.0], [0.05], [0], [0], [0], [0.01], [True])  # reaches the engine 50 ms after the gateway
+    run = lambda **kw: run_arm("ace", cols, 1, 2, 1, SpeculationSettings(), service_s=0.1, max_backlog_s=0.25, **kw)[0]
+    assert run()["hit_ratio"] == 1.0  # the 10 ms load started at ingress is done when it arrives
+    assert run(ingress=False)["hit_ratio"] == 0.0  # started by the engine: it waits for it
+
+
+def test_the_agents_rule_refuses_the_bets_the_agents_would():
+    """A tenant's sessions go A -> B or A -> C in turn, so after A each is a coin flip: with
+    a wasted load charged its whole time the agents refuse such a bet (``not_worth``), with
+    nothing charged they take it."""
+    from bench.fleet import run_arm
+    from extproc.policy.speculator import SpeculationSettings
+    t, ad, ss = [], [], []
+    for k in range(40):
+        t += [10.0 * k, 10.0 * k + 1.0]
+        ad += [0, 1 + k % 2]
+        ss += [k, k]
+    n = len(t)
+    cols = (t, [x + 0.005 for x in t], ad, [0] * n, ss, [0.01, 0.01, 0.01], [j % 2 == 0 for j in range(n)])
+    run = lambda share: run_arm("ace", cols, 1, 2, 1, SpeculationSettings(), service_s=0.1, max_backlog_s=0.25,
+                                ingress=False, agent_waste_share=share)[0]
+    charged, free = run(1.0), run(0.0)
+    assert charged["refused"].get("not_worth", 0) > 0
+    assert "not_worth" not in free["refused"]
+    # the request's own load is in flight when its bets arrive: refused as the agents do
+    assert free["refused"]["demand_queued"] > 0
+    assert "refused" not in run_arm("ace", cols, 1, 2, 1, SpeculationSettings(), service_s=0.1,
+                                    max_backlog_s=0.25)[0]  # every bet taken: nothing counted

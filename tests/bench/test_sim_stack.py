@@ -54,15 +54,44 @@ def test_measured_model_takes_the_fleet_sizes_demand_loads():
     cal = {c["term"]: c for c in sim_stack.calibration(report, 1, dict(m, slots=6), {})}
     assert cal["pool slots per host"]["differs"] is True and cal["ace arm's start"]["differs"] is True
     assert cal["replay speed"]["differs"] is False
-    refused = "ace: bets the agents refused (the simulator takes every bet)"
-    assert refused not in cal  # no refusal counted: no such term
+    refused = "ace: bets the agents refused"
+    assert refused not in cal  # no simulated ace arm: nothing to set beside it
+    sim = {"ace": {"prefetches": 9, "prefetch_used": 5, "requests_per_host": {"host-0": 800}}}
+    cal = {c["term"]: c for c in sim_stack.calibration(report, 1, dict(m, slots=6), sim)}
+    assert cal[refused] == {"term": refused, "stack": {}, "sim": {}, "differs": False}  # none either side
+    assert cal["ace: a wasted bet's load time charged (the agents' budget)"]["sim"] == 1.0  # the CPU's share
+    assert "ace: what chose the pool's evictions" not in cal  # the report did not count them
     report["fleets"]["1"]["ace"]["prefetch"]["agent_outcomes"] = {
         "accepted": 9, "rejected_not_worth": 4, "rejected_demand_queued": 2, "rejected_queue_full": 1,
         "rejected_invalid_probability": 5}
-    sim = {"ace": {"prefetches": 9, "prefetch_used": 5, "requests_per_host": {"host-0": 800}}}
+    report["fleets"]["1"]["ace"]["pool_evictions"] = {"budget": 3, "hint": 7}
+    report["fleets"]["1"]["ace"]["speculation"] = {"fill_sent": 4}
+    sim["ace"]["refused"] = {"not_worth": 1}
     cal = {c["term"]: c for c in sim_stack.calibration(report, 1, dict(m, slots=6), sim)}
     # the budget's refusals, not a full queue nor a malformed hint
     assert cal[refused]["stack"] == {"demand_queued": 2, "not_worth": 4} and cal[refused]["differs"] is True
+    assert cal[refused]["sim"] == {"not_worth": 1}
+    assert cal["ace: what chose the pool's evictions"]["differs"] is True  # the engine's LRU chose 3
+    assert cal["ace: start-up fill of empty pools (signals; among the prefetches sent)"]["stack"] == 4
+    assert cal["replay loop"]["differs"] is True  # the simulator ran on the nominal clock
+    sim["ace"]["clock"] = "realized"
+    cal = {c["term"]: c for c in sim_stack.calibration(report, 1, dict(m, slots=6), sim)}
+    assert cal["replay loop"]["differs"] is False
+
+
+def test_the_agents_waste_share_is_the_benchs_own_setting_else_the_cpus():
+    assert sim_stack.agent_waste_share({}) == 1.0
+    assert sim_stack.agent_waste_share({"agent_extra_args": ["--prefetch-waste-share", "0.5"]}) == 0.5
+    assert sim_stack.agent_waste_share({"agent_cold_args": ["--x", "1"],
+                                        "agent_extra_args": ["--prefetch-waste-share=0.25"]}) == 0.25
+
+
+def test_each_arm_replays_in_the_order_the_stack_sent_it():
+    rows = [{"hosts": 1, "arm": "ace", "id": i, "sent_s": t} for i, t in (("a", 10.5), ("b", 10.0), ("c", 12.0))]
+    rows.append({"hosts": 2, "arm": "ace", "id": "a", "sent_s": 0.0})  # another fleet size
+    assert sim_stack.realized_order(rows, 1, "ace", ["a", "b", "c"]) == ([1, 0, 2], [0.0, 0.5, 2.0])
+    assert sim_stack.realized_order(rows, 1, "ace", ["a", "b", "c", "d"]) is None  # "d" never sent
+    assert sim_stack.realized_order(rows, 1, "affinity", ["a"]) is None
 
 
 def test_cli_merges_each_configuration_into_the_report(tmp_path):
