@@ -22,7 +22,9 @@ it moves up.
   adapter) and frees exactly those pages. ``prefer_victims(loading, names)``: the
   adapters the next load of ``loading`` evicts first (the gateway's model of this pool,
   lowest predicted use first, sent with a request's ingress signal; the agent relays it),
-  for ``VICTIM_HINT_TTL_S``; the LRU order covers the rest. Every eviction is counted by tier and reason
+  for ``VICTIM_HINT_TTL_S``; the latest names given for any load come next (standing
+  victims: a request's load often starts before its signal's hint arrives), less those a
+  request claimed since; the LRU order covers the rest. Every eviction is counted by tier and reason
   (``evictions_by()``: ``ace_engine_adapter_evictions_total``).
 - ``register`` / ``unregister``: adapters added at run time (vLLM-style load endpoint).
 - ``on_left_pool(listener)``: ``listener`` is called on the event loop with the name of every adapter that
@@ -185,6 +187,9 @@ class EngineAdapters:
         self.evictions: dict[tuple[str, str], int] = {}
         # loading name -> (victims to evict first, monotonic time given): prefer_victims
         self._victim_hints: dict[str, tuple[tuple[str, ...], float]] = {}
+        # the latest victims named for any load (monotonic time given), minus what requests
+        # claimed since: the order of every other load that needs room (_choose_victims)
+        self._standing_victims: tuple[tuple[str, ...], float] = ((), 0.0)
         self._hinted_out: set[str] = set()  # the last choice's hinted victims (released as "hint")
         pool.release_listeners.append(self._pool_released)
         pool.choose_victims = self._choose_victims  # this store decides what leaves the pool
@@ -238,16 +243,31 @@ class EngineAdapters:
         first, in this order, where it needs room and they may go; the LRU order after them.
         An empty ``victims`` forgets the hint."""
         if victims:
-            self._victim_hints[loading] = (tuple(victims), time.monotonic())
+            given = (tuple(victims), time.monotonic())
+            self._victim_hints[loading] = given
+            self._standing_victims = given
         else:
             self._victim_hints.pop(loading, None)
 
+    def _spare_from_standing(self, name: str) -> None:
+        """A request claimed ``name``: the standing victims were named before it was wanted."""
+        standing, given = self._standing_victims
+        if name in standing:
+            self._standing_victims = (tuple(n for n in standing if n != name), given)
+
     def _choose_victims(self, loading: str, short: Shortfall, order: Sequence[Candidate]) -> list[str]:
         """What leaves the pool for ``loading`` (pool lock held, on the loading thread): the
-        hinted victims first (``prefer_victims``), then the pool's policy order, never an
-        adapter a request the engine accepted is about to use."""
+        victims hinted for this load first (``prefer_victims``), then the latest victims
+        hinted for any load (the standing victims: the gateway's latest view of this pool,
+        for a load whose own hint has not arrived or was never sent, less what requests
+        claimed since), then the pool's policy order; never an adapter a request the
+        engine accepted is about to use."""
+        now = time.monotonic()
         hint = self._victim_hints.pop(loading, None)
-        hints = hint[0] if hint is not None and time.monotonic() - hint[1] <= VICTIM_HINT_TTL_S else ()
+        hints = hint[0] if hint is not None and now - hint[1] <= VICTIM_HINT_TTL_S else ()
+        standing, given = self._standing_victims
+        if now - given <= VICTIM_HINT_TTL_S:
+            hints = (*hints, *(n for n in standing if n not in hints))
         cands = [c if c.evictable and not self.claimed(c.name) else replace(c, evictable=False) for c in order]
         out = plan_evictions(hinted_first(cands, hints), short)
         self._hinted_out = set(out).intersection(hints)  # the pool releases them next, lock held
@@ -274,6 +294,7 @@ class EngineAdapters:
         tier_before = self.tier(name)
         if hold:
             self._claims[name] = self._claims.get(name, 0) + 1
+            self._spare_from_standing(name)
         try:
             if hold and self._holds.get(name, 0) > 0:
                 self._holds[name] += 1  # pinned already by an earlier holder

@@ -122,6 +122,38 @@ def test_a_requests_own_load_in_the_engine_evicts_the_gateways_victim_not_the_lr
     run(main())
 
 
+def test_a_load_whose_own_hint_never_came_evicts_the_latest_victims_named(fixtures, tmp_path):
+    """A request's load often starts before its signal's hint reaches the engine, or its
+    decision named none: that load evicts the victims last named for any load (the
+    gateway's latest view of this pool), not the pool's LRU; a victim a request claimed
+    since it was named is spared."""
+    A, B, C, D, X = "code-sql", "med-triage", "fin-reports", "legal-review", "code-python"
+
+    async def complete(conn, name):
+        async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
+            r = await client.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200
+
+    async def main():
+        mgr, conn = await make(fixtures, tmp_path, http_port=0, max_adapters=2)
+        try:
+            adapters = conn.engine.adapters
+            for name in (A, B):                      # A is the least recently used
+                await mgr.ensure_resident(name)
+            mgr.prefetch(X, priority=1, reason="request_cold", evict=[B])  # named for X's load
+            await complete(conn, C)                  # C's own load came with no hint
+            assert adapters.tier(A) == "device" and adapters.tier(B) != "device"
+            assert adapters.evictions_by() == {("device", "hint"): 1}
+            mgr.prefetch(X, priority=1, reason="request_cold", evict=[A])
+            await complete(conn, A)                  # a request wants A after it was named
+            await complete(conn, D)                  # so D's load spares it: the LRU (C) goes
+            assert adapters.tier(A) == "device" and adapters.tier(C) != "device"
+            assert adapters.evictions_by() == {("device", "hint"): 1, ("device", "budget"): 1}
+        finally:
+            await mgr.close()
+    run(main())
+
+
 def test_a_self_managed_engine_takes_no_device_budget_from_the_agent(fixtures, tmp_path):
     """Two budgets on one tier were two owners: the manager refuses them, and so do the
     agent's settings for the builtin engine's byte budget (its pool's size is --pool-mb)."""
