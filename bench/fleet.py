@@ -161,9 +161,9 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
 
     def load(key: int, at: float) -> float:
         h = on[0]
-        before = list(chans[h].free)
+        busy_ms, before = chans[h].backlog(at) * 1000.0, list(chans[h].free)
         end = loads[h](at, L[key])
-        issued[(h, key)] = (max(0.0, min(before) - at) * 1000.0, demand_until[h] > at, before, end)
+        issued[(h, key)] = (busy_ms, demand_until[h] > at, before, end)
         return end
 
     def demand_load(h: int, at: float, key: int) -> float:
@@ -185,7 +185,7 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
         cache.withdraw(pf.adapter, now)
         if pf.victim is not None and pf.victim not in cache:
             cache.admit(pf.victim, now)
-        if chans[pf.host].free[-1] == end and len(chans[pf.host].free) == 1:
+        if chans[pf.host].free == [end]:  # its load is the link's last: take it back
             chans[pf.host].free = before
 
     def place(b: int) -> Speculator:
@@ -201,8 +201,9 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
         where[i] = h
         if arm == "ace":
             on[0] = h
-            demand = (lambda key, at, h=h: demand_load(h, at, key)) if ingress else \
-                (lambda key, _at, at=s[i], h=h: demand_load(h, at, key))
+            def demand(key: int, at: float, h: int = h, engine_at: float = s[i]) -> float:
+                return demand_load(h, at if ingress else engine_at, key)
+
             res = specs[h].step(tn[i], ss[i], a, now, load=demand, engine_at=s[i], prefetch_load=load,
                                 may_load=chans[h].backlog(now) <= max_backlog_s, place=place)
             ready = res.ready_at

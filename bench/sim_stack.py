@@ -128,13 +128,11 @@ def agent_waste_share(report: dict) -> float:
     """The share of a wasted load's time the bench's agents charged a bet: their
     ``--prefetch-waste-share`` where the bench set it, else the builtin engine's on the
     CPU (``CPU_LOAD_COMPUTE_SHARE``; the bench's engines run on the CPU)."""
+    flag = argparse.ArgumentParser(add_help=False)
+    flag.add_argument("--prefetch-waste-share", type=float, default=None)
     args = [*(report.get("agent_cold_args") or []), *(report.get("agent_extra_args") or [])]
-    for i, a in enumerate(args):
-        if a == "--prefetch-waste-share" and i + 1 < len(args):
-            return float(args[i + 1])
-        if a.startswith("--prefetch-waste-share="):
-            return float(a.split("=", 1)[1])
-    return CPU_LOAD_COMPUTE_SHARE
+    share = flag.parse_known_args(args)[0].prefetch_waste_share
+    return CPU_LOAD_COMPUTE_SHARE if share is None else share
 
 
 def measured_model(report: dict, rows: list[dict], requests: list[dict], hosts: int, slots: int | None) -> dict:

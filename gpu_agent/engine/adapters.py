@@ -267,7 +267,7 @@ class EngineAdapters:
         hints = hint[0] if hint is not None and now - hint[1] <= VICTIM_HINT_TTL_S else ()
         standing, given = self._standing_victims
         if now - given <= VICTIM_HINT_TTL_S:
-            hints = (*hints, *(n for n in standing if n not in hints))
+            hints = (*hints, *standing)  # hinted_first keeps each name's first place
         cands = [c if c.evictable and not self.claimed(c.name) else replace(c, evictable=False) for c in order]
         out = plan_evictions(hinted_first(cands, hints), short)
         self._hinted_out = set(out).intersection(hints)  # the pool releases them next, lock held
