@@ -132,7 +132,8 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
     (``gpu_agent.residency.prefetch_budget.decide_hint``, a wasted load charged this share
     of its time): a refused bet leaves the pool model (``AdapterCache.withdraw``), its
     victim stays, its load is taken back off the link; counted in ``refused`` by verdict.
-    None: every bet the gateway offers is taken."""
+    The hosts' ``Speculator.waste_share`` is that share, as the gateway's is the one its
+    agents announce. None: every bet the gateway offers is taken."""
     t, s, ad, tn, ss, L, first = cols
     n = len(t)
     names = [f"host-{h:03d}" for h in range(hosts)]
@@ -143,6 +144,8 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
                       expected=SessionDemand(settings.horizon_s, working_set=settings.working_set),
                       first_steps=FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s))
         specs = [Speculator(budget, settings, name=h, **shared) for h in range(hosts)]
+        for sp in specs:  # the gateway prices its bets with the share the agents announce
+            sp.waste_share = agent_waste_share or 0.0
         pools = [sp.cache for sp in specs]
     else:
         specs = []

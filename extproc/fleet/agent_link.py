@@ -71,6 +71,15 @@ def event_load(ev: pb.ResidencyEvent) -> int | None:
     return ev.load.running + ev.load.waiting
 
 
+def event_waste_share(ev: pb.ResidencyEvent) -> float | None:
+    """The waste share the agent's speculation budget charges a bet, as the event
+    announces it; None when it does not (an older agent) or announces no share in [0, 1]."""
+    if not ev.HasField("prefetch_waste_share"):
+        return None
+    share = ev.prefetch_waste_share
+    return share if 0.0 <= share <= 1.0 else None   # NaN fails both comparisons
+
+
 class _Agent:
     """One agent: its channel, prefetch sender and residency watcher."""
 
@@ -143,7 +152,7 @@ class _Agent:
                         self.link._publish_load(self.upstream, event_load(ev))
                     else:
                         self.link._publish(self.upstream, table if ev.engine_up else None, event_load(ev),
-                                           ev.device_slots)
+                                           ev.device_slots, event_waste_share(ev))
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
@@ -195,6 +204,7 @@ class AgentLink:
         # upstream -> (requests, monotonic arrival, board.sent's value at the arrival)
         self._loads: dict[str, tuple[int, float, int]] = {}
         self._slots: dict[str, int] = {}  # upstream -> device slots its agent announced
+        self._waste: dict[str, float] = {}  # upstream -> the waste share its agent announced
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loads, name="agent-load-expiry", daemon=True)
@@ -276,9 +286,10 @@ class AgentLink:
         return agent is not None and agent.connected
 
     def _publish(self, upstream: str, table: Mapping[str, TierReport] | None,
-                 load: int | None = None, slots: int = 0) -> None:
-        """The upstream's residency (None: unknown, the upstream leaves the view), load and
-        device slots (0: not announced)."""
+                 load: int | None = None, slots: int = 0, waste_share: float | None = None) -> None:
+        """The upstream's residency (None: unknown, the upstream leaves the view), load,
+        device slots (0: not announced) and the waste share of its speculation budget
+        (None: not announced)."""
         with self._lock:
             if table is None:
                 self._loads.pop(upstream, None)
@@ -292,6 +303,10 @@ class AgentLink:
                     self._slots[upstream] = slots
                 else:
                     self._slots.pop(upstream, None)
+                if waste_share is not None:
+                    self._waste[upstream] = waste_share
+                else:
+                    self._waste.pop(upstream, None)
             self._swap()
 
     def _publish_load(self, upstream: str, load: int | None) -> None:
@@ -322,7 +337,9 @@ class AgentLink:
         loads = MappingProxyType({u: n for u, n, _ in fresh})
         marks = MappingProxyType({u: base for u, _, base in fresh})
         slots = MappingProxyType({u: n for u, n in self._slots.items() if u in self._tables})
-        self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), loads, marks, slots=slots))
+        waste = MappingProxyType({u: w for u, w in self._waste.items() if u in self._tables})
+        self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), loads, marks, slots=slots,
+                                             waste_share=waste))
 
     def _expire_loads(self) -> None:
         """Drop loads not heard about for load_max_age_s (an agent gone silent without its

@@ -68,7 +68,7 @@ from extproc.policy.routing import RoutePolicy, place_by_demand
 from extproc.policy.speculator import DEFAULT_LOAD_S, SpeculationSettings, Speculator
 from extproc.policy.warmset import fill_set, warm_set
 from extproc.domain.prefetch import PrefetchSignal, PrefetchSink
-from extproc.state.residency import ResidencySnapshot, SentCounts
+from extproc.state.residency import ResidencySnapshot, SentCounts, TierReport
 from extproc.state.skill_modes import DYNAMIC_LORA_PREFETCH, OFF, PROD
 from extproc.state.catalog import PUBLIC
 from extproc.state.store import Snapshot
@@ -123,6 +123,10 @@ class SpeculationPlanner:
         self.first_steps = FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s)
         self._typical: tuple[object, float] | None = None  # (the views it was read from, seconds)
         self._pooled: dict[str, frozenset[str]] = {}  # upstream -> its device tier at the last sync
+        # upstream -> (its agent's table, the device tier read from it): the agents' tables are
+        # frozen, and most syncs find most of them unchanged (a load measured, another host's
+        # change), so each is read once (226 adapters x 4 hosts at hundreds, per sync)
+        self._read: dict[str, tuple[Mapping[str, TierReport], frozenset[str]]] = {}
         self.full: set[str] = set()  # upstreams whose pool was seen evicting at its learned capacity
 
     def typical_load_s(self, residency: ResidencySnapshot) -> float:
@@ -154,13 +158,18 @@ class SpeculationPlanner:
     def sync(self, residency: ResidencySnapshot, now: float) -> None:
         """Align every known host's pool model with the agents' view, and note each pool
         seen evicting (``full``). A pool whose agent announces its size (``slots``: vLLM,
-        SGLang) is modelled at that size; the others' size is learned."""
+        SGLang) is modelled at that size; the others' size is learned. Each host's bets are
+        priced with the waste share its agent announced (``Speculator.waste_share``)."""
         for upstream, table in residency.by_upstream.items():
-            pooled = frozenset(a for a, r in table.items() if r.tier == Tier.DEVICE)
+            read = self._read.get(upstream)
+            if read is None or read[0] is not table:
+                read = self._read[upstream] = (table, frozenset(a for a, r in table.items() if r.tier == Tier.DEVICE))
+            pooled = read[1]
             spec = self.speculator(upstream)
             slots = residency.slots.get(upstream)
             if slots:
                 spec.cache.capacity = slots
+            spec.waste_share = residency.waste_share.get(upstream, 0.0)
             before = self._pooled.get(upstream)
             if before is not None and before - pooled and len(before) >= spec.cache.capacity:
                 self.full.add(upstream)  # it held the most it ever held and let one go: at capacity

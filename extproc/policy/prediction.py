@@ -86,24 +86,31 @@ class PrefetchCase:
     (``candidate_score``); ``load_s``: its load time (the stall a hit saves);
     ``victim_p`` / ``victim_load_s``: the same for the adapter it would evict (0 / 0: a free
     slot); ``link_busy``: share of the horizon the host's load link is already busy with
-    loads in flight (0-1): a demand load that arrives meanwhile queues behind this one."""
+    loads in flight (0-1): a demand load that arrives meanwhile queues behind this one;
+    ``waste_share``: the share of the load's time a wasted bet takes from the engine's
+    requests (the agent's speculation budget charges it: ``ResidencyEvent.
+    prefetch_waste_share``; 0: not announced, or a load that takes nothing, as on CUDA)."""
 
     p_use: float
     load_s: float
     victim_p: float = 0.0
     victim_load_s: float = 0.0
     link_busy: float = 0.0
+    waste_share: float = 0.0
 
 
 def prefetch_pays(case: PrefetchCase, *, min_p: float = 0.0) -> bool:
     """Expected saving > expected cost:
-    ``p_use * load_s > victim_p * victim_load_s + link_busy * load_s``, and never a
-    candidate below ``min_p`` or one no likelier to be used than its victim (ties keep
-    what is resident)."""
+    ``p_use * load_s > victim_p * victim_load_s + link_busy * load_s
+    + (1 - p_use) * waste_share * load_s``, and never a candidate below ``min_p`` or one no
+    likelier to be used than its victim (ties keep what is resident). The last term is the
+    agent's own (``gpu_agent.residency.prefetch_budget.decide_hint``): a bet it prices
+    differently is sent only to be refused."""
     if case.p_use < min_p or case.p_use <= case.victim_p:
         return False
     saving = case.p_use * case.load_s
-    cost = case.victim_p * case.victim_load_s + min(1.0, max(0.0, case.link_busy)) * case.load_s
+    cost = (case.victim_p * case.victim_load_s + min(1.0, max(0.0, case.link_busy)) * case.load_s
+            + (1.0 - case.p_use) * min(1.0, max(0.0, case.waste_share)) * case.load_s)
     return saving > cost
 
 

@@ -133,6 +133,9 @@ class Speculator:
         self.expected = expected if expected is not None else SessionDemand(settings.horizon_s,
                                                                              working_set=settings.working_set)
         self.horizon_s = settings.horizon_s
+        # the share of a wasted bet's load time this host's agent charges it
+        # (PrefetchCase.waste_share; the gateway sets it from the agent's announcement)
+        self.waste_share = 0.0
         self._decay = 1.0 / settings.horizon_s
         self._now = 0.0
 
@@ -288,7 +291,8 @@ class Speculator:
         prediction is noted on its entry (it protects it from eviction). Absent: loaded if
         it pays (``prefetch_pays``: the stall it saves, ``p_use x load_s(adapter)``, beats
         the victim's ``p_use x load_s(victim)`` plus the link time it takes, ``link_busy``
-        = the seconds of prefetches in flight on this host over the horizon; with
+        = the seconds of prefetches in flight on this host over the horizon, plus the engine
+        time a wasted bet takes, ``(1 - p_use) x waste_share x load_s(adapter)``; with
         ``priced=False``: ``should_speculate``) and fewer than ``max_inflight`` prefetches
         are loading here; ``in_use`` (the adapter of the request in flight) is never a
         victim. Returns the prefetch or None."""
@@ -317,7 +321,8 @@ class Speculator:
             c = candidate_score(p, self.popularity.rate(adapter, now), self.horizon_s)
             if st.priced:
                 busy = sum(load_s(k) for k in flying) / self.horizon_s
-                case = PrefetchCase(c, load_s(adapter), v, load_s(victim) if victim is not None else 0.0, busy)
+                case = PrefetchCase(c, load_s(adapter), v, load_s(victim) if victim is not None else 0.0, busy,
+                                    self.waste_share)
                 floor = st.opener_min_p if reason == "first_step" and st.opener_min_p is not None else st.min_p
                 if not prefetch_pays(case, min_p=floor):
                     return None

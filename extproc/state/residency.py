@@ -130,7 +130,10 @@ class ResidencySnapshot:
     them, so a demand load evicts by predicted use, not by the agent's LRU. ``slots``:
     upstream -> the most adapters its device tier holds, where its agent announces one
     (``ResidencyEvent.device_slots``: vLLM's, SGLang's cache size; missing: not announced,
-    the builtin engine's pool is sized in bytes)."""
+    the builtin engine's pool is sized in bytes). ``waste_share``: upstream -> the share of
+    a wasted bet's load time its agent's speculation budget charges the bet
+    (``ResidencyEvent.prefetch_waste_share``; missing: not announced): the speculation prices
+    its bets with it, so that it sends none the agent would refuse."""
 
     by_upstream: Mapping[str, Mapping[str, TierReport]] = field(
         default_factory=lambda: MappingProxyType({}))
@@ -139,6 +142,7 @@ class ResidencySnapshot:
     placement: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     victims: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     slots: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    waste_share: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
     def of(self, upstream: str, adapter: str) -> TierReport:
         return self.by_upstream.get(upstream, _EMPTY).get(adapter, UNKNOWN)

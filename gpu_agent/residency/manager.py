@@ -92,6 +92,13 @@ class ResidencyManager:
         store.protect_with(self.pipeline.protected_digests)
         store.on_eviction(lambda spec, reason: self.holdings.evicted(spec.name, Tier.DISK, reason))
 
+    @property
+    def prefetch_waste_share(self) -> float:
+        """The share of a wasted bet's load time the speculation budget charges it, as the
+        residency stream announces it (``ResidencyEvent.prefetch_waste_share``): the
+        gateway prices its bets with it."""
+        return self.admission.waste_share
+
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         await self.connector.start()

@@ -68,10 +68,11 @@ def test_ace_loads_a_requests_own_adapter_at_ingress_or_at_its_engine():
     assert run(ingress=False)["hit_ratio"] == 0.0  # started by the engine: it waits for it
 
 
-def test_the_agents_rule_refuses_the_bets_the_agents_would():
+def test_the_gateway_prices_its_bets_as_the_agents_do_and_the_agents_rule_refuses_the_rest():
     """A tenant's sessions go A -> B or A -> C in turn, so after A each is a coin flip: with
-    a wasted load charged its whole time the agents refuse such a bet (``not_worth``), with
-    nothing charged they take it."""
+    a wasted load charged its whole time such a bet does not pay; the hosts' speculation
+    prices it with the share the agents announce and does not send it (before, it sent it
+    and the agents refused it ``not_worth``); with nothing charged it is sent and taken."""
     from bench.fleet import run_arm
     from extproc.policy.speculator import SpeculationSettings
     t, ad, ss = [], [], []
@@ -84,8 +85,8 @@ def test_the_agents_rule_refuses_the_bets_the_agents_would():
     run = lambda share: run_arm("ace", cols, 1, 2, 1, SpeculationSettings(), service_s=0.1, max_backlog_s=0.25,
                                 ingress=False, agent_waste_share=share)[0]
     charged, free = run(1.0), run(0.0)
-    assert charged["refused"].get("not_worth", 0) > 0
-    assert "not_worth" not in free["refused"]
+    assert charged["prefetches"] < free["prefetches"]
+    assert "not_worth" not in charged["refused"] and "not_worth" not in free["refused"]
     # the request's own load is in flight when its bets arrive: refused as the agents do
     assert free["refused"]["demand_queued"] > 0
     assert "refused" not in run_arm("ace", cols, 1, 2, 1, SpeculationSettings(), service_s=0.1,

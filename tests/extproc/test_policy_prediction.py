@@ -397,6 +397,14 @@ def test_first_steps_forget_old_habits_and_stay_bounded():
         (PrefetchCase(0.6, 0.1, link_busy=0.7), 0.0, False),
         (PrefetchCase(0.9, 0.1, link_busy=0.5), 0.0, True),
         (PrefetchCase(0.9, 0.1, link_busy=5.0), 0.0, False),  # over 1: capped, still no
+        # a wasted load charged its whole engine time (the agents' waste share on the CPU):
+        # a coin flip does not pay (0.5*0.1 = 0.5*0.1), a likelier bet does; charged nothing
+        # (CUDA), the coin flip pays
+        (PrefetchCase(0.5, 0.1, waste_share=1.0), 0.0, False),
+        (PrefetchCase(0.6, 0.1, waste_share=1.0), 0.0, True),
+        (PrefetchCase(0.5, 0.1, waste_share=0.0), 0.0, True),
+        (PrefetchCase(0.6, 0.1, victim_p=0.1, victim_load_s=0.1, waste_share=1.0), 0.0, True),  # .06 > .01+.04
+        (PrefetchCase(0.54, 0.1, victim_p=0.1, victim_load_s=0.1, waste_share=1.0), 0.0, False),  # .054 < .01+.046
     ],
 )
 def test_prefetch_pays(case, min_p, expected):

@@ -381,3 +381,31 @@ def test_fill_set_puts_each_adapter_on_its_placement_owner_public_first_bounded(
         flags = [public[a] for a in names]
         assert flags == sorted(flags, reverse=True)       # public ones first
     assert fill_set({}, hosts) == {h: [] for h in hosts}
+
+
+class _CountingTable(dict):
+    """An agent's table that counts how often its adapters were listed."""
+
+    listed = 0
+
+    def __iter__(self):
+        _CountingTable.listed += 1
+        return super().__iter__()
+
+
+def test_route_lists_the_fleets_adapters_only_for_an_adapter_it_must_place():
+    """Listing every adapter of every host was the costliest step of ``route`` (4 x 226 at
+    hundreds, per request and per speculation offer); only the ring's placement of an
+    adapter that is neither placed, resident nor staged reads that list."""
+    from extproc.policy.routing import route
+    ups = [Upstream(h, "127.0.0.1:1", "builtin", "m") for h in FOUR]
+    tables = {h: _CountingTable({a: Res("device" if (h, a) == ("engine-1", "adapter-0") else "remote") for a in TEN})
+              for h in FOUR}
+    view = ResidencySnapshot(tables)
+    _CountingTable.listed = 0
+    assert route(ups, lora("adapter-0"), view, SentCounts()).name == "engine-1"   # resident: nothing listed
+    assert _CountingTable.listed == 0
+    placed = route(ups, lora("adapter-1"), view, SentCounts()).name       # cold: placed over the fleet
+    assert _CountingTable.listed == len(FOUR)
+    plain = snap(**{h: {a: ("device" if (h, a) == ("engine-1", "adapter-0") else "remote") for a in TEN} for h in FOUR})
+    assert route(ups, lora("adapter-1"), plain, SentCounts()).name == placed   # the same choice as before

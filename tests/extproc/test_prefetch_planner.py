@@ -634,3 +634,25 @@ def test_a_pool_whose_agent_announces_its_slots_is_modelled_at_that_size():
     assert spec.cache.capacity == 4 and planner.full == {"u"}   # held its 4+ and let d go
     planner.sync(five, 2.0)                                      # not announced (builtin): learned
     assert spec.cache.capacity == 5
+
+
+def test_sync_reads_an_agents_table_once_and_a_new_one_again():
+    """The agents' tables are frozen and most syncs find most of them unchanged (a load
+    measured, another host's change): each is read once (226 adapters x 4 hosts at
+    hundreds, per sync, was the speculation thread's costliest step)."""
+    from types import MappingProxyType
+
+    class Table(dict):
+        read = 0
+
+        def items(self):
+            Table.read += 1
+            return super().items()
+
+    first = Table({n: TierReport("device", 10.0, 1, False) for n in "ab"})
+    planner = SpeculationPlanner(initial_slots=4)
+    planner.sync(ResidencySnapshot(MappingProxyType({"u": first})), 0.0)
+    planner.sync(ResidencySnapshot(MappingProxyType({"u": first}), loads={"u": 3}), 1.0)  # a load measured
+    assert Table.read == 1 and set(planner.speculator("u").cache) == {"a", "b"}
+    planner.sync(ResidencySnapshot(MappingProxyType({"u": Table({"c": TierReport("device", 10.0, 1, False)})})), 2.0)
+    assert Table.read == 2 and set(planner.speculator("u").cache) == {"c"}

@@ -38,8 +38,9 @@ class AgentThread:
     """A real agent (manager + gRPC server) on its own loop, started/stopped on a fixed port."""
 
     def __init__(self, tmp_path, port: int, load_delay_s: float = 0.0, capacity: int | None = None,
-                 load_interval_s: float = 0.5, token: str | None = TOKEN, tls=None):
+                 load_interval_s: float = 0.5, token: str | None = TOKEN, tls=None, **budgets):
         self.tmp_path, self.port, self.load_delay_s = tmp_path, port, load_delay_s
+        self.budgets = budgets  # more ResidencyBudgets
         self.token, self.tls = token, tls
         self.capacity, self.load_interval_s = capacity, load_interval_s
         self.catalog = make_catalog(tmp_path, NAMES)
@@ -55,7 +56,7 @@ class AgentThread:
         async def up():
             self.engine = FakeConnector(capacity=self.capacity, load_delay_s=self.load_delay_s)
             self.manager = make_manager(self.catalog, self.tmp_path / "cache", self.engine,
-                                        load_interval_s=self.load_interval_s)
+                                        load_interval_s=self.load_interval_s, **self.budgets)
             await self.manager.start()
             self.server, _, self.health = await start_server(self.manager, "127.0.0.1", self.port,
                                                              token=self.token, tls=self.tls)
@@ -495,6 +496,35 @@ def test_a_bet_against_a_just_routed_victim_waits_out_the_grace_once_then_goes_o
     sent = link.spare_routed(ingress)                                # a request's own load: sent without it,
     assert sent.evict == ("a1",) and sent.keep == ("a2",)            # and the agent told to keep it
     link.close()
+
+
+def test_an_agent_announces_its_waste_share_and_the_gateway_prices_its_bets_with_it(tmp_path):
+    """At hundreds x5 the gateway sent 500 bets and the agents refused 285 of them as
+    ``not_worth``: the agent charges a wasted load its engine time, the gateway did not.
+    The agent announces the share on its residency stream; each host's speculation takes it."""
+    from extproc.fleet.speculation import SpeculationPlanner
+
+    for share in (1.0, 0.25):
+        agent = AgentThread(tmp_path / str(share), free_port(), waste_share=share)
+        agent.start()
+        link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
+        try:
+            wait_until(lambda: link.board.current.waste_share.get("u1") == share, what="the announced share")
+            planner = SpeculationPlanner()
+            planner.sync(link.board.current, 0.0)
+            assert planner.speculator("u1").waste_share == share
+        finally:
+            link.close()
+            agent.stop()
+    plain = AgentThread(tmp_path / "engine", free_port())   # the engine's own share (this fake's: 0)
+    plain.start()
+    link = AgentLink({"u1": f"127.0.0.1:{plain.port}"}, token=TOKEN).start()
+    try:
+        wait_until(lambda: "u1" in link.board.current.by_upstream, what="the agent's view")
+        assert link.board.current.waste_share == {"u1": 0.0}
+    finally:
+        link.close()
+        plain.stop()
 
 
 def test_an_agent_that_keeps_a_count_announces_its_slots_and_the_pool_model_uses_them(tmp_path):

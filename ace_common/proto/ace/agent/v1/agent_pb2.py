@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x63\x65/agent/v1/agent.proto\x12\x0c\x61\x63\x65.agent.v1\"\xf2\x01\n\x0fPrefetchRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x65vict\x18\x05 \x03(\t\x12\x18\n\x0bprobability\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12%\n\x18victim_reuse_probability\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04keep\x18\x08 \x03(\t\x12\x11\n\troom_only\x18\t \x01(\x08\x42\x0e\n\x0c_probabilityB\x1b\n\x19_victim_reuse_probability\"\xab\x01\n\rPrefetchReply\x12\x34\n\x07outcome\x18\x01 \x01(\x0e\x32#.ace.agent.v1.PrefetchReply.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\"T\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x14\n\x10\x41LREADY_RESIDENT\x10\x02\x12\x0c\n\x08REJECTED\x10\x03\" \n\rStatusRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"\xc1\x01\n\rAdapterStatus\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.ace.agent.v1.Tier\x12\x19\n\x0c\x63old_load_ms\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x0f\n\x07loading\x18\x07 \x01(\x08\x12\x11\n\tloaded_by\x18\x08 \x01(\tB\x0f\n\r_cold_load_ms\"\x0e\n\x0cWatchRequest\"H\n\nEngineLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x18\n\x10measured_unix_ms\x18\x03 \x01(\x03\"\xb1\x02\n\x0eResidencyEvent\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.ace.agent.v1.ResidencyEvent.Kind\x12+\n\x06status\x18\x02 \x01(\x0b\x32\x1b.ace.agent.v1.AdapterStatus\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\tengine_up\x18\x04 \x01(\x08\x12\x18\n\x10\x62\x61se_model_bytes\x18\x05 \x01(\x03\x12&\n\x04load\x18\x06 \x01(\x0b\x32\x18.ace.agent.v1.EngineLoad\x12\x14\n\x0c\x64\x65vice_slots\x18\x07 \x01(\r\"I\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07INITIAL\x10\x01\x12\x08\n\x04SYNC\x10\x02\x12\n\n\x06\x43HANGE\x10\x03\x12\x08\n\x04LOAD\x10\x04\"D\n\x0c\x45victRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12#\n\x07\x64own_to\x18\x02 \x01(\x0e\x32\x12.ace.agent.v1.Tier\"Z\n\nEvictReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\x06status\x18\x03 \x01(\x0b\x32\x1b.ace.agent.v1.AdapterStatus\"\x1d\n\nPinRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"S\n\x08PinReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\x06status\x18\x03 \x01(\x0b\x32\x1b.ace.agent.v1.AdapterStatus*m\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_ABSENT\x10\x01\x12\x0f\n\x0bTIER_REMOTE\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\r\n\tTIER_HOST\x10\x04\x12\x0f\n\x0bTIER_DEVICE\x10\x05\x32\x94\x03\n\x05\x41gent\x12\x46\n\x08Prefetch\x12\x1d.ace.agent.v1.PrefetchRequest\x1a\x1b.ace.agent.v1.PrefetchReply\x12\x42\n\x06Status\x12\x1b.ace.agent.v1.StatusRequest\x1a\x1b.ace.agent.v1.AdapterStatus\x12L\n\x0eWatchResidency\x12\x1a.ace.agent.v1.WatchRequest\x1a\x1c.ace.agent.v1.ResidencyEvent0\x01\x12=\n\x05\x45vict\x12\x1a.ace.agent.v1.EvictRequest\x1a\x18.ace.agent.v1.EvictReply\x12\x37\n\x03Pin\x12\x18.ace.agent.v1.PinRequest\x1a\x16.ace.agent.v1.PinReply\x12\x39\n\x05Unpin\x12\x18.ace.agent.v1.PinRequest\x1a\x16.ace.agent.v1.PinReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x63\x65/agent/v1/agent.proto\x12\x0c\x61\x63\x65.agent.v1\"\xf2\x01\n\x0fPrefetchRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x65vict\x18\x05 \x03(\t\x12\x18\n\x0bprobability\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12%\n\x18victim_reuse_probability\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04keep\x18\x08 \x03(\t\x12\x11\n\troom_only\x18\t \x01(\x08\x42\x0e\n\x0c_probabilityB\x1b\n\x19_victim_reuse_probability\"\xab\x01\n\rPrefetchReply\x12\x34\n\x07outcome\x18\x01 \x01(\x0e\x32#.ace.agent.v1.PrefetchReply.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\"T\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x14\n\x10\x41LREADY_RESIDENT\x10\x02\x12\x0c\n\x08REJECTED\x10\x03\" \n\rStatusRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"\xc1\x01\n\rAdapterStatus\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.ace.agent.v1.Tier\x12\x19\n\x0c\x63old_load_ms\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x0f\n\x07loading\x18\x07 \x01(\x08\x12\x11\n\tloaded_by\x18\x08 \x01(\tB\x0f\n\r_cold_load_ms\"\x0e\n\x0cWatchRequest\"H\n\nEngineLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x18\n\x10measured_unix_ms\x18\x03 \x01(\x03\"\xed\x02\n\x0eResidencyEvent\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.ace.agent.v1.ResidencyEvent.Kind\x12+\n\x06status\x18\x02 \x01(\x0b\x32\x1b.ace.agent.v1.AdapterStatus\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\tengine_up\x18\x04 \x01(\x08\x12\x18\n\x10\x62\x61se_model_bytes\x18\x05 \x01(\x03\x12&\n\x04load\x18\x06 \x01(\x0b\x32\x18.ace.agent.v1.EngineLoad\x12\x14\n\x0c\x64\x65vice_slots\x18\x07 \x01(\r\x12!\n\x14prefetch_waste_share\x18\x08 \x01(\x02H\x00\x88\x01\x01\"I\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07INITIAL\x10\x01\x12\x08\n\x04SYNC\x10\x02\x12\n\n\x06\x43HANGE\x10\x03\x12\x08\n\x04LOAD\x10\x04\x42\x17\n\x15_prefetch_waste_share\"D\n\x0c\x45victRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12#\n\x07\x64own_to\x18\x02 \x01(\x0e\x32\x12.ace.agent.v1.Tier\"Z\n\nEvictReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\x06status\x18\x03 \x01(\x0b\x32\x1b.ace.agent.v1.AdapterStatus\"\x1d\n\nPinRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"S\n\x08PinReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\x06status\x18\x03 \x01(\x0b\x32\x1b.ace.agent.v1.AdapterStatus*m\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_ABSENT\x10\x01\x12\x0f\n\x0bTIER_REMOTE\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\r\n\tTIER_HOST\x10\x04\x12\x0f\n\x0bTIER_DEVICE\x10\x05\x32\x94\x03\n\x05\x41gent\x12\x46\n\x08Prefetch\x12\x1d.ace.agent.v1.PrefetchRequest\x1a\x1b.ace.agent.v1.PrefetchReply\x12\x42\n\x06Status\x12\x1b.ace.agent.v1.StatusRequest\x1a\x1b.ace.agent.v1.AdapterStatus\x12L\n\x0eWatchResidency\x12\x1a.ace.agent.v1.WatchRequest\x1a\x1c.ace.agent.v1.ResidencyEvent0\x01\x12=\n\x05\x45vict\x12\x1a.ace.agent.v1.EvictRequest\x1a\x18.ace.agent.v1.EvictReply\x12\x37\n\x03Pin\x12\x18.ace.agent.v1.PinRequest\x1a\x16.ace.agent.v1.PinReply\x12\x39\n\x05Unpin\x12\x18.ace.agent.v1.PinRequest\x1a\x16.ace.agent.v1.PinReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ace.agent.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1367
-  _globals['_TIER']._serialized_end=1476
+  _globals['_TIER']._serialized_start=1427
+  _globals['_TIER']._serialized_end=1536
   _globals['_PREFETCHREQUEST']._serialized_start=43
   _globals['_PREFETCHREQUEST']._serialized_end=285
   _globals['_PREFETCHREPLY']._serialized_start=288
@@ -48,17 +48,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINELOAD']._serialized_start=707
   _globals['_ENGINELOAD']._serialized_end=779
   _globals['_RESIDENCYEVENT']._serialized_start=782
-  _globals['_RESIDENCYEVENT']._serialized_end=1087
-  _globals['_RESIDENCYEVENT_KIND']._serialized_start=1014
-  _globals['_RESIDENCYEVENT_KIND']._serialized_end=1087
-  _globals['_EVICTREQUEST']._serialized_start=1089
-  _globals['_EVICTREQUEST']._serialized_end=1157
-  _globals['_EVICTREPLY']._serialized_start=1159
-  _globals['_EVICTREPLY']._serialized_end=1249
-  _globals['_PINREQUEST']._serialized_start=1251
-  _globals['_PINREQUEST']._serialized_end=1280
-  _globals['_PINREPLY']._serialized_start=1282
-  _globals['_PINREPLY']._serialized_end=1365
-  _globals['_AGENT']._serialized_start=1479
-  _globals['_AGENT']._serialized_end=1883
+  _globals['_RESIDENCYEVENT']._serialized_end=1147
+  _globals['_RESIDENCYEVENT_KIND']._serialized_start=1049
+  _globals['_RESIDENCYEVENT_KIND']._serialized_end=1122
+  _globals['_EVICTREQUEST']._serialized_start=1149
+  _globals['_EVICTREQUEST']._serialized_end=1217
+  _globals['_EVICTREPLY']._serialized_start=1219
+  _globals['_EVICTREPLY']._serialized_end=1309
+  _globals['_PINREQUEST']._serialized_start=1311
+  _globals['_PINREQUEST']._serialized_end=1340
+  _globals['_PINREPLY']._serialized_start=1342
+  _globals['_PINREPLY']._serialized_end=1425
+  _globals['_AGENT']._serialized_start=1539
+  _globals['_AGENT']._serialized_end=1943
 # @@protoc_insertion_point(module_scope)

@@ -103,7 +103,7 @@ class EngineLoad(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., measured_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ResidencyEvent(_message.Message):
-    __slots__ = ("kind", "status", "seq", "engine_up", "base_model_bytes", "load", "device_slots")
+    __slots__ = ("kind", "status", "seq", "engine_up", "base_model_bytes", "load", "device_slots", "prefetch_waste_share")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[ResidencyEvent.Kind]
@@ -123,6 +123,7 @@ class ResidencyEvent(_message.Message):
     BASE_MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_WASTE_SHARE_FIELD_NUMBER: _ClassVar[int]
     kind: ResidencyEvent.Kind
     status: AdapterStatus
     seq: int
@@ -130,7 +131,8 @@ class ResidencyEvent(_message.Message):
     base_model_bytes: int
     load: EngineLoad
     device_slots: int
-    def __init__(self, kind: _Optional[_Union[ResidencyEvent.Kind, str]] = ..., status: _Optional[_Union[AdapterStatus, _Mapping]] = ..., seq: _Optional[int] = ..., engine_up: _Optional[bool] = ..., base_model_bytes: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., device_slots: _Optional[int] = ...) -> None: ...
+    prefetch_waste_share: float
+    def __init__(self, kind: _Optional[_Union[ResidencyEvent.Kind, str]] = ..., status: _Optional[_Union[AdapterStatus, _Mapping]] = ..., seq: _Optional[int] = ..., engine_up: _Optional[bool] = ..., base_model_bytes: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., device_slots: _Optional[int] = ..., prefetch_waste_share: _Optional[float] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("adapter", "down_to")
