@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         gc_pauses = GcPauses().install()
+        if settings.gil_switch_ms:  # the request path waits this long at most behind another thread
+            sys.setswitchinterval(settings.gil_switch_ms / 1000.0)
         install_stack_dump()   # kill -USR1: every thread's stack to the log (docs/gateway.md)
         metrics_server = health = reloads = None
         store = Store(settings.config, settings.state_db(), settings.catalog,

@@ -78,6 +78,11 @@ _HELP = {
     "drain_handover_s": "SIGTERM: seconds to go on serving (health NOT_SERVING) until a successor "
                         "listens on --listen's port, before the drain; ends early when one does or "
                         "no connection is open (extproc/transport/handover.py); 0: drain at once",
+    "gil_switch_ms": "how long another thread may hold the GIL before the request path gets it back "
+                     "(sys.setswitchinterval): the speculation thread's steps and saves are pure Python, and "
+                     "at Python's default (5 ms) every socket read or write of a request in flight could wait "
+                     "that long behind them (docs/gateway.md, \"The request path and the speculation "
+                     "thread\"); 0: Python's default",
 }
 
 
@@ -127,6 +132,7 @@ class Settings:
     discovery_agent_port: int = 0
     health_listen: str = "auto"
     drain_handover_s: float = 10.0
+    gil_switch_ms: float = 0.5
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
@@ -181,6 +187,8 @@ class Settings:
         if self.health_address == self.listen:
             raise ConfigError(f"--health-listen {self.health_address} is --listen's address: "
                               "give it another port, or off")
+        if not 0 <= self.gil_switch_ms <= 100:
+            raise ConfigError(f"--gil-switch-ms must be in 0..100 (0: Python's default), got {self.gil_switch_ms}")
         if not self.config_poll_s >= 0:
             raise ConfigError(f"--config-poll-s must be 0 (off) or positive, got {self.config_poll_s}")
         if not self.discovery_interval_s > 0:
@@ -261,7 +269,8 @@ class Settings:
                        discovery_hints=str(ns["discovery_hints"]),
                        discovery_agent_port=int(ns["discovery_agent_port"] or 0),
                        health_listen=str(ns["health_listen"]).lower(),
-                       drain_handover_s=float(ns["drain_handover_s"]))
+                       drain_handover_s=float(ns["drain_handover_s"]),
+                       gil_switch_ms=float(ns["gil_switch_ms"]))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 

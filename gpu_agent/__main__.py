@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_agent: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.gil_switch_ms:  # the forward waits this long at most behind a load's Python
+        sys.setswitchinterval(settings.gil_switch_ms / 1000.0)
     asyncio.run(run(settings))
     return 0
 

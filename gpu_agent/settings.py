@@ -74,6 +74,10 @@ class AgentSettings:
                                                    "(vLLM/SGLang 1: a load stops their steps; builtin: 1 on "
                                                    "the CPU, where loads take the forward's cores, 0 on "
                                                    "CUDA, where they run on a side stream)")
+    gil_switch_ms: float = _f(0.5, "how long one thread may hold the GIL while another waits for it "
+                                   "(sys.setswitchinterval): the builtin engine's forward, its loads and the "
+                                   "agent's loop share one process, and at Python's default (5 ms) a forward "
+                                   "step could wait that long behind a load's parsing; 0: Python's default")
     reconcile_interval_s: float = _f(2.0, "how often the engine's adapter list is compared with ours")
     load_interval_s: float = _f(0.5, "how often the engine's load (running + waiting requests: vLLM/SGLang "
                                      "from GET /metrics, builtin from its batcher) is measured and sent on "
@@ -132,6 +136,8 @@ class AgentSettings:
             raise SettingsError("--prefetch-link-budget-ms must be >= 0")
         if self.prefetch_waste_share is not None and not 0 <= self.prefetch_waste_share <= 1:
             raise SettingsError("--prefetch-waste-share must be between 0 and 1")
+        if not 0 <= self.gil_switch_ms <= 100:
+            raise SettingsError("--gil-switch-ms must be between 0 (Python's default) and 100")
         if self.queue_size < 1 or self.workers < 1:
             raise SettingsError("--queue-size and --workers must be >= 1")
         return self

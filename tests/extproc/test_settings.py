@@ -19,7 +19,8 @@ def test_flags_beat_env_beat_file(tmp_path, state_file, monkeypatch):
 @pytest.mark.parametrize("args", [["--listen", "nope"], ["--server", "tornado"], ["--workers", "0"],
                                   ["--workers", "x"], ["--h2-max-streams", "0"],
                                   ["--database-url", "mysql://db/ace"], ["--drain-handover-s", "-1"],
-                                  ["--drain-handover-s", "soon"]])
+                                  ["--drain-handover-s", "soon"], ["--gil-switch-ms", "-1"],
+                                  ["--gil-switch-ms", "101"], ["--gil-switch-ms", "nan"]])
 def test_invalid_settings_are_config_errors(state_file, args):
     with pytest.raises(ConfigError):
         Settings.from_args(["--config", str(state_file), *args])
@@ -28,6 +29,11 @@ def test_invalid_settings_are_config_errors(state_file, args):
 def test_the_drain_handover_defaults_to_10_s_and_0_turns_it_off(state_file):
     assert Settings.from_args(["--config", str(state_file)]).drain_handover_s == 10.0
     assert Settings.from_args(["--config", str(state_file), "--drain-handover-s", "0"]).drain_handover_s == 0.0
+
+
+def test_the_request_path_waits_half_a_millisecond_at_most_for_the_gil_by_default(state_file):
+    assert Settings.from_args(["--config", str(state_file)]).gil_switch_ms == 0.5
+    assert Settings.from_args(["--config", str(state_file), "--gil-switch-ms", "0"]).gil_switch_ms == 0.0
 
 
 def test_the_state_database_is_the_postgres_url_when_set_else_the_sqlite_file(tmp_path, state_file, monkeypatch):

@@ -75,3 +75,12 @@ def test_the_builtin_engines_compute_defer_is_the_agents_flag_with_the_engines_d
     for bad in ("-1", "nan"):
         with pytest.raises(SettingsError, match="--prefetch-compute-defer-ms"):
             parse_args(base + ["--prefetch-compute-defer-ms", bad])
+
+
+def test_the_gil_switch_interval_defaults_to_half_a_millisecond_and_0_is_pythons(catalog):
+    base = ["--catalog", str(catalog), "--auth", "none"]
+    assert parse_args(base).gil_switch_ms == 0.5
+    assert parse_args(base + ["--gil-switch-ms", "0"]).gil_switch_ms == 0
+    for bad in ("-1", "101", "nan"):
+        with pytest.raises(SettingsError, match="--gil-switch-ms"):
+            parse_args(base + ["--gil-switch-ms", bad])
