@@ -51,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         gc_pauses = GcPauses().install()
-        if settings.gil_switch_ms:  # the request path waits this long at most behind another thread
-            sys.setswitchinterval(settings.gil_switch_ms / 1000.0)
         install_stack_dump()   # kill -USR1: every thread's stack to the log (docs/gateway.md)
         metrics_server = health = reloads = None
         store = Store(settings.config, settings.state_db(), settings.catalog,
@@ -78,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity,
                                              fill=settings.startup_fill == "on").start()
             link.on_refused = speculation.refused
+            if settings.gil_switch_ms:  # the request path waits this long at most behind the speculation
+                sys.setswitchinterval(settings.gil_switch_ms / 1000.0)
         gateway = Gateway(store, residency=link.board if link else None,
                           prefetch=link or NullPrefetchSink(), route=route, speculation=speculation,
                           metrics=GatewayMetrics(), shed_load=settings.shed_load,
