@@ -178,6 +178,14 @@ class _Agent:
         self.channel.close()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Announced:
+    """What an agent announced with its residency: its device slots (0: not announced)
+    and the waste share its speculation budget charges a bet (None: not announced)."""
+    slots: int = 0
+    waste_share: float | None = None
+
+
 class AgentLink:
     """All agents this gateway talks to, keyed by upstream name.
 
@@ -203,8 +211,9 @@ class AgentLink:
         self._tables: dict[str, Mapping[str, TierReport]] = {}  # frozen per upstream
         # upstream -> (requests, monotonic arrival, board.sent's value at the arrival)
         self._loads: dict[str, tuple[int, float, int]] = {}
-        self._slots: dict[str, int] = {}  # upstream -> device slots its agent announced
-        self._waste: dict[str, float] = {}  # upstream -> the waste share its agent announced
+        # upstream -> what its agent announced with its residency (kept for the upstreams
+        # in ``_tables`` only: set and dropped with the table)
+        self._announced: dict[str, _Announced] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loads, name="agent-load-expiry", daemon=True)
@@ -293,20 +302,14 @@ class AgentLink:
         with self._lock:
             if table is None:
                 self._loads.pop(upstream, None)
+                self._announced.pop(upstream, None)
                 if upstream not in self._tables:
                     return
                 self._tables.pop(upstream)
             else:
                 self._tables[upstream] = MappingProxyType(dict(table))
                 self._set_load(upstream, load)
-                if slots:
-                    self._slots[upstream] = slots
-                else:
-                    self._slots.pop(upstream, None)
-                if waste_share is not None:
-                    self._waste[upstream] = waste_share
-                else:
-                    self._waste.pop(upstream, None)
+                self._announced[upstream] = _Announced(slots, waste_share)
             self._swap()
 
     def _publish_load(self, upstream: str, load: int | None) -> None:
@@ -336,8 +339,9 @@ class AgentLink:
                  if u in self._tables and now - at <= self.load_max_age_s]
         loads = MappingProxyType({u: n for u, n, _ in fresh})
         marks = MappingProxyType({u: base for u, _, base in fresh})
-        slots = MappingProxyType({u: n for u, n in self._slots.items() if u in self._tables})
-        waste = MappingProxyType({u: w for u, w in self._waste.items() if u in self._tables})
+        slots = MappingProxyType({u: a.slots for u, a in self._announced.items() if a.slots})
+        waste = MappingProxyType({u: a.waste_share for u, a in self._announced.items()
+                                  if a.waste_share is not None})
         self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), loads, marks, slots=slots,
                                              waste_share=waste))
 
