@@ -212,6 +212,13 @@ class LoadPipeline:
                         except AgentError as exc:
                             log.warning("could not (un)pin %s after its load: %s", name, exc)
                     self.metrics.observe("ace_agent_load_seconds", time.perf_counter() - t, stage="device")
+                    if self.connector.self_managed:
+                        # what the engine's pool let go for this load leaves the view before
+                        # the load enters it: a view that showed both (until the next
+                        # reconcile) held one adapter more than the pool can, and the
+                        # gateway, which learns a pool's size from the most it saw at once,
+                        # modelled 6 slots for a pool of 5 and sent bets naming no victim
+                        await self.holdings.mirror_engine_device()
                     self.holdings.device[name] = spec.size_bytes
                     self.holdings.engine_up = True
         except PrefetchGivenUp:

@@ -21,7 +21,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def make(fixtures, tmp_path, http_port=None, pool_bytes=64 << 20, max_adapters=None):
+async def make(fixtures, tmp_path, http_port=None, pool_bytes=64 << 20, max_adapters=None,
+               reconcile_interval_s=0.1):
     from gpu_agent.engine.core import EngineSettings
 
     catalog = Catalog.from_yaml(fixtures / "catalog.yaml")
@@ -29,7 +30,7 @@ async def make(fixtures, tmp_path, http_port=None, pool_bytes=64 << 20, max_adap
     conn = BuiltinConnector(store, EngineSettings(catalog=fixtures / "catalog.yaml", pool_bytes=pool_bytes,
                                                   max_adapters=max_adapters, batch_window_ms=0.0),
                             http_port=http_port)
-    mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(reconcile_interval_s=0.1))
+    mgr = ResidencyManager(catalog, store, conn, ResidencyBudgets(reconcile_interval_s=reconcile_interval_s))
     await mgr.start()
     return mgr, conn
 
@@ -88,6 +89,40 @@ def test_the_pool_alone_decides_what_leaves_the_device_by_what_requests_used(fix
             assert mgr.view(B).tier is not Tier.DEVICE and mgr.view(A).tier is Tier.DEVICE
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="budget") == 0
             assert conn.engine.adapters.evictions_by() == {("device", "budget"): 1}
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_the_view_never_shows_more_adapters_than_the_pool_holds(fixtures, tmp_path):
+    """A prefetch into a full pool of two, naming no victim: the pool lets one go by itself.
+    The residency stream announces its departure before C's arrival, with no reconcile
+    between them (its interval is longer than the test), so no observer ever sees three
+    adapters on a device that holds two (the gateway learns a pool's size from the most it
+    saw at once)."""
+    A, B, C = "code-sql", "med-triage", "fin-reports"
+
+    async def main():
+        mgr, conn = await make(fixtures, tmp_path, max_adapters=2, reconcile_interval_s=3600)
+        try:
+            for name in (A, B):
+                await mgr.ensure_resident(name)
+            sub = mgr.subscribe()
+            assert mgr.prefetch(C).outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view(C).tier is Tier.DEVICE, timeout=30, what="C prefetched")
+            tiers = {A: Tier.DEVICE, B: Tier.DEVICE}
+            most = 0
+            for _ in range(sub.queue.qsize()):
+                change = sub.queue.get_nowait()
+                if hasattr(change, "tier"):
+                    tiers[change.name] = change.tier
+                    most = max(most, sum(t is Tier.DEVICE for t in tiers.values()))
+            sub.close()
+            kept = set(conn.engine.pool.resident())
+            assert len(kept) == 2 and C in kept
+            assert {n for n, t in tiers.items() if t is Tier.DEVICE} == kept
+            assert most == 2
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="engine_gone") == 1
         finally:
             await mgr.close()
     run(main())
