@@ -35,6 +35,18 @@ async def make(fixtures, tmp_path, http_port=None, pool_bytes=64 << 20, max_adap
     return mgr, conn
 
 
+async def full_pool_of_two(fixtures, tmp_path, loaded, **kwargs):
+    """A manager over a builtin pool of two adapters, both slots taken by ``loaded``."""
+    mgr, conn = await make(fixtures, tmp_path, max_adapters=2, **kwargs)
+    try:
+        for name in loaded:
+            await mgr.ensure_resident(name)
+    except BaseException:
+        await mgr.close()
+        raise
+    return mgr, conn
+
+
 def test_prefetch_loads_into_the_pool_and_requests_find_it_there(fixtures, tmp_path):
     async def main():
         mgr, conn = await make(fixtures, tmp_path, http_port=0)
@@ -73,10 +85,8 @@ def test_the_pool_alone_decides_what_leaves_the_device_by_what_requests_used(fix
     A, B, C = "code-sql", "med-triage", "fin-reports"
 
     async def main():
-        mgr, conn = await make(fixtures, tmp_path, http_port=0, max_adapters=2)
+        mgr, conn = await full_pool_of_two(fixtures, tmp_path, (A, B), http_port=0)
         try:
-            for name in (A, B):
-                await mgr.ensure_resident(name)
             async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
                 r = await client.post("/v1/completions", json={"model": A, "prompt": "x", "max_tokens": 1})
             assert r.status_code == 200 and r.headers["x-ace-adapter-tier"] == "device"
@@ -103,10 +113,8 @@ def test_the_view_never_shows_more_adapters_than_the_pool_holds(fixtures, tmp_pa
     A, B, C = "code-sql", "med-triage", "fin-reports"
 
     async def main():
-        mgr, conn = await make(fixtures, tmp_path, max_adapters=2, reconcile_interval_s=3600)
+        mgr, conn = await full_pool_of_two(fixtures, tmp_path, (A, B), reconcile_interval_s=3600)
         try:
-            for name in (A, B):
-                await mgr.ensure_resident(name)
             sub = mgr.subscribe()
             assert mgr.prefetch(C).outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view(C).tier is Tier.DEVICE, timeout=30, what="C prefetched")
@@ -135,10 +143,8 @@ def test_a_requests_own_load_in_the_engine_evicts_the_gateways_victim_not_the_lr
     A, B, C = "code-sql", "med-triage", "fin-reports"
 
     async def main():
-        mgr, conn = await make(fixtures, tmp_path, http_port=0, max_adapters=2)
+        mgr, conn = await full_pool_of_two(fixtures, tmp_path, (A, B), http_port=0)  # A: the LRU
         try:
-            for name in (A, B):                      # A is the least recently used
-                await mgr.ensure_resident(name)
             got = mgr.prefetch(C, priority=1, reason="request_cold", evict=[B])
             assert got.reason == "engine_loads_on_demand"
             async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
@@ -170,11 +176,9 @@ def test_a_load_whose_own_hint_never_came_evicts_the_latest_victims_named(fixtur
         assert r.status_code == 200
 
     async def main():
-        mgr, conn = await make(fixtures, tmp_path, http_port=0, max_adapters=2)
+        mgr, conn = await full_pool_of_two(fixtures, tmp_path, (A, B), http_port=0)  # A: the LRU
         try:
             adapters = conn.engine.adapters
-            for name in (A, B):                      # A is the least recently used
-                await mgr.ensure_resident(name)
             mgr.prefetch(X, priority=1, reason="request_cold", evict=[B])  # named for X's load
             await complete(conn, C)                  # C's own load came with no hint
             assert adapters.tier(A) == "device" and adapters.tier(B) != "device"
