@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_startup_heap
+from ace_common.gil import set_switch_interval
 from ace_common.stack_dump import install_stack_dump
 from extproc.fleet.discovery import HostDiscovery, make_source
 from extproc.errors import ConfigError
@@ -76,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity,
                                              fill=settings.startup_fill == "on").start()
             link.on_refused = speculation.refused
-            if settings.gil_switch_ms:  # the request path waits this long at most behind the speculation
-                sys.setswitchinterval(settings.gil_switch_ms / 1000.0)
+            set_switch_interval(settings.gil_switch_ms)  # the request path's longest wait behind it
         gateway = Gateway(store, residency=link.board if link else None,
                           prefetch=link or NullPrefetchSink(), route=route, speculation=speculation,
                           metrics=GatewayMetrics(), shed_load=settings.shed_load,

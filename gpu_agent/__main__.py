@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ace_common.gil import set_switch_interval
+
 if TYPE_CHECKING:
     from gpu_agent.engine.core import EngineSettings
     from gpu_agent.settings import AgentSettings
@@ -126,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_agent: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.gil_switch_ms:  # the forward waits this long at most behind a load's Python
-        sys.setswitchinterval(settings.gil_switch_ms / 1000.0)
+    set_switch_interval(settings.gil_switch_ms)  # a forward's longest wait behind a load's Python
     asyncio.run(run(settings))
     return 0
 
