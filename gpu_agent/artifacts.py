@@ -368,9 +368,17 @@ class ArtifactStore:
         self._evicted(evicted, EvictReason.LEFT_DEVICE if self.cache.resident_only else EvictReason.BUDGET)
         staged = self.cache.root / f".partial-{spec.sha256}-{time.monotonic_ns()}"
         staged.mkdir()
+        # both files at once: a remote store's first byte costs a round trip per object
+        gets = [asyncio.ensure_future(self._download(base + CONFIG, staged / CONFIG, None)),
+                asyncio.ensure_future(self._download(base + WEIGHTS, staged / WEIGHTS, spec.size_bytes))]
         try:
-            await self._download(base + CONFIG, staged / CONFIG, None)
-            digest = await self._download(base + WEIGHTS, staged / WEIGHTS, spec.size_bytes)
+            try:
+                _, digest = await asyncio.gather(*gets)
+            except BaseException:  # the first failure (or a cancel) stops the other GET too
+                for get in gets:
+                    get.cancel()
+                await asyncio.gather(*gets, return_exceptions=True)
+                raise
             if digest != spec.sha256:
                 raise DigestMismatch(f"adapter {spec.name}: fetched sha256 {digest} != catalog {spec.sha256}")
             return self.cache.admit(spec.sha256, staged)  # in the loop: the LRU is not thread-safe

@@ -132,6 +132,66 @@ def test_a_refused_connection_and_a_silent_store_are_fetch_errors(tmp_path):
     asyncio.run(scenario())
 
 
+def test_both_files_are_asked_for_at_once(tmp_path):
+    """A remote store's first byte costs a round trip per object: the config and the
+    weights are requested together. The store here answers the config only once the
+    weights' request has arrived (a fetch that asks one after the other gets a 503)."""
+    async def scenario():
+        catalog_root = tmp_path / "src"
+        make_catalog(catalog_root, ["a"])
+        weights_asked = asyncio.Event()
+
+        async def handle(request):
+            rel = request.match_info["tail"]
+            if rel.endswith(".safetensors"):
+                weights_asked.set()
+            else:
+                try:
+                    await asyncio.wait_for(weights_asked.wait(), timeout=10)
+                except asyncio.TimeoutError:
+                    return web.Response(status=503)
+            return web.Response(body=(catalog_root / "adapters" / rel).read_bytes())
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handle)
+        async with serve(app) as url:
+            store, catalog = _store(tmp_path, url, names=("a",))
+            try:
+                path, fetched = await store.ensure_local(catalog.get("a"), set())
+            finally:
+                await store.aclose()
+        assert fetched and (path / "adapter_config.json").read_bytes() == \
+            (catalog_root / "adapters" / "a" / "adapter_config.json").read_bytes()
+    asyncio.run(scenario())
+
+
+def test_one_failed_file_stops_the_other_and_leaves_nothing(tmp_path):
+    """The config's 404 is the fetch's error at once: it does not wait for the weights,
+    whose download is stopped (nothing is written after the partial folder is gone)."""
+    async def scenario():
+        never = asyncio.Event()
+        weights_asked = asyncio.Event()
+
+        async def handle(request):
+            if request.match_info["tail"].endswith(".safetensors"):
+                weights_asked.set()
+                await never.wait()  # the weights never come
+                return web.Response(body=b"")
+            await weights_asked.wait()
+            return web.Response(status=404)
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handle)
+        async with serve(app) as url:
+            try:
+                # a fetch that asks one file after the other never gets its config's
+                # answer: it fails on the client's timeout instead
+                await _fetch_fails(tmp_path, url, FetchError, "HTTP 404", timeout_s=20)
+                pending = [t for t in asyncio.all_tasks() if "_download" in repr(t.get_coro())]
+                assert pending == []
+            finally:
+                never.set()
+    asyncio.run(scenario())
+
+
 def test_asking_whether_files_are_on_disk_leaves_the_lru_order_alone(tmp_path):
     """The reconcile, a residency view and the engine's tier ask about every adapter often;
     asking is not using: the disk cache still evicts the least recently *fetched or read*
