@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ace_common.catalog import Adapter
 from gpu_agent.errors import AgentError
@@ -110,6 +111,13 @@ class EngineConnector(abc.ABC):
         ``victims`` first when that load of ``loading`` needs room: the gateway's choice,
         sent with the request's ingress signal. Engines the agent loads for apply the
         hints in the agent's own load (``TierHoldings``) and ignore this."""
+
+    def watch_device(self, changed: Callable[[str], None]) -> bool:
+        """Call ``changed(name)`` on the event loop whenever the engine's device tier gains
+        or loses ``name``, whoever loaded or evicted it (builtin: its pool's own loads and
+        evictions); True when it will. False (the default): the engine tells nobody, and
+        the reconcile's interval is how late the agent learns of its own loads."""
+        return False
 
     async def busy(self) -> set[str]:
         """Adapters used by running or waiting requests, or (builtin) accepted requests

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ace_common.catalog import Adapter
 from gpu_agent.artifacts import ArtifactStore
@@ -135,6 +135,12 @@ class BuiltinConnector(EngineConnector):
 
     def prefer_victims(self, loading: str, victims: tuple[str, ...]) -> None:
         self.engine.adapters.prefer_victims(loading, victims)
+
+    def watch_device(self, changed: Callable[[str], None]) -> bool:
+        """The pool's every load and eviction (its own LRU's for a request's load too),
+        as they happen: the agent's view needs no reconcile to follow them."""
+        self.engine.adapters.on_pool_change(changed)
+        return True
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         res = self.engine.adapters

@@ -30,7 +30,8 @@ it moves up.
 - ``on_left_pool(listener)``: ``listener`` is called on the event loop with the name of every adapter that
   left the pool (its LRU, its count cap, or :meth:`evict`) and is neither back nor being
   loaded again (the agent drops its disk copy there when the disk tier keeps only what
-  is resident).
+  is resident). ``on_pool_change(listener)``: the name of every adapter that entered or
+  left the pool, whoever loaded or evicted it (the agent mirrors the device tier from it).
 
 Tiers (``ace_common.tiers.Tier`` values): ``device`` (its pages in the paged pool), ``host``
 (a parsed copy in host memory), ``disk`` (a local directory), ``remote`` (an http(s) uri
@@ -181,6 +182,7 @@ class EngineAdapters:
         # demand, counted when a load ends: what a request's TTFT window shares with loads
         self.load_seconds = 0.0
         self._left_pool_listeners: list[Callable[[str], None]] = []
+        self._pool_change_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         # evictions by (tier, reason): the pool's (its owner's choice below, or evict) and the
         # host copies' (their byte budget)
@@ -192,6 +194,7 @@ class EngineAdapters:
         self._standing_victims: tuple[tuple[str, ...], float] = ((), 0.0)
         self._hinted_out: set[str] = set()  # the last choice's hinted victims (released as "hint")
         pool.release_listeners.append(self._pool_released)
+        pool.admit_listeners.append(self._pool_admitted)
         pool.choose_victims = self._choose_victims  # this store decides what leaves the pool
 
     # -- names and tiers ---------------------------------------------------------------
@@ -454,18 +457,43 @@ class EngineAdapters:
         """``listener(name)`` on the event loop for every adapter that left the pool for good."""
         self._left_pool_listeners.append(listener)
 
+    def on_pool_change(self, listener: Callable[[str], None]) -> None:
+        """``listener(name)`` on the event loop after ``name`` entered or left the pool (any
+        load or eviction, whoever made it). The pool may have changed again since: a
+        listener asks it what it holds now (the agent's mirror of this device tier)."""
+        self._note_loop()
+        self._pool_change_listeners.append(listener)
+
+    def _pool_admitted(self, name: str) -> None:
+        """Pool admit hook (pool lock held, any thread): hand the name to the loop."""
+        if self._pool_change_listeners:
+            self._to_loop(self._pool_changed, name)
+
     def _pool_released(self, name: str, reason: EvictReason) -> None:
         """Pool release hook (pool lock held, any thread): count it, hand the name to the loop."""
         if reason is EvictReason.BUDGET and name in self._hinted_out:
             reason = EvictReason.HINT
         self._count_eviction(DEVICE, reason)
+        if self._left_pool_listeners:
+            self._to_loop(self._left_pool, name)
+        if self._pool_change_listeners:
+            self._to_loop(self._pool_changed, name)
+
+    def _to_loop(self, fn: Callable[[str], None], name: str) -> None:
         loop = self._loop
-        if loop is None or not self._left_pool_listeners:
+        if loop is None:
             return
         try:
-            loop.call_soon_threadsafe(self._left_pool, name)
+            loop.call_soon_threadsafe(fn, name)
         except RuntimeError:  # the loop is closed (shutting down)
             pass
+
+    def _pool_changed(self, name: str) -> None:
+        for listener in list(self._pool_change_listeners):
+            try:
+                listener(name)
+            except Exception:  # noqa: BLE001 - a listener's failure must not stop the engine
+                log.exception("pool-change listener failed for %s", name)
 
     def _left_pool(self, name: str) -> None:
         if self.pool.contains(name) or name in self._inflight:

@@ -165,9 +165,10 @@ class AdapterPool:
     protections (adapters that requests are about to use).
 
     ``release_listeners`` are called with the name of every adapter that leaves the pool
-    and why (``EvictReason.BUDGET``: room for a load; ``OPERATOR``: :meth:`evict`), with
-    the pool lock held and on the thread that released it: they must only hand the name
-    off (no blocking, no pool calls).
+    and why (``EvictReason.BUDGET``: room for a load; ``OPERATOR``: :meth:`evict`), and
+    ``admit_listeners`` with the name of every adapter that enters it (its copy done, it
+    is an entry batches can name), with the pool lock held and on the thread that changed
+    the pool: they must only hand the name off (no blocking, no pool calls).
     """
 
     def __init__(self, spec: BaseModelSpec, budget_bytes: int, *, dtype: Any = None,
@@ -211,6 +212,7 @@ class AdapterPool:
         self.scattered_loads = 0
         self.gathered_matrices = 0
         self.release_listeners: list[Callable[[str, EvictReason], None]] = []
+        self.admit_listeners: list[Callable[[str], None]] = []
         # The owner's eviction decision (called with the pool lock held, on the loading thread).
         self.choose_victims: VictimChooser = _plan
 
@@ -471,6 +473,8 @@ class AdapterPool:
                 not _consecutive(ids[v[j]: v[j] + v[j + 1]]) for v in layout.values() for j in (0, 2))
             self.gathered_matrices += entry.gathered_matrices
         self._end_copy(job, free_pages=False)
+        for listener in self.admit_listeners:
+            listener(adapter.name)
         return entry
 
     def _flat(self, p: int, n: int, numel: int):

@@ -102,6 +102,7 @@ class ResidencyManager:
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         await self.connector.start()
+        self.connector.watch_device(self.reconciler.follow)
         await self.reconcile()
         for _ in range(max(1, self.budgets.workers)):
             self._tasks.append(asyncio.create_task(self.pipeline.work_off_queue()))
@@ -116,6 +117,7 @@ class ResidencyManager:
             task.cancel()
         await asyncio.gather(*self._tasks, *inflight, return_exceptions=True)
         self._tasks.clear()
+        await self.reconciler.close()
         self._changes.end()
         await self.connector.close()
         await self.store.aclose()

@@ -8,6 +8,14 @@ agent drives but does not serve requests through (vLLM), the reconcile also move
 engine runs or queues now (``busy``) to the most recently used end: without it the tier's
 order would be the order of loads, not of use. An
 engine that stops answering is announced as down (``engine_up``), and again when it is back.
+
+An engine that tells of its own loads and evictions as they happen
+(``EngineConnector.watch_device``: the builtin pool, whose LRU evicts for the requests'
+loads it makes itself) has each changed name aligned at once (``follow``), by the same
+rules; the interval then only catches what no event told. Before, the agent learned of
+those loads and evictions up to one ``reconcile_interval_s`` late, and the gateway's model
+of the pool, synced from the agent's view, dropped adapters the engine had just loaded and
+named victims it had already let go (docs/bench-history.md, 2026-12-05).
 """
 from __future__ import annotations
 
@@ -43,6 +51,9 @@ class Reconciler:
         self.metrics = metrics
         self._publish = publish
         self._reload = reload
+        self._changed: set[str] = set()  # names an event said changed, not aligned yet
+        self._following: asyncio.Future | None = None
+        self._closed = False
 
     async def run(self, interval_s: float) -> None:
         while True:
@@ -60,6 +71,37 @@ class Reconciler:
 
     async def reconcile(self) -> None:
         """Align the device tier with what the engine holds; rebuild after a restart."""
+        await self._align(None)
+
+    def follow(self, name: str) -> None:
+        """The engine's device tier gained or lost ``name`` (``EngineConnector.watch_device``,
+        called on the event loop): align that name now rather than at the next interval.
+        Names that change while an alignment waits for the device lock go together next."""
+        if self._closed:
+            return
+        self._changed.add(name)
+        if self._following is None or self._following.done():
+            self._following = asyncio.ensure_future(self._follow())
+
+    async def _follow(self) -> None:
+        while self._changed:
+            names, self._changed = self._changed, set()
+            try:
+                await self._align(names)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the next event, or the interval, retries
+                log.warning("aligning %s with the engine failed: %s", ", ".join(sorted(names)), exc)
+
+    async def close(self) -> None:
+        self._closed = True
+        task, self._following = self._following, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _align(self, names: set[str] | None) -> None:
+        """``names`` None: every adapter (the interval); else only those (an event)."""
         holdings, device = self.holdings, self.holdings.device
         async with holdings.lock:
             try:
@@ -71,11 +113,13 @@ class Reconciler:
                     self.publish_all()
                 return
             was_up, holdings.engine_up = holdings.engine_up, True
-            lost = [n for n in device if n not in loaded and n not in self._loading]
+            lost = [n for n in device
+                    if n not in loaded and n not in self._loading and (names is None or n in names)]
             for name in lost:
                 device.pop(name, None)
                 self._publish(name)
-            adopted = sorted(n for n in loaded if n in self._states and n not in device)
+            adopted = sorted(n for n in (loaded if names is None else loaded & names)
+                             if n in self._states and n not in device)
             for name in adopted:  # the engine loaded it itself (on demand), or a previous agent run
                 # the engine loaded it for a request that is running or waiting now: the most
                 # recently used end. At the LRU end the shrink below unloaded it again under that
@@ -85,7 +129,7 @@ class Reconciler:
                 self._states[name].loaded_by = "engine"
                 self._states[name].engine_loaded_at = self.clock()
                 self._publish(name)
-            if not self.connector.self_managed:
+            if not self.connector.self_managed and names is None:
                 # the agent sees no request on an engine it does not serve (vLLM): what the
                 # engine runs or queues now is its most recently used (its LoRA gauge)
                 busy = await self.connector.busy()

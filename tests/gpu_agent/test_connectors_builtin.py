@@ -136,6 +136,41 @@ def test_the_view_never_shows_more_adapters_than_the_pool_holds(fixtures, tmp_pa
     run(main())
 
 
+def test_the_view_follows_the_engines_own_loads_as_they_happen(fixtures, tmp_path):
+    """A request's own load in the engine (no agent load, no reconcile: its interval is
+    longer than the test) evicts the pool's LRU adapter and brings the request's in. The
+    residency stream announces both at once, the departure first; before, the agent learned
+    of them at the next reconcile (2 s by default), and the gateway's pool model, synced
+    from that view, dropped the new adapter and named the gone one as a victim."""
+    A, B, C = "code-sql", "med-triage", "fin-reports"
+
+    async def main():
+        mgr, conn = await full_pool_of_two(fixtures, tmp_path, (A, B), http_port=0, reconcile_interval_s=3600)
+        try:
+            sub = mgr.subscribe()
+            async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
+                r = await client.post("/v1/completions", json={"model": C, "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200
+            kept = set(conn.engine.pool.resident())
+            assert len(kept) == 2 and C in kept
+            await async_wait_until(lambda: {n for n in (A, B, C) if mgr.view(n).tier is Tier.DEVICE} == kept,
+                                   timeout=30, what="the view follows the engine's own load")
+            assert mgr.view(C).loaded_by == "engine"
+            tiers = {A: Tier.DEVICE, B: Tier.DEVICE}
+            most = 0
+            for _ in range(sub.queue.qsize()):
+                change = sub.queue.get_nowait()
+                if hasattr(change, "tier"):
+                    tiers[change.name] = change.tier
+                    most = max(most, sum(t is Tier.DEVICE for t in tiers.values()))
+            sub.close()
+            assert most == 2
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="engine_gone") == 1
+        finally:
+            await mgr.close()
+    run(main())
+
+
 def test_a_requests_own_load_in_the_engine_evicts_the_gateways_victim_not_the_lru(fixtures, tmp_path):
     """The gateway's ingress signal for a cold request names the victims its model of the
     pool would evict (lowest predicted use). The builtin engine loads that request's adapter
