@@ -47,6 +47,20 @@ async def full_pool_of_two(fixtures, tmp_path, loaded, **kwargs):
     return mgr, conn
 
 
+def replay_device_changes(sub, tiers: dict) -> tuple[dict, int]:
+    """The subscription's queued changes applied to ``tiers`` (name -> tier) in order:
+    the tiers at the end, and the most adapters an observer saw on the device at once.
+    Closes the subscription."""
+    tiers, most = dict(tiers), 0
+    for _ in range(sub.queue.qsize()):
+        change = sub.queue.get_nowait()
+        if hasattr(change, "tier"):
+            tiers[change.name] = change.tier
+            most = max(most, sum(t is Tier.DEVICE for t in tiers.values()))
+    sub.close()
+    return tiers, most
+
+
 def test_prefetch_loads_into_the_pool_and_requests_find_it_there(fixtures, tmp_path):
     async def main():
         mgr, conn = await make(fixtures, tmp_path, http_port=0)
@@ -118,14 +132,7 @@ def test_the_view_never_shows_more_adapters_than_the_pool_holds(fixtures, tmp_pa
             sub = mgr.subscribe()
             assert mgr.prefetch(C).outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view(C).tier is Tier.DEVICE, timeout=30, what="C prefetched")
-            tiers = {A: Tier.DEVICE, B: Tier.DEVICE}
-            most = 0
-            for _ in range(sub.queue.qsize()):
-                change = sub.queue.get_nowait()
-                if hasattr(change, "tier"):
-                    tiers[change.name] = change.tier
-                    most = max(most, sum(t is Tier.DEVICE for t in tiers.values()))
-            sub.close()
+            tiers, most = replay_device_changes(sub, {A: Tier.DEVICE, B: Tier.DEVICE})
             kept = set(conn.engine.pool.resident())
             assert len(kept) == 2 and C in kept
             assert {n for n, t in tiers.items() if t is Tier.DEVICE} == kept
@@ -156,14 +163,7 @@ def test_the_view_follows_the_engines_own_loads_as_they_happen(fixtures, tmp_pat
             await async_wait_until(lambda: {n for n in (A, B, C) if mgr.view(n).tier is Tier.DEVICE} == kept,
                                    timeout=30, what="the view follows the engine's own load")
             assert mgr.view(C).loaded_by == "engine"
-            tiers = {A: Tier.DEVICE, B: Tier.DEVICE}
-            most = 0
-            for _ in range(sub.queue.qsize()):
-                change = sub.queue.get_nowait()
-                if hasattr(change, "tier"):
-                    tiers[change.name] = change.tier
-                    most = max(most, sum(t is Tier.DEVICE for t in tiers.values()))
-            sub.close()
+            _, most = replay_device_changes(sub, {A: Tier.DEVICE, B: Tier.DEVICE})
             assert most == 2
             assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="engine_gone") == 1
         finally:
