@@ -88,8 +88,6 @@ class Reconciler:
             names, self._changed = self._changed, set()
             try:
                 await self._align(names)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # noqa: BLE001 - the next event, or the interval, retries
                 log.warning("aligning %s with the engine failed: %s", ", ".join(sorted(names)), exc)
 
