@@ -312,14 +312,44 @@ def gc_pause_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+LOOP_LAG_METRIC = "ace_agent_event_loop_lag_seconds"
+LOOP_LAG_OVER_S = (0.01, 0.025, 0.05)
+
+
+def loop_lags(metrics_texts: list[str], name: str = LOOP_LAG_METRIC) -> dict[str, float]:
+    """The agents' event-loop lag so far (``ace_common.loop_lag``), summed over the texts:
+    ``wakeups``, ``sum_ms`` and ``over_<ms>ms`` (wake-ups later than that, from the
+    histogram's buckets at ``LOOP_LAG_OVER_S``). Subtract two reads (``loop_lag_delta``)."""
+    out: dict[str, float] = {"wakeups": 0, "sum_ms": 0.0, **{f"over_{round(b * 1e3)}ms": 0 for b in LOOP_LAG_OVER_S}}
+    within: dict[float, int] = dict.fromkeys(LOOP_LAG_OVER_S, 0)
+    for text in metrics_texts:
+        for sample in parse_samples(text):
+            if sample.name == f"{name}_count":
+                out["wakeups"] += int(sample.value)
+            elif sample.name == f"{name}_sum":
+                out["sum_ms"] += sample.value * 1e3
+            elif sample.name == f"{name}_bucket" and float(sample.labels.get("le", "inf")) in within:
+                within[float(sample.labels["le"])] += int(sample.value)
+    for bound, n in within.items():
+        out[f"over_{round(bound * 1e3)}ms"] = out["wakeups"] - n
+    return out
+
+
+def loop_lag_delta(before: dict, after: dict) -> dict[str, float]:
+    """``after`` minus ``before`` (two ``loop_lags`` reads), ``sum_ms`` rounded to 0.1."""
+    return {k: round(v - before.get(k, 0), 1) if k == "sum_ms" else v - before.get(k, 0) for k, v in after.items()}
+
+
 async def gc_pauses_of(st: dict) -> dict[str, dict]:
-    """``{"agents": gc_pauses over every host, "gateway": the ext_proc's}`` now."""
+    """``{"agents": gc_pauses over every host, "gateway": the ext_proc's, "loop_lag": the
+    agents' loop_lags}`` now."""
     async with httpx.AsyncClient(timeout=10) as client:
-        agents = gc_pauses([(await client.get(h["metrics"])).text for h in st["hosts"]])
+        texts = [(await client.get(h["metrics"])).text for h in st["hosts"]]
+        agents = gc_pauses(texts)
         gateway = {}
         if st.get("gateway_metrics"):
             gateway = gc_pauses([(await client.get(st["gateway_metrics"])).text], "ace_gateway_gc_pause_seconds")
-    return {"agents": agents, "gateway": gateway}
+    return {"agents": agents, "gateway": gateway, "loop_lag": loop_lags(texts)}
 
 
 async def agent_counters(metrics_urls: list[str]) -> tuple[int | None, dict[str, int]]:
@@ -427,6 +457,10 @@ async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -
         "loads_ms": timing.get("loads_ms"), "engine_ttft_ms": engine_ms,
         **{f"load_{k}": v for k, v in (timing.get("load") or {}).items()},
         "outside_engine_ms": ttft - engine_ms if ttft is not None and engine_ms is not None else None,
+        # the way in (client, Envoy, ext_proc, the engine's HTTP read): the engine's arrival
+        # mark is on perf_counter()'s clock, which this machine's processes share
+        "to_engine_ms": (timing["arrived_s"] - t0) * 1000 if timing.get("arrived_s") is not None else None,
+        "loop_lag_ms": timing.get("loop_lag_ms"),   # the engine's loop late while it held the request
     }
 
 
@@ -564,6 +598,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                 elapsed = time.monotonic() - t0
                 cpu = proc_cpu.account(cpu_before, proc_cpu.snapshot())
                 gc_after = await gc_pauses_of(st)
+                lag = loop_lag_delta(gc_before.pop("loop_lag"), gc_after.pop("loop_lag"))
                 gc_delta = {who: gc_pause_delta(gc_before[who], gc_after[who]) for who in gc_after}
                 after = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
             busy = {n: round((after[n][0] - before[n][0]) / elapsed, 4) for n in before}
@@ -581,12 +616,12 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                 t = requests[0]
                 ov = await gateway_overhead(st, t["adapter"], st["keys"][t["tenant"]])
             return (rows, dict(loads), by_host, preempted, outcomes, ov, ready, run_speed, calibration, busy, load_busy,
-                    cpu, gc_delta, dict(sorted(evictions.items())))
+                    cpu, gc_delta, lag, dict(sorted(evictions.items())))
 
         t_replay = time.monotonic()
         load_avg = os.getloadavg()[0]
         (rows, loads, loads_by_host, preempted, outcomes, overhead, ready, speed, calibration, busy,
-         load_busy, cpu, gc_replay, pool_evictions) = asyncio.run(go())
+         load_busy, cpu, gc_replay, loop_lag, pool_evictions) = asyncio.run(go())
         replay_s = time.monotonic() - t_replay
         fetches, _ = store_fetches(store_log, log_at)
     counters = speculation_counters(run_dir / "extproc.log") or {}  # the gateway has stopped
@@ -603,7 +638,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
                "speculation": counters or None, "gateway_overhead_ms": overhead,
                "speed": speed, "engine_busy": busy, "engine_load_busy": load_busy, "process_cpu_s": cpu,
-               "gc_pauses": gc_replay,
+               "gc_pauses": gc_replay, "loop_lag": loop_lag,
                "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool),
                "miss_causes": stack_miss_causes(ok, requests, pool)})
     log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "

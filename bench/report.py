@@ -288,7 +288,14 @@ def ttft_breakdown(rows: Sequence[Mapping]) -> dict:
     1% of TTFTs (at least one row): what the tail is made of. ``source_loads``: the
     requests whose stall was a load from the source, that load split into the source's
     fetch, the tiers' read/parse/copy and a prefetch's pauses (the engine's
-    ``ace_timing.load``; absent from rows of engines that do not report it)."""
+    ``ace_timing.load``; absent from rows of engines that do not report it).
+    ``outside_engine_split``: ``outside_engine_ms`` split at the engine's arrival mark
+    (``ace_timing.arrived_s``): ``to_engine_ms`` (client, Envoy, ext_proc, the engine's HTTP
+    read and tokenizing) and ``from_engine_ms`` (the first token's way back: the engine's
+    stream write, Envoy, the client's read); absent where the engine gives no mark.
+    ``loop_lag_ms``: how late the engine's event loop ran between the request's arrival and
+    its first token (``ace_timing.loop_lag_ms``: a late loop delays every request on it,
+    whatever its adapter), with the worst 1%'s median; absent where the engine gives none."""
     timed = [r for r in rows if r.get("compute_ms") is not None and r.get("ttft_ms") is not None]
     if not timed:
         return {"rows": 0}
@@ -299,6 +306,23 @@ def ttft_breakdown(rows: Sequence[Mapping]) -> dict:
     out["worst_1pct"] = {"rows": len(worst), "ttft_ms_p50": percentiles(r["ttft_ms"] for r in worst)["p50"],
                          **{f"{name}_p50": percentiles(r[field] for r in worst)["p50"]
                             for name, field in BREAKDOWN_PARTS.items()}}
+    split = [r for r in timed if r.get("to_engine_ms") is not None and r.get("outside_engine_ms") is not None]
+    if split:
+        to = [r["to_engine_ms"] for r in split]
+        back = [r["outside_engine_ms"] - r["to_engine_ms"] for r in split]
+        out["outside_engine_split"] = {"rows": len(split), "to_engine_ms": percentiles(to),
+                                       "from_engine_ms": percentiles(back)}
+        mine = {id(r) for r in split}
+        if all(id(r) in mine for r in worst):
+            out["worst_1pct"]["to_engine_ms_p50"] = percentiles(r["to_engine_ms"] for r in worst)["p50"]
+            out["worst_1pct"]["from_engine_ms_p50"] = percentiles(
+                r["outside_engine_ms"] - r["to_engine_ms"] for r in worst)["p50"]
+    lagged = [r for r in timed if r.get("loop_lag_ms") is not None]
+    if lagged:
+        out["loop_lag_ms"] = {**percentiles(r["loop_lag_ms"] for r in lagged), "rows": len(lagged),
+                              "mean": sum(r["loop_lag_ms"] for r in lagged) / len(lagged)}
+        if all(r.get("loop_lag_ms") is not None for r in worst):
+            out["worst_1pct"]["loop_lag_ms_p50"] = percentiles(r["loop_lag_ms"] for r in worst)["p50"]
     loads = [r for r in timed if r.get("load_fetch_ms") is not None]
     if loads:
         out["source_loads"] = {"rows": len(loads), "stall": percentiles(r["wait_ms"] for r in loads),

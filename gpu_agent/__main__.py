@@ -39,6 +39,7 @@ async def run(settings) -> None:
     from aiohttp import web
 
     from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_startup_heap
+    from ace_common.loop_lag import LoopLag, LoopLagCollector
     from ace_common.stack_dump import install_stack_dump
     from gpu_agent.artifacts import ArtifactStore, Catalog, DiskCache
     from gpu_agent.connectors import make_connector
@@ -73,6 +74,8 @@ async def run(settings) -> None:
     gc_pauses = GcPauses().install()
     install_stack_dump()   # kill -USR1: every thread's stack to the log (docs/agent.md)
     metrics.registry.register(GcPauseCollector(gc_pauses, "ace_agent_gc_pause_seconds"))
+    loop_lag = LoopLag()   # what every request on this loop waited (docs/agent.md); from start-up's end
+    metrics.registry.register(LoopLagCollector(loop_lag, "ace_agent_event_loop_lag_seconds"))
     manager = ResidencyManager(catalog, store, connector, budgets, metrics)
     await manager.start()
     tls = (settings.tls_cert, settings.tls_key, settings.tls_client_ca) if settings.auth == "mtls" else None
@@ -94,6 +97,7 @@ async def run(settings) -> None:
         await site.start()
         metrics_port = site._server.sockets[0].getsockname()[1]
     freeze_startup_heap(logging.getLogger("gpu_agent"))   # the model, catalog and modules
+    loop_lag.start()
     print(json.dumps({"event": "ready", "grpc_port": grpc_port, "metrics_port": metrics_port,
                       "engine": settings.engine, "engine_url": connector.url}), flush=True)
     stop = asyncio.Event()
@@ -106,6 +110,7 @@ async def run(settings) -> None:
     if runner is not None:
         await runner.cleanup()
     await manager.close()
+    await loop_lag.close()
     gc_pauses.close(logging.getLogger("gpu_agent"))
 
 

@@ -56,6 +56,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineSettings, str, 
 
 async def _main(settings: EngineSettings, host: str, port: int) -> None:
     from ace_common.gc_pauses import GcPauses, freeze_startup_heap
+    from ace_common.loop_lag import LoopLag
     from gpu_agent.engine.core import Engine
     from gpu_agent.engine.server import serve
 
@@ -63,6 +64,7 @@ async def _main(settings: EngineSettings, host: str, port: int) -> None:
     runner, bound = await serve(engine, host, port)
     gc_pauses = GcPauses().install()
     freeze_startup_heap(logging.getLogger("gpu_agent.engine"))   # the model's weights and the modules
+    loop_lag = LoopLag().start()   # each streamed request's ace_timing.loop_lag_ms
     logging.getLogger("gpu_agent.engine").info(
         "serving %s with %d adapters on http://%s:%d", engine.model_name,
         len(engine.adapters.names()), host, bound)
@@ -73,6 +75,7 @@ async def _main(settings: EngineSettings, host: str, port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
+    await loop_lag.close()
     gc_pauses.close(logging.getLogger("gpu_agent.engine"))
 
 

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
+from ace_common.loop_lag import LoopLag
 from gpu_agent.engine.core import Engine
 from gpu_agent.engine.errors import EngineError, InvalidRequest, error_body, http_error
 from gpu_agent.engine.metrics import render_metrics
@@ -197,6 +198,9 @@ class _Completion:
         self.held = False
         # the TTFT split (``timing``): perf_counter() marks and the engine's load seconds
         self.arrived, self.loads_at_arrival = time.perf_counter(), engine.adapters.load_seconds
+        self.loop_lag = LoopLag.running()   # this loop's lag monitor (the agent's), if any
+        self.lag_at_arrival = self.loop_lag.sum_s if self.loop_lag is not None else None
+        self.lag_at_first_token: float | None = None
         self.queued = self.first_pass = None
         self.loads_at_first_token = None
         self.load = None  # the load this request waited for (its LoadTicket), if any
@@ -227,8 +231,13 @@ class _Completion:
         was a load from the source, ``load``: its ``fetch_ms`` (the source's download or
         check), ``tiers_ms`` (read, parse, copy into the pool), ``paused_ms`` (a prefetch's
         load yielding before this request joined it), and what else was loading or
-        downloading when it started."""
-        out: dict = {"stall_ms": round(self.wait_ms, 3)}
+        downloading when it started. ``arrived_s``: when the engine had the request, on
+        ``time.perf_counter()``'s clock (CLOCK_MONOTONIC on Linux, shared by the processes of
+        one machine: a client there subtracts its own send time to get the way in).
+        ``loop_lag_ms``: how late the event loop ran its lag monitor's wake-ups between the
+        arrival and the first token (``ace_common.loop_lag``; absent where none runs): time
+        this request lost to a late loop, whatever its adapter."""
+        out: dict = {"stall_ms": round(self.wait_ms, 3), "arrived_s": round(self.arrived, 6)}
         if self.load is not None:
             t = self.load
             out["load"] = {"fetch_ms": round(t.fetch_s * 1e3, 3), "tiers_ms": round(t.tiers_s * 1e3, 3),
@@ -237,6 +246,8 @@ class _Completion:
         if self.first_pass is None or self.queued is None:
             return out
         start, end = self.first_pass
+        if self.lag_at_arrival is not None and self.lag_at_first_token is not None:
+            out["loop_lag_ms"] = round((self.lag_at_first_token - self.lag_at_arrival) * 1e3, 3)
         return {**out, "queue_ms": round((start - self.queued) * 1e3, 3),
                 "compute_ms": round((end - start) * 1e3, 3), "first_token_ms": round((end - self.arrived) * 1e3, 3),
                 "loads_ms": round((self.loads_at_first_token - self.loads_at_arrival) * 1e3, 3)}
@@ -259,6 +270,8 @@ class _Completion:
                 if self.first_pass is None and ev.pass_start is not None:
                     self.first_pass = (ev.pass_start, ev.pass_end)
                     self.loads_at_first_token = self.engine.adapters.load_seconds
+                    if self.loop_lag is not None:
+                        self.lag_at_first_token = self.loop_lag.sum_s
                 delta = ""
                 if ev.token_id is not None:
                     n += 1

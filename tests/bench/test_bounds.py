@@ -82,7 +82,32 @@ def test_ttft_breakdown_names_what_the_tail_is_made_of():
     assert loads["rows"] == 1 and loads["stall"]["p50"] == 9.0
     assert (loads["fetch"]["p99"], loads["tiers"]["p50"], loads["paused"]["p50"]) == (6.0, 2.5, 0.0)
     assert "source_loads" not in ttft_breakdown(rows[1:])
+    assert "outside_engine_split" not in b   # no engine arrival marks: no split
     assert ttft_breakdown([]) == {"rows": 0}
+
+
+def test_ttft_breakdown_splits_the_time_outside_the_engine_at_its_arrival_mark():
+    rows = [{"ttft_ms": 10.0 + i, "wait_ms": 0.0, "queue_ms": 2.0, "compute_ms": 5.0, "loads_ms": 0.0,
+             "outside_engine_ms": 3.0, "to_engine_ms": 2.0} for i in range(99)]
+    rows.append({"ttft_ms": 160.0, "wait_ms": 0.0, "queue_ms": 2.0, "compute_ms": 5.0, "loads_ms": 0.0,
+                 "outside_engine_ms": 53.0, "to_engine_ms": 3.0})   # the first token's way back stalled
+    b = ttft_breakdown(rows)
+    split = b["outside_engine_split"]
+    assert split["rows"] == 100 and split["to_engine_ms"]["p50"] == 2.0 and split["from_engine_ms"]["p50"] == 1.0
+    assert b["worst_1pct"]["to_engine_ms_p50"] == 3.0 and b["worst_1pct"]["from_engine_ms_p50"] == 50.0
+    rows[-1]["to_engine_ms"] = None   # the worst request has no mark: no worst-row split
+    assert "to_engine_ms_p50" not in ttft_breakdown(rows)["worst_1pct"]
+    assert "loop_lag_ms" not in b
+
+
+def test_ttft_breakdown_shows_the_engines_loop_lag_in_the_tail():
+    rows = [{"ttft_ms": 10.0, "wait_ms": 0.0, "queue_ms": 2.0, "compute_ms": 5.0, "loads_ms": 0.0,
+             "outside_engine_ms": 3.0, "loop_lag_ms": 0.0} for _ in range(99)]
+    rows.append({"ttft_ms": 90.0, "wait_ms": 0.0, "queue_ms": 2.0, "compute_ms": 5.0, "loads_ms": 0.0,
+                 "outside_engine_ms": 3.0, "loop_lag_ms": 80.0})
+    b = ttft_breakdown(rows)
+    assert b["loop_lag_ms"]["rows"] == 100 and b["loop_lag_ms"]["p50"] == 0.0 and b["loop_lag_ms"]["mean"] == 0.8
+    assert b["worst_1pct"]["loop_lag_ms_p50"] == 80.0
 
 
 def test_replay_speed_puts_the_busiest_host_at_the_target():

@@ -337,3 +337,31 @@ def test_a_replays_gc_pauses_are_read_from_the_scrapes_and_subtracted():
     assert delta["gen2"] == {"n": 2, "sum_ms": 34.0, "slow": 1}
     assert delta["gen0"] == {"n": 1, "sum_ms": 0.1, "slow": 0}
     assert gc_pauses(scrape(host1), "ace_gateway_gc_pause_seconds") == {}   # another process's name
+
+
+def test_the_agents_loop_lag_is_read_from_the_scrapes_and_subtracted():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ace_common.loop_lag import LoopLag, LoopLagCollector
+    from bench.multi_lora_eval import LOOP_LAG_METRIC, loop_lag_delta, loop_lags
+
+    def scrape(*lags):
+        texts = []
+        for lag in lags:
+            registry = CollectorRegistry()
+            registry.register(LoopLagCollector(lag, LOOP_LAG_METRIC))
+            texts.append(generate_latest(registry).decode())
+        return texts
+
+    host1, host2 = LoopLag(), LoopLag()
+    host1.record(0.0002)
+    before = loop_lags(scrape(host1, host2))
+    assert before == {"wakeups": 1, "sum_ms": pytest.approx(0.2), "over_10ms": 0, "over_25ms": 0, "over_50ms": 0}
+    host1.record(0.030)
+    host2.record(0.012)
+    host2.record(0.070)
+    after = loop_lags(scrape(host1, host2))
+    assert after["wakeups"] == 4 and (after["over_10ms"], after["over_25ms"], after["over_50ms"]) == (3, 2, 1)
+    assert loop_lag_delta(before, after) == {"wakeups": 3, "sum_ms": 112.0, "over_10ms": 3, "over_25ms": 2,
+                                             "over_50ms": 1}
+    assert loop_lags(scrape(host1), "ace_gateway_loop_lag_seconds")["wakeups"] == 0   # another name

@@ -110,6 +110,39 @@ def test_streaming_chat_and_completion(fx):
     run_with_server(fx, scenario)
 
 
+def test_streamed_timing_counts_the_loops_lag_while_the_engine_held_the_request(fx):
+    """With a lag monitor on the loop (the agent starts one), ``ace_timing.loop_lag_ms`` is
+    how late the loop ran between the request's arrival and its first token: here the
+    loop is blocked for 60 ms after the request arrived, before its first forward pass."""
+    from ace_common.loop_lag import LoopLag
+
+    async def scenario(c, engine):
+        lag = LoopLag(interval_s=0.005).start()
+        real = engine.generate
+
+        def blocked_first(*args, **kwargs):
+            async def gen():
+                time.sleep(0.06)          # the loop is stuck: the monitor's wake-up is overdue
+                await asyncio.sleep(0.01)  # it runs now and records the lag
+                async for ev in real(*args, **kwargs):
+                    yield ev
+            return gen()
+
+        try:
+            engine.generate = blocked_first
+            r = await c.post("/v1/chat/completions", json={
+                "model": "med-notes", "messages": [{"role": "user", "content": "notes"}], "max_tokens": 2,
+                "stream": True, "stream_options": {"include_timing": True}})
+            timing = sse_events(r.text)[-2]["ace_timing"]
+            assert 50 <= timing["loop_lag_ms"] <= timing["first_token_ms"]
+            assert LoopLag.running() is lag
+        finally:
+            await lag.close()
+        assert LoopLag.running() is None
+
+    run_with_server(fx, scenario)
+
+
 def test_streamed_timing_splits_the_time_to_the_first_token(fx):
     """stream_options.include_timing: the last chunk before [DONE] says where the engine's
     time to the first token went; a cold adapter's load shows as stall and as load work."""
@@ -118,6 +151,7 @@ def test_streamed_timing_splits_the_time_to_the_first_token(fx):
             return {"model": "med-notes", "messages": [{"role": "user", "content": "notes"}], "max_tokens": 3,
                     "stream": True, "stream_options": opts}
 
+        sent = time.perf_counter()
         cold = await c.post("/v1/chat/completions", json=body(include_timing=True, include_usage=True))
         assert cold.status_code == 200 and cold.headers["x-ace-adapter-tier"] != "device"
         ev = sse_events(cold.text)
@@ -127,6 +161,9 @@ def test_streamed_timing_splits_the_time_to_the_first_token(fx):
         assert timing["stall_ms"] == float(cold.headers["x-ace-adapter-wait-ms"]) > 0
         assert timing["loads_ms"] > 0 and timing["compute_ms"] > 0 and timing["queue_ms"] >= 0
         assert timing["first_token_ms"] >= timing["stall_ms"] + timing["queue_ms"] + timing["compute_ms"] - 0.01
+        # the arrival mark is on this process's perf_counter clock: between the send and the reply
+        assert sent <= timing["arrived_s"] <= time.perf_counter()
+        assert "loop_lag_ms" not in timing   # no lag monitor on this loop
         load = timing["load"]  # the load it waited for, by stage
         assert load["fetch_ms"] >= 0 and load["tiers_ms"] > 0 and load["paused_ms"] == 0
         assert load["fetch_ms"] + load["tiers_ms"] <= timing["stall_ms"] + 0.01

@@ -84,6 +84,9 @@ def test_metrics_endpoint_reports_tiers_and_pool_pages(agent):
                    'ace_agent_prefetch_total{outcome="accepted"}'):
         assert series in text, series
     assert agent.metric("ace_agent_pool_pages_used") > 0
+    # the event loop's lag, measured from the end of start-up on (ace_common.loop_lag)
+    wait_until(lambda: agent.metric("ace_agent_event_loop_lag_seconds_count") > 0, what="a loop-lag wake-up")
+    assert agent.metric("ace_agent_event_loop_lag_seconds_max") >= 0
 
 
 def test_evict_and_pin_reach_the_engine_pool(agent):
