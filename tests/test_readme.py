@@ -115,6 +115,13 @@ def test_hundreds_section_renders_targets_breakdown_bounds_and_plot():
     assert "50.0: 40.0 / 0.0 / 5.0 / 30.0 / 5.0 |" in text
     assert "(reports/hundreds_eval.png)" in text
     assert "Replayed" not in text  # one replay each: no pooled table
+    assert "loop lag" not in text   # no engine reported its loop's lag: no column
+    fleets["4"]["ace"]["ttft_breakdown"]["loop_lag_ms"] = {"p50": 0.0, "p99": 12.0, "rows": 100}
+    fleets["4"]["ace"]["ttft_breakdown"]["worst_1pct"]["loop_lag_ms_p50"] = 20.0
+    fleets["4"]["ace"]["loop_lag"] = {"wakeups": 9000, "over_25ms": 7}
+    text = "\n".join(hundreds(r))
+    assert "loop lag: p99 / worst 1% / wake-ups > 25 ms |" in text
+    assert "5.0 | 12.0 / 20.0 / 7 |" in text and "| 4 | affinity |" in text and "/ 5.0 | – |" in text
     # replayed twice: each replay's TTFT and the pooled percentiles the checks compare
     pooled = {"replays": 2, "requests": 200, "errors": 0, "effective_hit_ratio": 0.9,
               "stall_ms": {"p50": 0.0, "p99": 9.0}, "ttft_ms": {"p50": 10.0, "p90": 11.0, "p95": 12.0, "p99": 13.0}}

@@ -375,8 +375,11 @@ def _pts(v: float | None) -> str:
 
 def where_time_goes(r: dict) -> list[str]:
     """Per hosts × arm: busiest engine, the bounds of its own per-host sequences, and the
-    TTFT split (p50 / p99 of each part, and what the worst 1% is made of)."""
+    TTFT split (p50 / p99 of each part, and what the worst 1% is made of); where the engines
+    report it (``ace_timing.loop_lag_ms``), how late their event loops ran meanwhile."""
     rows = []
+    lagged = any("loop_lag_ms" in (e.get("ttft_breakdown") or {}) for arms in r["fleets"].values()
+                 for e in arms.values())
     for n, arms in r["fleets"].items():
         for arm, e in arms.items():
             b, t = e.get("bounds"), e.get("ttft_breakdown") or {}
@@ -391,7 +394,8 @@ def where_time_goes(r: dict) -> list[str]:
                              for k in ("queue_ms", "stall_ms", "compute_ms", "loads_ms", "outside_engine_ms"))
                 + f" | {_ms(w['ttft_ms_p50'])}: " + " / ".join(_ms(w[f'{k}_p50']) for k in
                                                               ("queue_ms", "stall_ms", "compute_ms", "loads_ms",
-                                                               "outside_engine_ms")) + " |")
+                                                               "outside_engine_ms")) + " |"
+                + (f" {_lag(e)} |" if lagged else ""))
     if not rows:
         return []
     return [
@@ -401,13 +405,26 @@ def where_time_goes(r: dict) -> list[str]:
         "pass), stall (the adapter), compute (the first pass), loads (the engine's load work that ended in "
         "the request's window, prefetch or demand: it overlaps the others), outside (TTFT minus the engine's "
         "time to the first token: Envoy, gateway, loopback); worst 1%: the median TTFT of the slowest 1% and "
-        "the median of each part there.",
+        "the median of each part there."
+        + (" Loop lag: how late the engine's event loop ran while it held a request (p99 ms, and the worst "
+           "1%'s median), and how many of the agents' wake-ups (every 20 ms, all hosts) ran over 25 ms late "
+           "during the replay: a late loop delays every request on it, whatever its adapter; on this 2-core "
+           "machine the hosts' loops are late together (docs/bench-history.md, 2026-12-06)." if lagged else ""),
         "",
         "| hosts | arm | busiest engine busy | effective | Belady | compulsory | queue | stall | compute | loads "
-        "| outside | worst 1%: TTFT: queue / stall / compute / loads / outside |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| outside | worst 1%: TTFT: queue / stall / compute / loads / outside |"
+        + (" loop lag: p99 / worst 1% / wake-ups > 25 ms |" if lagged else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if lagged else ""),
         *rows,
     ]
+
+
+def _lag(e: dict) -> str:
+    t = (e.get("ttft_breakdown") or {})
+    lag, late = t.get("loop_lag_ms"), (e.get("loop_lag") or {}).get("over_25ms")
+    if lag is None:
+        return "–"
+    return f"{_ms(lag['p99'])} / {_ms(t['worst_1pct'].get('loop_lag_ms_p50'))} / {late if late is not None else '–'}"
 
 
 def hundreds(r: dict) -> list[str]:
