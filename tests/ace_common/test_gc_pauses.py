@@ -6,9 +6,9 @@ import gc
 import logging
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_enabled, freeze_startup_heap
+from tests.support.scrape import scrape_text
 
 
 def test_a_real_collection_is_timed_under_its_generation():
@@ -43,9 +43,7 @@ def test_buckets_are_cumulative_and_a_slow_pause_is_logged(caplog):
 def test_the_scrape_shows_a_histogram_per_generation():
     pauses = GcPauses(buckets=(0.001, 0.01))
     pauses.record(1, 0.002)
-    registry = CollectorRegistry()
-    registry.register(GcPauseCollector(pauses, "ace_test_gc_pause_seconds"))
-    text = generate_latest(registry).decode()
+    text = scrape_text(GcPauseCollector(pauses, "ace_test_gc_pause_seconds"))
     assert 'ace_test_gc_pause_seconds_bucket{generation="1",le="0.001"} 0.0' in text
     assert 'ace_test_gc_pause_seconds_bucket{generation="1",le="0.01"} 1.0' in text
     assert 'ace_test_gc_pause_seconds_bucket{generation="1",le="+Inf"} 1.0' in text

@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from ace_common.loop_lag import LoopLag, LoopLagCollector
+from tests.support.scrape import scrape_text
 from tests.support.wait import async_wait_until
 
 
@@ -36,9 +36,7 @@ def test_the_scrape_shows_a_cumulative_histogram_and_the_longest_lag():
     lag = LoopLag(buckets=(0.001, 0.01))
     for s in (0.0005, 0.004, 0.02):
         lag.record(s)
-    registry = CollectorRegistry()
-    registry.register(LoopLagCollector(lag, "ace_test_loop_lag_seconds"))
-    text = generate_latest(registry).decode()
+    text = scrape_text(LoopLagCollector(lag, "ace_test_loop_lag_seconds"))
     assert 'ace_test_loop_lag_seconds_bucket{le="0.001"} 1.0' in text
     assert 'ace_test_loop_lag_seconds_bucket{le="0.01"} 2.0' in text
     assert 'ace_test_loop_lag_seconds_bucket{le="+Inf"} 3.0' in text

@@ -5,6 +5,7 @@ import yaml
 
 from bench.multi_lora_eval import remote_catalog, state_yaml
 from bench.report import percentiles
+from tests.support.scrape import scrape_text
 
 
 def test_remote_catalog_points_every_adapter_at_the_store(tmp_path):
@@ -312,18 +313,11 @@ def test_metric_reads_one_series_or_zero():
 
 
 def test_a_replays_gc_pauses_are_read_from_the_scrapes_and_subtracted():
-    from prometheus_client import CollectorRegistry, generate_latest
-
     from ace_common.gc_pauses import GcPauseCollector, GcPauses
     from bench.multi_lora_eval import gc_pause_delta, gc_pauses
 
     def scrape(*pauses):
-        texts = []
-        for p in pauses:
-            registry = CollectorRegistry()
-            registry.register(GcPauseCollector(p, "ace_agent_gc_pause_seconds"))
-            texts.append(generate_latest(registry).decode())
-        return texts
+        return [scrape_text(GcPauseCollector(p, "ace_agent_gc_pause_seconds")) for p in pauses]
 
     host1, host2 = GcPauses(), GcPauses()
     host1.record(2, 0.057)
@@ -340,18 +334,11 @@ def test_a_replays_gc_pauses_are_read_from_the_scrapes_and_subtracted():
 
 
 def test_the_agents_loop_lag_is_read_from_the_scrapes_and_subtracted():
-    from prometheus_client import CollectorRegistry, generate_latest
-
     from ace_common.loop_lag import LoopLag, LoopLagCollector
     from bench.multi_lora_eval import LOOP_LAG_METRIC, loop_lag_delta, loop_lags
 
     def scrape(*lags):
-        texts = []
-        for lag in lags:
-            registry = CollectorRegistry()
-            registry.register(LoopLagCollector(lag, LOOP_LAG_METRIC))
-            texts.append(generate_latest(registry).decode())
-        return texts
+        return [scrape_text(LoopLagCollector(lag, LOOP_LAG_METRIC)) for lag in lags]
 
     host1, host2 = LoopLag(), LoopLag()
     host1.record(0.0002)
