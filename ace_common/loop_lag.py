@@ -21,13 +21,14 @@ engine puts a request's in its ``ace_timing.loop_lag_ms``).
 from __future__ import annotations
 
 import asyncio
-import bisect
 import time
 import weakref
 from typing import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from ace_common.histogram import Histogram
 
 __all__ = ["LOOP_LAG_BUCKETS_S", "LoopLag", "LoopLagCollector"]
 
@@ -45,9 +46,7 @@ class LoopLag:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.interval_s = interval_s
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)   # +Inf last
-        self.sum_s = 0.0
+        self.histogram = Histogram(buckets)
         self.max_s = 0.0
         self._task: asyncio.Task | None = None
 
@@ -89,22 +88,18 @@ class LoopLag:
             self.record(max(0.0, time.perf_counter() - due))
 
     def record(self, lag_s: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, lag_s)] += 1
-        self.sum_s += lag_s
+        self.histogram.observe(lag_s)
         if lag_s > self.max_s:
             self.max_s = lag_s
 
     @property
-    def samples(self) -> int:
-        return sum(self.counts)
+    def sum_s(self) -> float:
+        """Every wake-up's lateness added up (seconds): read it at two moments for the lag between."""
+        return self.histogram.total
 
-    def cumulative(self) -> list[tuple[float, int]]:
-        """(upper bound s, wake-ups at most that late), +Inf last."""
-        out, acc = [], 0
-        for bound, n in zip((*self.buckets, float("inf")), self.counts):
-            acc += n
-            out.append((bound, acc))
-        return out
+    @property
+    def samples(self) -> int:
+        return self.histogram.n
 
 
 class LoopLagCollector(Collector):
@@ -115,10 +110,9 @@ class LoopLagCollector(Collector):
 
     def collect(self) -> Iterator:
         lag = self.lag
-        buckets = [("+Inf" if b == float("inf") else repr(b), n) for b, n in lag.cumulative()]
         h = HistogramMetricFamily(self.name, "How much later than due the event loop ran a periodic "
                                   "wake-up (seconds): what every request on the loop waited then.")
-        h.add_metric([], buckets, lag.sum_s)
+        h.add_metric([], lag.histogram.cumulative(), lag.sum_s)
         yield h
         yield GaugeMetricFamily(f"{self.name}_max", "The longest event-loop lag seen since start (seconds).",
                                 value=lag.max_s)

@@ -340,16 +340,15 @@ def loop_lag_delta(before: dict, after: dict) -> dict[str, float]:
     return {k: round(v - before.get(k, 0), 1) if k == "sum_ms" else v - before.get(k, 0) for k, v in after.items()}
 
 
-async def gc_pauses_of(st: dict) -> dict[str, dict]:
-    """``{"agents": gc_pauses over every host, "gateway": the ext_proc's, "loop_lag": the
-    agents' loop_lags}`` now."""
+async def pauses_of(st: dict) -> tuple[dict[str, dict], dict[str, float]]:
+    """From one scrape of every process now: ``{"agents": gc_pauses over every host,
+    "gateway": the ext_proc's}``, and the agents' ``loop_lags``."""
     async with httpx.AsyncClient(timeout=10) as client:
         texts = [(await client.get(h["metrics"])).text for h in st["hosts"]]
-        agents = gc_pauses(texts)
         gateway = {}
         if st.get("gateway_metrics"):
             gateway = gc_pauses([(await client.get(st["gateway_metrics"])).text], "ace_gateway_gc_pause_seconds")
-    return {"agents": agents, "gateway": gateway, "loop_lag": loop_lags(texts)}
+    return {"agents": gc_pauses(texts), "gateway": gateway}, loop_lags(texts)
 
 
 async def agent_counters(metrics_urls: list[str]) -> tuple[int | None, dict[str, int]]:
@@ -592,13 +591,13 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
             async with httpx.AsyncClient(timeout=10) as client:
                 before = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
                 cpu_before = proc_cpu.snapshot()
-                gc_before = await gc_pauses_of(st)
+                gc_before, lag_before = await pauses_of(st)
                 t0 = time.monotonic()
                 rows = await replay(requests, st, run_speed, closed_loop=not args.open_loop, label=label)
                 elapsed = time.monotonic() - t0
                 cpu = proc_cpu.account(cpu_before, proc_cpu.snapshot())
-                gc_after = await gc_pauses_of(st)
-                lag = loop_lag_delta(gc_before.pop("loop_lag"), gc_after.pop("loop_lag"))
+                gc_after, lag_after = await pauses_of(st)
+                lag = loop_lag_delta(lag_before, lag_after)
                 gc_delta = {who: gc_pause_delta(gc_before[who], gc_after[who]) for who in gc_after}
                 after = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
             busy = {n: round((after[n][0] - before[n][0]) / elapsed, 4) for n in before}

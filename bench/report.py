@@ -306,23 +306,20 @@ def ttft_breakdown(rows: Sequence[Mapping]) -> dict:
     out["worst_1pct"] = {"rows": len(worst), "ttft_ms_p50": percentiles(r["ttft_ms"] for r in worst)["p50"],
                          **{f"{name}_p50": percentiles(r[field] for r in worst)["p50"]
                             for name, field in BREAKDOWN_PARTS.items()}}
-    split = [r for r in timed if r.get("to_engine_ms") is not None and r.get("outside_engine_ms") is not None]
-    if split:
-        to = [r["to_engine_ms"] for r in split]
-        back = [r["outside_engine_ms"] - r["to_engine_ms"] for r in split]
-        out["outside_engine_split"] = {"rows": len(split), "to_engine_ms": percentiles(to),
-                                       "from_engine_ms": percentiles(back)}
-        mine = {id(r) for r in split}
-        if all(id(r) in mine for r in worst):
-            out["worst_1pct"]["to_engine_ms_p50"] = percentiles(r["to_engine_ms"] for r in worst)["p50"]
-            out["worst_1pct"]["from_engine_ms_p50"] = percentiles(
-                r["outside_engine_ms"] - r["to_engine_ms"] for r in worst)["p50"]
-    lagged = [r for r in timed if r.get("loop_lag_ms") is not None]
-    if lagged:
-        out["loop_lag_ms"] = {**percentiles(r["loop_lag_ms"] for r in lagged), "rows": len(lagged),
-                              "mean": sum(r["loop_lag_ms"] for r in lagged) / len(lagged)}
-        if all(r.get("loop_lag_ms") is not None for r in worst):
-            out["worst_1pct"]["loop_lag_ms_p50"] = percentiles(r["loop_lag_ms"] for r in worst)["p50"]
+    split = {"to_engine_ms": lambda r: r.get("to_engine_ms"),
+             "from_engine_ms": lambda r: (None if r.get("to_engine_ms") is None
+                                          else r["outside_engine_ms"] - r["to_engine_ms"])}
+    for name, value in (*split.items(), ("loop_lag_ms", lambda r: r.get("loop_lag_ms"))):
+        have = [v for v in map(value, timed) if v is not None]
+        if not have:
+            continue
+        if name in split:
+            out.setdefault("outside_engine_split", {"rows": len(have)})[name] = percentiles(have)
+        else:
+            out[name] = {**percentiles(have), "rows": len(have), "mean": sum(have) / len(have)}
+        in_worst = [value(r) for r in worst]
+        if None not in in_worst:   # the worst rows' median only when each of them has the part
+            out["worst_1pct"][f"{name}_p50"] = percentiles(in_worst)["p50"]
     loads = [r for r in timed if r.get("load_fetch_ms") is not None]
     if loads:
         out["source_loads"] = {"rows": len(loads), "stall": percentiles(r["wait_ms"] for r in loads),

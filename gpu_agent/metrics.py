@@ -8,12 +8,13 @@ tier occupancy). The library renders the text, escaping label values.
 """
 from __future__ import annotations
 
-import bisect
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from ace_common.histogram import Histogram
 
 __all__ = ["AgentMetrics", "Gauge", "Histogram", "LOAD_BUCKETS_S"]
 
@@ -21,27 +22,6 @@ LOAD_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 
 #: one gauge series a gauge source reports: (name, help, labels, value)
 Gauge = tuple[str, str, dict[str, str], float]
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...] = LOAD_BUCKETS_S):
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """(le, count of observations <= le) per bucket, +Inf last."""
-        out, acc = [], 0
-        for bound, count in zip((*map(repr, self.buckets), "+Inf"), self.counts):
-            acc += count
-            out.append((bound, acc))
-        return out
 
 
 class AgentMetrics:
@@ -78,7 +58,7 @@ class AgentMetrics:
         key = (name, tuple(sorted(labels.items())))
         hist = self._hists.get(key)
         if hist is None:
-            hist = self._hists[key] = Histogram()
+            hist = self._hists[key] = Histogram(LOAD_BUCKETS_S)
         hist.observe(value)
 
     def set_counter(self, name: str, value: float, **labels: str) -> None:
