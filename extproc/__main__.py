@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                              tls=settings.agent_tls(), queue_size=settings.prefetch_queue).start()
             popularity = PopularityFile(popularity_path(settings.db))
             _, slots = popularity.load()
-            planner = SpeculationPlanner(route=route_by_policy(route), slots=slots)
+            planner = SpeculationPlanner(route=route_by_policy(route), slots=slots, hold_s=settings.prefetch_hold_s)
             speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity,
                                              fill=settings.startup_fill == "on").start()
             link.on_refused = speculation.refused

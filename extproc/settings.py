@@ -40,6 +40,10 @@ _HELP = {
     "startup_fill": "on: with nothing learned (no <db>.popularity.json), each GPU agent's empty pool is "
                     "offered, once, the adapters routing places on its host, loaded only into free room "
                     "(docs/prediction.md, \"Warm set and restart\"); off: pools fill on demand only",
+    "prefetch_hold_s": "a speculative prefetch planned on a request whose own adapter is being loaded "
+                       "waits for that load to land on its host (the residency stream says so), at most "
+                       "this many seconds, so it never competes with the load a request waits for "
+                       "(docs/prediction.md, \"Bets wait for the demand load\"); 0: sent at once",
     "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
     "server": "gRPC server flavour: h2 (default: gRPC on a bare asyncio HTTP/2 loop, fewest "
               "syscalls, see docs/gateway.md), aio (grpc.aio) or threads (grpc thread pool)",
@@ -113,6 +117,7 @@ class Settings:
     routing_policy: str | None = None
     prefetch_queue: int = 1024
     startup_fill: str = "on"
+    prefetch_hold_s: float = 0.5    # extproc.fleet.speculation.HOLD_S (not imported: it pulls in the planner)
     log_level: str = "INFO"
     server: str = "h2"
     h2_max_streams: int = 4096      # extproc.transport.h2server.MAX_STREAMS (not imported: it pulls in grpc)
@@ -154,6 +159,8 @@ class Settings:
             raise ConfigError(f"--server must be aio, threads or h2, got {self.server!r}")
         if self.startup_fill not in ("on", "off"):
             raise ConfigError(f"--startup-fill must be on or off, got {self.startup_fill!r}")
+        if not 0 <= self.prefetch_hold_s <= 60:   # NaN fails both comparisons
+            raise ConfigError(f"--prefetch-hold-s must be in 0..60 seconds, got {self.prefetch_hold_s!r}")
         if self.workers < 1 or self.prefetch_queue < 1:
             raise ConfigError("--workers and --prefetch-queue must be positive")
         if not 1 <= self.h2_max_streams <= (1 << 31) - 1:
@@ -256,6 +263,7 @@ class Settings:
                        metrics_listen=str(ns["metrics_listen"]), workers=int(ns["workers"]),
                        routing_policy=ns["routing_policy"] or None,
                        prefetch_queue=int(ns["prefetch_queue"]), startup_fill=str(ns["startup_fill"]).lower(),
+                       prefetch_hold_s=float(ns["prefetch_hold_s"]),
                        log_level=str(ns["log_level"]),
                        server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]),
                        **{name: Path(ns[name]) if ns[name] else None

@@ -45,6 +45,14 @@ class PrefetchSignal:
     # load only into free device room, evicting nothing (PrefetchRequest.room_only): the
     # start-up fill of an empty pool
     room_only: bool = False
+    # a bet planned on a request whose own adapter was not resident on its host: the
+    # sender holds it until that demand load shows on the device tier (``yields_to`` =
+    # (upstream, adapter), from the residency board) or until ``hold_until`` (monotonic
+    # seconds), so a speculation never competes with the load of the request that
+    # planned it (``AgentLink.held_for_demand``); None: sent at once
+    yields_to: tuple[str, str] | None = None
+    hold_until: float = 0.0
+    held: bool = False   # the sender held it back once already (counted once)
 
 
 class PrefetchSink(Protocol):

@@ -51,6 +51,9 @@ __all__ = ["AgentLink", "AgentTLS", "event_load", "to_residency"]
 
 log = logging.getLogger(__name__)
 
+#: How often a bet held for a demand load (``AgentLink.held_for_demand``) looks again.
+HOLD_POLL_S = 0.005
+
 _TIERS = {pb.TIER_DEVICE: Tier.DEVICE, pb.TIER_HOST: Tier.HOST, pb.TIER_DISK: Tier.DISK,
           pb.TIER_REMOTE: Tier.REMOTE, pb.TIER_ABSENT: Tier.ABSENT}
 
@@ -96,6 +99,7 @@ class _Agent:
         self.stub = pb_grpc.AgentStub(self.channel)
         self.queue = PrefetchQueue(self._send, maxsize=link.queue_size)
         self.sent = self.failed = self.withdrawn = self.deferred = 0
+        self.held = self.hold_expired = 0  # bets held for a demand load; sent at their cap
         self.connected = False
         # WatchResidency attempts that ended in an error, and the last one's status code
         # (UNAVAILABLE: down, or refused our TLS; UNAUTHENTICATED: wrong token)
@@ -106,7 +110,13 @@ class _Agent:
         self._thread = threading.Thread(target=self._watch, name=f"agent-watch-{upstream}", daemon=True)
 
     def _send(self, signal: PrefetchSignal) -> Retry | None:
-        verdict = self.link.spare_routed(signal)
+        hold = self.link.held_for_demand(signal)
+        if isinstance(hold, tuple):
+            self.held += not signal.held
+            return hold
+        if signal.yields_to is not None and signal.hold_until <= time.monotonic():
+            self.hold_expired += 1
+        verdict = self.link.spare_routed(hold)
         if verdict is None:
             self.withdrawn += 1
             return None
@@ -255,6 +265,24 @@ class AgentLink:
             agent.close()
         if self._expiry.is_alive():
             self._expiry.join(timeout=2)
+
+    def held_for_demand(self, signal: PrefetchSignal) -> PrefetchSignal | Retry:
+        """A bet planned on a request whose own adapter was loading (``signal.yields_to``,
+        ``SpeculationPlanner.demand_load``) waits until the residency board shows that
+        adapter on its host's device tier, checked every ``HOLD_POLL_S``, at most until
+        ``signal.hold_until``: ``(signal, delay_s)`` while it waits, else the signal to send
+        (``yields_to`` cleared). A bet is for a later step of a session (its next request
+        comes after the answer to this one and the client's think time), while the load
+        it would compete with, for the CPU, the host's link and the artifact store, stalls
+        a request now."""
+        if signal.yields_to is None:
+            return signal
+        upstream, adapter = signal.yields_to
+        left = signal.hold_until - time.monotonic()
+        report = self.board.current.by_upstream.get(upstream, {}).get(adapter)
+        if left <= 0 or (report is not None and report.tier == Tier.DEVICE):
+            return dataclasses.replace(signal, yields_to=None)
+        return dataclasses.replace(signal, held=True), min(left, HOLD_POLL_S)
 
     def spare_routed(self, signal: PrefetchSignal) -> PrefetchSignal | Retry | None:
         """What to do with ``signal`` given the requests routed lately: an adapter a request

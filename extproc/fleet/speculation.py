@@ -74,7 +74,7 @@ from extproc.state.catalog import PUBLIC
 from extproc.state.store import Snapshot
 from ace_common.tiers import Tier
 
-__all__ = ["GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
+__all__ = ["HOLD_S", "GatewaySpeculation", "PopularityFile", "RequestObserver", "Saved",
            "SpeculationPlanner", "ObservedRequest", "demand_placement", "fill_signals", "route_by_policy",
            "warm_signals"]
 
@@ -98,6 +98,11 @@ class ObservedRequest:
     mode: str  # off: counted only; shadow: planned, not sent; prod: planned and sent
 
 
+#: The longest a bet waits for the demand load of the request that planned it
+#: (``SpeculationPlanner.hold_s``, ``--prefetch-hold-s``): a load that takes longer (or
+#: that no residency update reports) no longer holds it back.
+HOLD_S = 0.5
+
 #: ``(snapshot, adapter name, residency, sent) -> upstream name`` (None: no such adapter)
 PlannerRoute = Callable[[Snapshot, str, ResidencySnapshot, SentCounts], "str | None"]
 
@@ -109,11 +114,13 @@ class SpeculationPlanner:
     def __init__(self, settings: SpeculationSettings = SpeculationSettings(), *,
                  route: PlannerRoute | None = None,
                  initial_slots: int = 2, load_grace_s: float = 2.0,
-                 slots: Mapping[str, int] | None = None) -> None:
+                 slots: Mapping[str, int] | None = None, hold_s: float = HOLD_S) -> None:
         self.settings = settings
         self.route = route
         self.initial_slots = initial_slots
         self.load_grace_s = load_grace_s  # a prefetch not yet in the pool is in flight this long
+        self.hold_s = hold_s  # the longest a bet waits for the demand load of the request that planned it
+        self.held = 0  # bets planned behind a demand load (``PrefetchSignal.yields_to``)
         self.model = TransitionModel(order=settings.order, min_support=settings.min_support)
         self.ledger = PredictionLedger()
         self.speculators: dict[str, Speculator] = {}
@@ -213,13 +220,35 @@ class SpeculationPlanner:
         got = self.speculator(step.upstream).step(step.tenant, step.session, step.adapter, now,
                                                   prefetch_load=lambda a, t: t + grace, place=place,
                                                   load_s=load_s)
-        grace = {u.name: u.victim_grace_s for u in snapshot.upstreams} if got.prefetches else {}
+        if not got.prefetches:
+            return []
+        grace = {u.name: u.victim_grace_s for u in snapshot.upstreams}
+        demand = self.demand_load(step, residency)
+        self.held += len(got.prefetches) if demand else 0
         return [PrefetchSignal(upstream=p.host, adapter=p.adapter, digest=snapshot.adapters[p.adapter].sha256,
                                priority=0, reason=p.reason,
                                evict=() if p.victim is None else (str(p.victim),),
                                probability=p.use_probability, victim_reuse_probability=p.victim_probability,
-                               spare_s=grace.get(p.host, 0.0))
+                               spare_s=grace.get(p.host, 0.0),
+                               yields_to=demand, hold_until=now + self.hold_s if demand else 0.0)
                 for p in got.prefetches]
+
+    def demand_load(self, step: ObservedRequest, residency: ResidencySnapshot) -> tuple[str, str] | None:
+        """``(upstream, adapter)`` when the request ``step`` was routed to a host whose agent
+        does not report its adapter on the device tier: the engine loads it now, and the bets
+        this step plans wait for that load (``PrefetchSignal.yields_to``), so they do not
+        take the CPU, the link or the artifact store from it. None: resident (nothing to
+        wait for), holding off (``hold_s`` 0), or no residency from that host (nothing
+        would say when the load landed)."""
+        if self.hold_s <= 0:
+            return None
+        table = residency.by_upstream.get(step.upstream)
+        if table is None:
+            return None
+        report = table.get(step.adapter)
+        if report is not None and report.tier == Tier.DEVICE:
+            return None
+        return step.upstream, step.adapter
 
     def victims(self, now: float, n: int | None = None) -> dict[str, tuple[str, ...]]:
         """Per upstream, the adapters its pool model would evict first, coldest first, the
@@ -249,7 +278,7 @@ class SpeculationPlanner:
                     total[k] = total.get(k, 0) + v
         st = self.ledger.stats
         total.update(predictions=st.predictions, predictions_used=st.used, predictions_wasted=st.wasted,
-                     horizon_ms=round(1000 * self.pace.horizon_s))
+                     horizon_ms=round(1000 * self.pace.horizon_s), prefetch_held=self.held)
         return total
 
 

@@ -178,7 +178,9 @@ class GatewayCollector(Collector):
         signals = CounterMetricFamily("ace_gateway_prefetch_signals", "Prefetch signals to each upstream's agent: "
                                       "sent (answered), dropped (its queue was full), failed (the RPC failed), "
                                       "deferred (a bet held back: a request had just been routed to its victim), "
-                                      "withdrawn (still so when its time came).",
+                                      "withdrawn (still so when its time came), held (a bet held until the "
+                                      "demand load of the request that planned it landed), hold_expired (sent "
+                                      "at --prefetch-hold-s, the load not seen landing).",
                                       labels=("upstream", "result"))
         up = GaugeMetricFamily("ace_gateway_agent_link_up", "1 while the upstream's agent residency stream is connected.",
                                labels=("upstream",))
@@ -188,6 +190,8 @@ class GatewayCollector(Collector):
             signals.add_metric((name, "failed"), agent.failed)
             signals.add_metric((name, "deferred"), agent.deferred)
             signals.add_metric((name, "withdrawn"), agent.withdrawn)
+            signals.add_metric((name, "held"), agent.held)
+            signals.add_metric((name, "hold_expired"), agent.hold_expired)
             up.add_metric((name,), 1.0 if agent.connected else 0.0)
         yield signals
         yield up

@@ -93,6 +93,31 @@ def test_a_prefetch_names_the_victim_its_pool_model_evicted_for_the_agent(snapsh
     assert [(s.adapter, s.evict) for s in got] == [("acme-legal", ())]
 
 
+def test_a_bet_planned_on_a_request_whose_adapter_is_loading_yields_to_that_load(snapshot):
+    """The engine loads the request's own adapter now (not on its host's device tier): the
+    bets this step plans carry ``yields_to`` (the sender holds them until that load lands,
+    at most ``hold_s``); a resident adapter, ``hold_s`` 0 or a host with no residency
+    view (nothing would say when the load landed) plan bets that go at once."""
+    def bets(residency, hold_s=0.5):
+        planner = SpeculationPlanner(initial_slots=2, hold_s=hold_s)
+        _, now = teach(planner, snapshot, [(f"s{i}", a) for i in range(4) for a in ("code-python", "acme-legal")])
+        planner.sync(residency, now + 10)
+        got, _ = teach(planner, snapshot, [("new", "code-python")], start=now + 10, residency=residency)
+        assert [s.adapter for s in got] == ["acme-legal"]
+        return got[0], planner.counters()["prefetch_held"]
+
+    loading = ResidencySnapshot.build({"local-vllm": {"code-python": TierReport("disk", 10.0, 1)}})
+    bet, held = bets(loading)
+    assert bet.yields_to == ("local-vllm", "code-python") and bet.hold_until == pytest.approx(18.5) and held == 1
+    bet, held = bets(pool("local-vllm", "other"))                  # not listed at all: loading too
+    assert bet.yields_to == ("local-vllm", "code-python")
+    for residency, hold_s in ((pool("local-vllm", "code-python"), 0.5), (loading, 0.0)):
+        bet, held = bets(residency, hold_s)
+        assert bet.yields_to is None and bet.hold_until == 0.0 and held == 0
+    step = ObservedRequest("local-vllm", "acme", "s", "code-python", "prod")
+    assert SpeculationPlanner().demand_load(step, pool("another-host", "code-python")) is None
+
+
 def test_planner_without_session_counts_demand_but_learns_nothing(snapshot):
     planner = SpeculationPlanner()
     for _ in range(5):

@@ -20,7 +20,9 @@ def test_flags_beat_env_beat_file(tmp_path, state_file, monkeypatch):
                                   ["--workers", "x"], ["--h2-max-streams", "0"],
                                   ["--database-url", "mysql://db/ace"], ["--drain-handover-s", "-1"],
                                   ["--drain-handover-s", "soon"], ["--gil-switch-ms", "-1"],
-                                  ["--gil-switch-ms", "101"], ["--gil-switch-ms", "nan"]])
+                                  ["--gil-switch-ms", "101"], ["--gil-switch-ms", "nan"],
+                                  ["--prefetch-hold-s", "-0.1"], ["--prefetch-hold-s", "61"],
+                                  ["--prefetch-hold-s", "nan"], ["--prefetch-hold-s", "soon"]])
 def test_invalid_settings_are_config_errors(state_file, args):
     with pytest.raises(ConfigError):
         Settings.from_args(["--config", str(state_file), *args])
@@ -29,6 +31,13 @@ def test_invalid_settings_are_config_errors(state_file, args):
 def test_the_drain_handover_defaults_to_10_s_and_0_turns_it_off(state_file):
     assert Settings.from_args(["--config", str(state_file)]).drain_handover_s == 10.0
     assert Settings.from_args(["--config", str(state_file), "--drain-handover-s", "0"]).drain_handover_s == 0.0
+
+
+def test_a_bet_waits_half_a_second_at_most_for_its_requests_load_by_default(state_file):
+    from extproc.fleet.speculation import HOLD_S
+
+    assert Settings.from_args(["--config", str(state_file)]).prefetch_hold_s == HOLD_S == 0.5
+    assert Settings.from_args(["--config", str(state_file), "--prefetch-hold-s", "0"]).prefetch_hold_s == 0.0
 
 
 def test_the_request_path_waits_half_a_millisecond_at_most_for_the_gil_by_default(state_file):

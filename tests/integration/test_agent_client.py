@@ -553,3 +553,76 @@ def test_an_agent_that_keeps_a_count_announces_its_slots_and_the_pool_model_uses
     finally:
         link.close()
         unbounded.stop()
+
+
+def test_a_bet_planned_on_a_loading_request_waits_for_that_load_then_goes():
+    """``AgentLink.held_for_demand``: a bet that yields to a demand load is held (looked at
+    again every few ms) until the residency board shows that load's adapter on its host's
+    device tier, or until its cap; a bet without one, or a request's own load, goes at once."""
+    from types import MappingProxyType
+
+    from extproc.state.residency import ResidencySnapshot, TierReport
+
+    def board_with(tier: str) -> ResidencySnapshot:
+        return ResidencySnapshot(by_upstream=MappingProxyType(
+            {"u1": MappingProxyType({"a1": TierReport(tier=tier, cold_load_ms=5.0)})}))
+
+    link = AgentLink({})
+    bet = PrefetchSignal(upstream="u2", adapter="b", digest="", priority=0, reason="predicted",
+                         probability=0.9, yields_to=("u1", "a1"), hold_until=time.monotonic() + 3600)
+    link.board.publish(board_with("disk"))                        # u1 is loading a1
+    again, delay = link.held_for_demand(bet)
+    assert again.held and again.yields_to == ("u1", "a1") and 0 < delay <= 0.005
+    link.board.publish(board_with("device"))                      # a1 landed: the bet goes
+    sent = link.held_for_demand(again)
+    assert sent.yields_to is None and sent.adapter == "b"
+    link.board.publish(board_with("disk"))
+    expired = replace(bet, hold_until=time.monotonic() - 1.0)     # the load outlived the cap
+    assert link.held_for_demand(expired).yields_to is None
+    plain = replace(bet, yields_to=None)
+    assert link.held_for_demand(plain) is plain
+    link.close()
+
+
+def test_a_bet_on_another_host_lands_only_after_the_demand_load_it_yields_to(tmp_path):
+    """Two real agents behind one link: u1 loads a1 for a request (slowly), and the bet that
+    request planned goes to u2. Without the hold u2's quick load lands first, competing with
+    u1's for the CPU and the artifact store; with it, no residency view shows the bet on u2's
+    device before a1 on u1's, and each agent counts what it did."""
+    slow = AgentThread(tmp_path / "u1", free_port(), load_delay_s=scaled(0.3))
+    quick = AgentThread(tmp_path / "u2", free_port())
+    slow.start()
+    quick.start()
+    link = AgentLink({"u1": f"127.0.0.1:{slow.port}", "u2": f"127.0.0.1:{quick.port}"}, token=TOKEN).start()
+    try:
+        wait_until(lambda: link.board.current.of("u1", "a1").tier == "disk"
+                   and link.board.current.of("u2", "a2").tier == "disk", what="both agents' views")
+        bet = PrefetchSignal(upstream="u2", adapter="a2", digest="", priority=0, reason="predicted",
+                             probability=0.9, victim_reuse_probability=0.0,
+                             yields_to=("u1", "a1"), hold_until=time.monotonic() + 3600)
+        assert link.submit(signal("a1"))       # the request's own load on u1
+        assert link.submit(bet)
+        seen: list[str] = []
+
+        def bet_landed() -> bool:
+            snap = link.board.current          # one immutable view: both tiers at one instant
+            if snap.of("u2", "a2").tier != "device":
+                return False
+            seen.append(snap.of("u1", "a1").tier)
+            return True
+
+        wait_until(bet_landed, what="the bet on u2's device")
+        assert seen == ["device"]
+        assert link.agents["u2"].held == 1 and link.agents["u2"].hold_expired == 0
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from extproc.observe.metrics import GatewayCollector, GatewayMetrics
+        reg = CollectorRegistry()
+        reg.register(GatewayCollector(GatewayMetrics(), link=link))
+        text = generate_latest(reg).decode()
+        assert 'ace_gateway_prefetch_signals_total{result="held",upstream="u2"} 1.0' in text
+        assert 'ace_gateway_prefetch_signals_total{result="hold_expired",upstream="u2"} 0.0' in text
+    finally:
+        link.close()
+        slow.close()
+        quick.close()
