@@ -313,6 +313,7 @@ def gc_pause_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 
 LOOP_LAG_METRIC = "ace_agent_event_loop_lag_seconds"
+GATEWAY_LOOP_LAG_METRIC = "ace_gateway_event_loop_lag_seconds"
 LOOP_LAG_OVER_S = (0.01, 0.025, 0.05)
 
 
@@ -340,15 +341,18 @@ def loop_lag_delta(before: dict, after: dict) -> dict[str, float]:
     return {k: round(v - before.get(k, 0), 1) if k == "sum_ms" else v - before.get(k, 0) for k, v in after.items()}
 
 
-async def pauses_of(st: dict) -> tuple[dict[str, dict], dict[str, float]]:
+async def pauses_of(st: dict) -> tuple[dict[str, dict], dict[str, dict[str, float] | None]]:
     """From one scrape of every process now: ``{"agents": gc_pauses over every host,
-    "gateway": the ext_proc's}``, and the agents' ``loop_lags``."""
+    "gateway": the ext_proc's}``, and ``{"agents": the agents' loop_lags, "gateway": the
+    ext_proc's serving loop's (None: no gateway metrics)}``."""
     async with httpx.AsyncClient(timeout=10) as client:
         texts = [(await client.get(h["metrics"])).text for h in st["hosts"]]
-        gateway = {}
+        gateway, gateway_lag = {}, None
         if st.get("gateway_metrics"):
-            gateway = gc_pauses([(await client.get(st["gateway_metrics"])).text], "ace_gateway_gc_pause_seconds")
-    return {"agents": gc_pauses(texts), "gateway": gateway}, loop_lags(texts)
+            text = (await client.get(st["gateway_metrics"])).text
+            gateway = gc_pauses([text], "ace_gateway_gc_pause_seconds")
+            gateway_lag = loop_lags([text], GATEWAY_LOOP_LAG_METRIC)
+    return {"agents": gc_pauses(texts), "gateway": gateway}, {"agents": loop_lags(texts), "gateway": gateway_lag}
 
 
 async def agent_counters(metrics_urls: list[str]) -> tuple[int | None, dict[str, int]]:
@@ -597,7 +601,8 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                 elapsed = time.monotonic() - t0
                 cpu = proc_cpu.account(cpu_before, proc_cpu.snapshot())
                 gc_after, lag_after = await pauses_of(st)
-                lag = loop_lag_delta(lag_before, lag_after)
+                lag = {who: None if lag_after[who] is None or lag_before[who] is None
+                       else loop_lag_delta(lag_before[who], lag_after[who]) for who in lag_after}
                 gc_delta = {who: gc_pause_delta(gc_before[who], gc_after[who]) for who in gc_after}
                 after = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
             busy = {n: round((after[n][0] - before[n][0]) / elapsed, 4) for n in before}
@@ -637,7 +642,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
                "speculation": counters or None, "gateway_overhead_ms": overhead,
                "speed": speed, "engine_busy": busy, "engine_load_busy": load_busy, "process_cpu_s": cpu,
-               "gc_pauses": gc_replay, "loop_lag": loop_lag,
+               "gc_pauses": gc_replay, "loop_lag": loop_lag["agents"], "gateway_loop_lag": loop_lag["gateway"],
                "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool),
                "miss_causes": stack_miss_causes(ok, requests, pool)})
     log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "

@@ -7,9 +7,11 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any, Coroutine
 
 from ace_common.gc_pauses import GcPauseCollector, GcPauses, freeze_startup_heap
 from ace_common.gil import set_switch_interval
+from ace_common.loop_lag import LoopLag, LoopLagCollector
 from ace_common.stack_dump import install_stack_dump
 from extproc.fleet.discovery import HostDiscovery, make_source
 from extproc.errors import ConfigError
@@ -32,7 +34,7 @@ def popularity_path(db: Path) -> Path:
 
 
 def start_metrics(listen: str, gateway: Gateway, link, speculation, reloads: StateFileWatch,
-                  gc_pauses: GcPauses | None = None):
+                  gc_pauses: GcPauses | None = None, loop_lag: LoopLag | None = None):
     """/metrics on its own port, in a daemon thread: one registry for this gateway."""
     from prometheus_client import CollectorRegistry
     registry = CollectorRegistry()
@@ -40,10 +42,23 @@ def start_metrics(listen: str, gateway: Gateway, link, speculation, reloads: Sta
     registry.register(ConfigReloadCollector(reloads))
     if gc_pauses is not None:
         registry.register(GcPauseCollector(gc_pauses, "ace_gateway_gc_pause_seconds"))
+    if loop_lag is not None:
+        registry.register(LoopLagCollector(loop_lag, "ace_gateway_event_loop_lag_seconds"))
     gateway.store.on_snapshot(propagation_histogram(registry).observe)
     server = serve_metrics(registry, listen)
     logging.getLogger("extproc").info("metrics on http://%s:%d/metrics", *server.server_address[:2])
     return server
+
+
+async def _measured(serving: Coroutine[Any, Any, None], loop_lag: LoopLag) -> None:
+    """``serving`` with the serving loop's lag measured (``ace_common.loop_lag``): every
+    stream of the asyncio servers (h2, aio) is handled on that one loop, so a late loop (a
+    background thread holding the GIL, a starved core) delays each request by as much."""
+    loop_lag.start()
+    try:
+        await serving
+    finally:
+        await loop_lag.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         gc_pauses = GcPauses().install()
+        loop_lag = LoopLag()   # the serving loop's (h2, aio); from start-up's end
         install_stack_dump()   # kill -USR1: every thread's stack to the log (docs/gateway.md)
         metrics_server = health = reloads = None
         store = Store(settings.config, settings.state_db(), settings.catalog,
@@ -87,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             tls = (load_cert(settings.tls_cert, settings.tls_key) if settings.tls_cert
                    else self_signed())
         if settings.metrics_listen != "off":
-            metrics_server = start_metrics(settings.metrics_listen, gateway, link, speculation, reloads, gc_pauses)
+            metrics_server = start_metrics(settings.metrics_listen, gateway, link, speculation, reloads, gc_pauses,
+                                           loop_lag if settings.server in ("aio", "h2") else None)
         source = make_source(settings.discovery, settings.discovery_interval_s)
         if source is not None:
             source.start(HostDiscovery(store, template, link).publish)
@@ -99,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     freeze_startup_heap(logging.getLogger("extproc"))   # out of every later collection (ace_common.gc_pauses)
     try:
         if settings.server == "aio":
-            asyncio.run(serve_aio(gateway, settings.listen, protocol=settings.protocol, tls=tls,
-                                  lifecycle=health, handover_s=settings.drain_handover_s))
+            asyncio.run(_measured(serve_aio(gateway, settings.listen, protocol=settings.protocol, tls=tls,
+                                            lifecycle=health, handover_s=settings.drain_handover_s), loop_lag))
         elif settings.server == "h2":
-            asyncio.run(serve_h2(gateway, settings.listen, max_streams=settings.h2_max_streams,
-                                 protocol=settings.protocol, tls=tls, lifecycle=health,
-                                 handover_s=settings.drain_handover_s))
+            asyncio.run(_measured(serve_h2(gateway, settings.listen, max_streams=settings.h2_max_streams,
+                                           protocol=settings.protocol, tls=tls, lifecycle=health,
+                                           handover_s=settings.drain_handover_s), loop_lag))
         else:
             serve(gateway, settings.listen, settings.workers, protocol=settings.protocol, tls=tls,
                   lifecycle=health, handover_s=settings.drain_handover_s)

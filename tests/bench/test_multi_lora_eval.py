@@ -335,7 +335,7 @@ def test_a_replays_gc_pauses_are_read_from_the_scrapes_and_subtracted():
 
 def test_the_agents_loop_lag_is_read_from_the_scrapes_and_subtracted():
     from ace_common.loop_lag import LoopLag, LoopLagCollector
-    from bench.multi_lora_eval import LOOP_LAG_METRIC, loop_lag_delta, loop_lags
+    from bench.multi_lora_eval import GATEWAY_LOOP_LAG_METRIC, LOOP_LAG_METRIC, loop_lag_delta, loop_lags
 
     def scrape(*lags):
         return [scrape_text(LoopLagCollector(lag, LOOP_LAG_METRIC)) for lag in lags]
@@ -351,4 +351,9 @@ def test_the_agents_loop_lag_is_read_from_the_scrapes_and_subtracted():
     assert after["wakeups"] == 4 and (after["over_10ms"], after["over_25ms"], after["over_50ms"]) == (3, 2, 1)
     assert loop_lag_delta(before, after) == {"wakeups": 3, "sum_ms": 112.0, "over_10ms": 3, "over_25ms": 2,
                                              "over_50ms": 1}
-    assert loop_lags(scrape(host1), "ace_gateway_loop_lag_seconds")["wakeups"] == 0   # another name
+    assert loop_lags(scrape(host1), GATEWAY_LOOP_LAG_METRIC)["wakeups"] == 0   # another process's name
+    gateway = LoopLag()
+    gateway.record(0.040)
+    text = scrape_text(LoopLagCollector(gateway, GATEWAY_LOOP_LAG_METRIC))
+    assert loop_lags([text], GATEWAY_LOOP_LAG_METRIC) == {"wakeups": 1, "sum_ms": pytest.approx(40.0),
+                                                          "over_10ms": 1, "over_25ms": 1, "over_50ms": 0}

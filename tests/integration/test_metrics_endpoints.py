@@ -78,6 +78,10 @@ def test_gateway_metrics_count_what_went_through_envoy(stack):
     assert _value(text, "ace_gateway_store_propagation_seconds_count") == 1
     assert "ace_gateway_predictions_total" in _exposed(text)
     assert _value(text, "ace_gateway_residency_snapshot_age_seconds") >= 0
+    # the serving loop's lag (ace_common.loop_lag): measured on the h2 server's loop
+    wait_until(lambda: _value(_scrape(gw), "ace_gateway_event_loop_lag_seconds_count") > 0,
+               what="the gateway's loop lag measured")
+    assert _value(_scrape(gw), "ace_gateway_event_loop_lag_seconds_max") >= 0
     # the first request found code-python cold (prefetch prod): a signal went to the agent
     wait_until(lambda: _value(_scrape(gw), "ace_gateway_prefetch_signals_total", upstream="agent-0",
                               result="sent") >= 1, what="a prefetch signal sent")
