@@ -110,11 +110,12 @@ class _Agent:
         self._thread = threading.Thread(target=self._watch, name=f"agent-watch-{upstream}", daemon=True)
 
     def _send(self, signal: PrefetchSignal) -> Retry | None:
-        hold = self.link.held_for_demand(signal)
+        now = time.monotonic()
+        hold = self.link.held_for_demand(signal, now)
         if isinstance(hold, tuple):
             self.held += not signal.held
             return hold
-        if signal.yields_to is not None and signal.hold_until <= time.monotonic():
+        if signal.yields_to is not None and signal.hold_until <= now:
             self.hold_expired += 1
         verdict = self.link.spare_routed(hold)
         if verdict is None:
@@ -266,19 +267,20 @@ class AgentLink:
         if self._expiry.is_alive():
             self._expiry.join(timeout=2)
 
-    def held_for_demand(self, signal: PrefetchSignal) -> PrefetchSignal | Retry:
+    def held_for_demand(self, signal: PrefetchSignal, now: float | None = None) -> PrefetchSignal | Retry:
         """A bet planned on a request whose own adapter was loading (``signal.yields_to``,
         ``SpeculationPlanner.demand_load``) waits until the residency board shows that
         adapter on its host's device tier, checked every ``HOLD_POLL_S``, at most until
         ``signal.hold_until``: ``(signal, delay_s)`` while it waits, else the signal to send
-        (``yields_to`` cleared). A bet is for a later step of a session (its next request
+        (``yields_to`` cleared). ``now``: ``time.monotonic()`` (read by the caller, so that
+        it judges the cap at the same instant). A bet is for a later step of a session (its next request
         comes after the answer to this one and the client's think time), while the load
         it would compete with, for the CPU, the host's link and the artifact store, stalls
         a request now."""
         if signal.yields_to is None:
             return signal
         upstream, adapter = signal.yields_to
-        left = signal.hold_until - time.monotonic()
+        left = signal.hold_until - (time.monotonic() if now is None else now)
         report = self.board.current.by_upstream.get(upstream, {}).get(adapter)
         if left <= 0 or (report is not None and report.tier == Tier.DEVICE):
             return dataclasses.replace(signal, yields_to=None)
