@@ -124,6 +124,8 @@ bench: $(if $(findstring vllm_router,$(ARMS)),$(ROUTER_STAMP),)
 #   [AGENT_ARGS="--prefetch-waste-share 0.5"] (appended to every agent's command line)
 #   [REPLAYS=N] (affinity and ace replay the trace N times each, in palindromic order; the checks
 #   compare their pooled percentiles, so the machine's drift weighs on both alike)
+#   [CPU_SPLIT=on|off] (on, the default: load generator, store, Envoy and ext_proc on the lowest
+#   quarter of the cores, the engine hosts on the rest, as separate machines; bench/cores.py)
 #   [OUT=FILE] (default reports/multi_lora_eval.json; e.g. a quick check of the router arms:
 #   make bench TRACE=FILE HOSTS=2 ARMS=round_robin,vllm_router,vllm_router_session,affinity,ace OUT=var/check.json)
 # The committed 800-request report: the ace arm starts from the state learned on the
@@ -159,7 +161,8 @@ bench: $(STAMP) $(FIXTURES)/.done
 	$(BIN)/python -m bench.multi_lora_eval --out $(BENCH_OUT) $(if $(BENCH_TRACE),--trace $(BENCH_TRACE),) \
 		$(if $(HOSTS),--hosts $(HOSTS),) $(if $(ARMS),--arms $(ARMS),) $(if $(WARM_FROM),--warm-from $(WARM_FROM),) \
 		$(if $(SLOTS),--slots $(SLOTS),) $(if $(SPEED),--speed $(SPEED),) $(if $(SCENARIO),--scenario $(SCENARIO),) \
-		$(if $(AGENT_ARGS),--agent-args "$(AGENT_ARGS)",) $(if $(REPLAYS),--replays $(REPLAYS),)
+		$(if $(AGENT_ARGS),--agent-args "$(AGENT_ARGS)",) $(if $(REPLAYS),--replays $(REPLAYS),) \
+		$(if $(CPU_SPLIT),--cpu-split $(CPU_SPLIT),)
 endif
 
 # On a machine with a CUDA GPU (not CI): the CUDA-only tests + bench-agent on the device,

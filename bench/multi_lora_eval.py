@@ -77,6 +77,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -87,14 +88,14 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
 import yaml
 
 from bench.bounds import fleet_bounds, miss_causes
-from bench import proc_cpu
+from bench import cores, proc_cpu
 from bench.pacing import engine_seconds, pilot_compute_s, replay_speed
 from bench.report import build_report, fleet_checks, fleet_entry, format_fleets, format_report, percentiles, \
     ttft_breakdown
@@ -103,6 +104,7 @@ from bench.trace import TraceError, load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
 from tools.localstack import run_until_stopped
 from ace_common.catalog_schema import read_catalog_file
+from ace_common.loop_lag import LoopLag
 from gpu_agent.connectors.prometheus import parse_samples
 
 BASE_MODEL = "ace-tiny-llama"
@@ -192,11 +194,11 @@ def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict],
     return keys
 
 
-def agent_env(hosts: int) -> dict[str, str]:
-    """The machine's cores split between the engine hosts (at least one torch thread
-    each): N hosts share this machine, where a real fleet gives each its own accelerator;
-    without it N processes x all cores oversubscribe."""
-    n = str(max(1, (os.cpu_count() or 1) // hosts))
+def agent_env(hosts: int, cores: int | None = None) -> dict[str, str]:
+    """The hosts' cores (``cores``; default the machine's) split between the engine hosts
+    (at least one torch thread each): N hosts share this machine, where a real fleet gives
+    each its own accelerator; without it N processes x all cores oversubscribe."""
+    n = str(max(1, (cores or os.cpu_count() or 1) // hosts))
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
@@ -215,10 +217,11 @@ FRONT_ARMS: dict[str, tuple[str, bool]] = {arm: ("extproc.policy.routing:route",
 
 @contextlib.contextmanager
 def stack(work: Path, catalog: Path, tenants: list[str], hosts: int, pool_adapters: int, pool_mb: int,
-          arm: str, extra_agent_args: Sequence[str] = ()):
+          arm: str, extra_agent_args: Sequence[str] = (), host_cpus: frozenset[int] | None = None):
     """The fleet (``tools.localstack.fleet_stack``): ``hosts`` engine hosts, each pool
     capped, the arm's routing policy and prefetch mode; yields its addresses and keys.
-    ``extra_agent_args``: appended to every agent's command line (``--agent-args``)."""
+    ``extra_agent_args``: appended to every agent's command line (``--agent-args``);
+    ``host_cpus``: the agents' cores (``bench.cores``; None: the caller's)."""
     from tools.localstack import fleet_stack
 
     policy, prefetch = {**ARMS, **FRONT_ARMS}[arm]
@@ -228,8 +231,9 @@ def stack(work: Path, catalog: Path, tenants: list[str], hosts: int, pool_adapte
 
     agent_args = ["--device-max-adapters", str(pool_adapters), "--pool-mb", str(pool_mb),
                   "--reconcile-interval-s", "0.2", *COLD_AGENT_ARGS, *extra_agent_args]
-    with fleet_stack(work, catalog, hosts, write_state, token=TOKEN, agent_args=agent_args, agent_env=agent_env(hosts),
-                     extproc_args=["--routing-policy", policy]) as st:
+    with fleet_stack(work, catalog, hosts, write_state, token=TOKEN, agent_args=agent_args,
+                     agent_env=agent_env(hosts, len(host_cpus) if host_cpus else None),
+                     extproc_args=["--routing-policy", policy], agent_cpus=host_cpus) as st:
         if arm in ROUTER_ARMS:
             with vllm_router([h["engine_url"] for h in st["hosts"]], ROUTER_ARMS[arm], work) as url:
                 yield dict(st, keys=st["state"], gateway=url)
@@ -315,6 +319,11 @@ def gc_pause_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
 LOOP_LAG_METRIC = "ace_agent_event_loop_lag_seconds"
 GATEWAY_LOOP_LAG_METRIC = "ace_gateway_event_loop_lag_seconds"
 LOOP_LAG_OVER_S = (0.01, 0.025, 0.05)
+#: the load generator's own monitor wakes this often: finer than the processes' 20 ms, since
+#: its lag is in every TTFT it measures (a stall of d is seen with a chance of ~d / interval)
+CLIENT_LAG_INTERVAL_S = 0.005
+#: the engine's timing chunk: the only one parsed after the first token
+TIMING_KEY = '"ace_timing"'
 
 
 def loop_lags(metrics_texts: list[str], name: str = LOOP_LAG_METRIC) -> dict[str, float]:
@@ -419,28 +428,35 @@ def learned_state(requests: list[dict], hosts: list[str], slots: int, out: Path)
 
 # ---------------------------------------------------------------- replay
 
-async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -> dict:
+async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict,
+                      lag: LoopLag | None = None) -> dict:
     """One streamed request: TTFT is the time to the first chunk carrying a token (the
     chat stream's opening role chunk comes before any compute); the engine's
-    ``ace_timing`` chunk (``stream_options.include_timing``) splits it."""
+    ``ace_timing`` chunk (``stream_options.include_timing``) splits it. Once the first
+    token is in, only that chunk is parsed (the load generator's CPU per request is part
+    of every TTFT it measures). ``lag``: the load generator's own loop-lag monitor, read
+    at the send and at the first token (``client_lag_ms``: how late this loop ran
+    meanwhile, which delays the request's send and the first token's read alike)."""
     session = f"{r['tenant']}/{r['session']}"
     body = {"model": r["adapter"], "messages": r["messages"], "max_tokens": int(r.get("max_tokens", 16)),
             "temperature": 0, "stream": True, "stream_options": {"include_timing": True}, "user": session}
     headers = {"authorization": f"Bearer {key}", "x-ace-session-id": session}
     t0 = time.perf_counter()
-    ttft = first_byte = None
+    lag0 = lag.sum_s if lag is not None else None
+    ttft = first_byte = lag_at_ttft = None
     timing: dict = {}
     try:
         async with client.stream("POST", base + "/v1/chat/completions", json=body, headers=headers) as resp:
             async for line in resp.aiter_lines():
                 if first_byte is None:
                     first_byte = (time.perf_counter() - t0) * 1000
-                if not line.startswith("data: {"):
+                if not line.startswith("data: {") or (ttft is not None and TIMING_KEY not in line):
                     continue
                 chunk = json.loads(line[len("data: "):])
                 if ttft is None and any(c.get("delta", {}).get("content") or c.get("finish_reason")
                                         for c in chunk.get("choices") or ()):
                     ttft = (time.perf_counter() - t0) * 1000
+                    lag_at_ttft = lag.sum_s if lag is not None else None
                 timing = chunk.get("ace_timing") or timing
             status = resp.status_code
             h = resp.headers
@@ -464,6 +480,8 @@ async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict) -
         # mark is on perf_counter()'s clock, which this machine's processes share
         "to_engine_ms": (timing["arrived_s"] - t0) * 1000 if timing.get("arrived_s") is not None else None,
         "loop_lag_ms": timing.get("loop_lag_ms"),   # the engine's loop late while it held the request
+        "client_lag_ms": (round((lag_at_ttft - lag0) * 1000, 3)   # the load generator's loop, send to first token
+                          if lag0 is not None and lag_at_ttft is not None else None),
     }
 
 
@@ -482,8 +500,31 @@ def think_s(prev: dict, r: dict) -> float:
     return max(0.0, float(think) if think is not None else r["t"] - prev["t"])
 
 
+@contextlib.contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """The load generator's garbage collector off for a replay: a collection stops its
+    event loop (a full one took 62 ms here, with every request in flight late by as much
+    at the send or the first token), and the objects a replay makes are few enough to
+    keep. What existed before is frozen out of the later collections; a collection runs
+    before and after."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+        gc.collect()
+
+
 async def replay(requests: list[dict], st: dict, speed: float, closed_loop: bool = True,
-                 label: str = "") -> list[dict]:
+                 label: str = "") -> tuple[list[dict], dict[str, float]]:
+    """Every request of ``requests`` through the gateway, paced at ``speed`` (closed loop:
+    each session's next step after the previous answer and its think time). Returns the
+    rows and the load generator's own loop lag over the replay (``lag_summary``: its
+    wake-ups every ``CLIENT_LAG_INTERVAL_S`` and how many ran late), beside which the
+    agents' and the gateway's are read from their metrics."""
     rows: list[dict] = []
     t_start = time.perf_counter()
     t0 = requests[0]["t"]
@@ -499,23 +540,39 @@ async def replay(requests: list[dict], st: dict, speed: float, closed_loop: bool
         if delay > 0:
             await asyncio.sleep(delay)
 
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        async def send(r: dict) -> None:
-            await at(r["t"])
-            done(await one_request(client, st["gateway"], st["keys"][r["tenant"]], r))
+    lag = LoopLag(interval_s=CLIENT_LAG_INTERVAL_S)
+    with no_gc_pauses():
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            async def send(r: dict) -> None:
+                await at(r["t"])
+                done(await one_request(client, st["gateway"], st["keys"][r["tenant"]], r, lag))
 
-        async def session(steps: list[dict]) -> None:
-            await at(steps[0]["t"])
-            for i, r in enumerate(steps):
-                if i:
-                    await asyncio.sleep(think_s(steps[i - 1], r) / speed)
-                done(await one_request(client, st["gateway"], st["keys"][r["tenant"]], r))
+            async def session(steps: list[dict]) -> None:
+                await at(steps[0]["t"])
+                for i, r in enumerate(steps):
+                    if i:
+                        await asyncio.sleep(think_s(steps[i - 1], r) / speed)
+                    done(await one_request(client, st["gateway"], st["keys"][r["tenant"]], r, lag))
 
-        if closed_loop:
-            await asyncio.gather(*(session(steps) for steps in sessions(requests)))
-        else:
-            await asyncio.gather(*(send(r) for r in requests))
-    return rows
+            lag.start()
+            try:
+                if closed_loop:
+                    await asyncio.gather(*(session(steps) for steps in sessions(requests)))
+                else:
+                    await asyncio.gather(*(send(r) for r in requests))
+            finally:
+                await lag.close()
+    return rows, lag_summary(lag)
+
+
+def lag_summary(lag: LoopLag) -> dict[str, float]:
+    """One ``LoopLag``'s count in ``loop_lags``' shape: ``wakeups``, ``sum_ms`` and
+    ``over_<ms>ms`` (wake-ups later than each of ``LOOP_LAG_OVER_S``, from its buckets)."""
+    h = lag.histogram
+    out: dict[str, float] = {"wakeups": h.n, "sum_ms": round(h.total * 1e3, 1)}
+    for bound in LOOP_LAG_OVER_S:
+        out[f"over_{round(bound * 1e3)}ms"] = sum(n for le, n in zip((*h.buckets, math.inf), h.counts) if le > bound)
+    return out
 
 
 async def gateway_overhead(st: dict, adapter: str, key: str, n: int = 40) -> float:
@@ -579,7 +636,8 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
     t_run = time.monotonic()
     _, log_at = store_fetches(store_log)
     label = f"{hosts} hosts {arm}{f' #{replay_no}' if replay_no > 1 else ''}: "
-    with stack(run_dir, rcat, tenants, hosts, pool, pool_mb, arm, args.agent_args) as st:
+    with stack(run_dir, rcat, tenants, hosts, pool, pool_mb, arm, args.agent_args,
+               host_cpus=args.cpus[1] if args.cpus else None) as st:
         log(f"{label}stack up in {time.monotonic() - t_run:.0f}s, replaying {len(requests)} requests")
 
         async def go():
@@ -597,12 +655,13 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                 cpu_before = proc_cpu.snapshot()
                 gc_before, lag_before = await pauses_of(st)
                 t0 = time.monotonic()
-                rows = await replay(requests, st, run_speed, closed_loop=not args.open_loop, label=label)
+                rows, client_lag = await replay(requests, st, run_speed, closed_loop=not args.open_loop, label=label)
                 elapsed = time.monotonic() - t0
                 cpu = proc_cpu.account(cpu_before, proc_cpu.snapshot())
                 gc_after, lag_after = await pauses_of(st)
                 lag = {who: None if lag_after[who] is None or lag_before[who] is None
                        else loop_lag_delta(lag_before[who], lag_after[who]) for who in lag_after}
+                lag["client"] = client_lag
                 gc_delta = {who: gc_pause_delta(gc_before[who], gc_after[who]) for who in gc_after}
                 after = {h["name"]: await engine_seconds(client, h["engine_url"]) for h in st["hosts"]}
             busy = {n: round((after[n][0] - before[n][0]) / elapsed, 4) for n in before}
@@ -643,6 +702,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                "speculation": counters or None, "gateway_overhead_ms": overhead,
                "speed": speed, "engine_busy": busy, "engine_load_busy": load_busy, "process_cpu_s": cpu,
                "gc_pauses": gc_replay, "loop_lag": loop_lag["agents"], "gateway_loop_lag": loop_lag["gateway"],
+               "client_loop_lag": loop_lag["client"],
                "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool),
                "miss_causes": stack_miss_causes(ok, requests, pool)})
     log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "
@@ -745,14 +805,15 @@ def run(args) -> int:
         runs = replay_order(hosts_list, arms, args.replays)
         log(f"fleet benchmark: {len(requests)} requests, hosts {hosts_list}, arms {arms}, pool {pool} of "
             f"{len(names)} adapters / {pool_mb} MiB per host, speed {args.speed}, ace learns "
-            f"{'from ' + str(args.warm_from) if args.warm_from else 'online from a cold start'}")
+            f"{'from ' + str(args.warm_from) if args.warm_from else 'online from a cold start'}"
+            + (f"; cores: request path {sorted(args.cpus[0])}, hosts {sorted(args.cpus[1])}" if args.cpus else ""))
         top = max(hosts_list)
         results: dict[str, dict[str, dict]] = {}
         all_rows: dict[tuple[int, str], list] = {}
         replays: dict[tuple[int, str], list[dict]] = {}
         speeds: dict[int, float | None] = {n: None if args.speed == "auto" else float(args.speed) for n in hosts_list}
         calibrations: dict[str, dict] = {}
-        with running(cmd, store_log) as store:
+        with cores.pinned(args.cpus[0] if args.cpus else None), running(cmd, store_log) as store:
             wait_port(store_port, timeout=30, proc=store, log=store_log)
             for i, (n, arm, k) in enumerate(runs, 1):
                 log(f"[{i}/{len(runs)}] {n} hosts, arm {arm}{f' (replay {k})' if k > 1 else ''} "
@@ -817,6 +878,7 @@ def fleet_report(args, requests: list[dict], results: dict, all_rows: dict, top:
         "fleet_hosts": top, "pool_adapters": pool, "pool_mb": pool_mb, "pool_bytes": pool_mb << 20,
         "pool_bytes_needed": pool_needed, "adapters": len(names), "agent_cold_args": list(COLD_AGENT_ARGS),
         "agent_extra_args": args.agent_args,
+        "cpus": ({"request_path": sorted(args.cpus[0]), "hosts": sorted(args.cpus[1])} if args.cpus else None),
         "replay": "open-loop" if args.open_loop else "closed-loop sessions (think_s)",
         "replays": args.replays,
         "arms": {arm: {"routing_policy": policy, "dynamic_lora_prefetch": "prod" if on else "off"}
@@ -881,8 +943,15 @@ def main(argv=None) -> int:
     ap.add_argument("--replays", type=int, default=1,
                     help="replays of the trace for affinity and ace each, in palindromic order; the checks compare "
                          "their pooled percentiles (default 1; make bench REPLAYS=)")
+    ap.add_argument("--cpu-split", choices=("on", "off"), default="on",
+                    help="on (default): the load generator, store, Envoy and ext_proc on the lowest quarter of "
+                         "the cores (at least one), the engine hosts on the rest, as separate machines would be "
+                         "(bench.cores); off: every process on every core (make bench CPU_SPLIT=)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")
-    return run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    have = cores.available()
+    args.cpus = cores.split(have) if args.cpu_split == "on" and have is not None else None
+    return run(args)
 
 
 if __name__ == "__main__":

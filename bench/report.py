@@ -295,7 +295,10 @@ def ttft_breakdown(rows: Sequence[Mapping]) -> dict:
     stream write, Envoy, the client's read); absent where the engine gives no mark.
     ``loop_lag_ms``: how late the engine's event loop ran between the request's arrival and
     its first token (``ace_timing.loop_lag_ms``: a late loop delays every request on it,
-    whatever its adapter), with the worst 1%'s median; absent where the engine gives none."""
+    whatever its adapter), with the worst 1%'s median; absent where the engine gives none.
+    ``client_lag_ms``: the same for the load generator's own loop, from the send to the
+    first token (it delays both, so it is in ``outside_engine_ms``); absent where the rows
+    do not carry it."""
     timed = [r for r in rows if r.get("compute_ms") is not None and r.get("ttft_ms") is not None]
     if not timed:
         return {"rows": 0}
@@ -309,7 +312,8 @@ def ttft_breakdown(rows: Sequence[Mapping]) -> dict:
     split = {"to_engine_ms": lambda r: r.get("to_engine_ms"),
              "from_engine_ms": lambda r: (None if r.get("to_engine_ms") is None
                                           else r["outside_engine_ms"] - r["to_engine_ms"])}
-    for name, value in (*split.items(), ("loop_lag_ms", lambda r: r.get("loop_lag_ms"))):
+    lags = {name: (lambda r, name=name: r.get(name)) for name in ("loop_lag_ms", "client_lag_ms")}
+    for name, value in (*split.items(), *lags.items()):
         have = [v for v in map(value, timed) if v is not None]
         if not have:
             continue

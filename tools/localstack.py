@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import httpx
 
@@ -151,20 +151,23 @@ def run_until_stopped(main: Callable[[], int]) -> int:
 
 @contextlib.contextmanager
 def running(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None,
-            cwd: Path | None = None, dump_stacks_on_error: bool = False) -> Iterator[subprocess.Popen]:
+            cwd: Path | None = None, dump_stacks_on_error: bool = False,
+            cpus: Collection[int] | None = None) -> Iterator[subprocess.Popen]:
     """Run `cmd` for the duration of the block; SIGTERM then SIGKILL on exit.
     ``dump_stacks_on_error`` (ace's own servers: ext_proc, agent): when the block raises an
     error, the process is first asked for every thread's stack (SIGUSR1,
     ``ace_common.stack_dump``), so its log says where it was, e.g. a server that stopped
-    answering."""
+    answering. ``cpus``: the cores it (and every thread it starts) may run on (Linux;
+    default: the caller's)."""
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))  # before exec: inherited
         proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                                cwd=str(cwd or REPO), start_new_session=True)
+                                cwd=str(cwd or REPO), start_new_session=True, preexec_fn=pin)
         try:
             yield proc
         except Exception:
@@ -353,7 +356,8 @@ def gateway_stack(work: Path, catalog: Path, write_state, *, token: str, agent_a
 @contextlib.contextmanager
 def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: str,
                 agent_args: Sequence[str] = (), extproc_args: Sequence[str] = (),
-                agent_env: dict[str, str] | None = None, message_timeout: str = "5s") -> Iterator[dict]:
+                agent_env: dict[str, str] | None = None, message_timeout: str = "5s",
+                agent_cpus: Collection[int] | None = None) -> Iterator[dict]:
     """``hosts`` engine hosts (a GPU agent with its builtin engine in-process each, its
     own cache dir and log under ``work/host-<i>``), one ext_proc gateway and one Envoy;
     every process on ephemeral loopback ports, all started before any is waited on, all
@@ -364,7 +368,8 @@ def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: st
     what it returns is yielded as ``state``. Yields ``gateway`` (Envoy's URL), ``hosts``
     (each with its ``engine`` URL and agent ``metrics`` URL too), ``state`` and
     ``gateway_metrics`` (the ext_proc's /metrics URL).
-    ``agent_env``: extra environment for the agents only.
+    ``agent_env``: extra environment for the agents only; ``agent_cpus``: the cores they
+    run on (``running``; default: the caller's, as the gateway and Envoy).
     """
     work.mkdir(parents=True, exist_ok=True)
     env = {"ACE_AGENT_TOKEN": token}
@@ -378,7 +383,7 @@ def fleet_stack(work: Path, catalog: Path, hosts: int, write_state, *, token: st
                    "--metrics-port", str(metrics_port), "--cache-dir", str(home / "agent-cache"),
                    "--auth", "token", *agent_args]
             proc = stack.enter_context(running(cmd, home / "agent.log", env={**env, **(agent_env or {})},
-                                               dump_stacks_on_error=True))
+                                               dump_stacks_on_error=True, cpus=agent_cpus))
             started.append((proc, home / "agent.log", {
                 "name": f"engine-{i}", "engine": f"127.0.0.1:{engine_port}", "agent": f"127.0.0.1:{grpc_port}",
                 "engine_url": f"http://127.0.0.1:{engine_port}",

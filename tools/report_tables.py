@@ -407,14 +407,14 @@ def where_time_goes(r: dict) -> list[str]:
         "time to the first token: Envoy, gateway, loopback); worst 1%: the median TTFT of the slowest 1% and "
         "the median of each part there."
         + (" Loop lag: how late the engine's event loop ran while it held a request (p99 ms, and the worst "
-           "1%'s median), and how many of the agents' wake-ups (every 20 ms, all hosts) and of the gateway's "
-           "(its serving loop's, every 20 ms) ran over 25 ms late during the replay: a late loop delays every "
+           "1%'s median), and how many of the agents' wake-ups (every 20 ms, all hosts), of the gateway's "
+           "(its serving loop's, every 20 ms) and of the load generator's (every 5 ms) ran over 25 ms late during the replay: a late loop delays every "
            "request on it, whatever its adapter; on this 2-core machine the hosts' loops are late together "
            "(docs/bench-history.md, 2026-12-06)." if lagged else ""),
         "",
         "| hosts | arm | busiest engine busy | effective | Belady | compulsory | queue | stall | compute | loads "
         "| outside | worst 1%: TTFT: queue / stall / compute / loads / outside |"
-        + (" loop lag: p99 / worst 1% / wake-ups > 25 ms: agents / gateway |" if lagged else ""),
+        + (" loop lag: p99 / worst 1% / wake-ups > 25 ms: agents / gateway / load generator |" if lagged else ""),
         "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if lagged else ""),
         *rows,
     ]
@@ -422,12 +422,12 @@ def where_time_goes(r: dict) -> list[str]:
 
 def _lag(e: dict) -> str:
     t = (e.get("ttft_breakdown") or {})
-    lag, late = t.get("loop_lag_ms"), (e.get("loop_lag") or {}).get("over_25ms")
-    gateway = (e.get("gateway_loop_lag") or {}).get("over_25ms")
+    lag = t.get("loop_lag_ms")
     if lag is None:
         return "–"
+    late = [(e.get(field) or {}).get("over_25ms") for field in ("loop_lag", "gateway_loop_lag", "client_loop_lag")]
     return (f"{_ms(lag['p99'])} / {_ms(t['worst_1pct'].get('loop_lag_ms_p50'))} / "
-            f"{late if late is not None else '–'} / {gateway if gateway is not None else '–'}")
+            + " / ".join("–" if n is None else str(n) for n in late))
 
 
 def hundreds(r: dict) -> list[str]:

@@ -225,6 +225,8 @@ def test_small_fleet_run_writes_the_report(tmp_path):
         assert all(0 < v < 1 for v in e["engine_busy"].values())
         split = e["ttft_breakdown"]
         assert split["rows"] == 40 and split["compute_ms"]["p50"] > 0 and split["worst_1pct"]["rows"] == 1
+        # the load generator's own loop, over the replay and per request
+        assert e["client_loop_lag"]["wakeups"] > 0 and split["client_lag_ms"]["rows"] == 40
         assert sum(h["requests"] for h in e["bounds"]["per_host"].values()) == 40
         assert e["bounds"]["belady_hits"] <= e["bounds"]["compulsory_hits"] <= e["bounds"]["fleet_compulsory_hits"]
     assert arms["round_robin"]["requests_per_host"] == {"engine-1": 20, "engine-2": 20}
@@ -357,3 +359,25 @@ def test_the_agents_loop_lag_is_read_from_the_scrapes_and_subtracted():
     text = scrape_text(LoopLagCollector(gateway, GATEWAY_LOOP_LAG_METRIC))
     assert loop_lags([text], GATEWAY_LOOP_LAG_METRIC) == {"wakeups": 1, "sum_ms": pytest.approx(40.0),
                                                           "over_10ms": 1, "over_25ms": 1, "over_50ms": 0}
+
+
+def test_the_load_generators_lag_summary_counts_wakeups_over_each_bound():
+    from ace_common.loop_lag import LoopLag
+    from bench.multi_lora_eval import lag_summary
+    lag = LoopLag(interval_s=0.005)
+    for s in (0.0001, 0.012, 0.030, 0.060, 0.010):
+        lag.record(s)
+    assert lag_summary(lag) == {"wakeups": 5, "sum_ms": 112.1, "over_10ms": 3, "over_25ms": 2, "over_50ms": 1}
+
+
+def test_a_replay_runs_with_the_garbage_collector_off_and_leaves_it_as_it_was():
+    import gc
+
+    from bench.multi_lora_eval import no_gc_pauses
+    assert gc.isenabled()
+    with no_gc_pauses():
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), no_gc_pauses():
+        raise RuntimeError("a replay that fails")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
