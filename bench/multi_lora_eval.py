@@ -65,6 +65,15 @@ replay's headline) and ``pooled`` (TTFT and stall percentiles over every replay'
 hit ratio, errors summed), and the checks compare ``pooled``; the other fields are the
 first replay's.
 
+**Cores** (``--cpu-split on``, the default): the load generator (this process), the
+artifact store, Envoy and the ext_proc run on the lowest quarter of the machine's cores
+(at least one), the engine hosts on the rest (``bench.cores``), as separate machines
+would; ``cpus`` in the report says which. **The load generator** keeps out of what it
+measures: its garbage collector is off during a replay (``no_gc_pauses``), it parses only
+the engine's timing chunk after the first token, and it measures its own event loop's
+lag (``client_loop_lag`` per arm, ``client_lag_ms`` per request: the time its loop ran
+late between the send and the first token, which is in the TTFT it reports).
+
 The report (``bench.report``): ``fleets.{hosts}.{arm}`` (``fleet_entry``) with
 ``checks`` (``fleet_checks``); the top-level fields of the largest fleet with
 ``baseline`` = ``affinity`` and ``prefetch`` = ``ace`` when both ran; the TTFT plot of
@@ -194,11 +203,11 @@ def state_yaml(path: Path, catalog: Path, tenants: list[str], hosts: list[dict],
     return keys
 
 
-def agent_env(hosts: int, cores: int | None = None) -> dict[str, str]:
-    """The hosts' cores (``cores``; default the machine's) split between the engine hosts
-    (at least one torch thread each): N hosts share this machine, where a real fleet gives
-    each its own accelerator; without it N processes x all cores oversubscribe."""
-    n = str(max(1, (cores or os.cpu_count() or 1) // hosts))
+def agent_env(hosts: int, host_cores: int | None = None) -> dict[str, str]:
+    """The hosts' cores (``host_cores``; default the machine's) split between the engine
+    hosts (at least one torch thread each): N hosts share this machine, where a real fleet
+    gives each its own accelerator; without it N processes x all cores oversubscribe."""
+    n = str(max(1, (host_cores or os.cpu_count() or 1) // hosts))
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 

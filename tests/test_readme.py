@@ -121,10 +121,17 @@ def test_hundreds_section_renders_targets_breakdown_bounds_and_plot():
     fleets["4"]["ace"]["loop_lag"] = {"wakeups": 9000, "over_25ms": 7}
     fleets["4"]["ace"]["gateway_loop_lag"] = {"wakeups": 2250, "over_25ms": 3}
     text = "\n".join(hundreds(r))
-    assert "loop lag: p99 / worst 1% / wake-ups > 25 ms: agents / gateway |" in text
-    assert "5.0 | 12.0 / 20.0 / 7 / 3 |" in text and "| 4 | affinity |" in text and "/ 5.0 | – |" in text
-    del fleets["4"]["ace"]["gateway_loop_lag"]   # a report from before the gateway measured its loop
-    assert "5.0 | 12.0 / 20.0 / 7 / – |" in "\n".join(hundreds(r))
+    fleets["4"]["ace"]["client_loop_lag"] = {"wakeups": 9000, "over_25ms": 0}
+    text = "\n".join(hundreds(r))
+    assert "loop lag: p99 / worst 1% / wake-ups > 25 ms: agents / gateway / load generator |" in text
+    assert "5.0 | 12.0 / 20.0 / 7 / 3 / 0 |" in text and "| 4 | affinity |" in text and "/ 5.0 | – |" in text
+    del fleets["4"]["ace"]["gateway_loop_lag"], fleets["4"]["ace"]["client_loop_lag"]   # older reports
+    assert "5.0 | 12.0 / 20.0 / 7 / – / – |" in "\n".join(hundreds(r))
+    # which cores ran what (bench.cores): said in the section's first paragraph
+    assert "Every process ran on every core of the machine." in text
+    r["cpus"] = {"request_path": [0], "hosts": [1, 2, 3]}
+    assert "ext_proc ran on core(s) 0 and the engine hosts on 1, 2, 3" in "\n".join(hundreds(r))
+    del r["cpus"]
     # replayed twice: each replay's TTFT and the pooled percentiles the checks compare
     pooled = {"replays": 2, "requests": 200, "errors": 0, "effective_hit_ratio": 0.9,
               "stall_ms": {"p50": 0.0, "p99": 9.0}, "ttft_ms": {"p50": 10.0, "p90": 11.0, "p95": 12.0, "p99": 13.0}}

@@ -227,7 +227,7 @@ def fleet(r: dict) -> list[str]:
     return [
         f"Fleets of {' / '.join(r['fleets'])} engine hosts behind one Envoy + one ext_proc, each host with its own pool of "
         f"{r['pool_adapters']} slots; {len(names)} arms on the same trace: {', '.join(described)}. "
-        f"The ace arm's gateway starts from {learned}. Wall time of the whole run: {r['wall_s'] / 60:.1f} min "
+        f"The ace arm's gateway starts from {learned}. {_cores(r)}Wall time of the whole run: {r['wall_s'] / 60:.1f} min "
         f"({_speeds(r)}).",
         "",
         "| hosts | arm | resident | effective | errors | stall p50 ms | stall p99 ms | TTFT p50 ms | TTFT p90 ms "
@@ -418,6 +418,16 @@ def where_time_goes(r: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if lagged else ""),
         *rows,
     ]
+
+
+def _cores(r: dict) -> str:
+    """Which cores the request path and the hosts ran on (``cpus``; bench.cores), as a sentence."""
+    cpus = r.get("cpus")
+    if not cpus:
+        return "Every process ran on every core of the machine. "
+    return (f"The load generator, the artifact store, Envoy and the ext_proc ran on core(s) "
+            f"{', '.join(map(str, cpus['request_path']))} and the engine hosts on "
+            f"{', '.join(map(str, cpus['hosts']))}, as separate machines would (`--cpu-split`). ")
 
 
 def _lag(e: dict) -> str:

@@ -1,4 +1,5 @@
 import hashlib
+import os
 
 import pytest
 import yaml
@@ -381,3 +382,10 @@ def test_a_replay_runs_with_the_garbage_collector_off_and_leaves_it_as_it_was():
     with pytest.raises(RuntimeError), no_gc_pauses():
         raise RuntimeError("a replay that fails")
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_the_hosts_torch_threads_split_the_hosts_cores():
+    from bench.multi_lora_eval import agent_env
+    assert agent_env(4, host_cores=1) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert agent_env(2, host_cores=6)["OMP_NUM_THREADS"] == "3"
+    assert agent_env(1)["OMP_NUM_THREADS"] == str(os.cpu_count() or 1)
