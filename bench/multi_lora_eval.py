@@ -339,19 +339,27 @@ def loop_lags(metrics_texts: list[str], name: str = LOOP_LAG_METRIC) -> dict[str
     """The agents' event-loop lag so far (``ace_common.loop_lag``), summed over the texts:
     ``wakeups``, ``sum_ms`` and ``over_<ms>ms`` (wake-ups later than that, from the
     histogram's buckets at ``LOOP_LAG_OVER_S``). Subtract two reads (``loop_lag_delta``)."""
-    out: dict[str, float] = {"wakeups": 0, "sum_ms": 0.0, **{f"over_{round(b * 1e3)}ms": 0 for b in LOOP_LAG_OVER_S}}
-    within: dict[float, int] = dict.fromkeys(LOOP_LAG_OVER_S, 0)
+    wakeups, sum_s, buckets = 0, 0.0, []
     for text in metrics_texts:
         for sample in parse_samples(text):
             if sample.name == f"{name}_count":
-                out["wakeups"] += int(sample.value)
+                wakeups += int(sample.value)
             elif sample.name == f"{name}_sum":
-                out["sum_ms"] += sample.value * 1e3
-            elif sample.name == f"{name}_bucket" and float(sample.labels.get("le", "inf")) in within:
-                within[float(sample.labels["le"])] += int(sample.value)
-    for bound, n in within.items():
-        out[f"over_{round(bound * 1e3)}ms"] = out["wakeups"] - n
-    return out
+                sum_s += sample.value
+            elif sample.name == f"{name}_bucket":
+                buckets.append((sample.labels.get("le", "+Inf"), sample.value))
+    return _lag_counts(wakeups, sum_s, buckets)
+
+
+def _lag_counts(wakeups: int, sum_s: float, cumulative) -> dict[str, float]:
+    """``loop_lags``' shape from a lag histogram's count, sum and cumulative ``(le, count)``
+    pairs (one histogram's, or several hosts' summed bucket by bucket)."""
+    within: dict[float, int] = dict.fromkeys(LOOP_LAG_OVER_S, 0)
+    for le, n in cumulative:
+        if float(le) in within:
+            within[float(le)] += int(n)
+    return {"wakeups": wakeups, "sum_ms": sum_s * 1e3,
+            **{f"over_{round(bound * 1e3)}ms": wakeups - within[bound] for bound in LOOP_LAG_OVER_S}}
 
 
 def loop_lag_delta(before: dict, after: dict) -> dict[str, float]:
@@ -575,12 +583,10 @@ async def replay(requests: list[dict], st: dict, speed: float, closed_loop: bool
 
 
 def lag_summary(lag: LoopLag) -> dict[str, float]:
-    """One ``LoopLag``'s count in ``loop_lags``' shape: ``wakeups``, ``sum_ms`` and
-    ``over_<ms>ms`` (wake-ups later than each of ``LOOP_LAG_OVER_S``, from its buckets)."""
+    """One ``LoopLag``'s count in ``loop_lags``' shape (``sum_ms`` rounded to 0.1)."""
     h = lag.histogram
-    out: dict[str, float] = {"wakeups": h.n, "sum_ms": round(h.total * 1e3, 1)}
-    for bound in LOOP_LAG_OVER_S:
-        out[f"over_{round(bound * 1e3)}ms"] = sum(n for le, n in zip((*h.buckets, math.inf), h.counts) if le > bound)
+    out = _lag_counts(h.n, h.total, h.cumulative())
+    out["sum_ms"] = round(out["sum_ms"], 1)
     return out
 
 
