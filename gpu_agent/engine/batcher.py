@@ -129,6 +129,20 @@ class Batcher:
     def waiting_adapters(self) -> set[str]:
         return {s.req.adapter for s in self._waiting if s.req.adapter}
 
+    def warm_up(self, prompt: Sequence[int]) -> None:
+        """One prefill and one decode step of the base model on the forward thread, outside
+        the counts: the first step's one-off costs (torch's kernels, the thread's start) are
+        paid before the engine serves, not by its first request."""
+        if not prompt:
+            raise ValueError("empty prompt")
+
+        def run() -> None:
+            cache = self.model.new_cache(len(prompt) + 1)
+            logits = self.model.forward([SequenceStep(list(prompt), cache)])
+            self.model.forward([SequenceStep([int(logits[0].argmax())], cache)])
+
+        self._executor.submit(run).result()
+
     # -- requests ----------------------------------------------------------------------
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:

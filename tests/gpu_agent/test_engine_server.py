@@ -143,6 +143,24 @@ def test_streamed_timing_counts_the_loops_lag_while_the_engine_held_the_request(
     run_with_server(fx, scenario)
 
 
+def test_the_engine_pays_its_first_requests_one_off_costs_before_it_serves(fx):
+    """Engine.create compiles the chat template (Jinja's import and compile, ~50 ms that
+    the first chat request would otherwise spend on the event loop) and runs one base
+    forward on the forward thread; none of it is counted or loads an adapter."""
+    async def scenario(c, engine):
+        assert engine.tokenizer.template_compiled
+        assert engine.warm_up_s is not None and engine.warm_up_s > 0
+        st = engine.batcher.stats
+        assert (st.forward_passes, st.generated_tokens, st.prompt_tokens, st.finished) == (0, 0, 0, 0)
+        assert engine.pool.resident() == []
+        r = await c.post("/v1/chat/completions", json={
+            "model": "med-notes", "messages": [{"role": "user", "content": "notes"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert st.generated_tokens == 2
+
+    run_with_server(fx, scenario)
+
+
 def test_streamed_timing_splits_the_time_to_the_first_token(fx):
     """stream_options.include_timing: the last chunk before [DONE] says where the engine's
     time to the first token went; a cold adapter's load shows as stall and as load work."""
