@@ -34,7 +34,7 @@ import numpy as np
 from bench.sim import LoadChannel, Progress, ceiling_bits, first_steps, load_times, next_use, run_belady, run_ceiling
 from bench.workload import Workload
 from extproc.policy.cache import AdapterCache
-from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace, TransitionModel
+from extproc.policy.prediction import FirstSteps, PredictionLedger, SessionDemand, StepPace
 from extproc.policy.routing import LOAD_FLOOR, ring_walk
 from extproc.policy.speculator import SpeculationSettings, Speculator
 from gpu_agent.residency.prefetch_budget import HintBet, HintVerdict, LinkState, decide_hint
@@ -139,7 +139,7 @@ def run_arm(arm: str, cols, hosts: int, budget: int, channels: int, settings: Sp
     names = [f"host-{h:03d}" for h in range(hosts)]
     chans = [LoadChannel(channels) for _ in range(hosts)]
     if arm == "ace":
-        shared = dict(model=TransitionModel(order=settings.order, min_support=settings.min_support), ledger=PredictionLedger(),
+        shared = dict(model=settings.transition_model(), ledger=PredictionLedger(),
                       pace=StepPace(settings.horizon_s),
                       expected=SessionDemand(settings.horizon_s, working_set=settings.working_set),
                       first_steps=FirstSteps(settings.half_life_s, idle_timeout_s=settings.idle_timeout_s))

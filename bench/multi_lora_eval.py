@@ -430,11 +430,10 @@ def learned_state(requests: list[dict], hosts: list[str], slots: int, out: Path)
     for its adapter and teaches the transition model its session step, in time order (as
     ``GatewaySpeculation`` does for ``off`` requests); the pool size it would have
     learned from the agents' residency is each host's ``slots``."""
-    from extproc.policy.prediction import TransitionModel
     from extproc.policy.speculator import SpeculationSettings
     from extproc.fleet.speculation import PopularityFile
 
-    model = TransitionModel(order=SpeculationSettings().order)
+    model = SpeculationSettings().transition_model()
     counts: Counter = Counter()
     for r in sorted(requests, key=lambda r: (r["t"], r.get("step", 0))):
         counts[r["adapter"]] += 1.0

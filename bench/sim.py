@@ -358,7 +358,7 @@ def settings_of(args) -> SpeculationSettings:
                                half_life_s=args.half_life_s, window=args.window,
                                adaptive_horizon=not args.fixed_horizon,
                                session_demand=not args.no_session_demand, order=args.order,
-                               first_steps=args.first_steps)
+                               first_steps=args.first_steps, context_steps=args.context_steps)
 
 
 def simulate(w: Workload, budgets: list[int], args) -> dict:
@@ -465,6 +465,9 @@ def parse_args(argv):
                          "what the sessions in progress expect next (the previous rule)")
     ap.add_argument("--order", type=int, default=2, choices=(1, 2),
                     help="speculation: transition model context (1 = last step, 2 = last two, backing off to 1)")
+    ap.add_argument("--context-steps", type=int, default=SpeculationSettings.context_steps,
+                    help="speculation: the session's steps so far as a context, for sessions of up to this "
+                         "many distinct steps (0 = off: the last two steps only)")
     ap.add_argument("--k", type=int, default=2, help="speculation: next adapters considered per step")
     ap.add_argument("--min-p", type=float, default=0.35, help="speculation: least probability worth a load")
     ap.add_argument("--first-steps", type=int, default=SpeculationSettings.first_steps,

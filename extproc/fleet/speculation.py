@@ -121,7 +121,7 @@ class SpeculationPlanner:
         self.load_grace_s = load_grace_s  # a prefetch not yet in the pool is in flight this long
         self.hold_s = hold_s  # the longest a bet waits for the demand load of the request that planned it
         self.held = 0  # bets planned behind a demand load (``PrefetchSignal.yields_to``)
-        self.model = TransitionModel(order=settings.order, min_support=settings.min_support)
+        self.model = settings.transition_model()
         self.ledger = PredictionLedger()
         self.speculators: dict[str, Speculator] = {}
         self._slots = dict(slots or {})

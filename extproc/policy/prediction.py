@@ -210,6 +210,7 @@ class TransitionModel:
         min_support: float = 3.0,
         order: int = 2,
         max_rows: int = 4096,
+        context_steps: int = 12,
     ) -> None:
         """``order=2``: also count ``(before, adapter) -> next`` (the two latest steps of a
         session), used when it has ``min_support`` observations; ``predict_next`` backs off
@@ -218,9 +219,20 @@ class TransitionModel:
 
         ``max_rows``: rows per tenant (and in the all-tenant model) that ``load_state``
         keeps, strongest first. ``observe`` needs no such cap: it only creates rows for
-        adapters the gateway serves, so the catalog bounds them."""
+        adapters the gateway serves, so the catalog bounds them.
+
+        ``context_steps``: also count, per tenant, ``the session's steps so far -> next``
+        (a repeated step written once) for sessions of at most that many distinct steps
+        (0: off). ``predict_session`` uses that row when it has ``min_support``
+        observations: it tells two workflows apart where their last two steps agree (code
+        -> sql -> code in one, sql -> code -> review in the other), and where a workflow
+        ends its steps have no successor. Bounded: ``max_rows`` such rows per tenant,
+        least recently counted first out."""
         if order not in (1, 2):
             raise ValueError(f"order must be 1 or 2, got {order}")
+        if context_steps < 0:
+            raise ValueError(f"context_steps must be >= 0, got {context_steps}")
+        self.context_steps = context_steps
         self.order = order
         self.max_sessions = max_sessions
         self.max_tenants = max_tenants
@@ -232,6 +244,9 @@ class TransitionModel:
         self._before: dict[tuple[Hashable, Hashable], Hashable] = {}  # the step before the last (order 2)
         self._tenants: OrderedDict[Hashable, dict[Hashable, _Row]] = OrderedDict()
         self._global: dict[Hashable, _Row] = {}
+        # a session's distinct steps so far (context_steps); None once it has more
+        self._steps: dict[tuple[Hashable, Hashable], tuple | None] = {}
+        self._contexts: OrderedDict[Hashable, OrderedDict[tuple, _Row]] = OrderedDict()
 
     def observe(self, tenant: Hashable, session: Hashable, adapter: Hashable) -> Hashable | None:
         """A session step: learn ``previous -> adapter``; returns the previous adapter or None."""
@@ -243,9 +258,12 @@ class TransitionModel:
         last.move_to_end(key)
         if prev is not None and self.order == 2:
             self._before[key] = prev
+        if self.context_steps:
+            self._count_context(tenant, key, adapter)
         if len(last) > self.max_sessions:
             gone, _ = last.popitem(last=False)
             self._before.pop(gone, None)
+            self._steps.pop(gone, None)
         if prev is not None:
             rows = self._tenants.get(tenant)
             if rows is None:
@@ -260,6 +278,27 @@ class TransitionModel:
                 self._count(rows, (before, prev), adapter)
                 self._count(self._global, (before, prev), adapter)
         return prev
+
+    def _count_context(self, tenant: Hashable, key: tuple[Hashable, Hashable], adapter: Hashable) -> None:
+        """``steps so far -> adapter`` for the session ``key``, then ``adapter`` joins its steps."""
+        steps = self._steps.get(key, ())
+        if steps is None:
+            return  # longer than context_steps: the order-2 and order-1 rows speak for it
+        if steps:
+            rows = self._contexts.get(tenant)
+            if rows is None:
+                rows = self._contexts[tenant] = OrderedDict()
+                if len(self._contexts) > self.max_tenants:
+                    self._contexts.popitem(last=False)
+            else:
+                self._contexts.move_to_end(tenant)
+            self._count(rows, steps, adapter)
+            rows.move_to_end(steps)
+            if len(rows) > self.max_rows:
+                rows.popitem(last=False)
+        if not steps or steps[-1] != adapter:
+            steps = steps + (adapter,) if len(steps) < self.context_steps else None
+        self._steps[key] = steps
 
     def _count(self, rows: dict[Hashable, _Row], prev: Hashable, nxt: Hashable) -> None:
         row = rows.get(prev)
@@ -310,6 +349,24 @@ class TransitionModel:
         ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:k]
         return [(a, c / total) for a, c in ranked]
 
+    def predict_session(self, tenant: Hashable, session: Hashable, k: int = 2) -> list[tuple[Hashable, float]]:
+        """The ``k`` likeliest next adapters of the session (tenant, session) after its last
+        observed step: from the tenant's row for the session's steps so far when it has
+        ``min_support`` observations (``context_steps``), else ``predict_next`` of its
+        last step (and the one before it). Empty for a session never observed."""
+        key = (tenant, session)
+        last = self._last.get(key)
+        if last is None:
+            return []
+        steps = self._steps.get(key) if self.context_steps else None
+        if steps:
+            rows = self._contexts.get(tenant)
+            row = rows.get(steps) if rows is not None else None
+            if row is not None and row.total >= self.min_support and row.total > 0.0:
+                ranked = sorted(row.counts.items(), key=lambda kv: -kv[1])[:k]
+                return [(a, c / row.total) for a, c in ranked]
+        return self.predict_next(tenant, last, k, before=self._before.get(key))
+
     def last_adapter(self, tenant: Hashable, session: Hashable) -> Hashable | None:
         return self._last.get((tenant, session))
 
@@ -325,7 +382,9 @@ class TransitionModel:
     def to_state(self, *, row_budget: int | None = None) -> dict:
         """The learned counts as plain JSON data (no session state: ``_last``/``_before``).
 
-        ``{"version": 1, "order": 1|2, "global": ROWS, "tenants": [{"tenant": t, "rows": ROWS}]}``
+        ``{"version": 1, "order": 1|2, "global": ROWS, "tenants": [{"tenant": t, "rows": ROWS,
+        "contexts": CONTEXTS}]}`` (``contexts``, optional: the ``context_steps`` rows, ``after``
+        a list of the session's steps so far)
         with ``ROWS = [{"after": a | [before, a], "next": [[b, count], ...]}]``: a pair key is
         a 2-element list, never a joined string (a name may contain any separator); lists
         keep the order of tenants (least recently used first) and of successors (ties in
@@ -344,7 +403,12 @@ class TransitionModel:
                 break
             rows = self._rows_state(self._tenants[tenant], budget)
             budget -= len(rows)
-            tenants.append({"tenant": self._state_name(tenant), "rows": rows})
+            item = {"tenant": self._state_name(tenant), "rows": rows}
+            contexts = self._contexts.get(tenant)
+            if contexts and budget > 0:
+                item["contexts"] = self._contexts_state(contexts, budget)
+                budget -= len(item["contexts"])
+            tenants.append(item)
         tenants.reverse()
         return {"version": self.STATE_VERSION, "order": self.order, "global": glob, "tenants": tenants}
 
@@ -356,6 +420,34 @@ class TransitionModel:
             keys = sorted(keys, key=lambda k: -rows[k].total)[:int(budget)]
         return [{"after": [name(k[0]), name(k[1])] if isinstance(k, tuple) else name(k),
                  "next": [[name(b), c] for b, c in rows[k].counts.items()]} for k in keys]
+
+    @staticmethod
+    def _contexts_state(rows: dict[tuple, _Row], budget: float) -> list[dict]:
+        name = TransitionModel._state_name
+        keys = list(rows)
+        if len(keys) > budget:
+            keys = sorted(keys, key=lambda k: -rows[k].total)[:int(budget)]
+        return [{"after": [name(a) for a in k], "next": [[name(b), c] for b, c in rows[k].counts.items()]}
+                for k in keys]
+
+    def _contexts_from(self, raw: object) -> OrderedDict[tuple, _Row]:
+        out: OrderedDict[tuple, _Row] = OrderedDict()
+        if not isinstance(raw, list) or not self.context_steps:
+            return out
+        for item in raw:
+            if not isinstance(item, dict):
+                continue
+            after = item.get("after")
+            if not (isinstance(after, list) and 0 < len(after) <= self.context_steps
+                    and all(self._valid_name(a) for a in after)):
+                continue
+            row = self._row_from(item.get("next"))
+            if row is not None:
+                out[tuple(after)] = row
+        if len(out) > self.max_rows:
+            keep = set(sorted(out, key=lambda k: -out[k].total)[:max(self.max_rows, 0)])
+            out = OrderedDict((k, r) for k, r in out.items() if k in keep)
+        return out
 
     @classmethod
     def from_state(cls, state: object, **kwargs) -> "TransitionModel":
@@ -387,6 +479,7 @@ class TransitionModel:
             raise ValueError("transition state: 'global' and 'tenants' must be lists")
         new_global = self._rows_from(glob)
         new_tenants: OrderedDict[Hashable, dict[Hashable, _Row]] = OrderedDict()
+        new_contexts: OrderedDict[Hashable, OrderedDict[tuple, _Row]] = OrderedDict()
         for item in tenants[-self.max_tenants:] if self.max_tenants > 0 else ():
             if not isinstance(item, dict) or not self._valid_name(item.get("tenant")):
                 continue
@@ -394,8 +487,13 @@ class TransitionModel:
             if rows:
                 new_tenants.pop(item["tenant"], None)  # a repeated tenant: the later entry wins
                 new_tenants[item["tenant"]] = rows
-        self._global, self._tenants = new_global, new_tenants
-        return len(new_global) + sum(len(r) for r in new_tenants.values())
+                contexts = self._contexts_from(item.get("contexts"))
+                new_contexts.pop(item["tenant"], None)
+                if contexts:
+                    new_contexts[item["tenant"]] = contexts
+        self._global, self._tenants, self._contexts = new_global, new_tenants, new_contexts
+        return (len(new_global) + sum(len(r) for r in new_tenants.values())
+                + sum(len(r) for r in new_contexts.values()))
 
     def _rows_from(self, raw: object) -> dict[Hashable, _Row]:
         if not isinstance(raw, list):

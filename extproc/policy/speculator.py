@@ -77,7 +77,12 @@ class SpeculationSettings:
     lookahead: int = 1  # 2: also offer the step after the next (P(b) x P(c | b)) when at least min_p
     working_set: int = 2  # SessionDemand also expects the session's last N other adapters back (0 = off)
     min_support: float = 2.0  # observations a tenant's transition row needs before it is trusted over all tenants'
+    context_steps: int = 12  # the session's steps so far as a context, up to this many distinct steps (0 = off)
     opener_min_p: float | None = None  # least use probability of a session opener worth a load (None: min_p)
+
+    def transition_model(self) -> TransitionModel:
+        """A new transition model with these settings (the one place they are passed on)."""
+        return TransitionModel(order=self.order, min_support=self.min_support, context_steps=self.context_steps)
 
 
 @dataclass(frozen=True)
@@ -125,8 +130,7 @@ class Speculator:
         self.first_steps = first_steps if first_steps is not None else FirstSteps(
             settings.half_life_s, idle_timeout_s=settings.idle_timeout_s)
         self.cache = AdapterCache(capacity)
-        self.model = model if model is not None else TransitionModel(order=settings.order,
-                                                                     min_support=settings.min_support)
+        self.model = model if model is not None else settings.transition_model()
         self.popularity = DecayedPopularity(half_life_s=settings.half_life_s)
         self.ledger = ledger if ledger is not None else PredictionLedger()
         self.pace = pace if pace is not None else StepPace(settings.horizon_s)
@@ -190,7 +194,7 @@ class Speculator:
         self.ledger.resolve(tenant, session, adapter)
         self.model.observe(tenant, session, adapter)
         st = self.settings
-        predicted = self.model.predict_next(tenant, adapter, st.k, before=self.model.previous(tenant, session))
+        predicted = self.model.predict_session(tenant, session, st.k)
         if st.session_demand:
             self.expected.step(tenant, session, adapter)
             self.expected.expect(tenant, session, predicted, now if now is not None else self._now)

@@ -180,6 +180,74 @@ def test_order_one_keeps_no_pairs():
         TransitionModel(order=3)
 
 
+# ---------------------------------------------------------------- the session's steps so far
+
+def _two_workflows(m, sessions=3):
+    """W1 = a b a c and W2 = b a b d: after (b, a) W1 goes on to c and W2 to b, after (a, b)
+    W1 to a and W2 to d, so the last two steps cannot tell them apart; their openers can."""
+    for i in range(sessions):
+        for a in "abac":
+            m.observe("t", f"w1-{i}", a)
+        for a in "babd":
+            m.observe("t", f"w2-{i}", a)
+
+
+def test_the_sessions_steps_so_far_tell_apart_workflows_that_the_last_two_steps_cannot():
+    m = TransitionModel(order=2, min_support=2)
+    _two_workflows(m)
+    assert dict(m.predict_next("t", "a", 2, before="b")) == {"c": 0.5, "b": 0.5}   # order 2: a coin
+    for a in "aba":
+        m.observe("t", "new1", a)
+    for a in "bab":
+        m.observe("t", "new2", a)
+    assert m.predict_session("t", "new1", 2) == [("c", 1.0)]
+    assert m.predict_session("t", "new2", 2) == [("d", 1.0)]
+    # a session's first step: the row of sessions that opened with it
+    m.observe("t", "new3", "b")
+    assert m.predict_session("t", "new3", 1) == [("a", 1.0)]
+    assert m.predict_session("t", "never-seen", 2) == []
+
+
+def test_a_context_is_trusted_after_min_support_sessions_and_otherwise_the_order_two_row_speaks():
+    m = TransitionModel(order=2, min_support=2)
+    _two_workflows(m, sessions=1)      # each context seen once
+    for a in "aba":
+        m.observe("t", "new", a)
+    assert m.predict_session("t", "new", 2) == m.predict_next("t", "a", 2, before="b")
+    off = TransitionModel(order=2, min_support=2, context_steps=0)
+    _two_workflows(off)
+    for a in "aba":
+        off.observe("t", "new", a)
+    assert off.predict_session("t", "new", 2) == off.predict_next("t", "a", 2, before="b")
+    assert off._contexts == {} and off._steps == {}
+
+
+def test_a_repeated_step_is_written_once_and_long_sessions_fall_back():
+    m = TransitionModel(order=2, min_support=1, context_steps=3)
+    for a in "aabac":
+        m.observe("t", "s1", a)
+    # (a,) saw a (the repeat) and b; (a, b) saw a; (a, b, a) saw c
+    rows = m._contexts["t"]
+    assert {k: dict(r.counts) for k, r in rows.items()} == {
+        ("a",): {"a": 1.0, "b": 1.0}, ("a", "b"): {"a": 1.0}, ("a", "b", "a"): {"c": 1.0}}
+    assert m._steps[("t", "s1")] is None          # a fourth distinct step: past context_steps
+    m.observe("t", "s1", "d")
+    assert len(rows) == 3                          # nothing more counted for it
+    assert m.predict_session("t", "s1", 2) == m.predict_next("t", "d", 2, before="c")
+    with pytest.raises(ValueError):
+        TransitionModel(context_steps=-1)
+
+
+def test_contexts_and_the_sessions_steps_are_bounded():
+    m = TransitionModel(order=2, min_support=1, max_rows=4, max_sessions=10)
+    for i in range(50):
+        m.observe("t", f"s{i}", f"x{i}")
+        m.observe("t", f"s{i}", "y")
+    assert len(m._contexts["t"]) == 4
+    assert list(m._contexts["t"]) == [(f"x{i}",) for i in range(46, 50)]   # the latest counted
+    assert len(m._steps) <= 10 and len(m._last) <= 10
+
+
 # ---------------------------------------------------------------- persistence
 
 def _trained(order):
@@ -213,6 +281,31 @@ def test_state_round_trips_through_json_with_the_same_predictions(order):
     assert back.observe("medco", "m0", "notes") is None
 
 
+def test_contexts_survive_a_restart_and_hostile_ones_are_skipped():
+    m = TransitionModel(order=2, min_support=2)
+    _two_workflows(m)
+    state = json.loads(json.dumps(m.to_state()))
+    assert {tuple(r["after"]) for r in state["tenants"][0]["contexts"]} >= {("a", "b", "a"), ("b", "a", "b")}
+    back = TransitionModel.from_state(state, min_support=2)
+    assert back.to_state() == m.to_state()
+    for model in (m, back):
+        for a in "bab":
+            model.observe("t", "after-restart", a)
+    assert back.predict_session("t", "after-restart", 2) == m.predict_session("t", "after-restart", 2) \
+        == [("d", 1.0)]
+    hostile = {"version": 1, "global": [], "tenants": [{"tenant": "t", "rows": [_row("a", ("b", 3))], "contexts": [
+        _row(["a"] * 13, ("b", 3)),                 # longer than context_steps
+        _row([], ("b", 3)), _row("a", ("b", 3)), _row(["a", 1], ("b", 3)), _row(["x" * 257], ("b", 3)),
+        _row(["a", "b"], ("c", -1)), {"after": ["a"]}, "row", None,
+        _row(["a", "b"], ("c", 2), ("d", 1)),       # the one valid row
+    ]}, {"tenant": "u", "rows": [], "contexts": [_row(["a"], ("b", 3))]}]}   # no rows: dropped
+    m2 = TransitionModel(min_support=1)
+    assert m2.load_state(hostile) == 2
+    assert {k: dict(r.counts) for k, r in m2._contexts["t"].items()} == {("a", "b"): {"c": 2.0, "d": 1.0}}
+    assert "u" not in m2._contexts
+    assert TransitionModel(context_steps=0).load_state(hostile) == 1   # contexts off: none kept
+
+
 def test_pair_keys_stay_apart_whatever_the_names_contain():
     m = TransitionModel(order=2, min_support=1)
     for before, after, nxt in (("a|b", "c", "x"), ("a", "b|c", "y"), ("a,b", "c", "z"), ('["a"', '"b"]', "w")):
@@ -233,7 +326,8 @@ def test_an_order_one_model_skips_pair_rows_and_load_state_replaces_the_counts()
     m.observe("old", "s", "y")
     n = m.load_state(state)
     assert n == sum(1 for r in state["global"] if isinstance(r["after"], str)) + sum(
-        1 for t in state["tenants"] for r in t["rows"] if isinstance(r["after"], str))
+        1 for t in state["tenants"] for r in t["rows"] if isinstance(r["after"], str)) + sum(
+        len(t.get("contexts", ())) for t in state["tenants"])
     assert "old" not in m._tenants and m.last_adapter("old", "s") == "y"  # sessions untouched
     assert m.predict_next("acme", "code", 1) == _trained(1).predict_next("acme", "code", 1)
 
@@ -307,7 +401,7 @@ def test_random_garbage_loads_or_is_rejected_and_stays_bounded():
             return [rng.choice(["a", "b", "c", ["a", "b"]]), rng.choice([3, -1, "q", 1e9])]
         if r < 0.85:
             return {"after": rng.choice(["a", ["a", "b"], 1, None]), "next": junk(depth + 1)}
-        return {"tenant": rng.choice(["t", "u", 1]), "rows": junk(depth + 1)}
+        return {"tenant": rng.choice(["t", "u", 1]), "rows": junk(depth + 1), "contexts": junk(depth + 1)}
 
     for _ in range(500):
         state = {"version": 1, "global": junk(0), "tenants": junk(0)}
@@ -316,8 +410,8 @@ def test_random_garbage_loads_or_is_rejected_and_stays_bounded():
             m.load_state(state)
         except ValueError:
             continue
-        assert len(m._tenants) <= 3
-        for rows in (m._global, *m._tenants.values()):
+        assert len(m._tenants) <= 3 and set(m._contexts) <= set(m._tenants)
+        for rows in (m._global, *m._tenants.values(), *m._contexts.values()):
             assert len(rows) <= 4
             for row in rows.values():
                 assert 0 < row.total <= m.halve_at and len(row.counts) <= 2
