@@ -3,9 +3,11 @@
 Four small pieces, all plain Python and bounded in memory:
 
 - ``TransitionModel``: per tenant, counts of "adapter A was followed by adapter B in the
-  same session", learned online from traffic (agentic workflows such as code -> review ->
-  sql). ``predict_next(tenant, adapter, k)`` returns the k likeliest next adapters with
-  their empirical probabilities; a tenant with too little history (a new tenant: churn)
+  same session" (and of what followed the last two steps, and the session's steps so far),
+  learned online from traffic (agentic workflows such as code -> review -> sql).
+  ``predict_session(tenant, session, k)`` (and ``predict_next(tenant, adapter, k)``)
+  return the k likeliest next adapters with their empirical probabilities; a tenant with
+  too little history (a new tenant: churn)
   falls back to the model learned over all tenants. Counts age (halved when a row grows
   past ``halve_at``) so a changed workflow is relearned.
 - ``DecayedPopularity``: an exponentially decayed request rate per adapter (half-life
@@ -198,7 +200,8 @@ class _Row:
 
 
 class TransitionModel:
-    """Online per-tenant first-order model of adapter transitions within sessions."""
+    """Online per-tenant model of adapter transitions within sessions: the last step, the
+    last two, and the session's steps so far (``context_steps``)."""
 
     def __init__(
         self,
@@ -224,10 +227,9 @@ class TransitionModel:
         ``context_steps``: also count, per tenant, ``the session's steps so far -> next``
         (a repeated step written once) for sessions of at most that many distinct steps
         (0: off). ``predict_session`` uses that row when it has ``min_support``
-        observations: it tells two workflows apart where their last two steps agree (code
-        -> sql -> code in one, sql -> code -> review in the other), and where a workflow
-        ends its steps have no successor. Bounded: ``max_rows`` such rows per tenant,
-        least recently counted first out."""
+        observations: it tells two workflows apart where their last two steps agree (after
+        sql -> code, one workflow goes on to review, another, which opened with code, to
+        sql). Bounded: ``max_rows`` such rows per tenant, least recently counted first out."""
         if order not in (1, 2):
             raise ValueError(f"order must be 1 or 2, got {order}")
         if context_steps < 0:
@@ -380,7 +382,7 @@ class TransitionModel:
     MAX_NAME = 256  # characters of a tenant or adapter name read back from a state
 
     def to_state(self, *, row_budget: int | None = None) -> dict:
-        """The learned counts as plain JSON data (no session state: ``_last``/``_before``).
+        """The learned counts as plain JSON data (no session state: ``_last``, ``_before``, ``_steps``).
 
         ``{"version": 1, "order": 1|2, "global": ROWS, "tenants": [{"tenant": t, "rows": ROWS,
         "contexts": CONTEXTS}]}`` (``contexts``, optional: the ``context_steps`` rows, ``after``
