@@ -408,7 +408,7 @@ class TransitionModel:
             item = {"tenant": self._state_name(tenant), "rows": rows}
             contexts = self._contexts.get(tenant)
             if contexts and budget > 0:
-                item["contexts"] = self._contexts_state(contexts, budget)
+                item["contexts"] = self._rows_state(contexts, budget)
                 budget -= len(item["contexts"])
             tenants.append(item)
         tenants.reverse()
@@ -420,36 +420,28 @@ class TransitionModel:
         keys: list[Hashable] = list(rows)
         if len(keys) > budget:
             keys = sorted(keys, key=lambda k: -rows[k].total)[:int(budget)]
-        return [{"after": [name(k[0]), name(k[1])] if isinstance(k, tuple) else name(k),
+        return [{"after": [name(a) for a in k] if isinstance(k, tuple) else name(k),
                  "next": [[name(b), c] for b, c in rows[k].counts.items()]} for k in keys]
 
-    @staticmethod
-    def _contexts_state(rows: dict[tuple, _Row], budget: float) -> list[dict]:
-        name = TransitionModel._state_name
-        keys = list(rows)
-        if len(keys) > budget:
-            keys = sorted(keys, key=lambda k: -rows[k].total)[:int(budget)]
-        return [{"after": [name(a) for a in k], "next": [[name(b), c] for b, c in rows[k].counts.items()]}
-                for k in keys]
-
     def _contexts_from(self, raw: object) -> OrderedDict[tuple, _Row]:
-        out: OrderedDict[tuple, _Row] = OrderedDict()
-        if not isinstance(raw, list) or not self.context_steps:
-            return out
-        for item in raw:
-            if not isinstance(item, dict):
-                continue
-            after = item.get("after")
-            if not (isinstance(after, list) and 0 < len(after) <= self.context_steps
-                    and all(self._valid_name(a) for a in after)):
-                continue
-            row = self._row_from(item.get("next"))
-            if row is not None:
-                out[tuple(after)] = row
-        if len(out) > self.max_rows:
-            keep = set(sorted(out, key=lambda k: -out[k].total)[:max(self.max_rows, 0)])
-            out = OrderedDict((k, r) for k, r in out.items() if k in keep)
-        return out
+        if not self.context_steps:
+            return OrderedDict()
+        return OrderedDict(self._rows_from(raw, self._context_key))
+
+    def _context_key(self, after: object) -> Hashable | None:
+        """A context row's key: 1-``context_steps`` valid names."""
+        if (isinstance(after, list) and 0 < len(after) <= self.context_steps
+                and all(self._valid_name(a) for a in after)):
+            return tuple(after)
+        return None
+
+    def _pair_key(self, after: object) -> Hashable | None:
+        """A transition row's key: a name, or (order 2) ``[before, name]``."""
+        if isinstance(after, list):
+            if self.order != 2 or len(after) != 2 or not all(self._valid_name(a) for a in after):
+                return None
+            return (after[0], after[1])
+        return after if self._valid_name(after) else None
 
     @classmethod
     def from_state(cls, state: object, **kwargs) -> "TransitionModel":
@@ -497,21 +489,18 @@ class TransitionModel:
         return (len(new_global) + sum(len(r) for r in new_tenants.values())
                 + sum(len(r) for r in new_contexts.values()))
 
-    def _rows_from(self, raw: object) -> dict[Hashable, _Row]:
+    def _rows_from(self, raw: object, key_of=None) -> dict[Hashable, _Row]:
+        """Rows of a state list, keyed by ``key_of(after)`` (default ``_pair_key``; None
+        skips the row), the ``max_rows`` strongest kept."""
         if not isinstance(raw, list):
             return {}
+        key_of = key_of or self._pair_key
         rows: dict[Hashable, _Row] = {}
         for item in raw:
             if not isinstance(item, dict):
                 continue
-            after = item.get("after")
-            if isinstance(after, list):
-                if self.order != 2 or len(after) != 2 or not all(self._valid_name(a) for a in after):
-                    continue
-                key: Hashable = (after[0], after[1])
-            elif self._valid_name(after):
-                key = after
-            else:
+            key = key_of(item.get("after"))
+            if key is None:
                 continue
             row = self._row_from(item.get("next"))
             if row is not None:
