@@ -757,7 +757,8 @@ def replay_order(hosts_list: Sequence[int], arms: Sequence[str], replays: int = 
 def pooled_entry(done: Sequence[Mapping]) -> dict:
     """``replays`` (each replay's ``order``, hit ratio, errors, stall and TTFT percentiles)
     and ``pooled`` (the percentiles over every replay's rows, the hit ratio over all of
-    them, errors summed) for one arm replayed ``len(done)`` times."""
+    them, errors summed, each replay's load generator CPU seconds: ``client_cpu_s``, the
+    machine's pace, ``bench.report.machine_pace``) for one arm replayed ``len(done)`` times."""
     ok = [r for d in done for r in ok_rows(d["rows"])]
     entries = [d["entry"] for d in done]
     total = sum(e["total"] for e in entries)
@@ -766,6 +767,7 @@ def pooled_entry(done: Sequence[Mapping]) -> dict:
                      "errors": d["entry"]["errors"], "stall_ms": d["entry"]["stall_ms"],
                      "ttft_ms": d["entry"]["ttft_ms"]} for d in done],
         "pooled": {"replays": len(done), "requests": len(ok), "errors": sum(e["errors"] for e in entries),
+                   "client_cpu_s": [(e.get("process_cpu_s") or {}).get("client") for e in entries],
                    "effective_hit_ratio": sum(e["effective_hits"] for e in entries) / total if total else None,
                    "stall_ms": percentiles(r["wait_ms"] for r in ok),
                    "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None)},

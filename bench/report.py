@@ -395,6 +395,35 @@ def compared(entry: Mapping) -> Mapping:
     return {**entry, "errors": pooled["errors"], "stall_ms": pooled["stall_ms"], "ttft_ms": pooled["ttft_ms"]}
 
 
+def client_cpu_s(entry: Mapping) -> list[float]:
+    """The load generator's CPU seconds in each run of one arm (``process_cpu_s["client"]``;
+    each replay's, ``pooled.client_cpu_s``, where the arm was replayed); empty where not measured."""
+    replays = (entry.get("pooled") or {}).get("client_cpu_s")
+    if replays is None:
+        replays = [(entry.get("process_cpu_s") or {}).get("client")]
+    return [v for v in replays if v is not None]
+
+
+def machine_pace(entries: Mapping[str, Mapping]) -> dict | None:
+    """How fast the machine ran during each arm's runs, from work that is the same in every
+    run: the load generator sends the same requests and reads the same streamed answers
+    whatever the arm, so its CPU seconds grow only when the machine is slower (other tenants
+    of the box, frequency, cache pressure) and time-based figures (TTFT above all) with them.
+    ``runs``: per arm, each run's client CPU seconds over the fleet's least;
+    ``ace_over_affinity``: the ratio of the two arms' means (1.10: the machine was 10%
+    slower during ace's runs); None where the client's CPU was not measured."""
+    runs = {arm: client_cpu_s(e) for arm, e in entries.items()}
+    least = min((v for vs in runs.values() for v in vs if v > 0), default=None)
+    if least is None:
+        return None
+    out: dict = {"measure": "load generator CPU seconds per run over the fleet's least (same work in every run)",
+                 "runs": {arm: [round(v / least, 3) for v in vs] for arm, vs in runs.items() if vs}}
+    ace, aff = runs.get("ace"), runs.get("affinity")
+    if ace and aff:
+        out["ace_over_affinity"] = round((sum(ace) / len(ace)) / (sum(aff) / len(aff)), 3)
+    return out
+
+
 def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "800") -> dict:
     """What the report can check about itself: per fleet, ``ace`` against ``affinity`` at
     every stall and TTFT percentile, errors per arm; for 4 hosts, the scenario's targets
@@ -415,6 +444,9 @@ def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "8
                 for metric in ("stall_ms", "ttft_ms")}
             c["ace_no_worse_everywhere"] = all(
                 v is not False for m in c["ace_no_worse_than_affinity"].values() for v in m.values())
+        pace = machine_pace(entries)
+        if pace is not None:
+            c["machine_pace"] = pace
         if aff and aff.get("engine_busy"):
             busiest = max(aff["engine_busy"].values())
             c["affinity_busiest_engine_busy"] = busiest

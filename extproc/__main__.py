@@ -85,11 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             from extproc.fleet.agent_link import AgentLink
             from extproc.fleet.speculation import (GatewaySpeculation, PopularityFile, SpeculationPlanner,
                                                   route_by_policy)
+            from extproc.policy.speculator import SpeculationSettings
             link = AgentLink(agents, token=os.environ.get("ACE_AGENT_TOKEN") or None,
                              tls=settings.agent_tls(), queue_size=settings.prefetch_queue).start()
             popularity = PopularityFile(popularity_path(settings.db))
             _, slots = popularity.load()
-            planner = SpeculationPlanner(route=route_by_policy(route), slots=slots, hold_s=settings.prefetch_hold_s)
+            planner = SpeculationPlanner(SpeculationSettings(context_steps=settings.prediction_context_steps),
+                                         route=route_by_policy(route), slots=slots, hold_s=settings.prefetch_hold_s)
             speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity,
                                              fill=settings.startup_fill == "on").start()
             link.on_refused = speculation.refused

@@ -44,6 +44,9 @@ _HELP = {
                        "waits for that load to land on its host (the residency stream says so), at most "
                        "this many seconds, so it never competes with the load a request waits for "
                        "(docs/prediction.md, \"Bets wait for the demand load\"); 0: sent at once",
+    "prediction_context_steps": "prediction also counts, per tenant, a session's distinct adapters so far "
+                                "-> its next one, for sessions of up to this many steps (docs/prediction.md, "
+                                "\"Prediction\"); 0: only the last two steps",
     "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
     "server": "gRPC server flavour: h2 (default: gRPC on a bare asyncio HTTP/2 loop, fewest "
               "syscalls, see docs/gateway.md), aio (grpc.aio) or threads (grpc thread pool)",
@@ -118,6 +121,7 @@ class Settings:
     prefetch_queue: int = 1024
     startup_fill: str = "on"
     prefetch_hold_s: float = 0.5    # extproc.fleet.speculation.HOLD_S (not imported: it pulls in the planner)
+    prediction_context_steps: int = 12  # extproc.policy.speculator.SpeculationSettings.context_steps
     log_level: str = "INFO"
     server: str = "h2"
     h2_max_streams: int = 4096      # extproc.transport.h2server.MAX_STREAMS (not imported: it pulls in grpc)
@@ -161,6 +165,8 @@ class Settings:
             raise ConfigError(f"--startup-fill must be on or off, got {self.startup_fill!r}")
         if not 0 <= self.prefetch_hold_s <= 60:   # NaN fails both comparisons
             raise ConfigError(f"--prefetch-hold-s must be in 0..60 seconds, got {self.prefetch_hold_s!r}")
+        if not 0 <= self.prediction_context_steps <= 64:
+            raise ConfigError(f"--prediction-context-steps must be in 0..64, got {self.prediction_context_steps}")
         if self.workers < 1 or self.prefetch_queue < 1:
             raise ConfigError("--workers and --prefetch-queue must be positive")
         if not 1 <= self.h2_max_streams <= (1 << 31) - 1:
@@ -264,6 +270,7 @@ class Settings:
                        routing_policy=ns["routing_policy"] or None,
                        prefetch_queue=int(ns["prefetch_queue"]), startup_fill=str(ns["startup_fill"]).lower(),
                        prefetch_hold_s=float(ns["prefetch_hold_s"]),
+                       prediction_context_steps=int(ns["prediction_context_steps"]),
                        log_level=str(ns["log_level"]),
                        server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]),
                        **{name: Path(ns[name]) if ns[name] else None

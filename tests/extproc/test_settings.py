@@ -22,7 +22,9 @@ def test_flags_beat_env_beat_file(tmp_path, state_file, monkeypatch):
                                   ["--drain-handover-s", "soon"], ["--gil-switch-ms", "-1"],
                                   ["--gil-switch-ms", "101"], ["--gil-switch-ms", "nan"],
                                   ["--prefetch-hold-s", "-0.1"], ["--prefetch-hold-s", "61"],
-                                  ["--prefetch-hold-s", "nan"], ["--prefetch-hold-s", "soon"]])
+                                  ["--prefetch-hold-s", "nan"], ["--prefetch-hold-s", "soon"],
+                                  ["--prediction-context-steps", "-1"], ["--prediction-context-steps", "65"],
+                                  ["--prediction-context-steps", "many"]])
 def test_invalid_settings_are_config_errors(state_file, args):
     with pytest.raises(ConfigError):
         Settings.from_args(["--config", str(state_file), *args])
@@ -43,6 +45,8 @@ def test_a_bet_waits_half_a_second_at_most_for_its_requests_load_by_default(stat
 def test_the_request_path_waits_half_a_millisecond_at_most_for_the_gil_by_default(state_file):
     assert Settings.from_args(["--config", str(state_file)]).gil_switch_ms == 0.5
     assert Settings.from_args(["--config", str(state_file), "--gil-switch-ms", "0"]).gil_switch_ms == 0.0
+    assert Settings.from_args(["--config", str(state_file)]).prediction_context_steps == 12
+    assert Settings.from_args(["--config", str(state_file), "--prediction-context-steps", "0"]).prediction_context_steps == 0
 
 
 def test_the_state_database_is_the_postgres_url_when_set_else_the_sqlite_file(tmp_path, state_file, monkeypatch):
