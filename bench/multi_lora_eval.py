@@ -105,6 +105,7 @@ import yaml
 
 from bench.bounds import fleet_bounds, miss_causes
 from bench import cores, proc_cpu
+from bench.pace import pace_probe, read_probe
 from bench.pacing import engine_seconds, pilot_compute_s, replay_speed
 from bench.report import build_report, fleet_checks, fleet_entry, format_fleets, format_report, percentiles, \
     ttft_breakdown
@@ -669,7 +670,9 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                 cpu_before = proc_cpu.snapshot()
                 gc_before, lag_before = await pauses_of(st)
                 t0 = time.monotonic()
-                rows, client_lag = await replay(requests, st, run_speed, closed_loop=not args.open_loop, label=label)
+                with pace_probe(run_dir / "pace.txt", args.cpus[1] if args.cpus else None):
+                    rows, client_lag = await replay(requests, st, run_speed, closed_loop=not args.open_loop,
+                                                    label=label)
                 elapsed = time.monotonic() - t0
                 cpu = proc_cpu.account(cpu_before, proc_cpu.snapshot())
                 gc_after, lag_after = await pauses_of(st)
@@ -715,6 +718,7 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                "rows_by_tier": dict(sorted(Counter(r["tier"] for r in ok).items())),
                "speculation": counters or None, "gateway_overhead_ms": overhead,
                "speed": speed, "engine_busy": busy, "engine_load_busy": load_busy, "process_cpu_s": cpu,
+               "pace_probe_ms": read_probe(run_dir / "pace.txt"),
                "gc_pauses": gc_replay, "loop_lag": loop_lag["agents"], "gateway_loop_lag": loop_lag["gateway"],
                "client_loop_lag": loop_lag["client"],
                "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool),
@@ -757,8 +761,9 @@ def replay_order(hosts_list: Sequence[int], arms: Sequence[str], replays: int = 
 def pooled_entry(done: Sequence[Mapping]) -> dict:
     """``replays`` (each replay's ``order``, hit ratio, errors, stall and TTFT percentiles)
     and ``pooled`` (the percentiles over every replay's rows, the hit ratio over all of
-    them, errors summed, each replay's load generator CPU seconds: ``client_cpu_s``, the
-    machine's pace, ``bench.report.machine_pace``) for one arm replayed ``len(done)`` times."""
+    them, errors summed, each replay's load generator CPU seconds, ``client_cpu_s``, and
+    its pace probe's median, ``pace_probe_ms``: the machine's pace, ``bench.report.
+    machine_pace``) for one arm replayed ``len(done)`` times."""
     ok = [r for d in done for r in ok_rows(d["rows"])]
     entries = [d["entry"] for d in done]
     total = sum(e["total"] for e in entries)
@@ -768,6 +773,7 @@ def pooled_entry(done: Sequence[Mapping]) -> dict:
                      "ttft_ms": d["entry"]["ttft_ms"]} for d in done],
         "pooled": {"replays": len(done), "requests": len(ok), "errors": sum(e["errors"] for e in entries),
                    "client_cpu_s": [(e.get("process_cpu_s") or {}).get("client") for e in entries],
+                   "pace_probe_ms": [(e.get("pace_probe_ms") or {}).get("cpu_ms_p50") for e in entries],
                    "effective_hit_ratio": sum(e["effective_hits"] for e in entries) / total if total else None,
                    "stall_ms": percentiles(r["wait_ms"] for r in ok),
                    "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None)},

@@ -25,7 +25,7 @@ _HOST_DIR = re.compile(r"/(host-\d+)/")
 
 def role(cmdline: list[str]) -> str:
     """What a process is, from its argv: ``agent:host-<i>``, ``ext_proc``, ``envoy``,
-    ``store``, ``vllm_router``, or ``other:<program>``."""
+    ``store``, ``vllm_router``, ``pace_probe`` (``bench.pace``), or ``other:<program>``."""
     text = " ".join(cmdline)
     if "gpu_agent" in text:
         m = _HOST_DIR.search(text)
@@ -36,6 +36,8 @@ def role(cmdline: list[str]) -> str:
         return "envoy"
     if "http.server" in text:
         return "store"
+    if "bench.pace" in text:
+        return "pace_probe"
     if "vllm-router" in text or "vllm_router" in text:
         return "vllm_router"
     return f"other:{os.path.basename(cmdline[0]) if cmdline else '?'}"

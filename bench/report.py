@@ -395,33 +395,45 @@ def compared(entry: Mapping) -> Mapping:
     return {**entry, "errors": pooled["errors"], "stall_ms": pooled["stall_ms"], "ttft_ms": pooled["ttft_ms"]}
 
 
-def client_cpu_s(entry: Mapping) -> list[float]:
-    """The load generator's CPU seconds in each run of one arm (``process_cpu_s["client"]``;
-    each replay's, ``pooled.client_cpu_s``, where the arm was replayed); empty where not measured."""
-    replays = (entry.get("pooled") or {}).get("client_cpu_s")
+def pace_readings(entry: Mapping, field: str) -> list[float]:
+    """One arm's per-run readings of the machine's pace: ``pace_probe_ms`` (the median CPU
+    time of ``bench.pace``'s fixed work) or ``client_cpu_s`` (the load generator's CPU
+    seconds, ``process_cpu_s["client"]``); each replay's (``pooled[field]``) where the arm
+    was replayed; empty where not measured."""
+    replays = (entry.get("pooled") or {}).get(field)
     if replays is None:
-        replays = [(entry.get("process_cpu_s") or {}).get("client")]
+        replays = [(entry.get("pace_probe_ms") or {}).get("cpu_ms_p50") if field == "pace_probe_ms"
+                   else (entry.get("process_cpu_s") or {}).get("client")]
     return [v for v in replays if v is not None]
 
 
+PACE_MEASURES = {
+    "pace_probe_ms": "CPU time of bench.pace's fixed work on the hosts' cores, median per run, over the fleet's least",
+    "client_cpu_s": "load generator CPU seconds per run over the fleet's least (not the same work in every arm: "
+                    "a hint only)",
+}
+
+
 def machine_pace(entries: Mapping[str, Mapping]) -> dict | None:
-    """How fast the machine ran during each arm's runs, from work that is the same in every
-    run: the load generator sends the same requests and reads the same streamed answers
-    whatever the arm, so its CPU seconds grow only when the machine is slower (other tenants
-    of the box, frequency, cache pressure) and time-based figures (TTFT above all) with them.
-    ``runs``: per arm, each run's client CPU seconds over the fleet's least;
-    ``ace_over_affinity``: the ratio of the two arms' means (1.10: the machine was 10%
-    slower during ace's runs); None where the client's CPU was not measured."""
-    runs = {arm: client_cpu_s(e) for arm, e in entries.items()}
-    least = min((v for vs in runs.values() for v in vs if v > 0), default=None)
-    if least is None:
-        return None
-    out: dict = {"measure": "load generator CPU seconds per run over the fleet's least (same work in every run)",
-                 "runs": {arm: [round(v / least, 3) for v in vs] for arm, vs in runs.items() if vs}}
-    ace, aff = runs.get("ace"), runs.get("affinity")
-    if ace and aff:
-        out["ace_over_affinity"] = round((sum(ace) / len(ace)) / (sum(aff) / len(aff)), 3)
-    return out
+    """How fast the machine ran during each arm's runs of one fleet: ``runs``, per arm,
+    each run's reading over the fleet's least (1.10: that run's cores were 10% slower);
+    ``ace_over_affinity``, the ratio of the two arms' means. From ``bench.pace``'s probe
+    where every arm has it, else from the load generator's CPU seconds (older reports);
+    None where neither was measured. A TTFT check that fails is read beside it: the same
+    requests cost every process more when the box is slower, and the tail with them."""
+    for field, measure in PACE_MEASURES.items():
+        runs = {arm: pace_readings(e, field) for arm, e in entries.items()}
+        if not all(runs.values()):
+            continue
+        least = min(v for vs in runs.values() for v in vs)
+        if least <= 0:
+            continue
+        out: dict = {"measure": measure, "runs": {arm: [round(v / least, 3) for v in vs] for arm, vs in runs.items()}}
+        ace, aff = runs.get("ace"), runs.get("affinity")
+        if ace and aff:
+            out["ace_over_affinity"] = round((sum(ace) / len(ace)) / (sum(aff) / len(aff)), 3)
+        return out
+    return None
 
 
 def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "800") -> dict:

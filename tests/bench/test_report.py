@@ -200,16 +200,23 @@ def test_first_replay_rows_are_the_rows_the_entries_come_from(tmp_path):
     assert [r["id"] for r in first_replay_rows(tmp_path / "r.json")] == ["a", "b"]
 
 
-def test_machine_pace_reads_the_load_generators_cpu_per_run():
+def test_machine_pace_reads_the_probe_per_run_and_falls_back_to_the_client():
     from bench.report import fleet_checks, machine_pace
-    aff = {**arm([0] * 10, [10] * 10), "process_cpu_s": {"client": 16.0, "envoy": 5.0}}
+    aff = {**arm([0] * 10, [10] * 10), "process_cpu_s": {"client": 16.0, "envoy": 5.0},
+           "pace_probe_ms": {"samples": 300, "cpu_ms_p50": 2.0}}
     ace = {**arm([0] * 10, [12] * 10), "process_cpu_s": {"client": 20.0},
-           "pooled": {"replays": 2, "errors": 0, "client_cpu_s": [20.0, 24.0]}}
+           "pace_probe_ms": {"samples": 300, "cpu_ms_p50": 2.5},
+           "pooled": {"replays": 2, "errors": 0, "client_cpu_s": [20.0, 24.0], "pace_probe_ms": [2.5, 3.0]}}
     ace["pooled"].update(stall_ms=ace["stall_ms"], ttft_ms=ace["ttft_ms"])
     pace = machine_pace({"affinity": aff, "ace": ace})
+    assert pace["measure"].startswith("CPU time of bench.pace")
     assert pace["runs"] == {"affinity": [1.0], "ace": [1.25, 1.5]}
-    assert pace["ace_over_affinity"] == pytest.approx(1.375)   # mean 22 over 16: the machine was slower
+    assert pace["ace_over_affinity"] == pytest.approx(1.375)   # mean 2.75 over 2.0: the machine was slower
     assert fleet_checks({"4": {"affinity": aff, "ace": ace}})["4"]["machine_pace"] == pace
+    # a report from before the probe: the load generator's CPU seconds, as a hint
+    old = machine_pace({"affinity": {**aff, "pace_probe_ms": None},
+                        "ace": {**ace, "pooled": {**ace["pooled"], "pace_probe_ms": [None, None]}}})
+    assert old["measure"].startswith("load generator CPU seconds") and old["runs"]["ace"] == [1.25, 1.5]
     unmeasured = arm([0], [1])
     assert machine_pace({"affinity": unmeasured, "ace": unmeasured}) is None
     assert "machine_pace" not in fleet_checks({"1": {"affinity": unmeasured}})["1"]
