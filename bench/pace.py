@@ -57,7 +57,7 @@ def pace_probe(path: Path, cpus: Collection[int] | None = None, every_s: float =
     to ``path``; stopped at the block's end (``read_probe(path)`` then reads it)."""
     with cores.pinned(cpus):
         proc = subprocess.Popen([sys.executable, "-m", "bench.pace", "--out", str(path), "--every-s", str(every_s)],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield path
     finally:
