@@ -107,8 +107,8 @@ from bench.bounds import fleet_bounds, miss_causes
 from bench import cores, proc_cpu
 from bench.pace import pace_probe, read_probe
 from bench.pacing import engine_seconds, pilot_compute_s, replay_speed
-from bench.report import build_report, fleet_checks, fleet_entry, format_fleets, format_report, percentiles, \
-    ttft_breakdown
+from bench.report import PACE_MEASURES, build_report, fleet_checks, fleet_entry, format_fleets, format_report, \
+    pace_reading, percentiles, ttft_breakdown
 from bench.scenario_fixtures import trace_catalog
 from bench.trace import TraceError, load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
@@ -772,8 +772,7 @@ def pooled_entry(done: Sequence[Mapping]) -> dict:
                      "errors": d["entry"]["errors"], "stall_ms": d["entry"]["stall_ms"],
                      "ttft_ms": d["entry"]["ttft_ms"]} for d in done],
         "pooled": {"replays": len(done), "requests": len(ok), "errors": sum(e["errors"] for e in entries),
-                   "client_cpu_s": [(e.get("process_cpu_s") or {}).get("client") for e in entries],
-                   "pace_probe_ms": [(e.get("pace_probe_ms") or {}).get("cpu_ms_p50") for e in entries],
+                   **{field: [pace_reading(e, field) for e in entries] for field in PACE_MEASURES},
                    "effective_hit_ratio": sum(e["effective_hits"] for e in entries) / total if total else None,
                    "stall_ms": percentiles(r["wait_ms"] for r in ok),
                    "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None)},

@@ -395,15 +395,21 @@ def compared(entry: Mapping) -> Mapping:
     return {**entry, "errors": pooled["errors"], "stall_ms": pooled["stall_ms"], "ttft_ms": pooled["ttft_ms"]}
 
 
+def pace_reading(entry: Mapping, field: str) -> float | None:
+    """One run's reading of the machine's pace: ``pace_probe_ms`` (the median CPU time of
+    ``bench.pace``'s fixed work) or ``client_cpu_s`` (the load generator's CPU seconds,
+    ``process_cpu_s["client"]``); None where not measured."""
+    if field == "pace_probe_ms":
+        return (entry.get("pace_probe_ms") or {}).get("cpu_ms_p50")
+    return (entry.get("process_cpu_s") or {}).get("client")
+
+
 def pace_readings(entry: Mapping, field: str) -> list[float]:
-    """One arm's per-run readings of the machine's pace: ``pace_probe_ms`` (the median CPU
-    time of ``bench.pace``'s fixed work) or ``client_cpu_s`` (the load generator's CPU
-    seconds, ``process_cpu_s["client"]``); each replay's (``pooled[field]``) where the arm
+    """One arm's ``pace_reading`` per run: each replay's (``pooled[field]``) where the arm
     was replayed; empty where not measured."""
     replays = (entry.get("pooled") or {}).get(field)
     if replays is None:
-        replays = [(entry.get("pace_probe_ms") or {}).get("cpu_ms_p50") if field == "pace_probe_ms"
-                   else (entry.get("process_cpu_s") or {}).get("client")]
+        replays = [pace_reading(entry, field)]
     return [v for v in replays if v is not None]
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable
 
 __all__ = [
     "DecayedPopularity",
@@ -489,7 +489,8 @@ class TransitionModel:
         return (len(new_global) + sum(len(r) for r in new_tenants.values())
                 + sum(len(r) for r in new_contexts.values()))
 
-    def _rows_from(self, raw: object, key_of=None) -> dict[Hashable, _Row]:
+    def _rows_from(self, raw: object,
+                   key_of: Callable[[object], Hashable | None] | None = None) -> dict[Hashable, _Row]:
         """Rows of a state list, keyed by ``key_of(after)`` (default ``_pair_key``; None
         skips the row), the ``max_rows`` strongest kept."""
         if not isinstance(raw, list):

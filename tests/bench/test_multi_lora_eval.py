@@ -289,8 +289,10 @@ def test_pooled_entry_percentiles_over_every_replay():
                        "stall_ms": {"p50": 0.0}, "ttft_ms": {"p50": 10.0}}},
             {"order": 5, "rows": rows([20.0] * 10, wait=5.0),
              "entry": {"total": 10, "effective_hits": 0, "effective_hit_ratio": 0.0, "errors": 0,
-                       "stall_ms": {"p50": 5.0}, "ttft_ms": {"p50": 20.0}}}]
+                       "stall_ms": {"p50": 5.0}, "ttft_ms": {"p50": 20.0},
+                       "process_cpu_s": {"client": 7.5}, "pace_probe_ms": {"samples": 9, "cpu_ms_p50": 2.5}}}]
     out = pooled_entry(done)
+    assert out["pooled"]["client_cpu_s"] == [None, 7.5] and out["pooled"]["pace_probe_ms"] == [None, 2.5]
     assert [r["order"] for r in out["replays"]] == [2, 5] and out["replays"][1]["ttft_ms"] == {"p50": 20.0}
     pooled = out["pooled"]
     assert (pooled["replays"], pooled["requests"], pooled["errors"]) == (2, 20, 1)
