@@ -70,12 +70,14 @@ class AgentService(pb_grpc.AgentServicer):
     def _event(self, kind, seq: int, view: AdapterView | None = None, *,
                 load: EngineLoad | None = None) -> pb.ResidencyEvent:
         """Every event carries the host's facts: engine up, base model bytes, device slots,
-        the speculation budget's waste share, engine load."""
+        the speculation budget's waste share, whether the engine brings a request's adapter
+        itself (the gateway's request signals redundant), engine load."""
         return pb.ResidencyEvent(kind=kind, seq=seq, status=view_to_pb(view) if view is not None else None,
                                  engine_up=self.manager.engine_up,
                                  base_model_bytes=self.manager.base_model_bytes,
                                  device_slots=self.manager.device_slots,
                                  prefetch_waste_share=self.manager.prefetch_waste_share,
+                                 request_signals_redundant=self.manager.request_signals_redundant,
                                  load=load_to_pb(load if kind == pb.ResidencyEvent.LOAD
                                                  else self.manager.engine_load))
 

@@ -32,7 +32,7 @@ from extproc.domain.auth import Principal
 from extproc.state.catalog import Adapter, Upstream
 from extproc.errors import NoUpstream
 from extproc.frozen import fast_init
-from extproc.domain.prefetch import PrefetchSignal
+from extproc.domain.prefetch import REQUEST_COLD, REQUEST_UNKNOWN, PrefetchSignal
 from extproc.policy.routing import RoutePolicy, choose_upstream
 from extproc.state.residency import UNKNOWN, ResidencySnapshot, SentCounts, TierReport
 from extproc.domain.selection import select_adapter
@@ -190,7 +190,7 @@ def decide(snapshot: Snapshot, residency: ResidencySnapshot, sent: SentCounts,
         # the victims the speculation's pool model chose (residency.victims): the load then
         # evicts by predicted use, not by the agent's LRU
         signal = PrefetchSignal(upstream=upstream.name, adapter=adapter.name, digest=adapter.sha256,
-                                priority=1, reason="request_unknown" if not res.known else "request_cold",
+                                priority=1, reason=REQUEST_UNKNOWN if not res.known else REQUEST_COLD,
                                 evict=residency.victims.get(upstream.name, ())[:upstream.victim_hints],
                                 spare_s=upstream.victim_grace_s)
     return Decision(upstream=upstream, adapter=adapter, selected_by=selection.source, skills=skills,

@@ -15,9 +15,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-__all__ = ["PrefetchSignal", "PrefetchSink", "NullPrefetchSink", "PrefetchQueue", "Retry"]
+__all__ = ["PrefetchSignal", "PrefetchSink", "NullPrefetchSink", "PrefetchQueue", "Retry",
+           "REQUEST_COLD", "REQUEST_UNKNOWN"]
 
 log = logging.getLogger(__name__)
+
+# the reasons of a request's own signal (the ingress signal: the adapter the request is
+# about to ask that upstream for, not resident there), as opposed to a bet's or a fill's
+REQUEST_COLD = "request_cold"         # the board shows the adapter off the device tier
+REQUEST_UNKNOWN = "request_unknown"   # the board does not know the adapter there
+_REQUEST_REASONS = frozenset((REQUEST_COLD, REQUEST_UNKNOWN))
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +33,7 @@ class PrefetchSignal:
     adapter: str
     digest: str
     priority: int      # higher first; 0 = background
-    reason: str        # e.g. "request_cold", "request_unknown"
+    reason: str        # REQUEST_COLD, REQUEST_UNKNOWN, or a bet's ("predicted", "fill", ...)
     # adapters the agent should evict first if this load needs room: the victim the
     # speculation's model of that pool chose ("predicted"); () = the agent's LRU
     evict: tuple[str, ...] = ()
@@ -53,6 +60,11 @@ class PrefetchSignal:
     yields_to: tuple[str, str] | None = None
     hold_until: float = 0.0
     held: bool = False   # the sender held it back once already (counted once)
+
+    @property
+    def for_request(self) -> bool:
+        """A request's own signal (its adapter, on the upstream it goes to), not a bet."""
+        return self.probability is None and self.reason in _REQUEST_REASONS
 
 
 class PrefetchSink(Protocol):

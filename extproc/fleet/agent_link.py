@@ -99,6 +99,9 @@ class _Agent:
         self.stub = pb_grpc.AgentStub(self.channel)
         self.queue = PrefetchQueue(self._send, maxsize=link.queue_size)
         self.sent = self.failed = self.withdrawn = self.deferred = 0
+        # a request's own signals not sent: the agent announced its engine brings a
+        # request's adapter itself (``AgentLink.submit``)
+        self.left_to_engine = 0
         self.held = self.hold_expired = 0  # bets held for a demand load; sent at their cap
         self.connected = False
         # WatchResidency attempts that ended in an error, and the last one's status code
@@ -163,7 +166,7 @@ class _Agent:
                         self.link._publish_load(self.upstream, event_load(ev))
                     else:
                         self.link._publish(self.upstream, table if ev.engine_up else None, event_load(ev),
-                                           ev.device_slots, event_waste_share(ev))
+                                           ev.device_slots, event_waste_share(ev), ev.request_signals_redundant)
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
@@ -191,10 +194,12 @@ class _Agent:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Announced:
-    """What an agent announced with its residency: its device slots (0: not announced)
-    and the waste share its speculation budget charges a bet (None: not announced)."""
+    """What an agent announced with its residency: its device slots (0: not announced),
+    the waste share its speculation budget charges a bet (None: not announced), and
+    whether its engine brings a request's adapter itself (False: not announced)."""
     slots: int = 0
     waste_share: float | None = None
+    request_signals_redundant: bool = False
 
 
 class AgentLink:
@@ -225,6 +230,9 @@ class AgentLink:
         # upstream -> what its agent announced with its residency (kept for the upstreams
         # in ``_tables`` only: set and dropped with the table)
         self._announced: dict[str, _Announced] = {}
+        # the upstreams whose agent announced ``request_signals_redundant``: replaced whole
+        # (in ``_swap``), never mutated, so ``submit`` reads it without the lock
+        self._left_to_engine: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loads, name="agent-load-expiry", daemon=True)
@@ -316,19 +324,31 @@ class AgentLink:
         return dataclasses.replace(signal, deferred=True), grace - min(recent[v] for v in spared)
 
     def submit(self, signal: PrefetchSignal) -> bool:
-        """PrefetchSink: queue for the upstream's agent; False when none or its queue is full."""
+        """PrefetchSink: queue for the upstream's agent; False when none or its queue is full.
+
+        A request's own signal (``signal.for_request``) to an upstream whose agent announced
+        ``request_signals_redundant`` is not sent (counted ``left_to_engine``, True): that
+        engine fetches and loads the request's adapter itself when the request arrives, and
+        the RPC, handled on the engine's event loop, delayed the fetch of the files it named
+        (docs/agent.md, "A request's own prefetch")."""
         agent = self.agents.get(signal.upstream)
-        return agent is not None and agent.queue.submit(signal)
+        if agent is None:
+            return False
+        if signal.for_request and signal.upstream in self._left_to_engine:
+            agent.left_to_engine += 1
+            return True
+        return agent.queue.submit(signal)
 
     def connected(self, upstream: str) -> bool:
         agent = self.agents.get(upstream)
         return agent is not None and agent.connected
 
     def _publish(self, upstream: str, table: Mapping[str, TierReport] | None,
-                 load: int | None = None, slots: int = 0, waste_share: float | None = None) -> None:
+                 load: int | None = None, slots: int = 0, waste_share: float | None = None,
+                 request_signals_redundant: bool = False) -> None:
         """The upstream's residency (None: unknown, the upstream leaves the view), load,
-        device slots (0: not announced) and the waste share of its speculation budget
-        (None: not announced)."""
+        device slots (0: not announced), the waste share of its speculation budget (None:
+        not announced) and whether its engine brings a request's adapter itself."""
         with self._lock:
             if table is None:
                 self._loads.pop(upstream, None)
@@ -339,7 +359,7 @@ class AgentLink:
             else:
                 self._tables[upstream] = MappingProxyType(dict(table))
                 self._set_load(upstream, load)
-                self._announced[upstream] = _Announced(slots, waste_share)
+                self._announced[upstream] = _Announced(slots, waste_share, request_signals_redundant)
             self._swap()
 
     def _publish_load(self, upstream: str, load: int | None) -> None:
@@ -372,6 +392,7 @@ class AgentLink:
         slots = MappingProxyType({u: a.slots for u, a in self._announced.items() if a.slots})
         waste = MappingProxyType({u: a.waste_share for u, a in self._announced.items()
                                   if a.waste_share is not None})
+        self._left_to_engine = frozenset(u for u, a in self._announced.items() if a.request_signals_redundant)
         self.board.publish(ResidencySnapshot(MappingProxyType(dict(self._tables)), loads, marks, slots=slots,
                                              waste_share=waste))
 

@@ -180,7 +180,8 @@ class GatewayCollector(Collector):
                                       "deferred (a bet held back: a request had just been routed to its victim), "
                                       "withdrawn (still so when its time came), held (a bet held until the "
                                       "demand load of the request that planned it landed), hold_expired (sent "
-                                      "at --prefetch-hold-s, the load not seen landing).",
+                                      "at --prefetch-hold-s, the load not seen landing), left_to_engine (a request's own "
+                                      "signal not sent: that agent's engine brings the request's adapter itself).",
                                       labels=("upstream", "result"))
         up = GaugeMetricFamily("ace_gateway_agent_link_up", "1 while the upstream's agent residency stream is connected.",
                                labels=("upstream",))
@@ -192,6 +193,7 @@ class GatewayCollector(Collector):
             signals.add_metric((name, "withdrawn"), agent.withdrawn)
             signals.add_metric((name, "held"), agent.held)
             signals.add_metric((name, "hold_expired"), agent.hold_expired)
+            signals.add_metric((name, "left_to_engine"), agent.left_to_engine)
             up.add_metric((name,), 1.0 if agent.connected else 0.0)
         yield signals
         yield up

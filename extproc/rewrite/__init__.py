@@ -15,6 +15,7 @@ from extproc.frozen import fast_init
 from extproc.rewrite import builtin, sglang, vllm
 from extproc.rewrite.codec import encode
 from extproc.rewrite.hints import client_copies, wire_hints
+from ace_common.engine_fields import EVICT_FIRST
 
 __all__ = ["Rewrite", "rewrite_request", "MODEL_FOR", "SERVED_ROUTES", "encode"]
 
@@ -42,9 +43,12 @@ def rewrite_request(body: Mapping[str, Any], d: Decision, force: bool = False) -
     Without the adapter applied, a ``model`` the tenant may not use (``d.foreign_model``)
     becomes the upstream's base model.
 
-    A client's copies of the gateway's hint fields are removed in every mode, from the top
-    level and from a nested ``extra_body`` (``hints.client_copies``): a body without any is
-    forwarded as it came unless the adapter is applied. Header hints travel as
+    A client's copies of the gateway's fields (the hints, ``EVICT_FIRST``) are removed in
+    every mode, from the top level and from a nested ``extra_body``
+    (``hints.client_copies``): a body without any is forwarded as it came unless the
+    adapter is applied. A builtin upstream's request whose adapter is not resident there
+    carries the victims of the gateway's signal (``EVICT_FIRST``), which that engine's own
+    load evicts first (ace_common.engine_fields). Header hints travel as
     ``x-ace-hint-<field>`` (Envoy adds them from the decision's metadata, see
     envoy/envoy.template.yaml)."""
     drop = client_copies(body, d)
@@ -60,6 +64,11 @@ def rewrite_request(body: Mapping[str, Any], d: Decision, force: bool = False) -
         model = MODEL_FOR[upstream.flavour](d.adapter, upstream)
         if body.get("model") != model:
             changes["model"] = model
+        signal = d.prefetch_signal
+        if signal is not None and signal.evict and upstream.flavour == "builtin":
+            # the engine loads the adapter itself on arrival: the victims go with the request
+            changes[EVICT_FIRST] = list(signal.evict)
+            drop = drop - {EVICT_FIRST}
         if upstream.hints == "body":
             hints = wire_hints(d)
             if drop:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from extproc.domain.decision import Decision
+from ace_common.engine_fields import EVICT_FIRST
 from ace_common.tiers import Tier
 
 __all__ = ["HINT_FIELDS", "wire_hints", "client_copies"]
@@ -22,6 +23,9 @@ HINT_FIELDS = ("lora_name", "lora_adapter", "lora_prefetch", "enable_lora_prefet
                "prefetch_adapter_id", "vram_allocated_mb", "prefetch_status")
 
 _HINT_SET = frozenset(HINT_FIELDS)
+# every field a client may not send the engine: the hints and the builtin engine's
+# ``EVICT_FIRST`` (ace_common.engine_fields)
+_GATEWAY_SET = _HINT_SET | {EVICT_FIRST}
 _NONE: frozenset[str] = frozenset()
 _SELECTOR = frozenset(("lora_name",))
 _MIB = 1 << 20
@@ -43,11 +47,12 @@ def wire_hints(d: Decision) -> dict[str, Any]:
 
 
 def client_copies(obj: Mapping[str, Any], d: Decision) -> frozenset[str]:
-    """The hint fields in ``obj`` (a body or its ``extra_body``) the engine must not get from
-    the client: all of them but a ``lora_name`` naming the adapter the gateway selected."""
-    if _HINT_SET.isdisjoint(obj):    # the usual body: one C-level pass, nothing built
+    """The gateway's fields in ``obj`` (a body or its ``extra_body``) the engine must not get
+    from the client: all of them (the hints, ``EVICT_FIRST``) but a ``lora_name`` naming
+    the adapter the gateway selected."""
+    if _GATEWAY_SET.isdisjoint(obj):    # the usual body: one C-level pass, nothing built
         return _NONE
-    found = _HINT_SET.intersection(obj)
+    found = _GATEWAY_SET.intersection(obj)
     if "lora_name" in found and d.adapter is not None:
         name = obj["lora_name"]
         if isinstance(name, str) and name == d.adapter.name:

@@ -64,6 +64,15 @@ class EngineConnector(abc.ABC):
     #: (gpu_agent.residency.admission); and since that loop is the engine's, a prefetch's
     #: fetch waits for ``prefetch_turn`` too (gpu_agent.residency.pipeline).
     loads_on_demand: bool = False
+    #: True when the engine also fetches a request's adapter files itself, through the
+    #: agent's own artifact store (builtin): a request's own prefetch then adds nothing the
+    #: request does not bring, while its RPC, handled on the engine's event loop, delays the
+    #: fetch of the very files it names (~1.6 ms per cold request at hundreds x 4 hosts,
+    #: docs/bench-history.md 2026-12-06 16:30). The agent announces it on its residency
+    #: stream (``ResidencyEvent.request_signals_redundant``) and the gateway stops sending
+    #: them here. False where the request needs the agent to bring the files first (vLLM's
+    #: filesystem resolver reads the disk tier the agent fills).
+    request_signals_redundant: bool = False
     #: The share of a load's time the engine's compute loses to it: a speculative load
     #: that is not used costs whoever arrives meanwhile that much, and the speculation
     #: budget charges it so (``HintBet.waste_ms`` = share x the load's expected time).

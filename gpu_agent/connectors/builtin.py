@@ -63,6 +63,7 @@ class BuiltinConnector(EngineConnector):
     kind = "builtin"
     self_managed = True
     loads_on_demand = True
+    request_signals_redundant = True
 
     @property
     def load_compute_share(self) -> float:  # type: ignore[override]

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
+from ace_common.engine_fields import EVICT_FIRST, MAX_EVICT_FIRST
 from ace_common.loop_lag import LoopLag
 from gpu_agent.engine.core import Engine
 from gpu_agent.engine.errors import EngineError, InvalidRequest, error_body, http_error
@@ -324,6 +325,19 @@ Answer = Callable[[_Completion, str, str, int], dict]
 Events = Callable[[_Completion], tuple[AsyncIterator[bytes], Callable[[dict], bytes]]]
 
 
+def _evict_first(engine: Engine, adapter: str | None, body: dict) -> None:
+    """The gateway's victims for this request's load (``EVICT_FIRST``, ace_common.
+    engine_fields: a client's copy never gets past the gateway): that load evicts them
+    first where it needs room, as with a Prefetch's ``evict``. A hint: a value that is not
+    a list of names is ignored, and at most ``MAX_EVICT_FIRST`` names are read."""
+    names = body.get(EVICT_FIRST)
+    if adapter is None or not isinstance(names, list) or not names:
+        return
+    victims = [n for n in names[:MAX_EVICT_FIRST] if isinstance(n, str) and n != adapter]
+    if victims:
+        engine.adapters.prefer_victims(adapter, victims)
+
+
 async def _serve(request: web.Request, route: str, prepare: Prepare, answer: Answer,
                  events: Events) -> web.StreamResponse:
     """A generation route: ``prepare`` the run from the body, hold its adapter, then the
@@ -332,7 +346,9 @@ async def _serve(request: web.Request, route: str, prepare: Prepare, answer: Ans
     engine: Engine = request.app[ENGINE_KEY]
     stats = request.app[STATS_KEY]
     try:
-        run = prepare(engine, await _json_body(request))
+        body = await _json_body(request)
+        run = prepare(engine, body)
+        _evict_first(engine, run.adapter, body)
         await run.acquire()
     except Exception as exc:  # noqa: BLE001 - the one boundary that maps errors to HTTP
         stats.count(route, http_error(exc)[0])

@@ -99,6 +99,13 @@ class ResidencyManager:
         gateway prices its bets with it."""
         return self.admission.waste_share
 
+    @property
+    def request_signals_redundant(self) -> bool:
+        """Whether the engine brings a request's adapter itself, files included, so the
+        gateway need not signal a request's own load (``ResidencyEvent.
+        request_signals_redundant``; ``EngineConnector.request_signals_redundant``)."""
+        return self.connector.request_signals_redundant
+
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         await self.connector.start()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import replace
@@ -226,3 +227,27 @@ def test_decode_keeps_every_finite_number():
 ])
 def test_encode_never_writes_a_non_finite_float_as_null(obj, spelled):
     assert encode(obj) == spelled
+
+
+@pytest.mark.parametrize("flavour", ["builtin", "vllm", "sglang"])
+def test_a_cold_requests_victims_go_with_it_to_a_builtin_engine_only(snapshot, flavour):
+    """The builtin engine loads a cold request's adapter itself: the victims of the
+    gateway's signal travel in the body (``EVICT_FIRST``), which its load evicts first, in
+    place of a Prefetch RPC; other flavours never get the field, and a client's copy is
+    stripped everywhere (top level and ``extra_body``)."""
+    from ace_common.engine_fields import EVICT_FIRST
+
+    res = dataclasses.replace(ResidencySnapshot(), victims={"u": ("acme-legal", "code-sql")})
+    body = {**BODY, EVICT_FIRST: ["x"], "extra_body": {EVICT_FIRST: ["x"], "max_tokens": 8}}
+    both = {"multi_lora": "prod", "dynamic_lora_prefetch": "prod"}
+    d = _decision(snapshot, flavour, "off", both, residency=res, body=body)
+    assert d.prefetch_signal is not None and d.prefetch_signal.evict
+    sent = json.loads(rewrite_request(body, d).body)
+    assert sent["extra_body"] == {"max_tokens": 8}
+    if flavour == "builtin":
+        assert sent[EVICT_FIRST] == list(d.prefetch_signal.evict)
+    else:
+        assert EVICT_FIRST not in sent
+    warm = ResidencySnapshot.build({"u": {"code-python": TierReport("device", 40.0, 2 << 20)}})
+    d = _decision(snapshot, flavour, "off", both, residency=dataclasses.replace(warm, victims=res.victims))
+    assert d.prefetch_signal is None and EVICT_FIRST not in json.loads(rewrite_request(BODY, d).body)

@@ -198,6 +198,34 @@ def test_a_requests_own_load_in_the_engine_evicts_the_gateways_victim_not_the_lr
     run(main())
 
 
+def test_the_victims_that_come_with_a_request_are_what_its_load_evicts_first(fixtures, tmp_path):
+    """The gateway sends a cold request to the builtin engine with its victims in the body
+    (``EVICT_FIRST``) instead of a Prefetch RPC: the engine's own load evicts them first
+    (B, where the LRU would take A), and a value that is not a list of names is ignored.
+    The agent announces that its engine needs no request signal."""
+    from ace_common.engine_fields import EVICT_FIRST
+
+    A, B, C, D = "code-sql", "med-triage", "fin-reports", "legal-review"
+
+    async def main():
+        mgr, conn = await full_pool_of_two(fixtures, tmp_path, (A, B), http_port=0)  # A: the LRU
+        try:
+            assert mgr.request_signals_redundant
+            adapters = conn.engine.adapters
+            async with httpx.AsyncClient(base_url=conn.url, timeout=60) as client:
+                r = await client.post("/v1/completions", json={"model": C, "prompt": "x", "max_tokens": 1,
+                                                               EVICT_FIRST: ["nope", B]})
+                assert r.status_code == 200
+                assert adapters.tier(A) == "device" and adapters.tier(B) != "device"
+                assert adapters.evictions_by() == {("device", "hint"): 1}
+                r = await client.post("/v1/completions", json={"model": D, "prompt": "x", "max_tokens": 1,
+                                                               EVICT_FIRST: "not a list"})
+            assert r.status_code == 200 and adapters.tier(D) == "device"
+        finally:
+            await mgr.close()
+    run(main())
+
+
 def test_a_load_whose_own_hint_never_came_evicts_the_latest_victims_named(fixtures, tmp_path):
     """A request's load often starts before its signal's hint reaches the engine, or its
     decision named none: that load evicts the victims last named for any load (the

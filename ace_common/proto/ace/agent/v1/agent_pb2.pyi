@@ -103,7 +103,7 @@ class EngineLoad(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., measured_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ResidencyEvent(_message.Message):
-    __slots__ = ("kind", "status", "seq", "engine_up", "base_model_bytes", "load", "device_slots", "prefetch_waste_share")
+    __slots__ = ("kind", "status", "seq", "engine_up", "base_model_bytes", "load", "device_slots", "prefetch_waste_share", "request_signals_redundant")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[ResidencyEvent.Kind]
@@ -124,6 +124,7 @@ class ResidencyEvent(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_WASTE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SIGNALS_REDUNDANT_FIELD_NUMBER: _ClassVar[int]
     kind: ResidencyEvent.Kind
     status: AdapterStatus
     seq: int
@@ -132,7 +133,8 @@ class ResidencyEvent(_message.Message):
     load: EngineLoad
     device_slots: int
     prefetch_waste_share: float
-    def __init__(self, kind: _Optional[_Union[ResidencyEvent.Kind, str]] = ..., status: _Optional[_Union[AdapterStatus, _Mapping]] = ..., seq: _Optional[int] = ..., engine_up: _Optional[bool] = ..., base_model_bytes: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., device_slots: _Optional[int] = ..., prefetch_waste_share: _Optional[float] = ...) -> None: ...
+    request_signals_redundant: bool
+    def __init__(self, kind: _Optional[_Union[ResidencyEvent.Kind, str]] = ..., status: _Optional[_Union[AdapterStatus, _Mapping]] = ..., seq: _Optional[int] = ..., engine_up: _Optional[bool] = ..., base_model_bytes: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., device_slots: _Optional[int] = ..., prefetch_waste_share: _Optional[float] = ..., request_signals_redundant: _Optional[bool] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("adapter", "down_to")
