@@ -330,7 +330,7 @@ class AgentLink:
         ``request_signals_redundant`` is not sent (counted ``left_to_engine``, True): that
         engine fetches and loads the request's adapter itself when the request arrives, and
         the RPC, handled on the engine's event loop, delayed the fetch of the files it named
-        (docs/agent.md, "A request's own prefetch")."""
+        (docs/agent.md, "The builtin engine gets a request's victims with the request")."""
         agent = self.agents.get(signal.upstream)
         if agent is None:
             return False

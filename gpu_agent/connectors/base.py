@@ -68,7 +68,7 @@ class EngineConnector(abc.ABC):
     #: agent's own artifact store (builtin): a request's own prefetch then adds nothing the
     #: request does not bring, while its RPC, handled on the engine's event loop, delays the
     #: fetch of the very files it names (~1.6 ms per cold request at hundreds x 4 hosts,
-    #: docs/bench-history.md 2026-12-06 16:30). The agent announces it on its residency
+    #: docs/bench-history.md 2026-12-06 15:41). The agent announces it on its residency
     #: stream (``ResidencyEvent.request_signals_redundant``) and the gateway stops sending
     #: them here. False where the request needs the agent to bring the files first (vLLM's
     #: filesystem resolver reads the disk tier the agent fills).
