@@ -80,6 +80,20 @@ class AgentThread:
         self.thread.join(5)
 
 
+@contextlib.contextmanager
+def linked(agent: AgentThread):
+    """``agent`` started, and a link to it as upstream ``u1`` once it has the agent's view;
+    both closed after."""
+    agent.start()
+    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
+    try:
+        wait_until(lambda: "u1" in link.board.current.by_upstream, what="the agent's view")
+        yield link
+    finally:
+        link.close()
+        agent.close()
+
+
 @pytest.fixture
 def agent(tmp_path):
     a = AgentThread(tmp_path, free_port())
@@ -544,30 +558,18 @@ def test_a_requests_own_signal_is_not_sent_to_an_agent_whose_engine_brings_the_a
     bet = PrefetchSignal(upstream="u1", adapter="a2", digest="", priority=0, reason="predicted",
                          probability=0.9, victim_reuse_probability=0.0)
     agent = AgentThread(tmp_path / "self", free_port(), request_signals_redundant=True)
-    agent.start()
-    link = AgentLink({"u1": f"127.0.0.1:{agent.port}"}, token=TOKEN).start()
-    try:
-        wait_until(lambda: "u1" in link.board.current.by_upstream, what="the agent's view")
+    with linked(agent) as link:
         assert link.submit(own) and link.submit(replace(own, adapter="a3", reason=REQUEST_UNKNOWN))
         assert link.agents["u1"].left_to_engine == 2
         assert link.submit(bet)                                   # a bet is not a request's own
         wait_until(lambda: link.board.current.of("u1", "a2").tier == "device", what="the bet loaded")
         assert prefetches(agent) == 1                              # the bet only
         assert link.board.current.of("u1", "a1").tier != "device"
-    finally:
-        link.close()
-        agent.close()
     plain = AgentThread(tmp_path / "plain", free_port())
-    plain.start()
-    link = AgentLink({"u1": f"127.0.0.1:{plain.port}"}, token=TOKEN).start()
-    try:
-        wait_until(lambda: "u1" in link.board.current.by_upstream, what="the agent's view")
+    with linked(plain) as link:
         assert link.submit(own)
         wait_until(lambda: link.board.current.of("u1", "a1").tier == "device", what="the request's own load")
         assert link.agents["u1"].left_to_engine == 0 and prefetches(plain) == 1
-    finally:
-        link.close()
-        plain.close()
 
 
 def test_an_agent_that_keeps_a_count_announces_its_slots_and_the_pool_model_uses_them(tmp_path):
