@@ -136,15 +136,31 @@ def stop_on_signals():
             signal.signal(s, handler)
 
 
+def stop_in(exc: BaseException) -> Stopped | None:
+    """The ``Stopped`` that ``exc`` is or carries: a signal that arrives while a task group
+    runs (anyio's, under httpx's connect) reaches the caller wrapped in an exception group."""
+    if isinstance(exc, Stopped):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := stop_in(inner)) is not None:
+                return found
+    return None
+
+
 def run_until_stopped(main: Callable[[], int]) -> int:
     """A command's ``main()`` under :func:`stop_on_signals`: a stop signal (Ctrl-C,
     SIGTERM, SIGHUP) unwinds it, so every process it started is stopped, and the exit
-    status is 128 + the signal's number. Benches' entry points run this way: their
-    children run in their own sessions and would outlive a bench killed any other way."""
+    status is 128 + the signal's number, also when it arrived inside a task group
+    (``stop_in``). Benches' entry points run this way: their children run in their own
+    sessions and would outlive a bench killed any other way."""
     try:
         with stop_on_signals():
             return main()
-    except Stopped as stop:
+    except BaseException as exc:
+        stop = stop_in(exc)
+        if stop is None:
+            raise
         print(f"{stop}: stopped, every process it started stopped", file=sys.stderr)
         return 128 + stop.signum
 

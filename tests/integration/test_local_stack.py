@@ -174,6 +174,23 @@ def test_bench_stops_every_process_it_started_on_sigterm(tmp_path_factory, tmp_p
         assert "SIGTERM: stopped" in out.read_text()
 
 
+def test_a_stop_signal_that_arrives_inside_a_task_group_still_ends_with_its_status():
+    """A SIGTERM that lands while anyio's connect runs a task group (under httpx) reaches
+    ``run_until_stopped`` wrapped in an exception group: the bench above exited 1, not
+    143, once in CI (2026-12-06). The stop is found inside; any other group propagates."""
+    from tools.localstack import Stopped, run_until_stopped
+
+    def stopped_in_a_group() -> int:
+        raise BaseExceptionGroup("connect", [BaseExceptionGroup("inner", [Stopped(signal.SIGTERM)])])
+
+    def failed_in_a_group() -> int:
+        raise BaseExceptionGroup("connect", [ValueError("refused")])
+
+    assert run_until_stopped(stopped_in_a_group) == 128 + signal.SIGTERM
+    with pytest.raises(BaseExceptionGroup):
+        run_until_stopped(failed_in_a_group)
+
+
 def test_free_ports_stay_out_of_the_kernels_ephemeral_range_and_never_repeat():
     """A server's port is not one an outgoing connection of the stack can take first
     (that raced: "address already in use" in the bench's 4-host start-up)."""
