@@ -17,6 +17,7 @@ import itertools
 from typing import Callable, Iterable, Mapping
 
 from ace_common.catalog import Adapter
+from ace_common.engine_fields import MAX_EVICT_FIRST
 from gpu_agent.metrics import AgentMetrics
 from gpu_agent.residency.pipeline import LoadPipeline
 from gpu_agent.residency.prefetch_budget import HintBet, HintVerdict, LinkState, decide_hint
@@ -24,7 +25,9 @@ from gpu_agent.residency.records import AdapterState, ResidencyOutcome, Residenc
 
 __all__ = ["MAX_EVICT_HINTS", "PrefetchAdmission"]
 
-MAX_EVICT_HINTS = 16  # names read from one Prefetch's evict list (the gateway sends one)
+# names read from one Prefetch's evict list: the same bound as the builtin engine's
+# victims that come in a request's body (ace_common.engine_fields)
+MAX_EVICT_HINTS = MAX_EVICT_FIRST
 # the reasons of a request's own prefetch (the gateway's ingress signal: request_cold,
 # request_unknown), as opposed to a prediction's (predicted, first_step, warm_set)
 REQUEST_REASON = "request_"
