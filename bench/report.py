@@ -462,6 +462,16 @@ def fleet_checks(fleets: Mapping[str, Mapping[str, Mapping]], scenario: str = "8
                 for metric in ("stall_ms", "ttft_ms")}
             c["ace_no_worse_everywhere"] = all(
                 v is not False for m in c["ace_no_worse_than_affinity"].values() for v in m.values())
+        routers = {arm: e for arm, e in arms.items() if arm.startswith("vllm_router")}
+        if ace and routers:
+            # issue 20: on the builtin engine ace answers faster than vllm-router at every
+            # TTFT percentile (strictly lower; ace's pooled replays where it has them)
+            c["ace_below_vllm_router"] = {
+                arm: {q: ace["ttft_ms"][q] is not None and e["ttft_ms"][q] is not None
+                      and ace["ttft_ms"][q] < e["ttft_ms"][q] for q in e["ttft_ms"]}
+                for arm, e in routers.items()}
+            c["ace_below_every_vllm_router"] = all(
+                v for m in c["ace_below_vllm_router"].values() for v in m.values())
         pace = machine_pace(entries)
         if pace is not None:
             c["machine_pace"] = pace

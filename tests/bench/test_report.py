@@ -153,6 +153,21 @@ def test_fleet_checks_compare_pooled_replays_where_an_arm_has_them():
     assert fleet_checks({"2": {"affinity": aff_pooled, "ace": ace}})["2"]["compared"] == "one replay each"
 
 
+def test_fleet_checks_hold_ace_below_every_vllm_router_arm_at_every_ttft_percentile():
+    from bench.report import fleet_checks
+    ace = arm([0] * 100, [10] * 95 + [30] * 5)
+    slower = arm([0] * 100, [12] * 95 + [40] * 5)
+    tail_only = arm([0] * 100, [9] * 95 + [40] * 5)  # faster at p50, slower at p99
+    c = fleet_checks({"4": {"vllm_router": slower, "vllm_router_session": slower, "ace": ace}})["4"]
+    assert c["ace_below_every_vllm_router"]
+    assert set(c["ace_below_vllm_router"]) == {"vllm_router", "vllm_router_session"}
+    c = fleet_checks({"4": {"vllm_router": slower, "vllm_router_session": tail_only, "ace": ace}})["4"]
+    assert c["ace_below_vllm_router"]["vllm_router_session"]["p50"] is False
+    assert c["ace_below_vllm_router"]["vllm_router_session"]["p99"] is True
+    assert not c["ace_below_every_vllm_router"]
+    assert "ace_below_vllm_router" not in fleet_checks({"4": {"affinity": ace, "ace": ace}})["4"]
+
+
 def test_format_fleets_shows_every_arm():
     from bench.report import format_fleets
     text = format_fleets({"1": {"affinity": arm([0, 5], [1, 2]), "ace": arm([0, 0], [1, 1])}}, "prev.json")
