@@ -208,6 +208,10 @@ def fleet(r: dict) -> list[str]:
         if "ace_no_worse_everywhere" in c:
             line += (f"; ace never worse than affinity beyond noise (≤ 1.05× + 1 ms) at any stall/TTFT "
                      f"percentile — {_ok(c['ace_no_worse_everywhere'])}" + (f" ({', '.join(worse)})" if worse else ""))
+        if "ace_below_every_vllm_router" in c:
+            slower = [f"{arm} {q}" for arm, qs in c["ace_below_vllm_router"].items() for q, ok in qs.items() if not ok]
+            line += (f"; ace's TTFT below vllm-router's at every percentile — "
+                     f"{_ok(c['ace_below_every_vllm_router'])}" + (f" (not at {', '.join(slower)})" if slower else ""))
         checks.append(line + ".")
     t = r["checks"].get("4", {}).get("targets")
     if t and r.get("scenario") == "hundreds":
