@@ -7,7 +7,8 @@ upstream (``extproc.rewrite``), and strips a client's copy from every request; t
 hands it to its own load (``gpu_agent.engine.server``), as the agent does with a
 Prefetch's ``evict``. It travels with the request instead of a Prefetch RPC: that RPC,
 handled on the engine's event loop, delayed the fetch of the very files it named
-(docs/agent.md, "The builtin engine gets a request's victims with the request"). At most ``MAX_EVICT_FIRST`` names are read.
+(docs/agent.md, "The builtin engine gets a request's victims with the request"). At most
+``MAX_EVICT_FIRST`` names are read, here and from a Prefetch's ``evict`` list.
 
 No imports: both the gateway and the agent read it.
 """

@@ -23,11 +23,8 @@ from gpu_agent.residency.pipeline import LoadPipeline
 from gpu_agent.residency.prefetch_budget import HintBet, HintVerdict, LinkState, decide_hint
 from gpu_agent.residency.records import AdapterState, ResidencyOutcome, ResidencyResult, rejected
 
-__all__ = ["MAX_EVICT_HINTS", "PrefetchAdmission"]
+__all__ = ["PrefetchAdmission"]
 
-# names read from one Prefetch's evict list: the same bound as the builtin engine's
-# victims that come in a request's body (ace_common.engine_fields)
-MAX_EVICT_HINTS = MAX_EVICT_FIRST
 # the reasons of a request's own prefetch (the gateway's ingress signal: request_cold,
 # request_unknown), as opposed to a prediction's (predicted, first_step, warm_set)
 REQUEST_REASON = "request_"
@@ -123,7 +120,8 @@ class PrefetchAdmission:
     def _known_hints(self, name: str, evict: Iterable[str]) -> tuple[str, ...]:
         """The hinted names that are catalog adapters (looked up, never used as paths)."""
         out: list[str] = []
-        for hint in itertools.islice(evict, MAX_EVICT_HINTS):
+        # at most MAX_EVICT_FIRST names, as of the victims in a builtin request's body
+        for hint in itertools.islice(evict, MAX_EVICT_FIRST):
             if hint != name and hint not in out and self.catalog.get(hint) is not None:
                 out.append(hint)
         return tuple(out)
