@@ -32,7 +32,8 @@ def builtin_engine_settings(settings: AgentSettings) -> EngineSettings:
     return EngineSettings(catalog=Path(settings.catalog), pool_bytes=settings.pool_mb << 20,
                           host_cache_bytes=settings.engine_host_mb << 20,
                           max_adapters=settings.device_max_adapters or None,
-                          prefetch_compute_defer_ms=settings.prefetch_compute_defer_ms)
+                          prefetch_compute_defer_ms=settings.prefetch_compute_defer_ms,
+                          prefetch_node_cpu=settings.prefetch_node_cpu)
 
 
 async def run(settings) -> None:

@@ -95,6 +95,9 @@ class AgentSettings:
                                                  "long in all, then goes on (yielding to requests' loads "
                                                  "only); 0 = never waits for compute (the engine's "
                                                  "--prefetch-compute-defer-ms)")
+    prefetch_node_cpu: bool = _f(True, "builtin only: a prefetch load also waits (at most 100 ms) while every "
+                                       "core of the node runs another task, such as the engines beside this "
+                                       "one (the engine's prefetch_node_cpu; docs/engine.md)")
     log_level: str = _f("INFO", "logging level")
 
     def token(self) -> str:

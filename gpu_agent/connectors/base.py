@@ -139,10 +139,10 @@ class EngineConnector(abc.ABC):
         answer False at once."""
         return False
 
-    def load_order_stats(self) -> dict[str, dict[str, int]]:
+    def load_order_stats(self) -> dict[str, dict[str, int] | int]:
         """An engine that orders its own loads (builtin): ``{"preemptions": {stage: n},
-        "cancelled": {reason: n}, "compute_waits": {outcome: n}}`` of its prefetch loads so
-        far; {} otherwise."""
+        "cancelled": {reason: n}, "compute_waits": {outcome: n}, "node_waits": n}`` of its
+        prefetch loads so far; {} otherwise."""
         return {}
 
     async def needs_room(self, spec: Adapter) -> bool:

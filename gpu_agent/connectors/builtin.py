@@ -213,12 +213,12 @@ class BuiltinConnector(EngineConnector):
             return False
         return spec.size_bytes <= st["pages_free"] * st["page_bytes"]
 
-    def load_order_stats(self) -> dict[str, dict[str, int]]:
+    def load_order_stats(self) -> dict[str, dict[str, int] | int]:
         if self.engine is None:
             return {}
         order = self.engine.adapters.order
         return {"preemptions": dict(order.preemptions), "cancelled": dict(order.cancelled),
-                "compute_waits": order.compute_wait_outcomes()}
+                "compute_waits": order.compute_wait_outcomes(), "node_waits": order.node_waits}
 
     async def engine_load(self) -> EngineLoad | None:
         """The batcher's own counts, read in memory. Requests still waiting for their

@@ -35,6 +35,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineSettings, str, 
     ap.add_argument("--max-adapters", type=int, default=None, help=h("max_adapters"))
     ap.add_argument("--prefetch-compute-defer-ms", type=float, default=EngineSettings.prefetch_compute_defer_ms,
                     help=h("prefetch_compute_defer_ms"))
+    ap.add_argument("--prefetch-node-cpu", action=argparse.BooleanOptionalAction,
+                    default=EngineSettings.prefetch_node_cpu, help=h("prefetch_node_cpu"))
     ap.add_argument("--prefetch-load-nice", type=int, default=EngineSettings.prefetch_load_nice,
                     help=h("prefetch_load_nice"))
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Sequence
 from gpu_agent.engine.adapters import AdapterSource, EngineAdapters, read_catalog
 from gpu_agent.engine.batcher import Batcher, GenerationRequest, TokenEvent
 from gpu_agent.engine.errors import InvalidRequest, ModelNotFound
+from gpu_agent.engine.node_cpu import NodeCpu
 from gpu_agent.engine.pool_copy import STAGING_MIN_SLOT_BYTES, STAGING_SLOT_BYTES, STAGING_SLOTS
 
 __all__ = ["EngineSettings", "Engine"]
@@ -67,6 +68,9 @@ class EngineSettings:
         "help": "a prefetch waits while a request is accepted, queued or running, for at most this "
                 "long in all, then goes on (yielding to requests' loads only); 0 = never waits "
                 "for compute (gpu_agent/engine/load_order.py)"})
+    prefetch_node_cpu: bool = field(default=True, metadata={
+        "help": "a prefetch also waits (within prefetch_compute_defer_ms) while every core of the "
+                "node runs another task: the engines beside this one (gpu_agent/engine/node_cpu.py)"})
     max_adapters: int | None = field(default=None, metadata={
         "help": "most adapters resident in the pool at once (LRU eviction on every load); "
                 "default: bounded by pool bytes only"})
@@ -117,6 +121,8 @@ class Engine:
         # running (gpu_agent.engine.load_order), and goes when the batcher runs dry
         adapters.order.compute_busy = lambda: adapters.has_claims() or self.batcher.busy
         adapters.order.compute_defer_s = settings.prefetch_compute_defer_ms / 1e3
+        if settings.prefetch_node_cpu:
+            adapters.order.node_busy = NodeCpu().busy
         self.batcher.idle_listeners.append(adapters.order.notify)
         stop = set(model.cfg.eos_ids())
         if tokenizer.eos_id is not None:

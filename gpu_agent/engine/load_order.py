@@ -20,7 +20,10 @@ connector waits at most ``idle_wait_s``). The engine calls :meth:`notify` when i
 idle. Why: a prefetch's parse and copy share the process (the GIL, the event loop, the
 CPU) with the forward; deferred behind a request's load only, it resumed exactly when that
 request's first forward pass began, and delayed it (docs/bench-history.md, 2026-12-02,
-"Prefetch off the compute").
+"Prefetch off the compute"). The engines beside this one on the node are not in its
+batcher: with ``node_busy`` set (``gpu_agent.engine.node_cpu``), a prefetch also waits
+while every core of the node runs another task, for at most ``NODE_DEFER_S`` (looking again
+every ``NODE_POLL_S``, since nothing notifies when another engine's pass ends).
 
 A request that needs an adapter a prefetch is loading joins that load and promotes it
 (:meth:`promote`): it no longer yields. A prefetch that finds no room without evicting
@@ -49,9 +52,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-__all__ = ["LoadOrder", "LoadTicket", "LoadThreads"]
+__all__ = ["NODE_DEFER_S", "NODE_POLL_S", "LoadOrder", "LoadTicket", "LoadThreads"]
 
 log = logging.getLogger("gpu_agent.engine")
+
+#: How often a prefetch waiting for the engine's compute looks at the node's cores again
+#: (``LoadOrder.node_busy``: nothing notifies when another engine's pass ends).
+NODE_POLL_S = 0.005
+#: The longest a prefetch waits for the node's cores (its own engine's compute: up to
+#: ``compute_defer_s``): a burst of forward passes across the node lasts tens of ms, and
+#: a bet held longer loads against a pool that moved on since it was priced.
+NODE_DEFER_S = 0.1
 
 
 @dataclass
@@ -64,6 +75,8 @@ class LoadTicket:
     # time it does), and whether it went past it
     compute_deadline: float | None = None
     compute_overrun: bool = False
+    node_waited: bool = False  # it waited (also) because every core of the node was taken
+    node_deadline: float | None = None  # after this it no longer waits for the node's cores
     # where the load's time went, in seconds (a request's ``ace_timing.load``): the source's
     # fetch, the tiers' read/parse/copy on a load thread, and pauses (a prefetch yielding),
     # plus what else was loading on this engine, and downloading in its source, when it started
@@ -76,7 +89,8 @@ class LoadTicket:
 
 class LoadOrder:
     def __init__(self, prefetch_slots: int = 1, compute_defer_s: float = 1.0,
-                 compute_busy: Callable[[], bool] | None = None):
+                 compute_busy: Callable[[], bool] | None = None,
+                 node_busy: Callable[[], bool] | None = None):
         if prefetch_slots < 1:
             raise ValueError("prefetch_slots must be >= 1")
         if compute_defer_s < 0:
@@ -85,6 +99,11 @@ class LoadOrder:
         self.compute_defer_s = compute_defer_s
         # the engine has a request accepted, queued or running (read from load threads too)
         self.compute_busy: Callable[[], bool] = compute_busy or (lambda: False)
+        # every core of the node runs something else (``gpu_agent.engine.node_cpu``): no
+        # notify() says when that ends, so a prefetch waiting on it looks again every
+        # NODE_POLL_S; None: the node is not watched
+        self.node_busy: Callable[[], bool] | None = node_busy
+        self.node_waits = 0         # prefetches that waited for the node's cores
         self.compute_waits = 0      # times a prefetch waited for the engine's compute
         self.compute_overruns = 0   # prefetches that went on after compute_defer_s
         self.demand_in_flight = 0   # read from load threads: an int, written on the loop only
@@ -176,9 +195,18 @@ class LoadOrder:
         return {"idle": self.compute_waits - self.compute_overruns, "overrun": self.compute_overruns}
 
     def _behind_compute(self, ticket: LoadTicket) -> bool:
-        """The prefetch must wait for the engine's compute now (thread-safe read)."""
+        """The prefetch must wait for the engine's compute, or the node's, now (thread-safe
+        read)."""
         if not self.compute_busy():
-            return False
+            node = self.node_busy
+            if node is None or not node():
+                return False
+            now = time.monotonic()
+            if ticket.node_deadline is None:
+                ticket.node_deadline = now + min(NODE_DEFER_S, self.compute_defer_s)
+                ticket.node_waited = True
+                self.node_waits += 1
+            return now < ticket.node_deadline
         now = time.monotonic()
         if ticket.compute_deadline is None:
             ticket.compute_deadline = now + self.compute_defer_s
@@ -191,12 +219,19 @@ class LoadOrder:
         return False
 
     async def _wait_change(self, ticket: LoadTicket) -> None:
-        """Wait for the next change, or for the ticket's compute deadline to pass."""
+        """Wait for the next change, or for the ticket's compute deadline to pass, or (while
+        it waits for the node's cores) for the next look at them."""
         changed = self._changed
-        if ticket.compute_deadline is None or ticket.compute_overrun:
+        now = time.monotonic()
+        timeouts = []
+        if ticket.compute_deadline is not None and not ticket.compute_overrun:
+            timeouts.append(ticket.compute_deadline - now)
+        if self.node_busy is not None and ticket.node_deadline is not None and now < ticket.node_deadline:
+            timeouts.append(min(NODE_POLL_S, ticket.node_deadline - now))
+        if not timeouts:
             await changed.wait()
             return
-        left = ticket.compute_deadline - time.monotonic()
+        left = min(timeouts)
         if left > 0:
             try:
                 await asyncio.wait_for(changed.wait(), left)

@@ -72,6 +72,10 @@ def render_metrics(engine: Any, http_stats: Any) -> str:
              "Prefetch loads that waited for the engine's compute (a request accepted, queued or "
              "running); overrun: went on after compute_defer_s",
              [({"outcome": k}, v) for k, v in res.order.compute_wait_outcomes().items()])
+    t.metric("ace_engine_prefetch_node_waits_total", "counter",
+             "Prefetch loads that waited (at most 100 ms) while every core of the node ran another "
+             "task (prefetch_node_cpu)",
+             [({}, res.order.node_waits)])
     t.metric("ace_engine_prefetch_cancelled_total", "counter",
              "Prefetch loads given up (no_room: room only by evicting what requests use)",
              [({"reason": k}, v) for k, v in sorted(res.order.cancelled.items())])

@@ -78,6 +78,8 @@ def collect_engine_counters(connector: EngineConnector, metrics: AgentMetrics) -
         metrics.set_counter("ace_agent_prefetch_cancelled_total", n, reason=reason)
     for outcome, n in stats.get("compute_waits", {}).items():
         metrics.set_counter("ace_agent_prefetch_compute_waits_total", n, outcome=outcome)
+    if "node_waits" in stats:
+        metrics.set_counter("ace_agent_prefetch_node_waits_total", stats["node_waits"])
 
 
 def residency_gauges(holdings: TierHoldings, store: ArtifactStore, connector: EngineConnector,

@@ -134,6 +134,7 @@ def _engine(fixtures: Path, **kw):
     from gpu_agent.engine import Engine, EngineSettings
 
     kw.setdefault("pool_bytes", 16 << 20)
+    kw.setdefault("prefetch_node_cpu", False)  # these tests drive the engine's own compute; the node's: test_node_cpu
     return Engine.create(EngineSettings(catalog=fixtures / "catalog.yaml", host_cache_bytes=0,
                                         batch_window_ms=0.0, **kw))
 

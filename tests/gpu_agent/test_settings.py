@@ -77,6 +77,16 @@ def test_the_builtin_engines_compute_defer_is_the_agents_flag_with_the_engines_d
             parse_args(base + ["--prefetch-compute-defer-ms", bad])
 
 
+def test_the_builtin_engines_node_wait_is_the_agents_flag_on_by_default(catalog):
+    from gpu_agent.__main__ import builtin_engine_settings
+    from gpu_agent.engine.core import EngineSettings
+
+    base = ["--catalog", str(catalog), "--auth", "none"]
+    assert EngineSettings.__dataclass_fields__["prefetch_node_cpu"].default is True
+    assert builtin_engine_settings(parse_args(base)).prefetch_node_cpu is True
+    assert builtin_engine_settings(parse_args(base + ["--no-prefetch-node-cpu"])).prefetch_node_cpu is False
+
+
 def test_the_gil_switch_interval_defaults_to_half_a_millisecond_and_0_is_pythons(catalog):
     base = ["--catalog", str(catalog), "--auth", "none"]
     assert parse_args(base).gil_switch_ms == 0.5
