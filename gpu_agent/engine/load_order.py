@@ -60,8 +60,9 @@ log = logging.getLogger("gpu_agent.engine")
 #: (``LoadOrder.node_busy``: nothing notifies when another engine's pass ends).
 NODE_POLL_S = 0.005
 #: The longest a prefetch waits for the node's cores (its own engine's compute: up to
-#: ``compute_defer_s``): a burst of forward passes across the node lasts tens of ms, and
-#: a bet held longer loads against a pool that moved on since it was priced.
+#: ``compute_defer_s``): a bet held longer loads against a pool that moved on since it
+#: was priced (held up to 1 s, ace lost 2 of its ~5 points on a held-out hundreds day:
+#: docs/bench-history.md, "Bets wait for the node's cores").
 NODE_DEFER_S = 0.1
 
 
