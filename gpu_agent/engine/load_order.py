@@ -76,8 +76,8 @@ class LoadTicket:
     # time it does), and whether it went past it
     compute_deadline: float | None = None
     compute_overrun: bool = False
-    node_waited: bool = False  # it waited (also) because every core of the node was taken
-    node_deadline: float | None = None  # after this it no longer waits for the node's cores
+    # set the first time it waits for the node's cores; after it, it no longer does
+    node_deadline: float | None = None
     # where the load's time went, in seconds (a request's ``ace_timing.load``): the source's
     # fetch, the tiers' read/parse/copy on a load thread, and pauses (a prefetch yielding),
     # plus what else was loading on this engine, and downloading in its source, when it started
@@ -205,7 +205,6 @@ class LoadOrder:
             now = time.monotonic()
             if ticket.node_deadline is None:
                 ticket.node_deadline = now + min(NODE_DEFER_S, self.compute_defer_s)
-                ticket.node_waited = True
                 self.node_waits += 1
             return now < ticket.node_deadline
         now = time.monotonic()

@@ -32,14 +32,13 @@ def _cores() -> int:
 
 class NodeCpu:
     """``busy()``: every core (``cores``; default: those this process may run on) runs a
-    task other than the caller. ``reads`` and ``busy_reads`` count the reads."""
+    task other than the caller."""
 
     def __init__(self, cores: int | None = None, path: str = _LOADAVG) -> None:
         self.cores = cores if cores is not None else _cores()
         if self.cores < 1:
             raise ValueError("cores must be >= 1")
         self.path = path
-        self.reads = self.busy_reads = 0
         self._readable = True
 
     def runnable(self) -> int | None:
@@ -56,10 +55,4 @@ class NodeCpu:
 
     def busy(self) -> bool:
         n = self.runnable()
-        if n is None:
-            return False
-        self.reads += 1
-        if n - 1 >= self.cores:
-            self.busy_reads += 1
-            return True
-        return False
+        return n is not None and n - 1 >= self.cores
