@@ -9,14 +9,18 @@ arm every request is handed to ``extproc.fleet.speculation.SpeculationPlanner.st
 speculation thread's decision), whose ``PrefetchSignal`` s the simulated agents carry
 out, hinted victim first. Only the hosts are simulated:
 
-- **pool**: ``--slots`` adapters, least recently used first out (the agent's device
-  tier), never an adapter a queued or running request needs or one being loaded;
+- **pool**: ``--slots`` adapters, a signal's named victims first out, then the least
+  recently used (the agent's device tier; ``--engine-lru``: the least recently used
+  whatever is named, as vLLM's CPU cache without ace's evicting unload), never an adapter
+  a queued or running request needs or one being loaded;
 - **load link**: one FIFO link per host (``bench.sim.LoadChannel``), a load of rank r
   taking ``load_base_ms + r * bytes_per_rank / bandwidth`` (``bench.sim.load_times``);
 - **agent reports**: each adapter's tier on each host, with a measured load time only
   for the adapters that host's agent loaded (the planner's prefetches); the engine's own
   loads are untimed by the agent, as in the stack (the planner prices those at the
-  typical measured load);
+  typical measured load); and the share of a wasted bet's load time the agent charges it
+  (``--waste-share``: the builtin engine on the CPU announces 1, on CUDA 0), with which
+  the planner prices its bets (``ResidencySnapshot.waste_share``);
 - **engine**: ``--batch`` requests at a time, each ``--service-ms``; a request reaches
   it ``--lead-ms`` after the gateway saw it, and waits for a free place and its adapter.
 
@@ -43,6 +47,7 @@ import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from bench.bounds import belady_hits, miss_causes
 from bench.sim import LoadChannel
@@ -80,6 +85,7 @@ class Host:
     prefetch_wasted: int = 0
     unused: set = field(default_factory=set)  # prefetched, no request used it yet
     changed: bool = True
+    honours_hints: bool = True  # False: the engine evicts its own LRU whatever is named (vLLM)
 
     def __post_init__(self) -> None:
         self.free = [0.0] * self.batch
@@ -95,7 +101,7 @@ class Host:
     def _make_room(self, now: float, hint: tuple[str, ...] = ()) -> bool:
         if len(self.pool) < self.slots:
             return True
-        order = [a for a in hint if a in self.pool] + list(self.pool)
+        order = [a for a in hint if a in self.pool] * self.honours_hints + list(self.pool)
         for a in order:
             if self._evictable(a, now):
                 self._evict(a)
@@ -160,10 +166,16 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
            lead_ms: float = 5.0, speed: float = 1.0, load_base_ms: float = 25.0,
            bytes_per_rank: int = 2 * 4 * 4096 * 32 * 2, gbps: float = 1.6,
            settings: SpeculationSettings = SpeculationSettings(), place_every_s: float = 5.0,
-           ingress_victims: bool = True, keep_rows: bool = False, known_slots: bool = False) -> dict:
-    """One arm over ``trace`` (sorted by ``t``); ``speed`` divides the trace's times."""
+           ingress_victims: bool = True, keep_rows: bool = False, known_slots: bool = False,
+           waste_share: float = 0.0, engine_lru: bool = False) -> dict:
+    """One arm over ``trace`` (sorted by ``t``); ``speed`` divides the trace's times;
+    ``waste_share``: what every host's agent announces (``ResidencyEvent.prefetch_waste_share``);
+    ``engine_lru``: every host's engine evicts its own least recently used adapter, whatever a
+    signal names (vLLM's CPU cache)."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
+    if not 0.0 <= waste_share <= 1.0:
+        raise ValueError(f"waste_share must be within [0, 1], got {waste_share}")
     catalog = _catalog(trace)
     names = [f"host-{h}" for h in range(hosts)]
     upstreams = tuple(Upstream(name=h, address=f"127.0.0.1:{9000 + i}", flavour="builtin", base_model=BASE)
@@ -172,7 +184,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
     snapshot = Snapshot(adapters=catalog, base_models=frozenset({BASE}),
                         tenants={t: Tenant(t) for t in {r["tenant"] for r in trace}}, keys={},
                         upstreams=upstreams, default_skills={}, max_body_bytes=1 << 20)
-    sim = {h: Host(h, slots, batch) for h in names}
+    sim = {h: Host(h, slots, batch, honours_hints=not engine_lru) for h in names}
     load_s = {a: (load_base_ms + ad.rank * bytes_per_rank / (gbps * 1e6)) / 1000.0 for a, ad in catalog.items()}
     # what each host's agent reports: the tier, and the load time it measured, which it
     # has only for the adapters it loaded itself there (prefetches; the engine loads the
@@ -199,6 +211,7 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
     counts: dict[str, float] = {}  # requests per adapter, as the speculation thread counts them
     placement: dict = {}
     placed_at = -math.inf
+    shares = MappingProxyType({h: waste_share for h in names})
     seen: set[str] = set()
     misses = {"first_touch": 0, "session_opener": 0, "session_revisit": 0, "later_step": 0}
     used_by: dict[tuple, set] = {}  # (tenant, session) -> adapters it asked for
@@ -218,7 +231,8 @@ def replay(trace: list[dict], arm: str, *, hosts: int, slots: int, batch: int = 
             placement = demand_placement(counts, ResidencySnapshot.build(tables, placement=placement),
                                          slots if known_slots else learner.placement_slots())
             placed_at = now
-        residency = ResidencySnapshot.build(tables, loads, {h: sent.value(h) for h in names}, placement)
+        residency = dataclasses.replace(
+            ResidencySnapshot.build(tables, loads, {h: sent.value(h) for h in names}, placement), waste_share=shares)
         if planner is not None and ingress_victims:  # GatewaySpeculation.drain publishes them
             residency = dataclasses.replace(residency, victims=planner.victims(now))
         up = route(upstreams, catalog[a], residency, sent).name
@@ -324,8 +338,17 @@ def main(argv=None) -> int:
                          "known once a pool is seen evicting)")
     ap.add_argument("--no-ingress-victims", action="store_true",
                     help="ace: the ingress prefetch names no victims (the agent's LRU makes room)")
+    ap.add_argument("--waste-share", type=float, default=0.0,
+                    help="the share of a wasted bet's load time every host's agent charges it, as it "
+                         "announces it to the gateway (the builtin engine: 1 on the CPU, 0 on CUDA; "
+                         "default 0)")
+    ap.add_argument("--engine-lru", action="store_true",
+                    help="every host's engine evicts its own least recently used adapter, whatever a "
+                         "signal names (vLLM's CPU cache; default: named victims go first)")
     ap.add_argument("--out", help="JSON report")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.waste_share <= 1.0:
+        ap.error(f"--waste-share {args.waste_share}: must be within [0, 1]")
     fields = {f.name: f.type for f in dataclasses.fields(SpeculationSettings)}
     overrides = {}
     for item in args.set:
@@ -348,7 +371,8 @@ def main(argv=None) -> int:
                        service_ms=args.service_ms, lead_ms=args.lead_ms, speed=args.speed, settings=settings,
                        load_base_ms=args.load_base_ms, gbps=args.gbps,
                        place_every_s=args.place_every_s, ingress_victims=not args.no_ingress_victims,
-                       known_slots=args.known_slots)
+                       known_slots=args.known_slots, waste_share=args.waste_share,
+                       engine_lru=args.engine_lru)
             report[path][arm] = r
             print(f"{path} {arm:<9} hits {r['effective_hit_ratio']:.4f} belady {r['belady_hit_ratio']:.4f} "
                   f"resident {r['resident_hit_ratio']:.4f} loads {r['loads']} prefetch {r['prefetch']} "

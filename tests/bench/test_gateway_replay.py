@@ -37,3 +37,23 @@ def test_the_ace_arm_sends_prefetches_through_the_gateways_planner():
     r = replay(trace, "ace", hosts=1, slots=5, speed=2)
     assert r["prefetch"]["sent"] > 0 and r["planner"]["predictions"] > 0
     assert r["prefetch"]["used"] + r["prefetch"]["wasted"] <= r["prefetch"]["sent"]
+
+
+def test_bets_priced_with_the_agents_waste_share_are_fewer():
+    """What the hosts' agents announce as a wasted bet's cost reaches the planner's price:
+    charged in full (the builtin engine on the CPU), fewer bets pay than when free."""
+    trace = load_trace(TRACE)
+    free = replay(trace, "ace", hosts=1, slots=5, speed=2)
+    charged = replay(trace, "ace", hosts=1, slots=5, speed=2, waste_share=1.0)
+    assert 0 < charged["prefetch"]["sent"] < free["prefetch"]["sent"]
+    with pytest.raises(ValueError, match="waste_share"):
+        replay(trace, "ace", hosts=1, slots=5, waste_share=1.5)
+
+
+def test_an_engine_that_keeps_its_own_lru_ignores_the_named_victims():
+    """``engine_lru`` (vLLM's cache without ace's evicting unload): the named victims do not
+    decide what leaves, so the same bets find a different pool."""
+    trace = load_trace(TRACE)
+    named = replay(trace, "ace", hosts=1, slots=3, speed=2, keep_rows=True)
+    lru = replay(trace, "ace", hosts=1, slots=3, speed=2, keep_rows=True, engine_lru=True)
+    assert [r["hit"] for r in named["rows"]] != [r["hit"] for r in lru["rows"]]
