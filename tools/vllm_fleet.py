@@ -3,9 +3,10 @@
 Every host is what a user deploys: one vLLM process started with
 ``--enable-lora --max-loras N --max-cpu-loras S --max-lora-rank R``, runtime LoRA
 updating on (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) and the filesystem resolver
-(``VLLM_PLUGINS=lora_filesystem_resolver``) for on-demand loads, plus one GPU agent
-with the vLLM connector (``--engine vllm --max-cpu-loras S --vllm-resolver``) driving
-it. One ext_proc and one Envoy sit in front (``tools.localstack.gateway_front``). Flags and environment
+(``VLLM_PLUGINS=lora_filesystem_resolver``) for on-demand loads, with ace's plugins
+(``VLLM_PLUGINS``: the evicting unload, ``tools/vllm_evict``, and the measuring one), plus
+one GPU agent with the vLLM connector (``--engine vllm --max-cpu-loras S --vllm-resolver
+--vllm-unload-evicts``) driving it. One ext_proc and one Envoy sit in front (``tools.localstack.gateway_front``). Flags and environment
 follow /work/shared/ENGINES.md ("Running a real vLLM here"); the numbers that size a
 fleet on this machine are in docs/engine.md ("Real vLLM hosts").
 
@@ -137,9 +138,15 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+#: the plugins every vLLM host loads: the filesystem resolver (on-demand loads), ace's
+#: evicting unload (tools/vllm_evict: an unload drops the weights from vLLM's CPU cache, so
+#: the agents' victims leave it, not its LRU) and ace's measuring one (tools/vllm_measure)
+VLLM_PLUGINS = ("lora_filesystem_resolver", "ace_evict", "ace_measure")
+
+
 def _vllm_env(resolver_dir: Path, threads: int | None) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_NO_USAGE_STATS="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", VLLM_PLUGINS="lora_filesystem_resolver,ace_measure",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", VLLM_PLUGINS=",".join(VLLM_PLUGINS),
                VLLM_LORA_RESOLVER_CACHE_DIR=str(resolver_dir.resolve()))
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
@@ -230,6 +237,7 @@ def vllm_fleet(work: Path, catalog: Path, model_dir: Path, resolver_dir: Path, v
             grpc_port, metrics_port = free_port(), free_port()
             cmd = [python(), "-m", "gpu_agent", "serve", "--catalog", str(catalog), "--engine", "vllm",
                    "--engine-url", engine.url, "--max-cpu-loras", str(flags.max_cpu_loras), "--vllm-resolver",
+                   "--vllm-unload-evicts",
                    "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
                    "--cache-dir", str(home / "agent-cache"), "--auth", "token", *agent_args]
             proc = stack.enter_context(running(cmd, home / "agent.log", env=env))

@@ -16,7 +16,12 @@ the agent keeps its device tier at the same size and unloads its own LRU adapter
 explicitly. Then the agent's view and the engine's agree, and `/v1/models` says so. An
 unload only forgets the name (the weights stay cached until that LRU drops them), so the
 agent never unloads a victim someone named (``evicts_own_lru``): only its LRU, which
-follows vLLM's order of use, keeps the two caches alike.
+follows vLLM's order of use, keeps the two caches alike. With ace's evicting plugin in
+vLLM (``tools/vllm_evict``, ``unload_evicts=True``: agent flag ``--vllm-unload-evicts``) an
+unload also drops the weights from that cache, so the agent follows the gateway's named
+victims as on any other engine. Each unload's answer carries the plugin's mark
+(``EVICTED``); one without it (the plugin is not loaded) turns the named victims off
+again, with an error logged, since unloading them would only leave dead weights cached.
 
 A load or an unload runs on vLLM's engine core between two steps, so every request it
 is running waits for it (12-73 ms per load in `make bench ENGINE=vllm` on the shared
@@ -30,6 +35,7 @@ name (0.8 ms), so the load monitor, the idle wait and the busy checks share chea
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from pathlib import Path
 
@@ -40,7 +46,12 @@ from gpu_agent.connectors.base import (ConnectorError, EngineConnector, EngineLo
                                        listed_adapters)
 from gpu_agent.connectors.prometheus import VLLM_LOAD, MetricsScraper
 
-__all__ = ["VLLMConnector", "parse_lora_metrics"]
+__all__ = ["EVICTED", "VLLMConnector", "parse_lora_metrics"]
+
+log = logging.getLogger(__name__)
+
+#: the evicting plugin's mark in an unload's answer (tools/vllm_evict/ace_vllm_evict.py)
+EVICTED = "(ace: dropped from vLLM's LoRA cache)"
 
 _SERIES = re.compile(r'^(vllm:lora_requests_info|vllm:lora_adapter_loaded)\{([^}]*)\}\s+(\S+)', re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -76,8 +87,11 @@ class VLLMConnector(EngineConnector):
     def __init__(self, url: str, max_cpu_loras: int | None = 4, timeout_s: float = 30.0,
                  api_key: str | None = None, client: httpx.AsyncClient | None = None,
                  metrics_timeout_s: float = 1.0, idle_wait_s: float = 1.0, idle_poll_s: float = 0.1,
-                 metrics_max_age_s: float = 0.1, resolver: bool = False):
+                 metrics_max_age_s: float = 0.1, resolver: bool = False, unload_evicts: bool = False):
         self._url = url.rstrip("/")
+        # with ace's evicting plugin an unload frees the adapter's place in vLLM's CPU cache:
+        # the agent's named victims leave it, not vLLM's LRU (checked on every unload)
+        self.evicts_own_lru = not unload_evicts
         # with a LoRA resolver vLLM registers a request's unknown adapter itself: the
         # agent's load of it would only race that one (and unload a victim for it)
         self.loads_on_demand = resolver
@@ -120,11 +134,25 @@ class VLLMConnector(EngineConnector):
 
     async def unload(self, name: str) -> None:
         resp = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
-        if resp.status_code in (200, 404):
+        if resp.status_code == 200:
+            self._check_evicted(name, resp.text)
+            return
+        if resp.status_code == 404:
             return
         if resp.status_code == 400 and "not" in _error_message(resp).lower():
             return  # older vLLM: 400 "... cannot be found"
         raise ConnectorError(f"vLLM unload {name}: HTTP {resp.status_code}: {_error_message(resp)[:300]}")
+
+    def _check_evicted(self, name: str, answer: str) -> None:
+        """An unload said to evict answered without the plugin's mark: vLLM kept the
+        weights cached, so named victims would only leave dead weights there. Back to
+        vLLM's LRU for good, said once."""
+        if self.evicts_own_lru or EVICTED in answer:
+            return
+        self.evicts_own_lru = True
+        log.error("vLLM %s unloaded %s without dropping it from its CPU cache: ace's evicting plugin is not "
+                  "loaded (pip install tools/vllm_evict into vLLM's environment and add ace_evict to "
+                  "VLLM_PLUGINS); named victims are off, vLLM's LRU chooses what leaves its cache", self._url, name)
 
     async def loaded(self) -> set[str]:
         return await listed_adapters(self._client, "vLLM", self._url)

@@ -5,15 +5,19 @@ A prefetch is refused when its adapter is unknown or its digest differs; it is
 A request's own prefetch (the gateway's ingress signal) to an engine that loads the
 request's adapter itself (builtin) only starts the fetch of its files: the request's own
 load joins it, and nothing is loaded twice; its ``evict`` hints become that load's first
-victims (``EngineConnector.prefer_victims``). An engine whose cache evicts its own LRU
-(vLLM) takes no named victim at all (``_victim_hints``). A hint that says how likely it is
+victims (``EngineConnector.prefer_victims``); on vLLM with ace's evicting unload
+(``--vllm-unload-evicts``), where the resolver makes that load, they are unloaded at once
+(``TierHoldings.evict_ahead``) so the load finds room. An engine whose cache evicts its own
+LRU (vLLM without that plugin) takes no named victim at all (``_victim_hints``). A hint that says how likely it is
 (``probability``) is put to the speculation budget
 (``gpu_agent.residency.prefetch_budget``), fed here with measured load times, the queue
 and the engine's own request loads; past the queue's bound it is ``queue_full``.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 from typing import Callable, Iterable, Mapping
 
 from ace_common.catalog import Adapter
@@ -24,6 +28,8 @@ from gpu_agent.residency.prefetch_budget import HintBet, HintVerdict, LinkState,
 from gpu_agent.residency.records import AdapterState, ResidencyOutcome, ResidencyResult, rejected
 
 __all__ = ["PrefetchAdmission"]
+
+log = logging.getLogger(__name__)
 
 # the reasons of a request's own prefetch (the gateway's ingress signal: request_cold,
 # request_unknown), as opposed to a prediction's (predicted, first_step, warm_set)
@@ -45,6 +51,7 @@ class PrefetchAdmission:
         self._waste_share = waste_share
         self.metrics = metrics
         self._publish = publish
+        self._ahead: set[asyncio.Future] = set()  # evictions ahead of an engine's own load
 
     def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
                  evict: Iterable[str] = (), *, probability: float | None = None,
@@ -80,8 +87,12 @@ class PrefetchAdmission:
         if probability is None and reason.startswith(REQUEST_REASON) and self.holdings.connector.loads_on_demand:
             # a request's own load, which this engine makes itself when the request arrives:
             # fetch its files ahead (the engine's load joins the fetch), load nothing here;
-            # the gateway's victims are the ones that load evicts first
-            self.holdings.connector.prefer_victims(name, self._victim_hints(name, evict))
+            # the gateway's victims are the ones that load evicts first: the builtin engine
+            # takes them with the load, vLLM (with ace's evicting unload) sees them leave now
+            hints = self._victim_hints(name, evict)
+            self.holdings.connector.prefer_victims(name, hints)
+            if hints and not self.holdings.connector.self_managed:
+                self._evict_ahead(spec, hints)
             self.pipeline.fetch_ahead(spec)
             self.metrics.inc("ace_agent_prefetch_total", outcome="left_to_engine")
             return ResidencyResult(ResidencyOutcome.ACCEPTED, "engine_loads_on_demand")
@@ -109,6 +120,25 @@ class PrefetchAdmission:
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
         return ResidencyResult(ResidencyOutcome.ACCEPTED)
+
+    def _evict_ahead(self, spec: Adapter, hints: tuple[str, ...]) -> None:
+        """The hinted victims leave before the engine's own load of ``spec`` (in the
+        background: the signal's answer does not wait for the unloads)."""
+        async def evict() -> None:
+            try:
+                await self.holdings.evict_ahead(spec, hints)
+            except Exception as exc:  # the engine's load makes room its own way
+                log.info("evicting ahead of %s failed: %s", spec.name, exc)
+        task = asyncio.ensure_future(evict())
+        self._ahead.add(task)
+        task.add_done_callback(self._ahead.discard)
+
+    async def close(self) -> None:
+        """Cancel the evictions ahead still running (before the connector closes)."""
+        tasks = list(self._ahead)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _victim_hints(self, name: str, evict: Iterable[str]) -> tuple[str, ...]:
         """The named victims this engine lets the agent follow: none where its cache evicts

@@ -145,6 +145,17 @@ class TierHoldings:
         if over():
             raise PoolExhausted(f"device tier full of pinned or busy adapters; cannot load {spec.name}")
 
+    async def evict_ahead(self, spec: Adapter, hints: tuple[str, ...]) -> None:
+        """Room for a load the engine will make itself (a request's, through vLLM's
+        resolver): while the device tier has none for ``spec``, the hinted victims leave
+        now, before that load evicts the engine's own least recently used; never an
+        adapter the hints do not name (the engine's load takes its LRU, as it would)."""
+        def over() -> bool:
+            return not self.shortfall(spec.size_bytes).met
+
+        if spec.name not in self.device and over():
+            await self._evict_hinted(spec, hints, over)
+
     def rank_victims(self, names: tuple[str, ...]) -> None:
         """The gateway's ranking of this pool's victims, coldest first (a request's own
         signal names it: ``Upstream.victim_hints``). A shrink that follows an adapter the

@@ -16,7 +16,7 @@ from aiohttp import web
 from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import ConnectorError, EngineUnavailable
 from gpu_agent.connectors.sglang import SGLangConnector
-from gpu_agent.connectors.vllm import VLLMConnector, parse_lora_metrics
+from gpu_agent.connectors.vllm import EVICTED, VLLMConnector, parse_lora_metrics
 from tests.gpu_agent.agent_support import serve
 from tests.support.procs import free_port
 
@@ -199,3 +199,41 @@ def test_vllm_with_a_resolver_loads_a_requests_adapter_itself():
     assert VLLMConnector("http://127.0.0.1:1", resolver=True).loads_on_demand is True
     assert VLLMConnector("http://127.0.0.1:1").loads_on_demand is False
     assert VLLMConnector("http://127.0.0.1:1").evicts_own_lru is True
+
+
+@pytest.mark.parametrize("plugin", [True, False])
+def test_vllm_named_victims_hold_only_while_unloads_carry_the_evicting_plugins_mark(plugin, caplog):
+    """``--vllm-unload-evicts``: the agent follows named victims on vLLM (``evicts_own_lru``
+    False) as long as each unload's answer says the weights left vLLM's CPU cache
+    (``EVICTED``, tools/vllm_evict); an answer without it (the plugin is not loaded) turns
+    them off for good, with an error logged, since those unloads only forget names."""
+    async def main():
+        async def unload(request):
+            body = await request.json()
+            text = f"Success: LoRA adapter '{body['lora_name']}' removed successfully."
+            return web.Response(text=f"{text} {EVICTED}" if plugin else text)
+
+        app = web.Application()
+        app.router.add_post("/v1/unload_lora_adapter", unload)
+        async with serve(app) as url:
+            conn = VLLMConnector(url, unload_evicts=True)
+            try:
+                assert conn.evicts_own_lru is False
+                await conn.unload("x")
+                assert conn.evicts_own_lru is (not plugin)
+                await conn.unload("y")
+                assert conn.evicts_own_lru is (not plugin)
+            finally:
+                await conn.close()
+    with caplog.at_level("ERROR", logger="gpu_agent.connectors.vllm"):
+        asyncio.run(main())
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == (0 if plugin else 1)
+    if not plugin:
+        assert "ace_evict" in errors[0].getMessage()
+
+
+def test_the_evicting_plugins_mark_is_the_connectors():
+    """The plugin (installed into vLLM's venv) and the connector agree on the mark."""
+    from tools.vllm_evict.ace_vllm_evict import EVICTED as PLUGIN_MARK
+    assert PLUGIN_MARK == EVICTED

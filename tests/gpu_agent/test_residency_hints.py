@@ -138,7 +138,16 @@ def test_a_duplicate_of_a_queued_prefetch_brings_its_hints(tmp_path):
 
 
 class OnDemandConnector(FakeConnector):
-    """An engine that loads a request's adapter itself when the request arrives (builtin)."""
+    """An engine that loads a request's adapter itself when the request arrives and makes
+    its own room, taking the gateway's victims with that load (builtin)."""
+
+    loads_on_demand = True
+    self_managed = True
+
+
+class ResolverConnector(FakeConnector):
+    """An engine that loads a request's adapter itself (vLLM's resolver) into a cache the
+    agent keeps at its size, whose unloads evict (ace's evicting plugin)."""
 
     loads_on_demand = True
 
@@ -162,6 +171,30 @@ def test_a_requests_own_prefetch_to_an_engine_that_loads_on_demand_only_fetches_
             assert eng.calls == calls and mgr.view("a4").tier is Tier.DISK       # nothing loaded or evicted
             assert mgr.prefetch("a4", reason="predicted", probability=0.9).outcome is ResidencyOutcome.ACCEPTED
             await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="the prediction's load")
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_a_requests_own_prefetch_to_vllm_with_a_resolver_evicts_the_named_victim_ahead(tmp_path):
+    """vLLM with a resolver loads the request's adapter itself, evicting its own least
+    recently used; with ace's evicting unload the agent makes that room first, from the
+    signal's named victims (never from its LRU), and loads nothing itself."""
+    async def main():
+        eng = ResolverConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            got = mgr.prefetch("a4", priority=1, reason="request_cold", evict=["a3"])
+            assert (got.outcome, got.reason) == (ResidencyOutcome.ACCEPTED, "engine_loads_on_demand")
+            await async_wait_until(lambda: unloads(eng) == ["a3"], what="the named victim unloaded ahead")
+            assert "a4" not in mgr.pipeline.inflight and mgr.view("a4").tier is not Tier.DEVICE
+            assert set(eng.held) == {"a1", "a2"}
+            assert mgr.metrics.counter("ace_agent_evictions_total", tier="device", reason="hint") == 1
+            # with room already there, or with no victim named, nothing leaves
+            got = mgr.prefetch("a3", priority=1, reason="request_cold", evict=["a1"])
+            assert got.reason == "engine_loads_on_demand"
+            await async_wait_until(lambda: not mgr.admission._ahead, what="the eviction ahead done")
+            assert unloads(eng) == ["a3"]
         finally:
             await mgr.close()
     run(main())

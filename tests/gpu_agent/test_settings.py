@@ -61,6 +61,15 @@ def test_a_vllm_resolver_is_a_switch_off_by_default(catalog):
         parse_args([*base, "--vllm-resolver", "yes"])
 
 
+def test_vllms_evicting_unload_is_a_switch_off_by_default(catalog):
+    """--vllm-unload-evicts: only with ace's evicting plugin in vLLM (an unload then drops
+    the weights from its CPU cache); off by default, where an unload only forgets a name."""
+    base = ["--catalog", str(catalog), "--auth", "none", "--engine", "vllm", "--engine-url", "http://127.0.0.1:1"]
+    assert parse_args(base).vllm_unload_evicts is False
+    assert parse_args([*base, "--vllm-unload-evicts"]).vllm_unload_evicts is True
+    assert parse_args([*base, "--vllm-unload-evicts", "--no-vllm-unload-evicts"]).vllm_unload_evicts is False
+
+
 def test_the_builtin_engines_compute_defer_is_the_agents_flag_with_the_engines_default(catalog):
     """--prefetch-compute-defer-ms reaches the in-process engine; its default is the
     engine's own, 0 turns the wait off, and a negative or NaN value is refused."""

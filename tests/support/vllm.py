@@ -36,9 +36,11 @@ class VLLMServer:
 
     def __init__(self, python: str, model_dir: Path, log_dir: Path, *, max_loras: int = 2,
                  max_cpu_loras: int = 2, max_lora_rank: int = 16, startup_timeout: float = 300.0,
-                 resolver_dir: Path | None = None):
+                 resolver_dir: Path | None = None, plugins: tuple[str, ...] = ()):
         """`resolver_dir`: turn on vLLM's filesystem LoRA resolver over that directory, so a
-        request naming an adapter that is not loaded loads `<dir>/<name>` on demand."""
+        request naming an adapter that is not loaded loads `<dir>/<name>` on demand.
+        `plugins`: general plugins vLLM loads besides (ace's: `ace_evict`, `ace_measure`)."""
+        self.plugins = plugins
         self.python, self.model_dir, self.log_dir = python, model_dir, log_dir
         self.resolver_dir = resolver_dir
         self.port = free_port()
@@ -69,8 +71,10 @@ class VLLMServer:
             if not link.exists():
                 link.symlink_to(self.model_dir.resolve(), target_is_directory=True)
             model, cwd = BASE_MODEL, self.log_dir
-            env.update(VLLM_PLUGINS="lora_filesystem_resolver",
+            env.update(VLLM_PLUGINS=",".join(("lora_filesystem_resolver", *self.plugins)),
                        VLLM_LORA_RESOLVER_CACHE_DIR=str(self.resolver_dir.resolve()))
+        elif self.plugins:
+            env.update(VLLM_PLUGINS=",".join(self.plugins))
         cmd = [self.python, "-m", "vllm.entrypoints.launchers.api_server.entry",
                "--model", model, "--served-model-name", BASE_MODEL,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",

@@ -1,0 +1,115 @@
+"""ace's evicting plugin in a real vLLM (CPU build): an unload drops the adapter from
+vLLM's CPU cache, so the agent's named victims leave it instead of vLLM's LRU.
+
+One vLLM for the module, `--max-loras 2 --max-cpu-loras 2 --max-lora-rank 16`, with
+`VLLM_PLUGINS=ace_evict,ace_measure` (tools/vllm_evict, tools/vllm_measure: the measuring
+plugin logs every read into the CPU cache, which is what these tests count). Without the
+evicting plugin the unload's answer has no mark and the LRU adapter is read again: both
+tests fail.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+
+from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
+from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
+from tests.support.agent import AUTH, agent_process
+from tests.support.fixtures import fixtures_dir
+from tests.support.vllm import VLLMServer, vllm_python
+from tests.support.wait import wait_until
+from tools.vllm_evict.ace_vllm_evict import EVICTED, REGISTERED
+from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    return fixtures_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def vllm(fixtures, tmp_path_factory):
+    server = VLLMServer(vllm_python(), fixtures / "model", tmp_path_factory.mktemp("vllm-logs"),
+                        plugins=("ace_evict", "ace_measure"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def reads(vllm, name: str) -> int:
+    """How many times vLLM read ``name``'s weights into its CPU cache so far."""
+    return sum(1 for line in vllm.log.read_text(errors="replace").splitlines()
+               if CPU_CACHE_READ in line and line.rstrip().endswith(f" {name}"))
+
+
+def load(vllm, fixtures, name: str) -> None:
+    resp = httpx.post(vllm.url + "/v1/load_lora_adapter", timeout=60,
+                      json={"lora_name": name, "lora_path": str(fixtures / "adapters" / name)})
+    assert resp.status_code == 200, resp.text
+
+
+def unload(vllm, name: str) -> str:
+    resp = httpx.post(vllm.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.text
+
+
+def clear(vllm) -> None:
+    for name in list(vllm.adapters()):
+        unload(vllm, name)
+
+
+def test_an_unload_drops_the_adapter_from_vllms_cpu_cache(vllm, fixtures):
+    """Cache of 2: A and B read, A used (B is now the LRU), A unloaded, C loaded. With
+    the plugin A's place is free, so C evicts nothing and B is served without a read;
+    without it A's weights stay cached and C's read evicts B."""
+    clear(vllm)
+    assert REGISTERED in vllm.log.read_text(errors="replace")
+    a, b, c = "code-python", "fin-reports", "med-triage"
+    load(vllm, fixtures, a)
+    load(vllm, fixtures, b)
+    vllm.complete(a, "def f(x):", max_tokens=1)
+    b_reads = reads(vllm, b)
+    assert EVICTED in unload(vllm, a)
+    assert a not in vllm.adapters()
+    load(vllm, fixtures, c)
+    vllm.complete(b, "Quarterly revenue", max_tokens=1)
+    assert reads(vllm, b) == b_reads
+    # the unloaded adapter comes back as any other: registered and read again
+    load(vllm, fixtures, a)
+    assert vllm.complete(a, "def f(x):", max_tokens=1) is not None
+
+
+def rpc(agent, method, request):
+    async def call():
+        async with grpc.aio.insecure_channel(agent.target) as ch:
+            return await getattr(pb_grpc.AgentStub(ch), method)(request, metadata=AUTH, timeout=30)
+    return asyncio.run(call())
+
+
+def test_the_agent_evicts_the_victim_the_gateway_names(vllm, fixtures, tmp_path):
+    """``--vllm-unload-evicts``: a prefetch that names a victim unloads that one, not the
+    agent's LRU, and vLLM's cache follows: the LRU adapter is served without a read."""
+    clear(vllm)
+    with agent_process(fixtures / "catalog.yaml", tmp_path, "vllm", engine_url=vllm.url,
+                       extra=["--max-cpu-loras", str(vllm.max_cpu_loras), "--vllm-unload-evicts",
+                              "--reconcile-interval-s", "0.5"]) as agent:
+        lru, named, incoming = "code-python", "fin-reports", "tr-de-en"
+        for name in (lru, named):
+            rpc(agent, "Prefetch", pb.PrefetchRequest(adapter=name))
+            wait_until(lambda n=name: rpc(agent, "Status", pb.StatusRequest(adapter=n)).tier == pb.TIER_DEVICE)
+        lru_reads = reads(vllm, lru)
+        rpc(agent, "Prefetch", pb.PrefetchRequest(adapter=incoming, evict=[named]))
+        wait_until(lambda: rpc(agent, "Status", pb.StatusRequest(adapter=incoming)).tier == pb.TIER_DEVICE)
+        assert set(vllm.adapters()) == {lru, incoming}
+        assert rpc(agent, "Status", pb.StatusRequest(adapter=named)).tier != pb.TIER_DEVICE
+        assert agent.metric('ace_agent_evictions_total{reason="hint",tier="device"}') >= 1
+        vllm.complete(lru, "def f(x):", max_tokens=1)
+        assert reads(vllm, lru) == lru_reads
