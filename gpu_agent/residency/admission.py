@@ -7,7 +7,7 @@ request's adapter itself (builtin) only starts the fetch of its files: the reque
 load joins it, and nothing is loaded twice; its ``evict`` hints become that load's first
 victims (``EngineConnector.prefer_victims``); on vLLM with ace's evicting unload
 (``--vllm-unload-evicts``), where the resolver makes that load, they are unloaded at once
-(``TierHoldings.evict_ahead``) so the load finds room. An engine whose cache evicts its own
+(``LoadPipeline.evict_ahead``) so the load finds room. An engine whose cache evicts its own
 LRU (vLLM without that plugin) takes no named victim at all (``_victim_hints``). A hint that says how likely it is
 (``probability``) is put to the speculation budget
 (``gpu_agent.residency.prefetch_budget``), fed here with measured load times, the queue
@@ -15,9 +15,7 @@ and the engine's own request loads; past the queue's bound it is ``queue_full``.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
-import logging
 from typing import Callable, Iterable, Mapping
 
 from ace_common.catalog import Adapter
@@ -28,8 +26,6 @@ from gpu_agent.residency.prefetch_budget import HintBet, HintVerdict, LinkState,
 from gpu_agent.residency.records import AdapterState, ResidencyOutcome, ResidencyResult, rejected
 
 __all__ = ["PrefetchAdmission"]
-
-log = logging.getLogger(__name__)
 
 # the reasons of a request's own prefetch (the gateway's ingress signal: request_cold,
 # request_unknown), as opposed to a prediction's (predicted, first_step, warm_set)
@@ -51,7 +47,6 @@ class PrefetchAdmission:
         self._waste_share = waste_share
         self.metrics = metrics
         self._publish = publish
-        self._ahead: set[asyncio.Future] = set()  # evictions ahead of an engine's own load
 
     def prefetch(self, name: str, digest: str = "", priority: int = 0, reason: str = "",
                  evict: Iterable[str] = (), *, probability: float | None = None,
@@ -92,7 +87,7 @@ class PrefetchAdmission:
             hints = self._victim_hints(name, evict)
             self.holdings.connector.prefer_victims(name, hints)
             if hints and not self.holdings.connector.self_managed:
-                self._evict_ahead(spec, hints)
+                self.pipeline.evict_ahead(spec, hints)
             self.pipeline.fetch_ahead(spec)
             self.metrics.inc("ace_agent_prefetch_total", outcome="left_to_engine")
             return ResidencyResult(ResidencyOutcome.ACCEPTED, "engine_loads_on_demand")
@@ -120,25 +115,6 @@ class PrefetchAdmission:
         self.metrics.inc("ace_agent_prefetch_total", outcome="accepted")
         self._publish(name)
         return ResidencyResult(ResidencyOutcome.ACCEPTED)
-
-    def _evict_ahead(self, spec: Adapter, hints: tuple[str, ...]) -> None:
-        """The hinted victims leave before the engine's own load of ``spec`` (in the
-        background: the signal's answer does not wait for the unloads)."""
-        async def evict() -> None:
-            try:
-                await self.holdings.evict_ahead(spec, hints)
-            except Exception as exc:  # the engine's load makes room its own way
-                log.info("evicting ahead of %s failed: %s", spec.name, exc)
-        task = asyncio.ensure_future(evict())
-        self._ahead.add(task)
-        task.add_done_callback(self._ahead.discard)
-
-    async def close(self) -> None:
-        """Cancel the evictions ahead still running (before the connector closes)."""
-        tasks = list(self._ahead)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _victim_hints(self, name: str, evict: Iterable[str]) -> tuple[str, ...]:
         """The named victims this engine lets the agent follow: none where its cache evicts

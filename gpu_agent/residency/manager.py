@@ -124,7 +124,7 @@ class ResidencyManager:
             task.cancel()
         await asyncio.gather(*self._tasks, *inflight, return_exceptions=True)
         self._tasks.clear()
-        await self.admission.close()
+        await self.pipeline.close_ahead()
         await self.reconciler.close()
         self._changes.end()
         await self.connector.close()

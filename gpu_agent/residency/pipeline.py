@@ -55,7 +55,7 @@ class LoadPipeline:
         self._publish = publish
         self._view = view
         self.link_bytes_per_ms = DEFAULT_LINK_BYTES_PER_MS  # measured loads, averaged (EWMA)
-        self._ahead: set[asyncio.Task] = set()  # fetch_ahead's tasks (kept referenced)
+        self._ahead: set[asyncio.Task] = set()  # fetches and evictions ahead (kept referenced)
 
     def load_ms(self, spec: Adapter) -> float:
         """Expected load time: the adapter's last measured cold load, else its bytes over
@@ -80,10 +80,30 @@ class LoadPipeline:
                 await self.store.ensure_local(spec, self.protected_digests())
             except Exception as exc:  # the request's own load fetches again and reports it
                 log.info("fetch ahead of %s failed: %s", spec.name, exc)
-        task = asyncio.ensure_future(fetch())
+        self._keep_ahead(fetch())
+        return True
+
+    def evict_ahead(self, spec: Adapter, hints: tuple[str, ...]) -> None:
+        """The hinted victims leave now, before the engine's own load of ``spec`` (vLLM's
+        resolver; ``TierHoldings.evict_ahead``); the signal's answer does not wait."""
+        async def evict() -> None:
+            try:
+                await self.holdings.evict_ahead(spec, hints)
+            except Exception as exc:  # the engine's load makes room its own way
+                log.info("evicting ahead of %s failed: %s", spec.name, exc)
+        self._keep_ahead(evict())
+
+    def _keep_ahead(self, work) -> None:
+        task = asyncio.ensure_future(work)
         self._ahead.add(task)
         task.add_done_callback(self._ahead.discard)
-        return True
+
+    async def close_ahead(self) -> None:
+        """Cancel the fetches and evictions ahead still running (before the connector closes)."""
+        tasks = list(self._ahead)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- the workers -----------------------------------------------------------------
     async def work_off_queue(self) -> None:

@@ -193,7 +193,7 @@ def test_a_requests_own_prefetch_to_vllm_with_a_resolver_evicts_the_named_victim
             # with room already there, or with no victim named, nothing leaves
             got = mgr.prefetch("a3", priority=1, reason="request_cold", evict=["a1"])
             assert got.reason == "engine_loads_on_demand"
-            await async_wait_until(lambda: not mgr.admission._ahead, what="the eviction ahead done")
+            await async_wait_until(lambda: not mgr.pipeline._ahead, what="the eviction ahead done")
             assert unloads(eng) == ["a3"]
         finally:
             await mgr.close()
