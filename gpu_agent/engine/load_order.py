@@ -224,19 +224,20 @@ class LoadOrder:
         changed = self._changed
         now = time.monotonic()
         timeouts = []
-        if ticket.compute_deadline is not None and not ticket.compute_overrun:
+        # a deadline already past is no reason to wake: while a request's load is in flight
+        # the compute deadline is not looked at (it may pass unmarked), and returning at
+        # once would spin the event loop that load needs to finish
+        if ticket.compute_deadline is not None and not ticket.compute_overrun and now < ticket.compute_deadline:
             timeouts.append(ticket.compute_deadline - now)
         if self.node_busy is not None and ticket.node_deadline is not None and now < ticket.node_deadline:
             timeouts.append(min(NODE_POLL_S, ticket.node_deadline - now))
         if not timeouts:
             await changed.wait()
             return
-        left = min(timeouts)
-        if left > 0:
-            try:
-                await asyncio.wait_for(changed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+        try:
+            await asyncio.wait_for(changed.wait(), min(timeouts))
+        except asyncio.TimeoutError:
+            pass
 
     def cancel(self, reason: str) -> None:
         self.cancelled[reason] = self.cancelled.get(reason, 0) + 1

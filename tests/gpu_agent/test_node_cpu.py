@@ -10,7 +10,7 @@ import pytest
 
 from gpu_agent.engine.load_order import LoadOrder, LoadTicket
 from gpu_agent.engine.node_cpu import NodeCpu
-from tests.support.wait import scaled
+from tests.support.wait import async_wait_until, scaled
 
 
 def _loadavg(tmp_path, running: int, total: int = 120):
@@ -120,4 +120,45 @@ def test_the_engine_watches_the_node_unless_told_not_to_and_shows_the_count(fixt
         finally:
             await on.close()
             await off.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("wait", ["turn", "idle"])
+def test_a_prefetch_behind_a_requests_load_past_its_compute_deadline_waits_without_spinning(wait):
+    """Regression (a fleet benchmark's agent hung at 86% CPU): a prefetch waited for the
+    engine's compute, a request's load began, and the compute deadline passed while it ran.
+    The wait then returned at once, again and again, without yielding, so the event loop
+    never ran the request's load to its end. Now it waits for the next change."""
+    async def main():
+        order = LoadOrder(compute_defer_s=scaled(0.05), compute_busy=lambda: True)
+        calls = {"n": 0}
+        real = order._wait_change
+
+        async def counted(ticket):
+            calls["n"] += 1
+            if calls["n"] > 10_000:
+                raise AssertionError("the wait spins without yielding to the event loop")
+            await real(ticket)
+
+        order._wait_change = counted
+        ticket = LoadTicket("a", prefetch=True)
+        waiter = asyncio.create_task(order.turn(ticket) if wait == "turn" else order.idle())
+        release = asyncio.Event()
+        entered = asyncio.Event()
+
+        async def request_load():
+            async with order.demand():
+                entered.set()
+                await release.wait()
+
+        await async_wait_until(lambda: order.compute_waits == 1, what="the prefetch waits for compute")
+        load = asyncio.create_task(request_load())
+        await entered.wait()
+        deadline = time.monotonic() + scaled(0.05)
+        await async_wait_until(lambda: time.monotonic() > deadline + 0.01, what="the compute deadline passed")
+        assert not waiter.done()
+        release.set()
+        await load
+        await waiter   # the request's load ended: the prefetch goes (compute past its deadline)
+        assert calls["n"] < 100
     asyncio.run(main())
