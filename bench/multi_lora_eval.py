@@ -332,6 +332,39 @@ LOOP_LAG_OVER_S = (0.01, 0.025, 0.05)
 #: the load generator's own monitor wakes this often: finer than the processes' 20 ms, since
 #: its lag is in every TTFT it measures (a stall of d is seen with a chance of ~d / interval)
 CLIENT_LAG_INTERVAL_S = 0.005
+#: a request of a replay unanswered this long means a process of the stack stopped
+#: answering (an agent's event loop stuck, 2026-12-07): the replay stops with an error
+#: instead of waiting forever; every request of these benchmarks is answered in ms
+STALL_S = 60.0
+
+
+class StackStalled(RuntimeError):
+    """A replayed request went unanswered for ``STALL_S``."""
+
+
+async def guarded(work: "asyncio.Future", inflight: Mapping[object, float], stall_s: float, what: str,
+                  poll_s: float = 1.0) -> None:
+    """Await ``work`` while watching ``inflight`` (request -> ``time.perf_counter()`` at
+    its send): when the oldest has waited past ``stall_s``, ``work`` is cancelled and
+    ``StackStalled`` raised."""
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(poll_s)
+            if inflight and time.perf_counter() - min(inflight.values()) > stall_s:
+                raise StackStalled(f"{what}: a request went unanswered for {stall_s:.0f} s: a process of the "
+                                   "stack stopped answering (its log is in the run's directory)")
+
+    guard = asyncio.ensure_future(watch())
+    try:
+        finished, _ = await asyncio.wait({work, guard}, return_when=asyncio.FIRST_COMPLETED)
+        if guard in finished:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            guard.result()
+        await work
+    finally:
+        guard.cancel()
+        await asyncio.gather(guard, return_exceptions=True)
 #: the engine's timing chunk: the only one parsed after the first token
 TIMING_KEY = '"ace_timing"'
 
@@ -558,25 +591,35 @@ async def replay(requests: list[dict], st: dict, speed: float, closed_loop: bool
             await asyncio.sleep(delay)
 
     lag = LoopLag(interval_s=CLIENT_LAG_INTERVAL_S)
+    inflight: dict[int, float] = {}
     with no_gc_pauses():
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            async def request(r: dict) -> None:
+                key = id(r)
+                inflight[key] = time.perf_counter()
+                try:
+                    done(await one_request(client, st["gateway"], st["keys"][r["tenant"]], r, lag))
+                finally:
+                    del inflight[key]
+
             async def send(r: dict) -> None:
                 await at(r["t"])
-                done(await one_request(client, st["gateway"], st["keys"][r["tenant"]], r, lag))
+                await request(r)
 
             async def session(steps: list[dict]) -> None:
                 await at(steps[0]["t"])
                 for i, r in enumerate(steps):
                     if i:
                         await asyncio.sleep(think_s(steps[i - 1], r) / speed)
-                    done(await one_request(client, st["gateway"], st["keys"][r["tenant"]], r, lag))
+                    await request(r)
 
             lag.start()
             try:
                 if closed_loop:
-                    await asyncio.gather(*(session(steps) for steps in sessions(requests)))
+                    work = asyncio.gather(*(session(steps) for steps in sessions(requests)))
                 else:
-                    await asyncio.gather(*(send(r) for r in requests))
+                    work = asyncio.gather(*(send(r) for r in requests))
+                await guarded(work, inflight, STALL_S, (label or "replay: ").rstrip(": "))
             finally:
                 await lag.close()
     return rows, lag_summary(lag)

@@ -1,5 +1,6 @@
 import hashlib
 import os
+import time
 
 import pytest
 import yaml
@@ -391,3 +392,40 @@ def test_the_hosts_torch_threads_split_the_hosts_cores():
     assert agent_env(4, host_cores=1) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     assert agent_env(2, host_cores=6)["OMP_NUM_THREADS"] == "3"
     assert agent_env(1)["OMP_NUM_THREADS"] == str(os.cpu_count() or 1)
+
+
+def test_a_replay_whose_request_goes_unanswered_stops_with_an_error_instead_of_waiting_forever():
+    """``guarded``: while the oldest request in flight has waited less than the limit the
+    work goes on; past it the work is cancelled and ``StackStalled`` names the run. (A
+    stuck agent once held a fleet run for minutes with no end.)"""
+    import asyncio
+
+    from bench.multi_lora_eval import StackStalled, guarded
+
+    async def main():
+        inflight: dict = {}
+        stuck = asyncio.Event()
+        cancelled = asyncio.Event()
+
+        async def hangs():
+            inflight["r"] = time.perf_counter()
+            try:
+                await stuck.wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        with pytest.raises(StackStalled, match="2 hosts ace: a request went unanswered"):
+            await guarded(asyncio.ensure_future(hangs()), inflight, stall_s=0.05, what="2 hosts ace", poll_s=0.01)
+        assert cancelled.is_set()
+
+        async def answers():
+            inflight["q"] = time.perf_counter()
+            del inflight["q"]
+            return "ok"
+
+        inflight.clear()
+        work = asyncio.ensure_future(answers())
+        await guarded(work, inflight, stall_s=0.05, what="x", poll_s=0.01)
+        assert work.result() == "ok"
+    asyncio.run(main())
