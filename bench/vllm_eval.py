@@ -32,7 +32,8 @@ measuring plugin, ``tools/vllm_measure``, one log line each: vLLM 0.32 logs
 registrations but not the re-read of a registered adapter its CPU LRU had dropped), its
 filesystem resolver's registrations ("Resolved and loaded LoRA adapter": a request that
 found its adapter unregistered), the agents' loads into it ("Loaded new LoRA adapter")
-and unloads, and the vLLM process's CPU seconds over the replay (``engine_busy``: CPU
+and unloads, the evictions its cache took from the agent's ranking (ace's evicting
+plugin, ``ranked_evictions``), and the vLLM process's CPU seconds over the replay (``engine_busy``: CPU
 seconds / wall seconds / the threads each host was given). ``on_demand_loads`` = reads
 - the agents' loads (what requests waited for: the resolver's registrations and the
 re-reads, ``re_reads``); ``hits`` = served - on-demand loads. Per
@@ -68,7 +69,7 @@ from bench.trace import load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
-from tools.vllm_evict.ace_vllm_evict import REGISTERED as EVICT_REGISTERED
+from tools.vllm_evict.ace_vllm_evict import RANKED_MARK, REGISTERED as EVICT_REGISTERED
 from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLM_PLUGINS, VLLMFlags, cpu_seconds, vllm_fleet, vllm_hosts
 from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ_MARK, REGISTERED as MEASURE_REGISTERED
 from tools.localstack import run_until_stopped
@@ -231,7 +232,7 @@ def engine_counts(host: dict) -> dict:
     return {"served": served(httpx.get(v.url + "/metrics", timeout=10).text),
             "cpu_cache_reads": text.count(CPU_CACHE_READ_MARK), "resolver_loads": text.count(RESOLVED_MARK),
             "agent_loads": text.count(AGENT_LOADED_MARK), "unloads": text.count(REMOVED_MARK),
-            "cpu_s": cpu_seconds(v.proc.pid)}
+            "ranked_evictions": text.count(RANKED_MARK), "cpu_s": cpu_seconds(v.proc.pid)}
 
 
 def add_waited_loads(h: dict, what: str) -> None:
@@ -345,6 +346,7 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         "re_reads": sum(h["re_reads"] for h in per_host.values()),
         "agent_loads": sum(h["agent_loads"] for h in per_host.values()),
         "unloads": sum(h["unloads"] for h in per_host.values()),
+        "ranked_evictions": sum(h["ranked_evictions"] for h in per_host.values()),
         "registered_at_arrival": ({"requests": len(registered), "registered": sum(registered)} if registered else None),
         "registration_check": check,
         "agents": {k: round(v) for k, v in sorted(agents.items())},

@@ -65,8 +65,9 @@ class AgentSettings:
     vllm_unload_evicts: bool = _f(False, "vllm: the engine loads ace's evicting plugin (VLLM_PLUGINS=...,ace_evict; "
                                          "tools/vllm_evict), so an unload drops the adapter from its CPU cache: the "
                                          "agent then evicts the victims the gateway names, before a load needs the "
-                                         "room, instead of leaving the choice to vLLM's LRU. Checked on every unload: "
-                                         "an answer without the plugin's mark turns it off, with an error logged")
+                                         "room, and sends them as its cache's ranking (read by vLLM's own loads), instead "
+                                         "of leaving the choice to vLLM's LRU. Checked on every unload: an answer "
+                                         "without the plugin's mark turns it off, with an error logged")
     max_loaded_loras: int = _f(0, "sglang: the engine's --max-loaded-loras (0 = no count limit)")
     queue_size: int = _f(64, "pending prefetches beyond which new ones are rejected")
     workers: int = _f(1, "concurrent background loads")

@@ -618,6 +618,14 @@ def _ttft3(t: dict | None) -> str:
     return "–" if not t else " / ".join(_ms(t.get(q), ".0f") for q in ("p50", "p90", "p99"))
 
 
+def _ranked(r: dict) -> str:
+    """How many of vLLM's cache evictions took the agents' ranking, per gateway arm that has
+    the count (``ranked_evictions``; reports before the ranking have none)."""
+    counts = [f"{arm} {e['ranked_evictions']}" for n in r["fleets"].values() for arm, e in n.items()
+              if e.get("ranked_evictions")]
+    return f"; vLLM's evictions that took the ranking: {', '.join(counts)}" if counts else ""
+
+
 def vllm_eval(r: dict) -> list[str]:
     """``make bench ENGINE=vllm``: the arms on real vLLM hosts, the targets, what bounds them."""
     (hosts, arms), = r["fleets"].items()
@@ -666,8 +674,9 @@ def vllm_eval(r: dict) -> list[str]:
         "### Real vLLM hosts — `make bench ENGINE=vllm` → `reports/vllm_eval.json`",
         "",
         f"{hosts} real vLLM hosts (CPU build, the fixtures' model, `{flags}`, filesystem resolver"
-        + (", ace's evicting unload: `VLLM_PLUGINS=" + ",".join(r["vllm_plugins"]) + "`, tools/vllm_evict, with the "
-           "agents' `--vllm-unload-evicts`" if "ace_evict" in (r.get("vllm_plugins") or ()) else "")
+        + (", ace's evicting unload and victims' ranking: `VLLM_PLUGINS=" + ",".join(r["vllm_plugins"])
+           + "`, tools/vllm_evict, with the agents' `--vllm-unload-evicts`"
+           + _ranked(r) if "ace_evict" in (r.get("vllm_plugins") or ()) else "")
         + ") with their agents (in the vllm-router arms they only watch: they unload nothing); "
         f"the first {r['requests']} requests (whole sessions, {r['adapters']} adapters) of `{r['trace']}`, "
         f"closed-loop, arms in the order {', '.join(r['arm_order'])}. `vllm_router`: vllm-router's default policy "

@@ -22,6 +22,12 @@ unload also drops the weights from that cache, so the agent follows the gateway'
 victims as on any other engine. Each unload's answer carries the plugin's mark
 (``EVICTED``); one without it (the plugin is not loaded) turns the named victims off
 again, with an error logged, since unloading them would only leave dead weights cached.
+The same plugin ranks the cache's victims (``RANK_PATH``): a request's read into vLLM's
+full cache runs as soon as vLLM schedules it, mostly before an unload sent at the same
+time arrives, and then evicts the cache's LRU. ``prefer_victims`` (a request's ingress
+signal, the gateway's victims for this host) sends the ranking in the background, so the
+reads after it evict the gateway's victims instead; an engine that answers without the
+plugin's route (404: an older plugin) gets no more rankings, with an error logged.
 
 A load or an unload runs on vLLM's engine core between two steps, so every request it
 is running waits for it (12-73 ms per load in `make bench ENGINE=vllm` on the shared
@@ -46,12 +52,15 @@ from gpu_agent.connectors.base import (ConnectorError, EngineConnector, EngineLo
                                        listed_adapters)
 from gpu_agent.connectors.prometheus import VLLM_LOAD, MetricsScraper
 
-__all__ = ["EVICTED", "VLLMConnector", "parse_lora_metrics"]
+__all__ = ["EVICTED", "RANKED", "RANK_PATH", "VLLMConnector", "parse_lora_metrics"]
 
 log = logging.getLogger(__name__)
 
 #: the evicting plugin's mark in an unload's answer (tools/vllm_evict/ace_vllm_evict.py)
 EVICTED = "(ace: dropped from vLLM's LoRA cache)"
+#: the same plugin's ranking route, and the start of its answer
+RANK_PATH = "/v1/ace/lora_victims"
+RANKED = "ace: victims ranked"
 
 _SERIES = re.compile(r'^(vllm:lora_requests_info|vllm:lora_adapter_loaded)\{([^}]*)\}\s+(\S+)', re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -92,6 +101,10 @@ class VLLMConnector(EngineConnector):
         # with ace's evicting plugin an unload frees the adapter's place in vLLM's CPU cache:
         # the agent's named victims leave it, not vLLM's LRU (checked on every unload)
         self.evicts_own_lru = not unload_evicts
+        # and its cache evicts the ranking the agent sends first (prefer_victims)
+        self.ranks_victims = unload_evicts
+        self._ranking_sent: tuple[str, ...] = ()
+        self._ranking_tasks: set[asyncio.Task] = set()
         # with a LoRA resolver vLLM registers a request's unknown adapter itself: the
         # agent's load of it would only race that one (and unload a victim for it)
         self.loads_on_demand = resolver
@@ -111,7 +124,41 @@ class VLLMConnector(EngineConnector):
         return self._url
 
     async def close(self) -> None:
+        for task in list(self._ranking_tasks):
+            task.cancel()
+        await asyncio.gather(*self._ranking_tasks, return_exceptions=True)
         await self._client.aclose()
+
+    def prefer_victims(self, loading: str, victims: tuple[str, ...]) -> None:
+        """The gateway's victims for this host, coldest first, become vLLM's cache's ranking
+        (sent in the background, when it changed): the reads into the full cache from now
+        on evict them before its LRU. ``loading`` is the request's adapter, which vLLM
+        reads itself."""
+        if not self.ranks_victims or self.evicts_own_lru or not victims or victims == self._ranking_sent:
+            return
+        self._ranking_sent = victims
+        task = asyncio.get_running_loop().create_task(self._send_ranking(victims))
+        self._ranking_tasks.add(task)
+        task.add_done_callback(self._ranking_tasks.discard)
+
+    async def _send_ranking(self, victims: tuple[str, ...]) -> None:
+        try:
+            resp = await self._post(RANK_PATH, {"lora_names": list(victims)})
+        except EngineUnavailable as exc:
+            self._ranking_sent = ()
+            log.warning("vLLM %s: the victims' ranking was not sent: %s", self._url, exc)
+            return
+        if resp.status_code == 200 and resp.text.startswith(RANKED):
+            return
+        self._ranking_sent = ()
+        if resp.status_code in (404, 405):
+            self.ranks_victims = False
+            log.error("vLLM %s has no %s (HTTP %s): ace's evicting plugin there predates the ranking "
+                      "(reinstall tools/vllm_evict); named victims still leave by unload, but a request's "
+                      "read into the full cache evicts vLLM's LRU first", self._url, RANK_PATH, resp.status_code)
+            return
+        log.warning("vLLM %s: the victims' ranking was refused: HTTP %s: %s", self._url, resp.status_code,
+                    _error_message(resp)[:300])
 
     async def _post(self, path: str, body: dict) -> httpx.Response:
         try:

@@ -6,8 +6,12 @@ A request's own prefetch (the gateway's ingress signal) to an engine that loads 
 request's adapter itself (builtin) only starts the fetch of its files: the request's own
 load joins it, and nothing is loaded twice; its ``evict`` hints become that load's first
 victims (``EngineConnector.prefer_victims``); on vLLM with ace's evicting unload
-(``--vllm-unload-evicts``), where the resolver makes that load, they are unloaded at once
-(``LoadPipeline.evict_ahead``) so the load finds room. An engine whose cache evicts its own
+(``--vllm-unload-evicts``), where the resolver makes that load, they become its cache's
+ranking (``prefer_victims``: for the reads after this one; this one mostly comes before
+it) and are unloaded at once (``LoadPipeline.evict_ahead``): an unload that arrives
+before the read leaves it room; one that arrives after finds the adapter the read evicted
+by the standing ranking (mostly the same one) and forgets its name, so vLLM's list and the
+agent's stay alike. An engine whose cache evicts its own
 LRU (vLLM without that plugin) takes no named victim at all (``_victim_hints``). A hint that says how likely it is
 (``probability``) is put to the speculation budget
 (``gpu_agent.residency.prefetch_budget``), fed here with measured load times, the queue

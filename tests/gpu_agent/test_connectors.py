@@ -16,9 +16,10 @@ from aiohttp import web
 from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import ConnectorError, EngineUnavailable
 from gpu_agent.connectors.sglang import SGLangConnector
-from gpu_agent.connectors.vllm import EVICTED, VLLMConnector, parse_lora_metrics
+from gpu_agent.connectors.vllm import EVICTED, RANK_PATH, RANKED, VLLMConnector, parse_lora_metrics
 from tests.gpu_agent.agent_support import serve
 from tests.support.procs import free_port
+from tests.support.wait import async_wait_until
 
 
 def spec(name: str) -> Adapter:
@@ -234,6 +235,70 @@ def test_vllm_named_victims_hold_only_while_unloads_carry_the_evicting_plugins_m
 
 
 def test_the_evicting_plugins_mark_is_the_connectors():
-    """The plugin (installed into vLLM's venv) and the connector agree on the mark."""
-    from tools.vllm_evict.ace_vllm_evict import EVICTED as PLUGIN_MARK
-    assert PLUGIN_MARK == EVICTED
+    """The plugin (installed into vLLM's venv) and the connector agree on the marks and
+    the ranking route."""
+    from tools.vllm_evict import ace_vllm_evict as plugin
+    assert (plugin.EVICTED, plugin.RANKED, plugin.RANK_PATH) == (EVICTED, RANKED, RANK_PATH)
+
+
+@pytest.mark.parametrize("route", [True, False])
+def test_vllm_gets_the_gateways_victims_as_its_caches_ranking(route, caplog):
+    """With the evicting plugin, a request's victims (``prefer_victims``) go to vLLM's
+    ranking route in the background, once per change: vLLM's own reads into its full cache
+    then evict them first. Without the route (an older plugin: 404) the agent stops
+    sending, with one error logged; without ``unload_evicts`` it never sends."""
+    async def main():
+        got: list[list[str]] = []
+
+        async def rank(request):
+            body = await request.json()
+            got.append(body["lora_names"])
+            return web.Response(text=f"{RANKED}: {len(body['lora_names'])} of {len(body['lora_names'])} registered")
+
+        app = web.Application()
+        if route:
+            app.router.add_post(RANK_PATH, rank)
+        async with serve(app) as url:
+            conn = VLLMConnector(url, unload_evicts=True)
+            plain = VLLMConnector(url)
+            try:
+                conn.prefer_victims("c", ("a", "b"))
+                await async_wait_until(lambda: not conn._ranking_tasks)
+                conn.prefer_victims("d", ("a", "b"))   # unchanged: not sent again
+                conn.prefer_victims("d", ())            # nothing named: nothing sent
+                assert not conn._ranking_tasks
+                conn.prefer_victims("e", ("b", "a"))
+                await async_wait_until(lambda: not conn._ranking_tasks)
+                plain.prefer_victims("c", ("a", "b"))
+                assert not plain._ranking_tasks
+                assert conn.ranks_victims is route
+                assert got == ([["a", "b"], ["b", "a"]] if route else [])
+            finally:
+                await conn.close()
+                await plain.close()
+    with caplog.at_level("ERROR", logger="gpu_agent.connectors.vllm"):
+        asyncio.run(main())
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == (0 if route else 1)
+    if not route:
+        assert RANK_PATH in errors[0].getMessage()
+
+
+def test_the_plugins_ranked_victim_skips_what_the_cache_must_keep():
+    """The plugin's choice in vLLM's worker (pure): the first ranked adapter that is
+    cached, not pinned, not in the step being set up and not used since the ranking came;
+    None (the cache's LRU) when there is none."""
+    from tools.vllm_evict import ace_vllm_evict as plugin
+    saved = (plugin._ranking, plugin._ranked_at, plugin._steps, dict(plugin._last_used))
+    try:
+        plugin._ranking, plugin._steps, plugin._last_used = (), 10, {1: 3, 2: 4, 3: 5, 4: 11}
+        assert plugin.set_ranking(None, ["4", 5, 1, 2, 3]) == 5
+        cached = {1, 2, 3, 4}
+        assert plugin.ranked_victim(cached, set(), set()) == 1      # 4 was used since; 5 is not cached
+        assert plugin.ranked_victim(cached, {1}, set()) == 2        # 1 pinned
+        assert plugin.ranked_victim(cached, set(), {1, 2}) == 3     # 1 and 2 in this step
+        assert plugin.ranked_victim(cached, set(), {1, 2, 3}) is None
+        plugin._ranking = ()
+        assert plugin.ranked_victim(cached, set(), set()) is None
+    finally:
+        plugin._ranking, plugin._ranked_at, plugin._steps, plugin._last_used = saved

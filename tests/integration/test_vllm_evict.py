@@ -5,7 +5,7 @@ One vLLM for the module, `--max-loras 2 --max-cpu-loras 2 --max-lora-rank 16`, w
 `VLLM_PLUGINS=ace_evict,ace_measure` (tools/vllm_evict, tools/vllm_measure: the measuring
 plugin logs every read into the CPU cache, which is what these tests count). Without the
 evicting plugin the unload's answer has no mark and the LRU adapter is read again: both
-tests fail.
+tests fail; without its ranking route (plugin 1.0) the ranking test does.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.support.agent import AUTH, agent_process
 from tests.support.fixtures import fixtures_dir
 from tests.support.vllm import VLLMServer, vllm_python
 from tests.support.wait import wait_until
-from tools.vllm_evict.ace_vllm_evict import EVICTED, REGISTERED
+from tools.vllm_evict.ace_vllm_evict import EVICTED, RANK_PATH, RANKED, RANKED_MARK, REGISTERED
 from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ
 
 pytestmark = pytest.mark.vllm
@@ -85,6 +85,32 @@ def test_an_unload_drops_the_adapter_from_vllms_cpu_cache(vllm, fixtures):
     # the unloaded adapter comes back as any other: registered and read again
     load(vllm, fixtures, a)
     assert vllm.complete(a, "def f(x):", max_tokens=1) is not None
+
+
+def test_vllms_full_cache_evicts_the_ranked_victim_before_its_lru(vllm, fixtures):
+    """Cache of 2: A and B read, A used (B is now the LRU), A ranked coldest, C read into
+    the full cache. With the ranking the cache evicts A, not its LRU B: B is served
+    without a read, A (still registered) is read again when used. This is the read a
+    request's resolver makes before an unload sent beside it arrives."""
+    clear(vllm)
+    a, b, c = "code-python", "fin-reports", "med-triage"
+    load(vllm, fixtures, a)
+    load(vllm, fixtures, b)
+    vllm.complete(a, "def f(x):", max_tokens=1)
+    resp = httpx.post(vllm.url + RANK_PATH, json={"lora_names": [a, "not-registered"]}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.text.startswith(RANKED) and "1 of 2" in resp.text
+    marks = vllm.log.read_text(errors="replace").count(RANKED_MARK)
+    a_reads, b_reads = reads(vllm, a), reads(vllm, b)
+    load(vllm, fixtures, c)
+    wait_until(lambda: vllm.log.read_text(errors="replace").count(RANKED_MARK) == marks + 1)
+    vllm.complete(b, "Quarterly revenue", max_tokens=1)
+    assert reads(vllm, b) == b_reads
+    assert set(vllm.adapters()) == {a, b, c}   # the names stay; only the weights left
+    vllm.complete(a, "def f(x):", max_tokens=1)
+    assert reads(vllm, a) == a_reads + 1
+    bad = httpx.post(vllm.url + RANK_PATH, json={"lora_names": "a"}, timeout=60)
+    assert bad.status_code == 400 and "lora_names" in bad.json()["error"]["message"]
 
 
 def rpc(agent, method, request):
