@@ -66,12 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_args(argv)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        gc_pauses = GcPauses().install()
         loop_lag = LoopLag()   # the serving loop's (h2, aio); from start-up's end
         install_stack_dump()   # kill -USR1: every thread's stack to the log (docs/gateway.md)
         metrics_server = health = reloads = None
         store = Store(settings.config, settings.state_db(), settings.catalog,
                       upstreams_required=not settings.discovers)
+        # watched once the configuration is known good: a state file's error is one line
+        # on stderr, never preceded by a slow collection of the imports' garbage
+        gc_pauses = GcPauses().install()
         # the state file again on a change or SIGHUP (never half-applied: extproc.state.file_watch)
         reloads = StateFileWatch(store, settings.config_poll_s).start()
         signal.signal(signal.SIGHUP, lambda signum, frame: reloads.wake())
