@@ -103,6 +103,28 @@ def test_sdk_model_names_adapter_and_completions_route(stack):
     assert got.json()["prompt"] == "def f():" and got.json()["max_tokens"] == 4
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engines_404_for_the_chosen_adapter_is_retried_once_on_the_same_host(stack, stream):
+    """vLLM can forget an adapter's name (an agent's unload) between its model check and its
+    use, and answers 404 for a model the gateway resolved: Envoy sends the same request once
+    more to the same host (whose resolver registers the adapter again). Two 404s in a row
+    reach the client as the engine's 404."""
+    body = {"model": "code-python", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    sent = len(stack.up.requests)
+    stack.up.not_found["code-python"] = 1
+    r = stack.post("/v1/chat/completions", body, headers=ALICE)
+    assert r.status_code == 200, r.text
+    arrived = list(stack.up.requests)[sent:]
+    assert [q.path for q in arrived] == ["/v1/chat/completions"] * 2
+    assert arrived[0].body == arrived[1].body and arrived[1].json()["model"] == "code-python"
+    sent = len(stack.up.requests)
+    stack.up.not_found["code-python"] = 2
+    r = stack.post("/v1/chat/completions", body, headers=ALICE)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    assert len(list(stack.up.requests)[sent:]) == 2
+    stack.up.not_found.clear()
+
+
 def test_sdk_stream_passes_through_unbuffered_with_trace_headers(stack):
     client = stack.sdk()
     with client.chat.completions.with_streaming_response.create(

@@ -6,7 +6,8 @@ As a process (benchmarks): ``python -m tests.support.upstream --port 8000``.
 ``/v1/chat/completions`` and ``/v1/completions`` answer in the OpenAI shape, echoing the
 ``model`` they were sent; ``stream: true`` answers Server-Sent Events, one chunk per
 word with ``chunk_delay_s`` between chunks (so a test can see they are not buffered).
-Any other path answers 200 with what it received.
+Any other path answers 200 with what it received. ``not_found[model] = n``: the next n
+inference requests for ``model`` answer vLLM's 404 for a model it does not know.
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ class RecordingUpstream:
         self.host, self.port = host, port
         self.chunk_delay_s = chunk_delay_s
         self.requests: collections.deque[Recorded] = collections.deque(maxlen=keep)
+        # model -> how many of its next inference requests answer vLLM's 404 (its name
+        # unloaded between vLLM's model check and its use)
+        self.not_found: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -85,6 +89,11 @@ class RecordingUpstream:
             return web.json_response({"error": {"message": "bad json", "type": "invalid_request_error",
                                                 "param": None, "code": None}}, status=400)
         model = str(payload.get("model", ""))
+        if self.not_found.get(model, 0) > 0:
+            self.not_found[model] -= 1
+            return web.json_response({"error": {"message": f"The model `{model}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}},
+                                     status=404)
         if payload.get("stream") is True:
             return await self._stream(request, kind, model)
         return web.json_response(_completion(kind, model, "".join(WORDS)))
