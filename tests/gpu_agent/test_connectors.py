@@ -300,5 +300,7 @@ def test_the_plugins_ranked_victim_skips_what_the_cache_must_keep():
         assert plugin.ranked_victim(cached, set(), {1, 2, 3}) is None
         plugin._ranking = ()
         assert plugin.ranked_victim(cached, set(), set()) is None
+        plugin.forget({2, 4})     # what a long-running server keeps: the cached ids' uses
+        assert plugin._last_used == {2: 4, 4: 11}
     finally:
         plugin._ranking, plugin._ranked_at, plugin._steps, plugin._last_used = saved

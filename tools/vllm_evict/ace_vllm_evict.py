@@ -38,6 +38,9 @@ RANKED = "ace: victims ranked"
 RANKED_MARK = "ace-evict: cache evicted the ranked victim"
 #: the most names one ranking holds
 MAX_RANKED = 64
+#: past this many adapter ids seen, those no longer cached are forgotten (the resolver
+#: gives a name registered again a new id: a long-running server sees ids without end)
+MAX_TRACKED = 4096
 
 # The engine worker's state (one per process; the worker's calls run on one thread):
 # the ranking's adapter ids, coldest first, the step count when it came, and the step
@@ -66,6 +69,12 @@ def ranked_victim(cached, pinned, busy) -> "int | None":
     return None
 
 
+def forget(keep) -> None:
+    """Drop every adapter id's last use but ``keep``'s (the cached ones)."""
+    for lora_id in [i for i in _last_used if i not in keep]:
+        del _last_used[lora_id]
+
+
 def _patch_worker() -> None:
     from vllm.lora import model_manager, worker_manager
     from vllm.v1.worker.worker_base import WorkerWrapperBase
@@ -81,6 +90,8 @@ def _patch_worker() -> None:
         ids = {r.lora_int_id for r in lora_requests if r}
         for lora_id in ids:
             _last_used[lora_id] = _steps
+        if len(_last_used) > MAX_TRACKED:
+            forget(self._adapter_manager.list_adapters().keys() | ids)
         self._adapter_manager.ace_busy = ids
         try:
             return apply(self, lora_requests)
