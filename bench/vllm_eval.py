@@ -61,7 +61,8 @@ import httpx
 import yaml
 
 from bench.bounds import belady_hits
-from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, plot_ttft, sessions, speculation_counters, think_s
+from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, STALL_S, guarded, plot_ttft, sessions, speculation_counters, \
+    think_s
 from bench.multi_lora_eval import state_yaml as bench_state_yaml
 from bench.report import percentiles
 from bench.scenario_fixtures import trace_catalog
@@ -186,6 +187,7 @@ async def replay(requests: list[dict], base: str, keys: dict, hosts: list[dict],
     check = {"sampled": 0, "agree": 0, "disagree": []}
     t_start, t0 = time.perf_counter(), requests[0]["t"]
     counter = [0]
+    inflight: dict[int, float] = {}   # seq -> its send: a request unanswered for STALL_S stops the run
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
         await asyncio.sleep(0.5)  # the streams' INITIAL events
 
@@ -201,7 +203,11 @@ async def replay(requests: list[dict], base: str, keys: dict, hosts: list[dict],
                         check["agree"] += 1
                     elif len(check["disagree"]) < 10:
                         check["disagree"].append({"host": n, "agent": sorted(views.device[n]), "vllm": sorted(truth[n])})
-            row = await one_request(client, base, keys[r["tenant"]], r, seq)
+            inflight[seq] = time.perf_counter()
+            try:
+                row = await one_request(client, base, keys[r["tenant"]], r, seq)
+            finally:
+                del inflight[seq]
             if row.get("host") in seen:
                 row["registered"] = r["adapter"] in seen[row["host"]]
             rows.append(row)
@@ -217,8 +223,11 @@ async def replay(requests: list[dict], base: str, keys: dict, hosts: list[dict],
                     await asyncio.sleep(think_s(steps[i - 1], r) / speed)
                 await send(r)
 
-        await asyncio.gather(*(session(steps) for steps in sessions(requests)))
-    await views.stop()
+        try:
+            await guarded(asyncio.gather(*(session(steps) for steps in sessions(requests))), inflight, STALL_S,
+                          "vLLM replay")
+        finally:
+            await views.stop()
     return rows, check
 
 
