@@ -224,11 +224,14 @@ class LoadOrder:
         changed = self._changed
         now = time.monotonic()
         timeouts = []
-        # a deadline already past is no reason to wake: while a request's load is in flight
-        # the compute deadline is not looked at (it may pass unmarked), and returning at
-        # once would spin the event loop that load needs to finish
-        if ticket.compute_deadline is not None and not ticket.compute_overrun and now < ticket.compute_deadline:
-            timeouts.append(ticket.compute_deadline - now)
+        if ticket.compute_deadline is not None and not ticket.compute_overrun:
+            if now < ticket.compute_deadline:
+                timeouts.append(ticket.compute_deadline - now)
+            elif not self.demand_in_flight:
+                return  # it passed since the caller looked: the caller marks the overrun and goes
+            # else: while a request's load is in flight the caller does not look at the
+            # deadline, so returning at once would spin the event loop that load needs to
+            # end; that load's end is the change to wait for
         if self.node_busy is not None and ticket.node_deadline is not None and now < ticket.node_deadline:
             timeouts.append(min(NODE_POLL_S, ticket.node_deadline - now))
         if not timeouts:

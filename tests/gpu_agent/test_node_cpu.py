@@ -162,3 +162,32 @@ def test_a_prefetch_behind_a_requests_load_past_its_compute_deadline_waits_witho
         await waiter   # the request's load ended: the prefetch goes (compute past its deadline)
         assert calls["n"] < 100
     asyncio.run(main())
+
+
+def test_a_compute_deadline_that_passed_before_the_wait_returns_at_once_without_a_request_load():
+    """The deadline may pass between the caller's look and its wait: with no request's load
+    in flight the wait returns at once (the caller then marks the overrun and goes), as it
+    must not sit until some unrelated change; with one in flight it waits for that load."""
+    async def main():
+        order = LoadOrder(compute_defer_s=scaled(60), compute_busy=lambda: True)
+        ticket = LoadTicket("a", prefetch=True)
+        ticket.compute_deadline = time.monotonic() - 1.0
+        first = asyncio.create_task(order._wait_change(ticket))
+        await async_wait_until(first.done, what="the wait returns (nothing notifies here)")
+        assert not ticket.compute_overrun
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        async def request_load():
+            async with order.demand():
+                entered.set()
+                await release.wait()
+
+        load = asyncio.create_task(request_load())
+        await entered.wait()
+        waiting = asyncio.create_task(order._wait_change(ticket))
+        await asyncio.sleep(0)
+        assert not waiting.done()                  # behind the request's load: waits
+        release.set()
+        await load
+        await async_wait_until(waiting.done, what="the wait ends with the request's load")
+    asyncio.run(main())
