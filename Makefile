@@ -94,14 +94,15 @@ $(ROUTER_STAMP):
 	@touch $@
 
 # make bench ENGINE=vllm [ARMS=round_robin,vllm_router,vllm_router_session,affinity,ace]
-#   [VLLM_HOSTS=2] [VLLM_REQUESTS=240] [VLLM_S=4] [TRACE=...]: real vLLM hosts (bench/vllm_eval.py,
+#   [VLLM_HOSTS=2] [VLLM_REQUESTS=240] [VLLM_S=4] [TRACE=...] [REPLAYS=N]: real vLLM hosts (bench/vllm_eval.py,
 #   sizes in docs/engine.md "Real vLLM hosts") -> reports/vllm_eval.json
 VLLM_HOSTS ?= 2
 VLLM_REQUESTS ?= 240
 VLLM_S ?= 4
 bench-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP)
 	$(BIN)/python -m bench.vllm_eval --out reports/vllm_eval.json --hosts $(VLLM_HOSTS) --requests $(VLLM_REQUESTS) \
-		--max-cpu-loras $(VLLM_S) $(if $(TRACE),--trace $(TRACE),) $(if $(ARMS),--arms $(ARMS),)
+		--max-cpu-loras $(VLLM_S) $(if $(TRACE),--trace $(TRACE),) $(if $(ARMS),--arms $(ARMS),) \
+		$(if $(REPLAYS),--replays $(REPLAYS),)
 
 # inference-perf (the inference extension's benchmark tool) needs Python >= 3.12: PY312 names one
 # (default: a pyenv 3.12+ if there is one, else python3.13/python3.12 on PATH)

@@ -125,7 +125,11 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
     and unpredictable ones were a hit, and (with ``wait_ms``) ``compulsory_stall_p99_ms``:
     the stall p99 if only the compulsory misses had stalled, each as long as it did: the
     floor of every cold-start policy's stall p99 whenever they are more than 1% of the
-    requests."""
+    requests. Against Belady on the same host sequences (the demand-caching optimum at
+    ``slots``): ``belady_kept``, the misses per cause that Belady hits (it knows which stray
+    comes), and ``belady_missed_hits``, the hits Belady misses (a prefetch, or the start-up
+    fill, loaded the adapter before its request): the arm's hits minus Belady's are
+    ``belady_missed_hits - sum(belady_kept)``."""
     labels = labels or {}
     ordered = sorted(rows, key=lambda r: r["sent_s"])
     flags: dict[int, bool] = {}
@@ -139,7 +143,8 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
     tenant_seen: set = set()
     host_seen: set = set()
     counts = dict.fromkeys(MISS_CAUSES, 0)
-    unpredictable = unpredictable_hits = 0
+    kept = dict.fromkeys(MISS_CAUSES, 0)
+    unpredictable = unpredictable_hits = missed_hits = 0
     floor: list[float] = []
     for i, r in enumerate(ordered):
         a, host = r["adapter"], r["host"] or "unknown"
@@ -165,6 +170,9 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
             else:
                 cause = "evicted" if flags[i] else "capacity"
             counts[cause] += 1
+            kept[cause] += flags[i]
+        elif not flags[i]:
+            missed_hits += 1
         fleet_seen.add(a)
         tenant_seen.add((r["tenant"], a))
         host_seen.add((host, a))
@@ -173,7 +181,8 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
     bound = n - counts["compulsory"] - counts["unpredictable"]
     out = {"requests": n, "hits": hits, "misses": n - hits, "causes": counts,
            "unpredictable_requests": unpredictable, "unpredictable_hits": unpredictable_hits,
-           "ceiling": bound / n if n else None}
+           "ceiling": bound / n if n else None,
+           "belady_kept": {c: k for c, k in kept.items() if k}, "belady_missed_hits": missed_hits}
     if n and any("wait_ms" in r for r in ordered):
         stalls = sorted(floor + [0.0] * (n - len(floor)))
         out["compulsory_stall_p99_ms"] = round(stalls[min(n - 1, int(0.99 * n))], 2)

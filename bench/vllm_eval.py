@@ -42,6 +42,14 @@ gateway chose when the request left, from the agents' ``WatchResidency`` streams
 against the hosts' ``/v1/models`` on every ``--sample-every``-th request
 (``registration_check``). TTFT at the client, errors. vLLM's prefix cache is not reset
 between arms (``arm_order`` says which ran first); the prompts are tens of tokens.
+
+The machine's pace: ``bench.pace``'s probe runs through each replay (``pace_probe_ms``);
+``targets.machine_pace`` compares the arms' runs with it (``bench.report.machine_pace``).
+With ``--replays N`` affinity and ace run N times each in palindromic order (``bench.
+multi_lora_eval.replay_order``: ``affinity, ace, ace, affinity`` for 2), so a drift of the
+shared cores' speed weighs on both alike; each such arm then carries ``replays`` (each
+run's hits and TTFT) and ``pooled`` (over all of its runs), and the targets compare the
+pooled figures (``targets.compared``).
 """
 from __future__ import annotations
 
@@ -61,10 +69,11 @@ import httpx
 import yaml
 
 from bench.bounds import belady_hits
-from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, STALL_S, guarded, plot_ttft, sessions, speculation_counters, \
-    think_s
+from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, STALL_S, guarded, plot_ttft, replay_order, sessions, \
+    speculation_counters, think_s
 from bench.multi_lora_eval import state_yaml as bench_state_yaml
-from bench.report import percentiles
+from bench.pace import pace_probe, read_probe
+from bench.report import machine_pace, pace_readings, percentiles
 from bench.scenario_fixtures import trace_catalog
 from bench.trace import load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
@@ -299,11 +308,11 @@ def bounds(rows: list[dict], capacity: int, hosts: int) -> dict:
 
 
 def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path,
-            engines: list) -> tuple[dict, list]:
+            engines: list, replay_no: int = 1) -> tuple[dict, list]:
     tenants = sorted({r["tenant"] for r in requests})
     policy, prefetch = GATEWAY_ARMS.get(arm, ("extproc.policy.routing:route", False))
     flags = VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank)
-    run_dir = work / arm
+    run_dir = work / (arm if replay_no == 1 else f"{arm}#{replay_no}")
     run_dir.mkdir(parents=True)
     t_run = time.monotonic()
     for e in engines:  # every arm starts with nothing registered
@@ -330,7 +339,9 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
             agents_before = {h["name"]: agent_counters(h) for h in st["hosts"]}
             load_avg = os.getloadavg()[0]
             t0 = time.monotonic()
-            rows, check = asyncio.run(replay(requests, base, st["state"], st["hosts"], args.speed, args.sample_every))
+            with pace_probe(run_dir / "pace.txt"):
+                rows, check = asyncio.run(replay(requests, base, st["state"], st["hosts"], args.speed,
+                                                 args.sample_every))
             elapsed = time.monotonic() - t0
             after = {h["name"]: engine_counts(h) for h in st["hosts"]}
             agents = {}
@@ -369,19 +380,59 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None),
         "engine_busy": {n: round(h["cpu_s"] / elapsed / threads, 3) for n, h in per_host.items()},
         "per_host": per_host, "replay_s": round(elapsed, 1),
+        "pace_probe_ms": read_probe(run_dir / "pace.txt"),
         "machine_load_avg_1m": [round(load_avg, 1), round(os.getloadavg()[0], 1)],
     }
     if arm in ROUTER_ARMS:
         entry["router_policy"] = ROUTER_ARMS[arm]
-    log(f"{arm}: done in {time.monotonic() - t_run:.0f}s: hits {entry['hits']}/{served_n}, on-demand {cold}, "
-        f"errors {entry['errors']}, ttft p50/p99 {entry['ttft_ms']['p50']}/{entry['ttft_ms']['p99']}")
+    log(f"{arm}#{replay_no}: done in {time.monotonic() - t_run:.0f}s: hits {entry['hits']}/{served_n}, "
+        f"on-demand {cold}, errors {entry['errors']}, ttft p50/p99 {entry['ttft_ms']['p50']}/{entry['ttft_ms']['p99']}")
     return entry, rows
 
 
-def targets(arms: dict) -> dict:
-    """Issue 20's targets on vLLM, where the arms they name ran."""
+def pooled_entry(done: list[tuple[dict, list]]) -> dict:
+    """``replays`` (each run's hits, on-demand loads, errors and TTFT percentiles) and
+    ``pooled`` (hits and on-demand loads summed, the hit ratio over all runs, TTFT
+    percentiles over every run's rows, errors summed, each run's ``pace_probe_ms``) of one
+    arm run ``len(done)`` times."""
+    entries = [e for e, _ in done]
+    ok = [r for _, rows in done for r in rows if "error" not in r and r["status"] == 200]
+    served_n = sum(e["served"] for e in entries)
+    hits = sum(e["hits"] for e in entries)
+    return {
+        "replays": [{k: e[k] for k in ("hits", "served", "on_demand_loads", "errors", "ttft_ms")} for e in entries],
+        "pooled": {"replays": len(done), "served": served_n, "hits": hits,
+                   "hit_ratio": hits / served_n if served_n else None,
+                   "on_demand_loads": sum(e["on_demand_loads"] for e in entries),
+                   "errors": sum(e["errors"] for e in entries),
+                   "pace_probe_ms": [(e.get("pace_probe_ms") or {}).get("cpu_ms_p50") for e in entries],
+                   "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None)},
+    }
+
+
+def compared(entry: dict) -> dict:
+    """What the targets read of one arm: its pooled runs where it was replayed (on-demand
+    loads as a mean per run), else its one run."""
+    pooled = entry.get("pooled")
+    if not pooled:
+        return entry
+    return {**entry, "hit_ratio": pooled["hit_ratio"], "errors": pooled["errors"], "ttft_ms": pooled["ttft_ms"],
+            "on_demand_loads": pooled["on_demand_loads"] / pooled["replays"]}
+
+
+def targets(entries: dict) -> dict:
+    """Issue 20's targets on vLLM, where the arms they name ran (each as ``compared``
+    gives it), beside the machine's pace in each arm's runs."""
+    arms = {arm: compared(e) for arm, e in entries.items()}
     out: dict = {"no_errors": all(a["errors"] == 0 for a in arms.values())}
     ace, aff = arms.get("ace"), arms.get("affinity")
+    if ace and aff:
+        both = entries["ace"].get("pooled") and entries["affinity"].get("pooled")
+        out["compared"] = f"pooled over {both['replays']} runs each, palindromic order" if both else "one run each"
+        # over the arms whose runs the probe timed (every arm's, since it came)
+        pace = machine_pace({a: e for a, e in entries.items() if pace_readings(e, "pace_probe_ms")})
+        if pace is not None:
+            out["machine_pace"] = pace
     routers = [arms[a] for a in ROUTER_ARMS if a in arms]
     if ace and aff:
         out["hits_over_affinity"] = {"want": 0.10, "got": ace["hit_ratio"] - aff["hit_ratio"],
@@ -436,12 +487,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-lora-rank", type=int, default=0, help="0: the trace's largest rank")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--sample-every", type=int, default=5)
+    p.add_argument("--replays", type=int, default=1,
+                   help="runs of affinity and ace each, in palindromic order; the targets compare them pooled")
     p.add_argument("--router-bin", default=str(ROOT / ".venv-router" / "bin" / "vllm-router"))
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    if args.replays < 1:
+        p.error("--replays must be at least 1")
     requests = first_requests(load_trace(args.trace), args.requests)
     args.max_lora_rank = args.max_lora_rank or max(int(r["rank"]) for r in requests)
     work = ROOT / "var" / "vllm_eval" / time.strftime("%Y%m%d-%H%M%S")
@@ -465,13 +520,20 @@ def main(argv=None) -> int:
             raise SystemExit(f"vLLM {', '.join(unevicting)} runs without ace's evicting plugin, so the agents' "
                              f"unloads would leave the weights in its CPU cache: `make bench ENGINE=vllm` "
                              f"installs it (tools/vllm_evict) into {args.vllm_python}'s venv")
-        for arm in arms:
-            results[arm], all_rows[arm] = run_arm(args, arm, requests, catalog, fixtures, work, engines)
+        runs = replay_order([args.hosts], arms, args.replays)
+        done: dict[str, list[tuple[dict, list]]] = {}
+        for _, arm, k in runs:
+            done.setdefault(arm, []).append(run_arm(args, arm, requests, catalog, fixtures, work, engines, k))
+        for arm, got in done.items():
+            results[arm] = {**got[0][0], **(pooled_entry(got) if len(got) > 1 else {})}
+            all_rows[arm] = [{**r, "replay": k} for k, (_, rows) in enumerate(got, 1) for r in rows]
     report = {"engine": "vllm", "trace": str(args.trace.relative_to(ROOT) if args.trace.is_relative_to(ROOT) else args.trace),
               "requests": len(requests), "adapters": len(adapters), "hosts": args.hosts, "speed": args.speed,
               "vllm_flags": VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank).args(),
               "vllm_plugins": list(VLLM_PLUGINS),
-              "vllm_startup_s": startup, "arm_order": arms, "cpus": os.cpu_count(), "fleets": {str(args.hosts): results}, "targets": targets(results)}
+              "vllm_startup_s": startup,
+              "arm_order": [arm if k == 1 else f"{arm}#{k}" for _, arm, k in runs], "cpus": os.cpu_count(),
+              "fleets": {str(args.hosts): results}, "targets": targets(results)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     with open(args.out.with_name(args.out.stem + "_rows.jsonl"), "w") as f:

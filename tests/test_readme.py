@@ -166,6 +166,10 @@ def test_miss_table_and_sixteen_targets_render():
          "definitions": {c: f"what {c} is" for c in causes}}
     text = "\n".join(miss_table({"fleets": {"4": {"ace": {"miss_causes": m, "stall_ms": {"p99": 9.0}}}}}))
     assert "| 4 | ace | 17 | 16 | 0 | 1 |" in text and "**late**: what late is" in text and "98.67%" in text
+    assert "against Belady" not in text  # an older report: no column
+    m.update(belady_kept={"late": 1}, belady_missed_hits=5)
+    text = "\n".join(miss_table({"fleets": {"4": {"ace": {"miss_causes": m, "stall_ms": {"p99": 9.0}}}}}))
+    assert "| 9.0 | 1 (late 1) / 5 |" in text.replace("– / ", "") and "its hits Belady misses |" in text
     pct = {"p50": True, "p99": False}
     t = {"effective_hit_ratio": {"met": True, "got": 0.99, "ceiling": 0.9867},
          "stall_ms_no_worse": {"met": True, "got": {"p50": True}}, "ttft_ms_no_worse": {"met": False, "got": pct},
@@ -187,3 +191,30 @@ def test_gpu_sections_render_from_their_reports_and_are_left_out_without_them():
         assert line in full
     without = render(lambda name: None if "cuda" in name else load(name))
     assert "on a GPU" not in without and "### Agent runtime —" in without
+
+
+def test_vllm_section_says_when_the_arms_were_compared_pooled():
+    import copy
+
+    from bench.vllm_eval import pooled_entry, targets
+    from tools.report_tables import vllm_eval
+
+    r = json.loads((REPO / "reports" / "vllm_eval.json").read_text())
+    (hosts, arms), = r["fleets"].items()
+    for e in arms.values():   # one run each: no line says how they were compared
+        e.pop("pooled", None), e.pop("replays", None)
+        e["pace_probe_ms"] = {"samples": 9, "cpu_ms_p50": 2.0}
+    r["targets"] = targets(arms)
+    assert "compare affinity and ace" not in "\n".join(vllm_eval(r))
+    for arm in ("affinity", "ace"):
+        e = arms[arm]
+        runs = []
+        for k, pace in enumerate((2.0, 2.2)):
+            run = copy.deepcopy(e)
+            run["pace_probe_ms"] = {"samples": 9, "cpu_ms_p50": pace if arm == "ace" else 2.0}
+            runs.append((run, [{"status": 200, "ttft_ms": float(10 + k)}]))
+        arms[arm] = {**runs[0][0], **pooled_entry(runs)}
+    r["targets"] = targets(arms)
+    text = "\n".join(vllm_eval(r))
+    assert "compare affinity and ace pooled over 2 runs each, palindromic order" in text
+    assert "the machine's pace in their runs" in text and "ace 1.00, 1.10" in text

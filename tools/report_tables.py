@@ -298,18 +298,18 @@ def sixteen_targets(t: dict) -> str:
 
 
 def miss_table(r: dict) -> list[str]:
-    """Per hosts × arm: each miss under one cause (``bench.bounds.miss_causes``)."""
-    causes = None
+    """Per hosts × arm: each miss under one cause (``bench.bounds.miss_causes``), and
+    against Belady where the report has it."""
+    entries = [(n, arm, e) for n, arms in r["fleets"].items() for arm, e in arms.items() if e.get("miss_causes")]
+    causes = list(entries[0][2]["miss_causes"]["causes"]) if entries else []
+    against = bool(entries) and all("belady_kept" in e["miss_causes"] for _, _, e in entries)
     rows = []
-    for n, arms in r["fleets"].items():
-        for arm, e in arms.items():
-            m = e.get("miss_causes")
-            if not m:
-                continue
-            causes = causes or list(m["causes"])
-            rows.append(f"| {n} | {arm} | {m['misses']} | " + " | ".join(str(m["causes"][c]) for c in causes)
-                        + f" | {m['unpredictable_hits']}/{m['unpredictable_requests']} | {100 * m['ceiling']:.2f}% | "
-                        f"{_ms(m.get('compulsory_stall_p99_ms'))} / {_ms(e['stall_ms']['p99'])} |")
+    for n, arm, e in entries:
+        m = e["miss_causes"]
+        rows.append(f"| {n} | {arm} | {m['misses']} | " + " | ".join(str(m["causes"][c]) for c in causes)
+                    + f" | {m['unpredictable_hits']}/{m['unpredictable_requests']} | {100 * m['ceiling']:.2f}% | "
+                    f"{_ms(m.get('compulsory_stall_p99_ms'))} / {_ms(e['stall_ms']['p99'])} |"
+                    + (f" {_belady_kept(m)} |" if against else ""))
     if not rows:
         return []
     defs = next(e["miss_causes"]["definitions"] for arms in r["fleets"].values() for e in arms.values()
@@ -319,13 +319,23 @@ def miss_table(r: dict) -> list[str]:
         + "; ".join(f"**{c}**: {defs[c]}" for c in causes)
         + ". Unpredictable hit: unpredictable requests (not the fleet's first) that hit anyway. Ceiling: the hit "
           "ratio if every miss but the compulsory and unpredictable ones had hit. Stall p99 floor: the arm's stall "
-          "p99 if only its compulsory misses had stalled (each as long as it did), beside its stall p99.",
+          "p99 if only its compulsory misses had stalled (each as long as it did), beside its stall p99."
+        + (" Against Belady: of the arm's misses, those Belady on the same host sequences hits, by cause (it knows "
+           "which stray or one-off comes next), and the arm's hits Belady misses (prefetched or filled ahead of "
+           "their request); the arm's hits minus Belady's are the second minus the first." if against else ""),
         "",
         "| hosts | arm | misses | " + " | ".join(causes) + " | unpredictable hit | ceiling "
-        "| stall p99 floor / stall p99 ms |",
-        "|---|---|---|" + "---|" * len(causes) + "---|---|---|",
+        "| stall p99 floor / stall p99 ms |" + (" against Belady: its misses Belady hits / its hits Belady misses |"
+                                                 if against else ""),
+        "|---|---|---|" + "---|" * len(causes) + "---|---|---|" + ("---|" if against else ""),
         *rows,
     ]
+
+
+def _belady_kept(m: dict) -> str:
+    kept = m["belady_kept"]
+    parts = ", ".join(f"{c} {k}" for c, k in kept.items())
+    return f"{sum(kept.values())} ({parts}) / {m['belady_missed_hits']}" if kept else f"0 / {m['belady_missed_hits']}"
 
 
 def sixteen(r: dict) -> list[str]:
@@ -661,10 +671,20 @@ def vllm_eval(r: dict) -> list[str]:
             f"- ace's hits ≥ affinity's + 10 points — {_ok(t['hits_over_affinity']['met'])} "
             f"({100 * t['hits_over_affinity']['got']:+.1f} points).",
             f"- vLLM's on-demand loads in the ace arm ≤ half of affinity's — "
-            f"{_ok(t['on_demand_loads_half_of_affinity']['met'])} ({t['on_demand_loads_half_of_affinity']['got']} "
+            f"{_ok(t['on_demand_loads_half_of_affinity']['met'])} ({t['on_demand_loads_half_of_affinity']['got']:g} "
             f"against ≤ {t['on_demand_loads_half_of_affinity']['want']:g}).",
             f"- TTFT p50 / p90 / p99 ≤ 1.05× affinity's + 1 ms — {_ok(not worse)}"
             + (f" (worse at {', '.join(worse)})" if worse else "") + "."]
+    if t.get("compared", "one run each") != "one run each":
+        pace = t.get("machine_pace") or {}
+        each = [f"{arm} " + ", ".join(f"{x['hits']}/{x['served']} hits, TTFT p50 {_ms(x['ttft_ms']['p50'], '.0f')} "
+                                      f"p99 {_ms(x['ttft_ms']['p99'], '.0f')}" for x in arms[arm]["replays"])
+                for arm in ("affinity", "ace") if arms.get(arm, {}).get("replays")]
+        checks.insert(1, f"- The checks below compare affinity and ace {t['compared']} (each run: {'; '.join(each)})"
+                      + (f"; the machine's pace in their runs (bench.pace's fixed work, over the fastest run): "
+                         + "; ".join(f"{arm} {', '.join(f'{v:.2f}' for v in runs)}"
+                                     for arm, runs in pace["runs"].items() if arm in ("affinity", "ace"))
+                         if pace.get("runs") else "") + ".")
     if "hits_over_best_vllm_router" in t:
         checks += [
             f"- ace's hits ≥ the best vllm-router arm's + 30 points — {_ok(t['hits_over_best_vllm_router']['met'])} "

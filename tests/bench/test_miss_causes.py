@@ -64,3 +64,19 @@ def test_compulsory_stall_floor():
     assert out["causes"]["compulsory"] == 50
     assert out["compulsory_stall_p99_ms"] == 100.0  # half the requests stalled on a first load
     assert "compulsory_stall_p99_ms" not in miss_causes([row(0, "h", "a", hit=False)], 1)
+
+
+def test_against_belady_the_misses_it_keeps_and_the_hits_it_misses():
+    # 1 slot on one host: a b a. Belady misses all three (the second a's slot went to b);
+    # a prefetch that brought a back in time made the third a hit: a hit Belady misses
+    rows = [row(0, "h", "a", hit=False), row(1, "h", "b", hit=False), row(2, "h", "a", hit=True)]
+    out = miss_causes(rows, 1, labels={f"r{i}": "a->b" for i in range(3)})
+    assert out["belady_kept"] == {} and out["belady_missed_hits"] == 1
+    # 2 slots: Belady keeps a, so the policy's miss on it (a stray here) is one Belady hits
+    rows = [row(0, "h", "a", hit=False), row(1, "h", "b", hit=False), row(2, "h", "a", hit=False, session="s2")]
+    out = miss_causes(rows, 2, labels={"r0": "a->b", "r1": "a->b", "r2": "one-off"})
+    assert out["causes"]["unpredictable"] == 1
+    assert out["belady_kept"] == {"unpredictable": 1} and out["belady_missed_hits"] == 0
+    # the arm's hits minus Belady's = hits Belady misses - misses Belady keeps
+    assert out["hits"] - belady_hits([r["adapter"] for r in rows], 2) == \
+        out["belady_missed_hits"] - sum(out["belady_kept"].values())

@@ -1,9 +1,13 @@
-"""The real-vLLM benches' pure parts: what bounds an arm (``bench.vllm_eval.bounds``) and the
-summary read from inference-perf's own report files (``bench.inference_perf.summarize``)."""
+"""The real-vLLM benches' pure parts: what bounds an arm (``bench.vllm_eval.bounds``), how
+replayed arms are pooled for the targets (``pooled_entry``, ``targets``) and the summary read
+from inference-perf's own report files (``bench.inference_perf.summarize``)."""
 from __future__ import annotations
 
+import pytest
+
 from bench.inference_perf import adapters, summarize
-from bench.vllm_eval import belady_misses, bounds
+from bench.report import percentiles
+from bench.vllm_eval import belady_misses, bounds, compared, pooled_entry, targets
 
 
 def test_belady_counts_the_fewest_loads_of_any_eviction():
@@ -45,3 +49,32 @@ def test_error_statuses_name_what_failed_each_request():
     rows = [{"status": 200}, {"status": 404}, {"status": 404}, {"status": 503}, {"error": "ReadTimeout"}]
     assert error_statuses(rows) == {"404": 2, "503": 1, "transport": 1}
     assert error_statuses([{"status": 200}]) == {}
+
+
+def _run(hits, served, on_demand, ttfts, pace):
+    rows = [{"status": 200, "ttft_ms": t} for t in ttfts] + [{"status": 503, "ttft_ms": None, "error": "x"}]
+    entry = {"hits": hits, "served": served, "hit_ratio": hits / served, "on_demand_loads": on_demand,
+             "errors": 1, "ttft_ms": percentiles(ttfts), "pace_probe_ms": {"samples": 3, "cpu_ms_p50": pace}}
+    return entry, rows
+
+
+def test_replayed_arms_are_compared_pooled_beside_the_machines_pace():
+    aff = [_run(6, 10, 4, [10.0] * 10, 2.0), _run(6, 10, 4, [10.0] * 10, 2.0)]
+    # ace's first run sat on a machine 1.5x slower: its TTFT alone is over affinity's line,
+    # pooled with its second run it is not
+    ace = [_run(8, 10, 2, [12.0] * 10, 3.0), _run(8, 10, 2, [8.0] * 10, 2.0)]
+    entries = {"affinity": {**aff[0][0], **pooled_entry(aff)}, "ace": {**ace[0][0], **pooled_entry(ace)}}
+    assert entries["ace"]["pooled"]["hit_ratio"] == 0.8 and entries["ace"]["pooled"]["errors"] == 2
+    assert entries["ace"]["pooled"]["pace_probe_ms"] == [3.0, 2.0]
+    assert [r["ttft_ms"]["p50"] for r in entries["ace"]["replays"]] == [12.0, 8.0]
+    assert compared(entries["ace"])["on_demand_loads"] == 2
+    t = targets(entries)
+    assert t["compared"] == "pooled over 2 runs each, palindromic order"
+    assert t["machine_pace"]["runs"] == {"affinity": [1.0, 1.0], "ace": [1.5, 1.0]}
+    assert t["hits_over_affinity"]["got"] == pytest.approx(0.2)
+    assert t["on_demand_loads_half_of_affinity"] == {"want": 2.0, "got": 2.0, "met": True}
+    assert t["ttft_no_worse_than_affinity"]["p50"] is True
+    # one run each: the first runs are what is compared
+    single = targets({"affinity": aff[0][0], "ace": ace[0][0]})
+    assert single["compared"] == "one run each"
+    assert single["ttft_no_worse_than_affinity"]["p50"] is False
