@@ -115,6 +115,12 @@ class EngineConnector(abc.ABC):
         """Tell an engine that evicts by itself (builtin) that a resident adapter is (un)pinned;
         ConnectorError when it is not resident. Engines the agent alone evicts ignore it."""
 
+    #: ``prefer_victims`` sets the order in which the engine's own cache evicts, and it
+    #: keeps that order until the next call (vLLM with ace's evicting plugin): the
+    #: engine's load of a request's adapter then takes the first named victim itself,
+    #: and the agent unloads nothing ahead of it on the request's path
+    ranks_victims: bool = False
+
     def prefer_victims(self, loading: str, victims: tuple[str, ...]) -> None:
         """An engine that loads a request's adapter itself (``loads_on_demand``) evicts
         ``victims`` first when that load of ``loading`` needs room: the gateway's choice,

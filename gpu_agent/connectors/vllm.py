@@ -26,8 +26,11 @@ The same plugin ranks the cache's victims (``RANK_PATH``): a request's read into
 full cache runs as soon as vLLM schedules it, mostly before an unload sent at the same
 time arrives, and then evicts the cache's LRU. ``prefer_victims`` (a request's ingress
 signal, the gateway's victims for this host) sends the ranking in the background, so the
-reads after it evict the gateway's victims instead; an engine that answers without the
-plugin's route (404: an older plugin) gets no more rankings, with an error logged.
+reads after it evict the gateway's victims instead (``ranks_victims``: the agent then
+unloads nothing on the request's path; the shrink after the reconcile sees vLLM's new
+adapter unloads the ranked name whose weights the read took); an engine that answers
+without the plugin's route (404: an older plugin) gets no more rankings, with an error
+logged, and the agent unloads a request's named victims at once again.
 
 A load or an unload runs on vLLM's engine core between two steps, so every request it
 is running waits for it (12-73 ms per load in `make bench ENGINE=vllm` on the shared

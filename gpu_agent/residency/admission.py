@@ -7,11 +7,13 @@ request's adapter itself (builtin) only starts the fetch of its files: the reque
 load joins it, and nothing is loaded twice; its ``evict`` hints become that load's first
 victims (``EngineConnector.prefer_victims``); on vLLM with ace's evicting unload
 (``--vllm-unload-evicts``), where the resolver makes that load, they become its cache's
-ranking (``prefer_victims``: for the reads after this one; this one mostly comes before
-it) and are unloaded at once (``LoadPipeline.evict_ahead``): an unload that arrives
-before the read leaves it room; one that arrives after finds the adapter the read evicted
-by the standing ranking (mostly the same one) and forgets its name, so vLLM's list and the
-agent's stay alike. An engine whose cache evicts its own
+standing ranking (``prefer_victims``, ``ranks_victims``), which the resolver's read into
+the full cache takes its victim from, and the agent's (``TierHoldings.rank_victims``,
+standing): the shrink that follows once the reconcile sees vLLM's new adapter unloads the
+same name, so vLLM's list and the agent's stay alike, and nothing is unloaded on the
+request's path. An engine that loads on demand into a cache it does not rank (vLLM's
+plugin before the ranking) gets the named victims unloaded at once
+(``LoadPipeline.evict_ahead``). An engine whose cache evicts its own
 LRU (vLLM without that plugin) takes no named victim at all (``_victim_hints``). A hint that says how likely it is
 (``probability``) is put to the speculation budget
 (``gpu_agent.residency.prefetch_budget``), fed here with measured load times, the queue
@@ -89,8 +91,15 @@ class PrefetchAdmission:
             # the gateway's victims are the ones that load evicts first: the builtin engine
             # takes them with the load, vLLM (with ace's evicting unload) sees them leave now
             hints = self._victim_hints(name, evict)
-            self.holdings.connector.prefer_victims(name, hints)
-            if hints and not self.holdings.connector.self_managed:
+            connector = self.holdings.connector
+            connector.prefer_victims(name, hints)
+            if hints and connector.ranks_victims:
+                # the engine's read takes the first ranked victim's weights; its name leaves
+                # with the shrink after the reconcile adopts the request's adapter, by the same
+                # ranking, off the request's path (an unload now would wait on vLLM's API
+                # loop and engine core beside the very request it makes room for)
+                self.holdings.rank_victims(hints, standing=True)
+            elif hints and not connector.self_managed:
                 self.pipeline.evict_ahead(spec, hints)
             self.pipeline.fetch_ahead(spec)
             self.metrics.inc("ace_agent_prefetch_total", outcome="left_to_engine")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from typing import Callable, Iterable, Mapping
@@ -74,8 +75,10 @@ class TierHoldings:
         self.lock = asyncio.Lock()
         self.engine_up = True   # the engine answered the last reconcile (or load)
         self._kept: dict[str, float] = {}   # name -> until (clock): requests were just sent for it
-        # the gateway's latest ranking of this pool's victims (a request's signal), until (clock)
-        self._ranking: tuple[tuple[str, ...], float] = ((), 0.0)
+        self._used_at: dict[str, float] = {}  # name -> when (clock) a request was last seen for it
+        # the gateway's latest ranking of this pool's victims (a request's signal): (names,
+        # until, since) (clock)
+        self._ranking: tuple[tuple[str, ...], float, float] = ((), 0.0, 0.0)
 
     # ---- host tier -------------------------------------------------------------------
     def admit_host(self, name: str, blob: bytes) -> None:
@@ -156,21 +159,40 @@ class TierHoldings:
         if spec.name not in self.device and over():
             await self._evict_hinted(spec, hints, over)
 
-    def rank_victims(self, names: tuple[str, ...]) -> None:
+    def rank_victims(self, names: tuple[str, ...], *, standing: bool = False) -> None:
         """The gateway's ranking of this pool's victims, coldest first (a request's own
         signal names it: ``Upstream.victim_hints``). A shrink that follows an adapter the
-        engine loaded itself evicts by it, before its LRU, for ``adopt_grace_s``."""
-        self._ranking = (names, self.clock() + self.adopt_grace_s)
+        engine loaded itself evicts by it, before its LRU, for ``adopt_grace_s``; until the
+        next ranking when ``standing`` (an engine whose own cache keeps the same ranking
+        until the next one, ``EngineConnector.ranks_victims``: its read took the first
+        ranked victim's weights, and the shrink after it, however late the reconcile comes,
+        must take the same name)."""
+        now = self.clock()
+        self._ranking = (names, math.inf if standing else now + self.adopt_grace_s, now)
 
     def ranking(self) -> tuple[str, ...]:
-        names, until = self._ranking
-        return names if self.clock() < until else ()
+        """The ranking while it holds, without the names a request was seen for since it
+        came (``used``; as vLLM's cache skips a ranked adapter used since its ranking)."""
+        names, until, since = self._ranking
+        if self.clock() >= until:
+            return ()
+        return tuple(n for n in names if self._used_at.get(n, -math.inf) <= since)
+
+    def used(self, names: Iterable[str]) -> None:
+        """Requests for ``names`` were seen now (the gateway's ``keep``, the engine's busy
+        set)."""
+        now = self.clock()
+        for name in names:
+            if name in self._states:   # catalog names only: bounded
+                self._used_at[name] = now
 
     def keep(self, names: Iterable[str]) -> None:
         """The gateway just sent requests for ``names`` to this engine (``Prefetch.keep``),
         which may not list them as busy yet: no eviction takes them for ``adopt_grace_s``,
         and on an engine the agent evicts for they become its most recently used."""
         until = self.clock() + self.adopt_grace_s
+        names = list(names)
+        self.used(names)
         for name in names:
             self._kept[name] = until
             if not self.connector.self_managed and name in self.device:

@@ -131,6 +131,7 @@ class Reconciler:
                 # the agent sees no request on an engine it does not serve (vLLM): what the
                 # engine runs or queues now is its most recently used (its LoRA gauge)
                 busy = await self.connector.busy()
+                holdings.used(busy)
                 for name in sorted(busy):
                     if name in device:
                         device.move_to_end(name)

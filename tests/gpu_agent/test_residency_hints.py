@@ -200,6 +200,54 @@ def test_a_requests_own_prefetch_to_vllm_with_a_resolver_evicts_the_named_victim
     run(main())
 
 
+class RankingConnector(ResolverConnector):
+    """vLLM with ace's evicting plugin and its ranking route: the resolver's read into the
+    full cache takes the first ranked victim's weights; the name stays registered."""
+
+    ranks_victims = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.rankings: list[tuple[str, ...]] = []
+
+    def prefer_victims(self, loading, victims):
+        self.rankings.append(tuple(victims))
+
+
+def test_a_requests_own_prefetch_to_a_ranking_vllm_unloads_nothing_on_the_requests_path(tmp_path):
+    """With the ranking in vLLM's cache nothing is unloaded when the signal comes: the
+    read takes the ranked victim; its name leaves with the shrink after the reconcile sees
+    vLLM's new adapter, by the same ranking however late that reconcile comes (not the
+    agent's LRU, whose weights vLLM kept)."""
+    async def main():
+        now = [1000.0]
+        eng = RankingConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng, clock=lambda: now[0])       # a1 least recently used
+        try:
+            got = mgr.prefetch("a4", priority=1, reason="request_cold", evict=["a3", "a1"])
+            assert (got.outcome, got.reason) == (ResidencyOutcome.ACCEPTED, "engine_loads_on_demand")
+            assert eng.rankings == [("a3", "a1")]
+            await async_wait_until(lambda: not mgr.pipeline._ahead, what="the fetch ahead done")
+            assert unloads(eng) == []
+            eng.held["a4"] = eng.held["a1"]      # the resolver registered a4 (a3's weights went)
+            now[0] += 30.0                       # the reconcile comes long after the signal
+            await mgr.reconcile()
+            assert unloads(eng) == ["a3"] and mgr.view("a4").tier is Tier.DEVICE
+            assert set(eng.held) == {"a1", "a2", "a4"}
+            # a ranked adapter a request used since the ranking came is skipped, as vLLM's
+            # cache skips it: the next ranked one leaves
+            mgr.prefetch("a3", priority=1, reason="request_cold", evict=["a2", "a1"])
+            now[0] += 1.0
+            mgr.prefetch("a2", reason="predicted", probability=0.0, keep=["a2"])   # a request for a2
+            eng.held["a3"] = eng.held["a4"]
+            now[0] += 30.0
+            await mgr.reconcile()
+            assert unloads(eng) == ["a3", "a1"] and set(eng.held) == {"a2", "a3", "a4"}
+        finally:
+            await mgr.close()
+    run(main())
+
+
 def test_other_engines_still_load_a_requests_own_prefetch(tmp_path):
     async def main():
         eng = FakeConnector(capacity=3)
