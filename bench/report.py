@@ -387,12 +387,13 @@ def compared(entry: Mapping) -> Mapping:
     """What the checks compare of one arm: the entry, with its stall and TTFT percentiles
     over every replay's rows and its errors summed over them (``pooled``) in place of the
     first replay's when it was replayed more than once (``bench.multi_lora_eval
-    --replays``: the machine's drift is what pooling cancels). Hit counts and bounds stay
-    the first replay's: they do not depend on the machine's speed."""
+    --replays``, ``bench.vllm_eval --replays``: the machine's drift is what pooling
+    cancels; an entry without stall figures, vLLM's, keeps none). Hit counts and bounds
+    stay the first replay's: they do not depend on the machine's speed."""
     pooled = entry.get("pooled")
     if not pooled:
         return entry
-    return {**entry, "errors": pooled["errors"], "stall_ms": pooled["stall_ms"], "ttft_ms": pooled["ttft_ms"]}
+    return {**entry, **{k: pooled[k] for k in ("errors", "stall_ms", "ttft_ms") if k in pooled}}
 
 
 def pace_reading(entry: Mapping, field: str) -> float | None:

@@ -73,7 +73,7 @@ from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, STALL_S, guarded, plot_t
     speculation_counters, think_s
 from bench.multi_lora_eval import state_yaml as bench_state_yaml
 from bench.pace import pace_probe, read_probe
-from bench.report import machine_pace, pace_readings, percentiles
+from bench.report import compared as report_compared, machine_pace, pace_readings, percentiles
 from bench.scenario_fixtures import trace_catalog
 from bench.trace import load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
@@ -411,12 +411,14 @@ def pooled_entry(done: list[tuple[dict, list]]) -> dict:
 
 
 def compared(entry: dict) -> dict:
-    """What the targets read of one arm: its pooled runs where it was replayed (on-demand
-    loads as a mean per run), else its one run."""
+    """What the targets read of one arm: ``bench.report.compared`` (errors and TTFT over
+    every run where it was replayed), and its hits and on-demand loads over every run too
+    (a mean per run): on vLLM they vary from run to run with how the engine's steps and the
+    agents' calls interleave."""
     pooled = entry.get("pooled")
     if not pooled:
         return entry
-    return {**entry, "hit_ratio": pooled["hit_ratio"], "errors": pooled["errors"], "ttft_ms": pooled["ttft_ms"],
+    return {**report_compared(entry), "hit_ratio": pooled["hit_ratio"],
             "on_demand_loads": pooled["on_demand_loads"] / pooled["replays"]}
 
 

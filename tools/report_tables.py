@@ -636,6 +636,21 @@ def _ranked(r: dict) -> str:
     return f"; vLLM's evictions that took the ranking: {', '.join(counts)}" if counts else ""
 
 
+def _vllm_runs(t: dict, arms: dict) -> str:
+    """The line that says how affinity and ace were compared: each run, and the machine's
+    pace in each."""
+    pair = [arm for arm in ("affinity", "ace") if arms.get(arm, {}).get("replays")]
+    each = "; ".join(f"{arm} " + ", ".join(f"{x['hits']}/{x['served']} hits, TTFT p50 "
+                                          f"{_ms(x['ttft_ms']['p50'], '.0f')} p99 {_ms(x['ttft_ms']['p99'], '.0f')}"
+                                          for x in arms[arm]["replays"]) for arm in pair)
+    line = f"- The checks below compare affinity and ace {t['compared']} (each run: {each})"
+    runs = (t.get("machine_pace") or {}).get("runs") or {}
+    if runs:
+        line += ("; the machine's pace in their runs (bench.pace's fixed work, over the fastest run): "
+                 + "; ".join(f"{arm} {', '.join(f'{v:.2f}' for v in runs[arm])}" for arm in pair if arm in runs))
+    return line + "."
+
+
 def vllm_eval(r: dict) -> list[str]:
     """``make bench ENGINE=vllm``: the arms on real vLLM hosts, the targets, what bounds them."""
     (hosts, arms), = r["fleets"].items()
@@ -676,15 +691,7 @@ def vllm_eval(r: dict) -> list[str]:
             f"- TTFT p50 / p90 / p99 ≤ 1.05× affinity's + 1 ms — {_ok(not worse)}"
             + (f" (worse at {', '.join(worse)})" if worse else "") + "."]
     if t.get("compared", "one run each") != "one run each":
-        pace = t.get("machine_pace") or {}
-        each = [f"{arm} " + ", ".join(f"{x['hits']}/{x['served']} hits, TTFT p50 {_ms(x['ttft_ms']['p50'], '.0f')} "
-                                      f"p99 {_ms(x['ttft_ms']['p99'], '.0f')}" for x in arms[arm]["replays"])
-                for arm in ("affinity", "ace") if arms.get(arm, {}).get("replays")]
-        checks.insert(1, f"- The checks below compare affinity and ace {t['compared']} (each run: {'; '.join(each)})"
-                      + (f"; the machine's pace in their runs (bench.pace's fixed work, over the fastest run): "
-                         + "; ".join(f"{arm} {', '.join(f'{v:.2f}' for v in runs)}"
-                                     for arm, runs in pace["runs"].items() if arm in ("affinity", "ace"))
-                         if pace.get("runs") else "") + ".")
+        checks.insert(1, _vllm_runs(t, arms))
     if "hits_over_best_vllm_router" in t:
         checks += [
             f"- ace's hits ≥ the best vllm-router arm's + 30 points — {_ok(t['hits_over_best_vllm_router']['met'])} "
