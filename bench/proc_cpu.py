@@ -4,7 +4,9 @@ Every process the bench starts (agents with their builtin engines, the ext_proc,
 the artifact store, vLLM's router) is a descendant of the bench process, which is itself
 the load generator. ``snapshot`` reads each one's user + system time from Linux's
 ``/proc/<pid>/stat``; ``account`` turns two snapshots into seconds per role. The roles
-come from the command lines (``role``), so an agent is named by its host's folder.
+come from the command lines (``role``), so an agent is named by its host's folder; a
+process whose own command line names none (vLLM's engine core, a child of its API server)
+takes its parent's.
 
 Where ``/proc`` does not exist (not Linux), snapshots are empty and the account is ``{}``.
 """
@@ -25,7 +27,8 @@ _HOST_DIR = re.compile(r"/(host-\d+)/")
 
 def role(cmdline: list[str]) -> str:
     """What a process is, from its argv: ``agent:host-<i>``, ``ext_proc``, ``envoy``,
-    ``store``, ``vllm_router``, ``pace_probe`` (``bench.pace``), or ``other:<program>``."""
+    ``store``, ``vllm_router``, ``vllm`` (an engine's API server), ``pace_probe``
+    (``bench.pace``), or ``other:<program>``."""
     text = " ".join(cmdline)
     if "gpu_agent" in text:
         m = _HOST_DIR.search(text)
@@ -40,6 +43,8 @@ def role(cmdline: list[str]) -> str:
         return "pace_probe"
     if "vllm-router" in text or "vllm_router" in text:
         return "vllm_router"
+    if "-m vllm." in text or os.path.basename(cmdline[0] if cmdline else "") == "vllm":
+        return "vllm"
     return f"other:{os.path.basename(cmdline[0]) if cmdline else '?'}"
 
 
@@ -77,13 +82,16 @@ def snapshot(root: int | None = None) -> dict[int, tuple[str, float]]:
     for pid, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
     out: dict[int, tuple[str, float]] = {}
-    todo = [root]
+    todo: list[tuple[int, str | None]] = [(root, None)]
     while todo:
-        pid = todo.pop()
+        pid, parent = todo.pop()
         if pid not in stats:
             continue
-        out[pid] = ("client" if pid == root else role(_cmdline(pid)), stats[pid][1])
-        todo.extend(children.get(pid, ()))
+        name = "client" if pid == root else role(_cmdline(pid))
+        if name.startswith("other:") and parent not in (None, "client") and not parent.startswith("other:"):
+            name = parent
+        out[pid] = (name, stats[pid][1])
+        todo.extend((child, name) for child in children.get(pid, ()))
     return out
 
 

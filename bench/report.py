@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import statistics
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 __all__ = [
     "NOISE_FACTOR",
@@ -53,6 +55,7 @@ __all__ = [
     "format_fleets",
     "format_report",
     "hit_counts",
+    "paired_ttft",
     "percentiles",
     "swap_speedup",
     "ttft_breakdown",
@@ -394,6 +397,62 @@ def compared(entry: Mapping) -> Mapping:
     if not pooled:
         return entry
     return {**entry, **{k: pooled[k] for k in ("errors", "stall_ms", "ttft_ms") if k in pooled}}
+
+
+def _median_ci(diffs: Sequence[float], draws: int = 2000, seed: int = 0) -> dict:
+    """The median of ``diffs`` and a 95% bootstrap interval of it (resampled ``draws``
+    times with a fixed seed: the same rows give the same figures)."""
+    rnd = random.Random(seed)
+    n = len(diffs)
+    boots = sorted(statistics.median(rnd.choices(diffs, k=n)) for _ in range(draws))
+    return {"requests": n, "median_ms": round(statistics.median(diffs), 2),
+            "ci95_ms": [round(boots[int(0.025 * draws)], 2), round(boots[int(0.975 * draws) - 1], 2)]}
+
+
+def paired_ttft(rows: Iterable[Mapping], arm: str, against: str,
+                resident: Callable[[Mapping], bool] | None = None) -> dict | None:
+    """TTFT of ``arm`` against ``against`` request by request: both replay the same trace,
+    so each request id has a TTFT in each (the mean over an arm's replays); their
+    difference's median, with a 95% bootstrap interval, says what one arm costs or saves
+    a request with the trace's own variety (its prompts, its sessions' timing) taken out,
+    which percentiles over two separate samples leave in. ``resident_both``: the same over
+    the requests ``resident`` says were resident in every run of both arms (what an arm's
+    other work costs a request that waits for no load). ``drift``: per arm replayed more
+    than once, the median difference of its last run against its first, request by
+    request: how far the machine moved between runs of one code, the resolution of any
+    comparison between arms. None when the rows hold no request of both arms."""
+    ttft: dict[tuple[str, str], list[float]] = {}
+    by_run: dict[tuple[str, int], dict[str, float]] = {}
+    reg: dict[tuple[str, str], bool] = {}
+    for r in rows:
+        if r.get("status") != 200 or r.get("ttft_ms") is None or r.get("arm") not in (arm, against):
+            continue
+        key = (r["arm"], r["id"])
+        ttft.setdefault(key, []).append(r["ttft_ms"])
+        by_run.setdefault((r["arm"], r.get("replay", 1)), {})[r["id"]] = r["ttft_ms"]
+        if resident is not None:
+            reg[key] = reg.get(key, True) and bool(resident(r))
+    ids = sorted({i for a, i in ttft if a == arm} & {i for a, i in ttft if a == against})
+    if not ids:
+        return None
+
+    def diff(i: str) -> float:
+        return statistics.fmean(ttft[(arm, i)]) - statistics.fmean(ttft[(against, i)])
+
+    out: dict = {"arm": arm, "against": against, "all": _median_ci([diff(i) for i in ids])}
+    if resident is not None:
+        both = [i for i in ids if reg[(arm, i)] and reg[(against, i)]]
+        out["resident_both"] = _median_ci([diff(i) for i in both]) if both else None
+    drift = {}
+    for name in (arm, against):
+        runs = sorted(k for a, k in by_run if a == name)
+        if len(runs) > 1:
+            first, last = by_run[(name, runs[0])], by_run[(name, runs[-1])]
+            common = [i for i in first if i in last]
+            if common:
+                drift[name] = round(statistics.median(last[i] - first[i] for i in common), 2)
+    out["drift_ms"] = drift
+    return out
 
 
 def pace_reading(entry: Mapping, field: str) -> float | None:

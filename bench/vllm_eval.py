@@ -49,7 +49,9 @@ With ``--replays N`` affinity and ace run N times each in palindromic order (``b
 multi_lora_eval.replay_order``: ``affinity, ace, ace, affinity`` for 2), so a drift of the
 shared cores' speed weighs on both alike; each such arm then carries ``replays`` (each
 run's hits and TTFT) and ``pooled`` (over all of its runs), and the targets compare the
-pooled figures (``targets.compared``).
+pooled figures (``targets.compared``). ``targets.ttft_paired`` compares ace's TTFT with affinity's request
+by request (``bench.report.paired_ttft``), beside each arm's drift between its own runs;
+``process_cpu_s`` gives each run's CPU seconds by process (``bench.proc_cpu``).
 """
 from __future__ import annotations
 
@@ -68,12 +70,13 @@ import grpc
 import httpx
 import yaml
 
+from bench import proc_cpu
 from bench.bounds import belady_hits
 from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, STALL_S, guarded, plot_ttft, replay_order, sessions, \
     speculation_counters, think_s
 from bench.multi_lora_eval import state_yaml as bench_state_yaml
 from bench.pace import pace_probe, read_probe
-from bench.report import compared as report_compared, machine_pace, pace_readings, percentiles
+from bench.report import compared as report_compared, machine_pace, pace_readings, paired_ttft, percentiles
 from bench.scenario_fixtures import trace_catalog
 from bench.trace import load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
@@ -338,11 +341,13 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
             before = {h["name"]: engine_counts(h) for h in st["hosts"]}
             agents_before = {h["name"]: agent_counters(h) for h in st["hosts"]}
             load_avg = os.getloadavg()[0]
+            cpu_before = proc_cpu.snapshot()
             t0 = time.monotonic()
             with pace_probe(run_dir / "pace.txt"):
                 rows, check = asyncio.run(replay(requests, base, st["state"], st["hosts"], args.speed,
                                                  args.sample_every))
             elapsed = time.monotonic() - t0
+            cpu = proc_cpu.account(cpu_before, proc_cpu.snapshot())
             after = {h["name"]: engine_counts(h) for h in st["hosts"]}
             agents = {}
             for h in st["hosts"]:
@@ -380,6 +385,7 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         "ttft_ms": percentiles(r["ttft_ms"] for r in ok if r["ttft_ms"] is not None),
         "engine_busy": {n: round(h["cpu_s"] / elapsed / threads, 3) for n, h in per_host.items()},
         "per_host": per_host, "replay_s": round(elapsed, 1),
+        "process_cpu_s": cpu,
         "pace_probe_ms": read_probe(run_dir / "pace.txt"),
         "machine_load_avg_1m": [round(load_avg, 1), round(os.getloadavg()[0], 1)],
     }
@@ -391,7 +397,8 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
 
 
 def pooled_entry(done: list[tuple[dict, list]]) -> dict:
-    """``replays`` (each run's hits, on-demand loads, errors and TTFT percentiles) and
+    """``replays`` (each run's hits, on-demand loads, errors, TTFT percentiles and CPU
+    seconds by process, ``process_cpu_s``) and
     ``pooled`` (hits and on-demand loads summed, the hit ratio over all runs, TTFT
     percentiles over every run's rows, errors summed, each run's ``pace_probe_ms``) of one
     arm run ``len(done)`` times."""
@@ -400,7 +407,8 @@ def pooled_entry(done: list[tuple[dict, list]]) -> dict:
     served_n = sum(e["served"] for e in entries)
     hits = sum(e["hits"] for e in entries)
     return {
-        "replays": [{k: e[k] for k in ("hits", "served", "on_demand_loads", "errors", "ttft_ms")} for e in entries],
+        "replays": [{k: e[k] for k in ("hits", "served", "on_demand_loads", "errors", "ttft_ms", "process_cpu_s")
+                     if k in e} for e in entries],
         "pooled": {"replays": len(done), "served": served_n, "hits": hits,
                    "hit_ratio": hits / served_n if served_n else None,
                    "on_demand_loads": sum(e["on_demand_loads"] for e in entries),
@@ -422,9 +430,12 @@ def compared(entry: dict) -> dict:
             "on_demand_loads": pooled["on_demand_loads"] / pooled["replays"]}
 
 
-def targets(entries: dict) -> dict:
+def targets(entries: dict, rows: dict | None = None) -> dict:
     """Issue 20's targets on vLLM, where the arms they name ran (each as ``compared``
-    gives it), beside the machine's pace in each arm's runs."""
+    gives it), beside the machine's pace in each arm's runs and, from ``rows`` (arm ->
+    its rows, every run's), ``ttft_paired``: ace's TTFT against affinity's request by
+    request (``bench.report.paired_ttft``; resident: registered on its host when it left),
+    with each arm's drift between its own runs."""
     arms = {arm: compared(e) for arm, e in entries.items()}
     out: dict = {"no_errors": all(a["errors"] == 0 for a in arms.values())}
     ace, aff = arms.get("ace"), arms.get("affinity")
@@ -436,6 +447,9 @@ def targets(entries: dict) -> dict:
         if pace is not None:
             out["machine_pace"] = pace
     routers = [arms[a] for a in ROUTER_ARMS if a in arms]
+    if ace and aff and rows:
+        out["ttft_paired"] = paired_ttft([{**r, "arm": arm} for arm in ("ace", "affinity") for r in rows.get(arm, ())],
+                                         "ace", "affinity", resident=lambda r: r.get("registered") is True)
     if ace and aff:
         out["hits_over_affinity"] = {"want": 0.10, "got": ace["hit_ratio"] - aff["hit_ratio"],
                                      "met": ace["hit_ratio"] - aff["hit_ratio"] >= 0.10}
@@ -535,7 +549,7 @@ def main(argv=None) -> int:
               "vllm_plugins": list(VLLM_PLUGINS),
               "vllm_startup_s": startup,
               "arm_order": [arm if k == 1 else f"{arm}#{k}" for _, arm, k in runs], "cpus": os.cpu_count(),
-              "fleets": {str(args.hosts): results}, "targets": targets(results)}
+              "fleets": {str(args.hosts): results}, "targets": targets(results, all_rows)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     with open(args.out.with_name(args.out.stem + "_rows.jsonl"), "w") as f:

@@ -651,6 +651,20 @@ def _vllm_runs(t: dict, arms: dict) -> str:
     return line + "."
 
 
+def _vllm_paired(p: dict) -> str:
+    """The line on ace's TTFT against affinity's request by request (``targets.ttft_paired``)."""
+    def one(x: dict | None) -> str:
+        if not x:
+            return "–"
+        return f"{x['median_ms']:+.2f} ms (95% interval {x['ci95_ms'][0]:+.2f} to {x['ci95_ms'][1]:+.2f}, {x['requests']} requests)"
+    drift = "; ".join(f"{arm} {v:+.2f} ms" for arm, v in p.get("drift_ms", {}).items())
+    return (f"- Request by request (each request's TTFT in ace, mean over its runs, minus in affinity; median): "
+            f"{one(p['all'])}; over the requests registered on their host in every run of both arms "
+            f"{one(p.get('resident_both'))}" + (f". The same measure between an arm's own last and first run "
+                                                 f"(the machine's drift, the comparison's resolution): {drift}" if drift else "")
+            + ".")
+
+
 def vllm_eval(r: dict) -> list[str]:
     """``make bench ENGINE=vllm``: the arms on real vLLM hosts, the targets, what bounds them."""
     (hosts, arms), = r["fleets"].items()
@@ -690,6 +704,8 @@ def vllm_eval(r: dict) -> list[str]:
             f"against ≤ {t['on_demand_loads_half_of_affinity']['want']:g}).",
             f"- TTFT p50 / p90 / p99 ≤ 1.05× affinity's + 1 ms — {_ok(not worse)}"
             + (f" (worse at {', '.join(worse)})" if worse else "") + "."]
+        if t.get("ttft_paired"):
+            checks.append(_vllm_paired(t["ttft_paired"]))
     if t.get("compared", "one run each") != "one run each":
         checks.insert(1, _vllm_runs(t, arms))
     if "hits_over_best_vllm_router" in t:

@@ -18,6 +18,8 @@ from bench import proc_cpu
     (["/v/bin/envoy", "-c", "envoy.yaml"], "envoy"),
     (["/v/bin/python", "-m", "http.server", "8000"], "store"),
     (["/v/bin/vllm-router", "--worker-urls", "x"], "vllm_router"),
+    (["/v/.venv-vllm/bin/python", "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", "m"], "vllm"),
+    (["/v/.venv-vllm/bin/vllm", "serve", "m"], "vllm"),
     (["/usr/bin/sleep", "5"], "other:sleep"),
     ([], "other:?"),
 ])
@@ -47,6 +49,26 @@ def test_snapshot_sees_a_busy_child_and_its_cpu():
         used = proc_cpu.account(before, after)
         assert used["other:" + Path(sys.executable).name] >= 0.25
         assert "client" in used
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_a_child_that_names_no_role_counts_as_its_parents():
+    """vLLM's engine core is a child of its API server with a command line of its own:
+    its CPU is the engine's. Here a "-m extproc" parent starts a plain python child."""
+    child = "import sys\nsys.stdin.read()"
+    parent = ("import subprocess, sys\n"
+              f"c = subprocess.Popen([sys.executable, '-c', {child!r}], stdin=subprocess.PIPE)\n"
+              "print(c.pid, flush=True)\nsys.stdin.read()\nc.stdin.close()\nc.wait()")
+    proc = subprocess.Popen([sys.executable, "-c", parent, "-m", "extproc"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(proc.stdout.readline())
+        got = proc_cpu.snapshot()
+        assert got[proc.pid][0] == "ext_proc"
+        assert got[grandchild][0] == "ext_proc"
     finally:
         proc.stdin.close()
         proc.wait(timeout=10)

@@ -78,3 +78,34 @@ def test_replayed_arms_are_compared_pooled_beside_the_machines_pace():
     single = targets({"affinity": aff[0][0], "ace": ace[0][0]})
     assert single["compared"] == "one run each"
     assert single["ttft_no_worse_than_affinity"]["p50"] is False
+
+
+def test_ttft_is_compared_request_by_request_beside_each_arms_drift():
+    """ace's rows are affinity's + 2 ms on resident requests and - 6 ms on the others; the
+    second runs of both arms sat on a machine 1 ms slower. Percentiles of two samples
+    cannot say which; the paired measure can."""
+    def rows(arm, replay, resident_ms, cold_ms, shift):
+        out = []
+        for i in range(40):
+            resident = i % 4 != 0
+            base = 20.0 + i  # the trace's own variety: each request its own TTFT
+            out.append({"arm": arm, "id": f"req-{i:04d}", "replay": replay, "status": 200, "registered": resident,
+                        "ttft_ms": base + (resident_ms if resident else cold_ms) + shift})
+        return out
+
+    got = {"affinity": rows("affinity", 1, 0, 0, 0) + rows("affinity", 2, 0, 0, 1.0),
+           "ace": rows("ace", 1, 2.0, -6.0, 0) + rows("ace", 2, 2.0, -6.0, 1.0)}
+    aff = [_run(6, 10, 4, [10.0] * 10, 2.0)] * 2
+    ace = [_run(8, 10, 2, [10.0] * 10, 2.0)] * 2
+    entries = {"affinity": {**aff[0][0], **pooled_entry(aff)}, "ace": {**ace[0][0], **pooled_entry(ace)}}
+    p = targets(entries, got)["ttft_paired"]
+    assert p["all"]["requests"] == 40 and p["all"]["median_ms"] == 2.0
+    assert p["resident_both"] == {"requests": 30, "median_ms": 2.0, "ci95_ms": [2.0, 2.0]}
+    assert p["drift_ms"] == {"ace": 1.0, "affinity": 1.0}
+    # a request registered in one run and not in another is not resident in every run
+    got["ace"][0 + 40 + 1]["registered"] = False
+    assert targets(entries, got)["ttft_paired"]["resident_both"]["requests"] == 29
+    # without rows (or without a request of both arms) there is nothing to pair
+    assert "ttft_paired" not in targets(entries)
+    from bench.report import paired_ttft
+    assert paired_ttft(got["ace"], "ace", "round_robin") is None
