@@ -192,8 +192,8 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.bounds REPORT``: (re)derive every fleet entry's ``miss_causes`` of a
-    ``bench.multi_lora_eval`` report from the rows it wrote beside it (``<report>_rows.jsonl``)
-    and its trace; rewrites the report."""
+    ``bench.multi_lora_eval`` or ``bench.vllm_eval`` report from the rows it wrote beside it
+    (``<report>_rows.jsonl``; each arm's first run) and its trace; rewrites the report."""
     import argparse
     import json
     from pathlib import Path
@@ -207,6 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(ap.parse_args(argv).report)
     report = json.loads(path.read_text())
     requests = load_trace(report["trace"])
+    if report.get("engine") == "vllm":
+        from bench.vllm_eval import first_requests, vllm_miss_causes
+
+        requests = first_requests(requests, report["requests"])
+        flags = report["vllm_flags"]
+        capacity = int(flags[flags.index("--max-cpu-loras") + 1])
+        by_arm: dict[str, list] = defaultdict(list)
+        for line in path.with_name(path.stem + "_rows.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r.get("replay", 1) == 1:
+                by_arm[r["arm"]].append(r)
+        for arms in report["fleets"].values():
+            for arm, entry in arms.items():
+                entry["miss_causes"] = vllm_miss_causes(by_arm[arm], requests, capacity)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     rows: dict[tuple[str, str], list] = defaultdict(list)
     for r in first_replay_rows(path):
         rows[(str(r.pop("hosts")), r.pop("arm"))].append(r)

@@ -41,7 +41,7 @@ def role(cmdline: list[str]) -> str:
         return "store"
     if "bench.pace" in text:
         return "pace_probe"
-    if "vllm-router" in text or "vllm_router" in text:
+    if "vllm-router" in text or "vllm_router" in text or text.startswith("vllm::router"):  # its own title
         return "vllm_router"
     if "-m vllm." in text or os.path.basename(cmdline[0] if cmdline else "") == "vllm":
         return "vllm"

@@ -71,7 +71,7 @@ import httpx
 import yaml
 
 from bench import proc_cpu
-from bench.bounds import belady_hits
+from bench.bounds import belady_hits, miss_causes
 from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, STALL_S, guarded, plot_ttft, replay_order, sessions, \
     speculation_counters, think_s
 from bench.multi_lora_eval import state_yaml as bench_state_yaml
@@ -310,6 +310,22 @@ def bounds(rows: list[dict], capacity: int, hosts: int) -> dict:
     return out
 
 
+def vllm_miss_causes(rows: list[dict], requests: list[dict], capacity: int) -> dict | None:
+    """``bench.bounds.miss_causes`` over one run's rows (``builtin``'s causes, Belady per host
+    at vLLM's ``capacity``): a hit is a request whose adapter was registered on its host when
+    it left (the agents' views), sent in ``seq`` order; the trace's ``tenant`` and
+    ``workflow`` labels tell a tenant's first use, one-offs and strays. None without the
+    views (the vllm-router arms' rows carry no host)."""
+    by_id = {r.get("id"): r for r in requests}
+    ok = [r for r in rows if "error" not in r and r.get("status") == 200 and "registered" in r
+          and r.get("id") in by_id]
+    if not ok:
+        return None
+    return miss_causes([{"id": r["id"], "host": r["host"], "adapter": r["adapter"], "tenant": by_id[r["id"]]["tenant"],
+                         "session": r["session"], "step": r.get("step"), "sent_s": r["seq"], "hit": r["registered"]}
+                        for r in ok], capacity, labels={i: q.get("workflow", "") for i, q in by_id.items()})
+
+
 def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path,
             engines: list, replay_no: int = 1) -> tuple[dict, list]:
     tenants = sorted({r["tenant"] for r in requests})
@@ -377,6 +393,7 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         "agents": {k: round(v) for k, v in sorted(agents.items())},
         "speculation": None if arm in ROUTER_ARMS else speculation_counters(run_dir / "extproc.log"),
         "bounds": bounds(rows, args.max_cpu_loras, args.hosts),
+        "miss_causes": vllm_miss_causes(rows, requests, args.max_cpu_loras),
         "ttft_ms_by_registration": ({
             "registered": percentiles(r["ttft_ms"] for r in ok if r.get("registered") and r["ttft_ms"] is not None),
             "not_registered": percentiles(r["ttft_ms"] for r in ok

@@ -651,6 +651,19 @@ def _vllm_runs(t: dict, arms: dict) -> str:
     return line + "."
 
 
+def _vllm_causes(m: dict | None, need: float) -> str:
+    """The sentence on the ace arm's misses by cause (its first run's ``miss_causes``)."""
+    if not m:
+        return ""
+    causes = ", ".join(f"{k} {v}" for k, v in m["causes"].items() if v)
+    kept = sum(m.get("belady_kept", {}).values())
+    return (f" Its first run's misses by cause (a request whose adapter was not registered on its host when it "
+            f"left, the agents' view: {m['misses']} of {m['requests']}): {causes}; Belady on the same host "
+            f"sequences hits {kept} of them. Were every miss but the compulsory and unpredictable ones a hit, "
+            f"ace would make {100 * m['ceiling']:.1f}% (the +10 target needs {100 * need:.1f}%): the target is "
+            f"under that ceiling, so the evicted, capacity and opener misses are what it misses by.")
+
+
 def _vllm_paired(p: dict) -> str:
     """The line on ace's TTFT against affinity's request by request (``targets.ttft_paired``)."""
     def one(x: dict | None) -> str:
@@ -755,7 +768,7 @@ def vllm_eval(r: dict) -> list[str]:
             + (f", +30 over the best vllm-router arm {max(r['hits'] for r in routers) + 0.30 * n:.0f}" if routers else "")
             + ". Above the ceiling only prefetches that displace nothing needed can go: of ace's "
             f"{sp.get('prefetches', '–')} speculative prefetches the gateway counted {sp.get('prefetch_used', '–')} used "
-            f"and {sp.get('prefetch_wasted', '–')} wasted.",
+            f"and {sp.get('prefetch_wasted', '–')} wasted." + _vllm_causes(ace.get("miss_causes"), need_hits / n),
             f"- What bounds its on-demand loads: half of affinity's is {aff['on_demand_loads'] / 2:g}; every load the "
             f"Belady count names ({b['belady_this_routing']}) is either vLLM's on demand or a prefetch ahead of need, "
             f"so the target needs at least {math.ceil(b['belady_this_routing'] - aff['on_demand_loads'] / 2)} of them made "

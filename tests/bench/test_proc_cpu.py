@@ -18,6 +18,7 @@ from bench import proc_cpu
     (["/v/bin/envoy", "-c", "envoy.yaml"], "envoy"),
     (["/v/bin/python", "-m", "http.server", "8000"], "store"),
     (["/v/bin/vllm-router", "--worker-urls", "x"], "vllm_router"),
+    (["vllm::router"], "vllm_router"),
     (["/v/.venv-vllm/bin/python", "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", "m"], "vllm"),
     (["/v/.venv-vllm/bin/vllm", "serve", "m"], "vllm"),
     (["/usr/bin/sleep", "5"], "other:sleep"),

@@ -109,3 +109,43 @@ def test_ttft_is_compared_request_by_request_beside_each_arms_drift():
     assert "ttft_paired" not in targets(entries)
     from bench.report import paired_ttft
     assert paired_ttft(got["ace"], "ace", "round_robin") is None
+
+
+def test_vllm_miss_causes_read_registration_and_the_send_order():
+    from bench.vllm_eval import vllm_miss_causes
+    trace = [{"id": f"r{i}", "tenant": "t1", "workflow": "a->b", "adapter": a}
+             for i, a in enumerate(["a", "b", "c", "a", "b"])]
+    trace[2]["workflow"] = "one-off"
+    # sent out of id order: r1 went before r0; one cache slot on the host
+    rows = [{"id": r["id"], "adapter": r["adapter"], "seq": seq, "session": "t1/s", "step": step, "status": 200,
+             "host": "engine-1", "registered": False}
+            for step, (r, seq) in enumerate(zip(trace, [2, 1, 3, 4, 5]), 1)]
+    rows.append({"id": "r9", "adapter": "a", "seq": 6, "status": 503, "error": "x"})
+    m = vllm_miss_causes(rows, trace, 1)
+    assert m["requests"] == 5 and m["misses"] == 5
+    assert m["causes"]["compulsory"] == 3 and m["causes"]["unpredictable"] == 0
+    assert m["causes"]["evicted"] + m["causes"]["capacity"] == 2
+    # the vllm-router arms' rows say nothing of registration
+    assert vllm_miss_causes([{k: v for k, v in r.items() if k != "registered"} for r in rows], trace, 1) is None
+
+
+def test_bounds_cli_rederives_a_vllm_reports_miss_causes(tmp_path):
+    import json
+
+    from bench import bounds
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps([{"id": f"r{i}", "t": float(i), "tenant": "t1", "session": "s", "step": i,
+                                  "workflow": "a->b", "adapter": a, "rank": 8, "domain": "d",
+                                  "messages": [{"role": "user", "content": "x"}]}
+                                 for i, a in enumerate(["a", "b", "a", "b"])]))
+    report = tmp_path / "v.json"
+    report.write_text(json.dumps({"engine": "vllm", "trace": str(trace), "requests": 4,
+                                  "vllm_flags": ["--max-loras", "1", "--max-cpu-loras", "2"],
+                                  "fleets": {"1": {"ace": {"hits": 2}}}}))
+    rows = [{"arm": "ace", "replay": k, "id": f"r{i}", "adapter": a, "seq": i + 1, "session": "t1/s", "step": i,
+             "status": 200, "host": "engine-1", "registered": i >= 2 and k == 1}
+            for k in (1, 2) for i, a in enumerate(["a", "b", "a", "b"])]
+    (tmp_path / "v_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bounds.main([str(report)]) == 0
+    m = json.loads(report.read_text())["fleets"]["1"]["ace"]["miss_causes"]
+    assert (m["hits"], m["misses"], m["causes"]["compulsory"]) == (2, 2, 2)  # the first run's rows only
