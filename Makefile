@@ -17,7 +17,7 @@ FIXTURES := .fixtures
 TRACE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv fixtures browser test test-unit test-random test-vllm demo bench bench-vllm bench-inference-perf bench-gateway bench-agent sim protos gpu-check clean
+.PHONY: venv fixtures browser test test-unit test-random test-vllm demo bench bench-vllm bench-vllm-paths bench-inference-perf bench-gateway bench-agent sim protos gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -103,6 +103,11 @@ bench-vllm: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP)
 	$(BIN)/python -m bench.vllm_eval --out reports/vllm_eval.json --hosts $(VLLM_HOSTS) --requests $(VLLM_REQUESTS) \
 		--max-cpu-loras $(VLLM_S) $(if $(TRACE),--trace $(TRACE),) $(if $(ARMS),--arms $(ARMS),) \
 		$(if $(REPLAYS),--replays $(REPLAYS),)
+
+# make bench-vllm-paths: what each path of a request costs on one real vLLM host (a registered
+# adapter, a re-read, the resolver; the gateway, Envoy alone and vllm-router against a direct request)
+bench-vllm-paths: $(STAMP) $(FIXTURES)/.done $(VLLM_STAMP) $(ROUTER_STAMP)
+	$(BIN)/python -m bench.vllm_paths --out reports/vllm_paths.json
 
 # inference-perf (the inference extension's benchmark tool) needs Python >= 3.12: PY312 names one
 # (default: a pyenv 3.12+ if there is one, else python3.13/python3.12 on PATH)

@@ -786,15 +786,16 @@ def stack_miss_causes(ok: list[dict], requests: list[dict], pool: int, stall_eps
 PAIR = ("affinity", "ace")  # the arms the checks compare: the ones --replays repeats
 
 
-def replay_order(hosts_list: Sequence[int], arms: Sequence[str], replays: int = 1) -> list[tuple[int, str, int]]:
+def replay_order(hosts_list: Sequence[int], arms: Sequence[str], replays: int = 1,
+                 compared: Sequence[str] = PAIR) -> list[tuple[int, str, int]]:
     """``(hosts, arm, replay)`` in the order they run: per fleet, every arm once, then
-    for each further replay the compared pair (``PAIR``, those of ``arms``) in reverse
-    order of the pass before: with an even number of replays each of the pair sits at
-    the same mean position in the run."""
+    for each further replay the compared arms (``compared``, default ``PAIR``, those of
+    ``arms``) in reverse order of the pass before: with an even number of replays each
+    of them sits at the same mean position in the run."""
     out: list[tuple[int, str, int]] = []
     for n in hosts_list:
         out.extend((n, arm, 1) for arm in arms)
-        pair = [arm for arm in arms if arm in PAIR]
+        pair = [arm for arm in arms if arm in compared]
         for k in range(2, replays + 1):
             pair.reverse()
             out.extend((n, arm, k) for arm in pair)

@@ -55,6 +55,7 @@ __all__ = [
     "format_fleets",
     "format_report",
     "hit_counts",
+    "median_ci",
     "paired_ttft",
     "percentiles",
     "swap_speedup",
@@ -399,7 +400,7 @@ def compared(entry: Mapping) -> Mapping:
     return {**entry, **{k: pooled[k] for k in ("errors", "stall_ms", "ttft_ms") if k in pooled}}
 
 
-def _median_ci(diffs: Sequence[float], draws: int = 2000, seed: int = 0) -> dict:
+def median_ci(diffs: Sequence[float], draws: int = 2000, seed: int = 0) -> dict:
     """The median of ``diffs`` and a 95% bootstrap interval of it (resampled ``draws``
     times with a fixed seed: the same rows give the same figures)."""
     rnd = random.Random(seed)
@@ -439,10 +440,10 @@ def paired_ttft(rows: Iterable[Mapping], arm: str, against: str,
     def diff(i: str) -> float:
         return statistics.fmean(ttft[(arm, i)]) - statistics.fmean(ttft[(against, i)])
 
-    out: dict = {"arm": arm, "against": against, "all": _median_ci([diff(i) for i in ids])}
+    out: dict = {"arm": arm, "against": against, "all": median_ci([diff(i) for i in ids])}
     if resident is not None:
         both = [i for i in ids if reg[(arm, i)] and reg[(against, i)]]
-        out["resident_both"] = _median_ci([diff(i) for i in both]) if both else None
+        out["resident_both"] = median_ci([diff(i) for i in both]) if both else None
     drift = {}
     for name in (arm, against):
         runs = sorted(k for a, k in by_run if a == name)

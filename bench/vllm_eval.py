@@ -45,9 +45,10 @@ between arms (``arm_order`` says which ran first); the prompts are tens of token
 
 The machine's pace: ``bench.pace``'s probe runs through each replay (``pace_probe_ms``);
 ``targets.machine_pace`` compares the arms' runs with it (``bench.report.machine_pace``).
-With ``--replays N`` affinity and ace run N times each in palindromic order (``bench.
-multi_lora_eval.replay_order``: ``affinity, ace, ace, affinity`` for 2), so a drift of the
-shared cores' speed weighs on both alike; each such arm then carries ``replays`` (each
+With ``--replays N`` the arms a target compares ace with (``REPLAYED``: the two vllm-router
+arms, affinity and ace) run N times each in palindromic order (``bench.multi_lora_eval.
+replay_order``: ``..., affinity, ace, ace, affinity, ...`` for 2), so a drift of the
+shared cores' speed weighs on all alike; each such arm then carries ``replays`` (each
 run's hits and TTFT) and ``pooled`` (over all of its runs), and the targets compare the
 pooled figures (``targets.compared``). ``targets.ttft_paired`` compares ace's TTFT with affinity's request
 by request (``bench.report.paired_ttft``), beside each arm's drift between its own runs;
@@ -90,6 +91,8 @@ from tools.localstack import run_until_stopped
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-agent-token"
 ARMS = ("round_robin", "vllm_router", "vllm_router_session", "affinity", "ace")
+#: the arms ``--replays`` repeats: those a target compares ace with (round_robin is only shown)
+REPLAYED = ("vllm_router", "vllm_router_session", "affinity", "ace")
 AGENT_LOADED_MARK = "Loaded new LoRA adapter"
 REMOVED_MARK = "Removed LoRA adapter"
 
@@ -521,7 +524,8 @@ def main(argv=None) -> int:
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--sample-every", type=int, default=5)
     p.add_argument("--replays", type=int, default=1,
-                   help="runs of affinity and ace each, in palindromic order; the targets compare them pooled")
+                   help="runs of each arm a target compares (the vllm-router arms, affinity and ace), in "
+                        "palindromic order; the targets compare them pooled")
     p.add_argument("--router-bin", default=str(ROOT / ".venv-router" / "bin" / "vllm-router"))
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
@@ -553,7 +557,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"vLLM {', '.join(unevicting)} runs without ace's evicting plugin, so the agents' "
                              f"unloads would leave the weights in its CPU cache: `make bench ENGINE=vllm` "
                              f"installs it (tools/vllm_evict) into {args.vllm_python}'s venv")
-        runs = replay_order([args.hosts], arms, args.replays)
+        runs = replay_order([args.hosts], arms, args.replays, compared=REPLAYED)
         done: dict[str, list[tuple[dict, list]]] = {}
         for _, arm, k in runs:
             done.setdefault(arm, []).append(run_arm(args, arm, requests, catalog, fixtures, work, engines, k))

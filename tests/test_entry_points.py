@@ -17,7 +17,7 @@ MODULES = [
     "bench.agent", "bench.gateway_overhead", "bench.gateway_profile", "bench.multi_lora_eval",
     "bench.replica_learning", "bench.sim", "bench.speculation_cost", "bench.scenario_fixtures",
     "bench.load_interference", "bench.gateway_replay", "bench.sim_stack", "bench.inference_perf",
-    "bench.vllm_eval", "bench.vllm_fit", "bench.bounds", "bench.fetch_cost", "bench.pace",
+    "bench.vllm_eval", "bench.vllm_fit", "bench.vllm_paths", "bench.bounds", "bench.fetch_cost", "bench.pace",
     "tools.demo", "tools.istio_envoyfilter", "tools.report_tables",
 ]
 

@@ -25,7 +25,7 @@ END = "<!-- numbers:end -->"
 
 REPORT_FILES = ("gateway_overhead.json", "agent.json", "agent_cuda.json", "load_interference_cuda.json",
                 "hundreds_eval.json", "sixteen_eval.json", "multi_lora_eval.json", "sim.json", "sim_vs_stack.json",
-                "vllm_eval.json", "inference_perf.json")
+                "vllm_eval.json", "vllm_paths.json", "inference_perf.json")
 Loader = Callable[[str], "dict | None"]
 
 
@@ -636,14 +636,18 @@ def _ranked(r: dict) -> str:
     return f"; vLLM's evictions that took the ranking: {', '.join(counts)}" if counts else ""
 
 
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def _vllm_runs(t: dict, arms: dict) -> str:
-    """The line that says how affinity and ace were compared: each run, and the machine's
+    """The line that says how the replayed arms were compared: each run, and the machine's
     pace in each."""
-    pair = [arm for arm in ("affinity", "ace") if arms.get(arm, {}).get("replays")]
+    pair = [arm for arm in ("vllm_router", "vllm_router_session", "affinity", "ace") if arms.get(arm, {}).get("replays")]
     each = "; ".join(f"{arm} " + ", ".join(f"{x['hits']}/{x['served']} hits, TTFT p50 "
                                           f"{_ms(x['ttft_ms']['p50'], '.0f')} p99 {_ms(x['ttft_ms']['p99'], '.0f')}"
                                           for x in arms[arm]["replays"]) for arm in pair)
-    line = f"- The checks below compare affinity and ace {t['compared']} (each run: {each})"
+    line = f"- The checks below compare {_and(pair)} {t['compared']} (each run: {each})"
     runs = (t.get("machine_pace") or {}).get("runs") or {}
     if runs:
         line += ("; the machine's pace in their runs (bench.pace's fixed work, over the fastest run): "
@@ -806,6 +810,34 @@ def vllm_eval(r: dict) -> list[str]:
     return out
 
 
+def vllm_paths(r: dict) -> list[str]:
+    """``make bench-vllm-paths``: what each path of a request costs on one vLLM host."""
+    def d(x: dict) -> str:
+        return f"{x['median_ms']:+.2f} ms ({x['ci95_ms'][0]:+.2f} to {x['ci95_ms'][1]:+.2f})"
+    c, pm, fp = r["cases"], r["paired_ms"], r["front_paired_ms"]
+    rows = [f"| {name} | {v['requests']} | {_ttft3(v)} |" for name, v in {**c, **r["front"]}.items()]
+    fronts = "; ".join(f"{k.replace('_minus_', ' − ').replace('_', ' ')} {d(v)}" for k, v in fp.items())
+    return [
+        "### What a request's path costs on vLLM — `make bench-vllm-paths` → `reports/vllm_paths.json`",
+        "",
+        f"One vLLM host (`{' '.join(r['vllm_flags'])}`, the plugins above), one request at a time, streamed, "
+        f"{r['rounds']} rounds with the cases interleaved request by request; TTFT at the client. `cpu_cache`: "
+        "registered and in vLLM's CPU cache, moved into a slot; `re_read`: registered, its weights dropped by "
+        "vLLM's CPU LRU (a miss in the vllm-router arms); `resolver`: unregistered, vLLM's filesystem resolver "
+        "registers it (a miss in the gateway's arms, where the agents unload what they evict); then one "
+        "registered adapter through each front and straight to vLLM. vLLM's log is checked: each case was the "
+        "path it names.",
+        "",
+        "| case or front | requests | TTFT p50 / p90 / p99 (ms) |",
+        "|---|---|---|",
+        *rows,
+        "",
+        f"- Paired medians (95% interval): re-read − cached {d(pm['re_read_minus_cpu_cache'])}; resolver − cached "
+        f"{d(pm['resolver_minus_cpu_cache'])}; resolver − re-read {d(pm['resolver_minus_re_read'])}.",
+        f"- Fronts, paired medians: {fronts}.",
+    ]
+
+
 def inference_perf(r: dict) -> list[str]:
     """``make bench-inference-perf``: the tool's own per-adapter reports, per target."""
     targets = r["targets"]
@@ -855,7 +887,7 @@ def render(load: Loader | None = None) -> str:
     load = load or working_tree_reports(REPO)
     parts: list[str] = []
     for name, fn in zip(REPORT_FILES, (gateway, agent, agent_cuda, interference_cuda, hundreds, sixteen, eval800,
-                                       sim, sim_vs_stack, vllm_eval, inference_perf), strict=True):
+                                       sim, sim_vs_stack, vllm_eval, vllm_paths, inference_perf), strict=True):
         report = load(name)
         if report is not None:
             parts += fn(report) + [""]

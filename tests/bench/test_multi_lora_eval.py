@@ -429,3 +429,12 @@ def test_a_replay_whose_request_goes_unanswered_stops_with_an_error_instead_of_w
         await guarded(work, inflight, stall_s=0.05, what="x", poll_s=0.01)
         assert work.result() == "ok"
     asyncio.run(main())
+
+
+def test_replay_order_repeats_the_arms_named_compared():
+    from bench.multi_lora_eval import replay_order
+    got = replay_order([2], ["round_robin", "vllm_router", "affinity", "ace"], 2,
+                       compared=("vllm_router", "affinity", "ace"))
+    assert [(arm, k) for _, arm, k in got] == [
+        ("round_robin", 1), ("vllm_router", 1), ("affinity", 1), ("ace", 1),
+        ("ace", 2), ("affinity", 2), ("vllm_router", 2)]
