@@ -214,10 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         flags = report["vllm_flags"]
         capacity = int(flags[flags.index("--max-cpu-loras") + 1])
         by_arm: dict[str, list] = defaultdict(list)
-        for line in path.with_name(path.stem + "_rows.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            if r.get("replay", 1) == 1:
-                by_arm[r["arm"]].append(r)
+        for r in first_replay_rows(path):
+            by_arm[r["arm"]].append(r)
         for arms in report["fleets"].values():
             for arm, entry in arms.items():
                 entry["miss_causes"] = vllm_miss_causes(by_arm[arm], requests, capacity)

@@ -795,10 +795,10 @@ def replay_order(hosts_list: Sequence[int], arms: Sequence[str], replays: int = 
     out: list[tuple[int, str, int]] = []
     for n in hosts_list:
         out.extend((n, arm, 1) for arm in arms)
-        pair = [arm for arm in arms if arm in compared]
+        again = [arm for arm in arms if arm in compared]
         for k in range(2, replays + 1):
-            pair.reverse()
-            out.extend((n, arm, k) for arm in pair)
+            again.reverse()
+            out.extend((n, arm, k) for arm in again)
     return out
 
 

@@ -379,7 +379,7 @@ def sixteen_targets(ace: Mapping, aff: Mapping) -> dict:
 
 
 def first_replay_rows(report_path: Path) -> list[dict]:
-    """The per-request rows written beside a ``bench.multi_lora_eval`` report
+    """The per-request rows written beside a ``bench.multi_lora_eval`` or ``bench.vllm_eval`` report
     (``<report>_rows.jsonl``) of each arm's first replay: the rows its entries' counts,
     bounds and miss causes come from (``--replays`` adds more, marked ``replay``)."""
     path = report_path.with_name(report_path.stem + "_rows.jsonl")

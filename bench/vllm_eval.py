@@ -459,6 +459,7 @@ def targets(entries: dict, rows: dict | None = None) -> dict:
     arms = {arm: compared(e) for arm, e in entries.items()}
     out: dict = {"no_errors": all(a["errors"] == 0 for a in arms.values())}
     ace, aff = arms.get("ace"), arms.get("affinity")
+    routers = [arms[a] for a in ROUTER_ARMS if a in arms]
     if ace and aff:
         both = entries["ace"].get("pooled") and entries["affinity"].get("pooled")
         out["compared"] = f"pooled over {both['replays']} runs each, palindromic order" if both else "one run each"
@@ -466,11 +467,10 @@ def targets(entries: dict, rows: dict | None = None) -> dict:
         pace = machine_pace({a: e for a, e in entries.items() if pace_readings(e, "pace_probe_ms")})
         if pace is not None:
             out["machine_pace"] = pace
-    routers = [arms[a] for a in ROUTER_ARMS if a in arms]
-    if ace and aff and rows:
-        out["ttft_paired"] = paired_ttft([{**r, "arm": arm} for arm in ("ace", "affinity") for r in rows.get(arm, ())],
-                                         "ace", "affinity", resident=lambda r: r.get("registered") is True)
-    if ace and aff:
+        if rows:
+            out["ttft_paired"] = paired_ttft([{**r, "arm": arm} for arm in ("ace", "affinity")
+                                              for r in rows.get(arm, ())],
+                                             "ace", "affinity", resident=lambda r: r.get("registered") is True)
         out["hits_over_affinity"] = {"want": 0.10, "got": ace["hit_ratio"] - aff["hit_ratio"],
                                      "met": ace["hit_ratio"] - aff["hit_ratio"] >= 0.10}
         out["on_demand_loads_half_of_affinity"] = {"want": aff["on_demand_loads"] / 2, "got": ace["on_demand_loads"],
