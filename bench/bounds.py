@@ -191,8 +191,8 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.bounds REPORT``: (re)derive every fleet entry's ``miss_causes`` of a
-    ``bench.multi_lora_eval`` or ``bench.vllm_eval`` report from the rows it wrote beside it
+    """``python -m bench.bounds REPORT``: (re)derive every fleet entry's ``miss_causes`` (and, for
+    a vLLM report, its ``prefetch_reference``) of a ``bench.multi_lora_eval`` or ``bench.vllm_eval`` report from the rows it wrote beside it
     (``<report>_rows.jsonl``; each arm's first run) and its trace; rewrites the report."""
     import argparse
     import json
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(path.read_text())
     requests = load_trace(report["trace"])
     if report.get("engine") == "vllm":
-        from bench.vllm_eval import first_requests, vllm_miss_causes
+        from bench.vllm_eval import first_requests, vllm_miss_causes, vllm_prefetch_reference
 
         requests = first_requests(requests, report["requests"])
         flags = report["vllm_flags"]
@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         for arms in report["fleets"].values():
             for arm, entry in arms.items():
                 entry["miss_causes"] = vllm_miss_causes(by_arm[arm], requests, capacity)
+                entry["prefetch_reference"] = vllm_prefetch_reference(by_arm[arm], requests, capacity)
         path.write_text(json.dumps(report, indent=1) + "\n")
         return 0
     rows: dict[tuple[str, str], list] = defaultdict(list)

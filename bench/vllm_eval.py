@@ -40,7 +40,10 @@ re-reads, ``re_reads``); ``hits`` = served - on-demand loads. Per
 request, for the gateway's arms: whether the adapter was registered on the host the
 gateway chose when the request left, from the agents' ``WatchResidency`` streams, checked
 against the hosts' ``/v1/models`` on every ``--sample-every``-th request
-(``registration_check``). TTFT at the client, errors. vLLM's prefix cache is not reset
+(``registration_check``). TTFT at the client, errors. What bounds each run: ``bounds``
+(compulsory loads, Belady), ``miss_causes`` and ``prefetch_reference`` (what each
+predictor, from none to each session's actual next step, is worth on the run's routing:
+``bench.prefetch_reference``). vLLM's prefix cache is not reset
 between arms (``arm_order`` says which ran first); the prompts are tens of tokens.
 
 The machine's pace: ``bench.pace``'s probe runs through each replay (``pace_probe_ms``);
@@ -77,6 +80,7 @@ from bench.multi_lora_eval import ARMS as GATEWAY_ARMS, STALL_S, guarded, plot_t
     speculation_counters, think_s
 from bench.multi_lora_eval import state_yaml as bench_state_yaml
 from bench.pace import pace_probe, read_probe
+from bench.prefetch_reference import prefetch_reference
 from bench.report import compared as report_compared, machine_pace, pace_readings, paired_ttft, percentiles
 from bench.scenario_fixtures import trace_catalog
 from bench.trace import load_trace
@@ -329,6 +333,19 @@ def vllm_miss_causes(rows: list[dict], requests: list[dict], capacity: int) -> d
                         for r in ok], capacity, labels={i: q.get("workflow", "") for i, q in by_id.items()})
 
 
+def vllm_prefetch_reference(rows: list[dict], requests: list[dict], capacity: int) -> dict | None:
+    """``bench.prefetch_reference`` over one run's rows (its hosts, in ``seq`` order, on the
+    trace's clock, with its ``workflow`` labels) at vLLM's ``capacity``: what each predictor
+    is worth on this arm's routing. None without hosts (the vllm-router arms' rows)."""
+    by_id = {r.get("id"): r for r in requests}
+    ok = [r for r in rows if "error" not in r and r.get("status") == 200 and r.get("host") and r.get("id") in by_id]
+    if not ok:
+        return None
+    return prefetch_reference([{"id": r["id"], "host": r["host"], "adapter": r["adapter"], "session": r["session"],
+                                "sent_s": r["seq"], "at_s": by_id[r["id"]]["t"]} for r in ok], capacity,
+                              labels={i: q.get("workflow", "") for i, q in by_id.items()})
+
+
 def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path,
             engines: list, replay_no: int = 1) -> tuple[dict, list]:
     tenants = sorted({r["tenant"] for r in requests})
@@ -397,6 +414,7 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         "speculation": None if arm in ROUTER_ARMS else speculation_counters(run_dir / "extproc.log"),
         "bounds": bounds(rows, args.max_cpu_loras, args.hosts),
         "miss_causes": vllm_miss_causes(rows, requests, args.max_cpu_loras),
+        "prefetch_reference": vllm_prefetch_reference(rows, requests, args.max_cpu_loras),
         "ttft_ms_by_registration": ({
             "registered": percentiles(r["ttft_ms"] for r in ok if r.get("registered") and r["ttft_ms"] is not None),
             "not_registered": percentiles(r["ttft_ms"] for r in ok

@@ -18,6 +18,7 @@ MODULES = [
     "bench.replica_learning", "bench.sim", "bench.speculation_cost", "bench.scenario_fixtures",
     "bench.load_interference", "bench.gateway_replay", "bench.sim_stack", "bench.inference_perf",
     "bench.vllm_eval", "bench.vllm_fit", "bench.vllm_paths", "bench.bounds", "bench.fetch_cost", "bench.pace",
+    "bench.prefetch_reference",
     "tools.demo", "tools.istio_envoyfilter", "tools.report_tables",
 ]
 

@@ -673,6 +673,36 @@ def _vllm_causes(m: dict | None, need: float) -> str:
             f"under that ceiling, so the evicted, capacity and opener misses are what it misses by.")
 
 
+def _vllm_reference(ref: dict | None, needs: dict[str, float]) -> str:
+    """The line on what prediction is worth on ace's routing (its first run's
+    ``prefetch_reference``), against the hits each target ``needs``."""
+    if not ref:
+        return ""
+    p = ref["predictors"]
+
+    def one(name: str, what: str) -> str:
+        e = p[name]
+        right = (f", {e['predictions_right']} of its {e['predictions']} guesses naming the session's next request"
+                 if e["predictions"] and name != "next_step" else "")
+        return f"{what} {e['hits']}{right}"
+
+    reached = {name: [t for t, need in needs.items() if p[name]["hits"] >= need] for name in p}
+    met = "; ".join(f"{name}: {', '.join(t) if t else 'none'}" for name, t in reached.items())
+    return ("- What prediction is worth on that routing (`prefetch_reference`, bench/prefetch_reference.py: ace's "
+            f"first run replayed in the order sent through the same {ref['slots']} registrations a host, with loads "
+            "that take no time and one rule: evict the adapter the fewest live predictions name, prefetch a "
+            f"predicted one when its victim is named by fewer; references, not bounds): of {ref['requests']} "
+            "requests, " + one("none", "no prediction (LRU)") + "; "
+            + one("learned", "a second-order model learned online from the requests already sent") + "; "
+            + one("seen_workflows", "the generator's plan of each session whose workflow an earlier session "
+                                    "followed, else the learned model") + "; "
+            + one("workflow", "the trace generator's own plan of every session (its habitual workflow; strays and "
+                              "early ends unknown)") + "; "
+            + one("next_step", "each session's actual next step") + ". The targets need "
+            + ", ".join(f"{t} {need:.0f}" for t, need in needs.items())
+            + f"; reached by {met}.")
+
+
 def _vllm_paired(p: dict) -> str:
     """The line on ace's TTFT against affinity's request by request (``targets.ttft_paired``)."""
     def one(x: dict | None) -> str:
@@ -787,6 +817,11 @@ def vllm_eval(r: dict) -> list[str]:
             f"ahead of need by prefetches; ace made {ace['on_demand_loads']} on-demand and {ace['agent_loads']} agent "
             "loads.",
         ]
+        needs = {"+10 over affinity": need_hits, "on-demand <= half of affinity's": n - aff["on_demand_loads"] / 2}
+        if routers:
+            needs["+30 over the best vllm-router arm"] = max(r["hits"] for r in routers) + 0.30 * n
+        if ace.get("prefetch_reference"):
+            lines.append(_vllm_reference(ace["prefetch_reference"], needs))
         by_reg = ace.get("ttft_ms_by_registration") or {}
         reg, unreg = by_reg.get("registered") or {}, by_reg.get("not_registered") or {}
         if reg.get("p50") is not None and unreg.get("p50") is not None:
