@@ -799,27 +799,35 @@ def vllm_eval(r: dict) -> list[str]:
     if ace and aff and ace.get("bounds", {}).get("belady_this_routing") is not None:
         n, b = ace["served"], ace["bounds"]
         ceiling = n - b["belady_this_routing"]
-        need_hits = aff["hits"] + 0.10 * aff["served"]
         routers = [arms[a] for a in ("vllm_router", "vllm_router_session") if a in arms]
+
+        def per_run(e: dict, field: str) -> float:
+            """``field`` per run, as the targets count it: over every run of a replayed arm."""
+            pooled = e.get("pooled")
+            return pooled[field] / pooled["replays"] if pooled else e[field]
+
+        need_hits = per_run(aff, "hits") + 0.10 * n
+        aff_on_demand = per_run(aff, "on_demand_loads")
         sp = ace.get("speculation") or {}
         lines = [
             f"- What bounds ace's hits: with its routing the fewest loads any eviction could make (Belady) are "
             f"{b['belady_this_routing']}, so without prefetch at most {ceiling} of {n} requests can find their adapter "
             f"registered; one cache of all hosts' registrations (any routing) allows {n - b['belady_fleet_cache']}. "
-            f"+10 points over affinity needs {need_hits:.0f}"
-            + (f", +30 over the best vllm-router arm {max(r['hits'] for r in routers) + 0.30 * n:.0f}" if routers else "")
+            f"+10 points over affinity needs {need_hits:.0f} a run (the targets' count: over all of an arm's runs)"
+            + (f", +30 over the best vllm-router arm {max(per_run(r, 'hits') for r in routers) + 0.30 * n:.0f}"
+               if routers else "")
             + ". Above the ceiling only prefetches that displace nothing needed can go: of ace's "
             f"{sp.get('prefetches', '–')} speculative prefetches the gateway counted {sp.get('prefetch_used', '–')} used "
             f"and {sp.get('prefetch_wasted', '–')} wasted." + _vllm_causes(ace.get("miss_causes"), need_hits / n),
-            f"- What bounds its on-demand loads: half of affinity's is {aff['on_demand_loads'] / 2:g}; every load the "
+            f"- What bounds its on-demand loads: half of affinity's is {aff_on_demand / 2:g} a run; every load the "
             f"Belady count names ({b['belady_this_routing']}) is either vLLM's on demand or a prefetch ahead of need, "
-            f"so the target needs at least {math.ceil(b['belady_this_routing'] - aff['on_demand_loads'] / 2)} of them made "
+            f"so the target needs at least {math.ceil(b['belady_this_routing'] - aff_on_demand / 2)} of them made "
             f"ahead of need by prefetches; ace made {ace['on_demand_loads']} on-demand and {ace['agent_loads']} agent "
             "loads.",
         ]
-        needs = {"+10 over affinity": need_hits, "on-demand <= half of affinity's": n - aff["on_demand_loads"] / 2}
+        needs = {"+10 over affinity": need_hits, "on-demand <= half of affinity's": n - aff_on_demand / 2}
         if routers:
-            needs["+30 over the best vllm-router arm"] = max(r["hits"] for r in routers) + 0.30 * n
+            needs["+30 over the best vllm-router arm"] = max(per_run(r, "hits") for r in routers) + 0.30 * n
         if ace.get("prefetch_reference"):
             lines.append(_vllm_reference(ace["prefetch_reference"], needs))
         by_reg = ace.get("ttft_ms_by_registration") or {}
