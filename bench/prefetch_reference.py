@@ -68,35 +68,60 @@ def workflow_next(seen: Sequence[Hashable], chain: Sequence[Hashable]) -> Hashab
     return chain[pos + 1] if pos + 1 < len(chain) else None
 
 
-class _Learned:
-    """Second-order counts over sessions' distinct steps, learned as requests are sent."""
+class _Sessions:
+    """What the predictors know of the sessions as requests are sent: each session's steps
+    and distinct steps, whether its workflow was followed by a session that began before
+    it, and an online second-order model over distinct steps (the last two different
+    adapters -> the next one, backing off to the last one)."""
 
     def __init__(self) -> None:
-        self.two: dict[tuple, Counter] = defaultdict(Counter)
-        self.one: dict[Hashable, Counter] = defaultdict(Counter)
+        self.seen: dict[Hashable, list] = defaultdict(list)
+        self.distinct: dict[Hashable, list] = defaultdict(list)
+        self.known: dict[Hashable, bool] = {}
+        self._flows: set[str] = set()
+        self._two: dict[tuple, Counter] = defaultdict(Counter)
+        self._one: dict[Hashable, Counter] = defaultdict(Counter)
 
-    def observe(self, distinct: list, adapter: Hashable) -> None:
+    def step(self, session: Hashable, adapter: Hashable, flow: str) -> None:
+        if session not in self.known:
+            self.known[session] = flow in self._flows
+            self._flows.add(flow)
+        distinct = self.distinct[session]
         if distinct and distinct[-1] != adapter:
-            self.one[distinct[-1]][adapter] += 1
+            self._one[distinct[-1]][adapter] += 1
             if len(distinct) >= 2:
-                self.two[(distinct[-2], distinct[-1])][adapter] += 1
+                self._two[(distinct[-2], distinct[-1])][adapter] += 1
+        self.seen[session].append(adapter)
+        if not distinct or distinct[-1] != adapter:
+            distinct.append(adapter)
 
-    def predict(self, distinct: list) -> Hashable | None:
-        row = self.two.get(tuple(distinct[-2:])) if len(distinct) >= 2 else None
-        row = row or self.one.get(distinct[-1])
+    def learned(self, session: Hashable) -> Hashable | None:
+        distinct = self.distinct[session]
+        row = self._two.get(tuple(distinct[-2:])) if len(distinct) >= 2 else None
+        row = row or self._one.get(distinct[-1])
         return row.most_common(1)[0][0] if row else None
+
+    def plan(self, session: Hashable, flow: str) -> Hashable | None:
+        return workflow_next(self.seen[session], flow.split("->")) if flow and flow != "one-off" else None
+
+
+def _next_adapters(ordered: Sequence[Mapping]) -> list[Hashable | None]:
+    """Per request of ``ordered``: the adapter of its session's next request (None: its last)."""
+    out: list[Hashable | None] = [None] * len(ordered)
+    last: dict[Hashable, int] = {}
+    for i, r in enumerate(ordered):
+        if r["session"] in last:
+            out[last[r["session"]]] = r["adapter"]
+        last[r["session"]] = i
+    return out
 
 
 def _replay(ordered: list[Mapping], slots: int, predictor: str, labels: Mapping[str, str],
-            next_of: Mapping[int, Hashable], live_s: float) -> dict:
+            next_of: Sequence[Hashable | None], live_s: float) -> dict:
     caches: dict[str, OrderedDict] = defaultdict(OrderedDict)
     live: dict[Hashable, tuple[Hashable, str, float]] = {}   # session -> (adapter, host, at_s)
     where: dict[Hashable, str] = {}                          # adapter -> host of its latest request
-    seen: dict[Hashable, list] = defaultdict(list)           # session -> its steps
-    distinct: dict[Hashable, list] = defaultdict(list)       # session -> its distinct steps
-    model = _Learned()
-    flows_seen: set[str] = set()                              # workflows a session sent before opened with
-    known: dict[Hashable, bool] = {}                          # session -> its workflow was seen before it began
+    sessions = _Sessions()
     hits = prefetches = predictions = right = 0
 
     def need(host: str, now: float) -> Counter:
@@ -120,27 +145,21 @@ def _replay(ordered: list[Mapping], slots: int, predictor: str, labels: Mapping[
                 del cache[victim(cache, need(host, now))]
             cache[a] = None
         where[a] = host
-        model.observe(distinct[s], a)
-        seen[s].append(a)
-        if not distinct[s] or distinct[s][-1] != a:
-            distinct[s].append(a)
-        live.pop(s, None)
         flow = labels.get(r.get("id"), "")
-        if s not in known:
-            known[s] = flow in flows_seen
-            flows_seen.add(flow)
+        sessions.step(s, a, flow)
+        live.pop(s, None)
         if predictor == "none":
             continue
         if predictor == "next_step":
-            p = next_of.get(i)
-        elif predictor == "workflow" or (predictor == "seen_workflows" and known[s]):
-            p = workflow_next(seen[s], flow.split("->")) if flow and flow != "one-off" else None
+            p = next_of[i]
+        elif predictor == "workflow" or (predictor == "seen_workflows" and sessions.known[s]):
+            p = sessions.plan(s, flow)
         else:
-            p = model.predict(distinct[s])
+            p = sessions.learned(s)
         if p is None:
             continue
         predictions += 1
-        right += p == next_of.get(i)
+        right += p == next_of[i]
         target = where.get(p, host)
         live[s] = (p, target, now)
         cache = caches[target]
@@ -170,12 +189,7 @@ def prefetch_reference(rows: Sequence[Mapping], slots: int, *, labels: Mapping[s
     if slots < 1:
         raise ValueError(f"slots must be at least 1, got {slots}")
     ordered = sorted(rows, key=lambda r: r["sent_s"])
-    next_of: dict[int, Hashable] = {}
-    last_of: dict[Hashable, int] = {}
-    for i, r in enumerate(ordered):
-        if r["session"] in last_of:
-            next_of[last_of[r["session"]]] = r["adapter"]
-        last_of[r["session"]] = i
+    next_of = _next_adapters(ordered)
     labels = labels or {}
     out = {p: _replay(ordered, slots, p, labels, next_of, live_s) for p in PREDICTORS}
     belady = sum(belady_hits(seq, slots) for seq in host_sequences(ordered).values())
@@ -195,36 +209,20 @@ def learnability(requests: Sequence[Mapping]) -> dict:
     from extproc.policy.speculator import SpeculationSettings
 
     ordered = sorted(requests, key=lambda r: r["t"])
-    steps: dict[Hashable, list] = defaultdict(list)
-    for r in ordered:
-        steps[r["session"]].append(r)
-    following = {id(r): (s[i + 1]["adapter"] if i + 1 < len(s) else None)
-                 for s in steps.values() for i, r in enumerate(s)}
-    gateway, model = SpeculationSettings().transition_model(), _Learned()
-    seen: dict[Hashable, list] = defaultdict(list)
-    distinct: dict[Hashable, list] = defaultdict(list)
-    flows_seen: set[str] = set()
-    known: dict[Hashable, bool] = {}
+    gateway, sessions = SpeculationSettings().transition_model(), _Sessions()
     out = {g: dict.fromkeys(("steps", "learned", "gateway", "workflow"), 0) for g in ("first", "later")}
-    for r in ordered:
+    for r, nxt in zip(ordered, _next_adapters(ordered)):
         s, a, flow = r["session"], r["adapter"], r.get("workflow", "")
-        if s not in known:
-            known[s] = flow in flows_seen
-            flows_seen.add(flow)
+        sessions.step(s, a, flow)
         gateway.observe(r["tenant"], s, a)
-        model.observe(distinct[s], a)
-        seen[s].append(a)
-        if not distinct[s] or distinct[s][-1] != a:
-            distinct[s].append(a)
-        nxt = following[id(r)]
         if nxt is None:
             continue
-        g = out["later" if known[s] else "first"]
+        g = out["later" if sessions.known[s] else "first"]
         g["steps"] += 1
-        g["learned"] += model.predict(distinct[s]) == nxt
+        g["learned"] += sessions.learned(s) == nxt
         guess = gateway.predict_session(r["tenant"], s, 1)
         g["gateway"] += bool(guess) and guess[0][0] == nxt
-        g["workflow"] += bool(flow) and flow != "one-off" and workflow_next(seen[s], flow.split("->")) == nxt
+        g["workflow"] += sessions.plan(s, flow) == nxt
     return out
 
 

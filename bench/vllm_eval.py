@@ -317,33 +317,39 @@ def bounds(rows: list[dict], capacity: int, hosts: int) -> dict:
     return out
 
 
+def _viewed_rows(rows: list[dict], requests: list[dict]) -> tuple[list[tuple[dict, dict]], dict]:
+    """One run's answered requests that the agents' views placed (a host, and whether the
+    adapter was registered there when it left), each with its trace request; and the
+    trace's ``workflow`` labels by request id. None placed in the vllm-router arms."""
+    by_id = {r.get("id"): r for r in requests}
+    placed = [(r, by_id[r["id"]]) for r in rows if "error" not in r and r.get("status") == 200 and r.get("host")
+              and "registered" in r and r.get("id") in by_id]
+    return placed, {i: q.get("workflow", "") for i, q in by_id.items()}
+
+
 def vllm_miss_causes(rows: list[dict], requests: list[dict], capacity: int) -> dict | None:
     """``bench.bounds.miss_causes`` over one run's rows (``builtin``'s causes, Belady per host
     at vLLM's ``capacity``): a hit is a request whose adapter was registered on its host when
     it left (the agents' views), sent in ``seq`` order; the trace's ``tenant`` and
     ``workflow`` labels tell a tenant's first use, one-offs and strays. None without the
-    views (the vllm-router arms' rows carry no host)."""
-    by_id = {r.get("id"): r for r in requests}
-    ok = [r for r in rows if "error" not in r and r.get("status") == 200 and "registered" in r
-          and r.get("id") in by_id]
-    if not ok:
+    views (the vllm-router arms)."""
+    placed, labels = _viewed_rows(rows, requests)
+    if not placed:
         return None
-    return miss_causes([{"id": r["id"], "host": r["host"], "adapter": r["adapter"], "tenant": by_id[r["id"]]["tenant"],
+    return miss_causes([{"id": r["id"], "host": r["host"], "adapter": r["adapter"], "tenant": q["tenant"],
                          "session": r["session"], "step": r.get("step"), "sent_s": r["seq"], "hit": r["registered"]}
-                        for r in ok], capacity, labels={i: q.get("workflow", "") for i, q in by_id.items()})
+                        for r, q in placed], capacity, labels=labels)
 
 
 def vllm_prefetch_reference(rows: list[dict], requests: list[dict], capacity: int) -> dict | None:
     """``bench.prefetch_reference`` over one run's rows (its hosts, in ``seq`` order, on the
     trace's clock, with its ``workflow`` labels) at vLLM's ``capacity``: what each predictor
-    is worth on this arm's routing. None without hosts (the vllm-router arms' rows)."""
-    by_id = {r.get("id"): r for r in requests}
-    ok = [r for r in rows if "error" not in r and r.get("status") == 200 and r.get("host") and r.get("id") in by_id]
-    if not ok:
+    is worth on this arm's routing. None without the views (the vllm-router arms)."""
+    placed, labels = _viewed_rows(rows, requests)
+    if not placed:
         return None
     return prefetch_reference([{"id": r["id"], "host": r["host"], "adapter": r["adapter"], "session": r["session"],
-                                "sent_s": r["seq"], "at_s": by_id[r["id"]]["t"]} for r in ok], capacity,
-                              labels={i: q.get("workflow", "") for i, q in by_id.items()})
+                                "sent_s": r["seq"], "at_s": q["t"]} for r, q in placed], capacity, labels=labels)
 
 
 def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path,
