@@ -111,6 +111,13 @@ class EngineConnector(abc.ABC):
     async def loaded(self) -> set[str]:
         """Adapter names the engine holds now; EngineUnavailable when it cannot tell."""
 
+    async def cached(self) -> set[str] | None:
+        """The adapters whose weights the engine's own cache holds now, where its registry
+        can name more than that cache holds (vLLM: a registered adapter its CPU LRU dropped
+        is read again by its next request). None where the two are one, or the engine
+        cannot tell: then every adapter ``loaded`` names is held."""
+        return None
+
     def set_pinned(self, name: str, pinned: bool) -> None:
         """Tell an engine that evicts by itself (builtin) that a resident adapter is (un)pinned;
         ConnectorError when it is not resident. Engines the agent alone evicts ignore it."""

@@ -31,6 +31,12 @@ unloads nothing on the request's path; the shrink after the reconcile sees vLLM'
 adapter unloads the ranked name whose weights the read took); an engine that answers
 without the plugin's route (404: an older plugin) gets no more rankings, with an error
 logged, and the agent unloads a request's named victims at once again.
+The plugin also lists what that cache holds (``CACHE_PATH``, ``cached``): a read the
+ranking did not steer (no ranked adapter could go, or the ranking changed since) drops an
+adapter whose name stays registered, and the agent's shrink would unload another, cached
+one (a hit lost, while the dropped one's next request re-reads it anyway). The agent
+unregisters such dropped names first (``reason="engine_dropped"``); an engine without the
+route (404: an older plugin) is not asked again.
 
 A load or an unload runs on vLLM's engine core between two steps, so every request it
 is running waits for it (12-73 ms per load in `make bench ENGINE=vllm` on the shared
@@ -55,7 +61,7 @@ from gpu_agent.connectors.base import (ConnectorError, EngineConnector, EngineLo
                                        listed_adapters)
 from gpu_agent.connectors.prometheus import VLLM_LOAD, MetricsScraper
 
-__all__ = ["EVICTED", "RANKED", "RANK_PATH", "VLLMConnector", "parse_lora_metrics"]
+__all__ = ["CACHE_PATH", "EVICTED", "RANKED", "RANK_PATH", "VLLMConnector", "parse_lora_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,8 @@ EVICTED = "(ace: dropped from vLLM's LoRA cache)"
 #: the same plugin's ranking route, and the start of its answer
 RANK_PATH = "/v1/ace/lora_victims"
 RANKED = "ace: victims ranked"
+#: the same plugin's listing of the adapters in vLLM's CPU cache: {"cached": [name, ...]}
+CACHE_PATH = "/v1/ace/lora_cache"
 
 _SERIES = re.compile(r'^(vllm:lora_requests_info|vllm:lora_adapter_loaded)\{([^}]*)\}\s+(\S+)', re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -106,6 +114,8 @@ class VLLMConnector(EngineConnector):
         self.evicts_own_lru = not unload_evicts
         # and its cache evicts the ranking the agent sends first (prefer_victims)
         self.ranks_victims = unload_evicts
+        # and it lists what that cache holds (cached): registered names it dropped go first
+        self.lists_cache = unload_evicts
         self._ranking_sent: tuple[str, ...] = ()
         self._ranking_tasks: set[asyncio.Task] = set()
         # with a LoRA resolver vLLM registers a request's unknown adapter itself: the
@@ -206,6 +216,31 @@ class VLLMConnector(EngineConnector):
 
     async def loaded(self) -> set[str]:
         return await listed_adapters(self._client, "vLLM", self._url)
+
+    async def cached(self) -> set[str] | None:
+        """The registered adapters whose weights vLLM's CPU cache holds now (the plugin's
+        ``CACHE_PATH``); None without the plugin's route, or when it could not be read."""
+        if not self.lists_cache or self.evicts_own_lru:
+            return None
+        try:
+            resp = await self._client.get(CACHE_PATH)
+        except httpx.HTTPError as exc:
+            log.warning("vLLM %s%s: %r", self._url, CACHE_PATH, exc)
+            return None
+        if resp.status_code in (404, 405):
+            self.lists_cache = False
+            log.error("vLLM %s has no %s (HTTP %s): ace's evicting plugin there predates it (reinstall "
+                      "tools/vllm_evict); a registered adapter whose weights vLLM's cache dropped is no "
+                      "longer unregistered first", self._url, CACHE_PATH, resp.status_code)
+            return None
+        try:
+            names = resp.json()["cached"] if resp.status_code == 200 else None
+        except (ValueError, KeyError, TypeError):
+            names = None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            log.warning("vLLM %s%s: HTTP %s: %s", self._url, CACHE_PATH, resp.status_code, resp.text[:300])
+            return None
+        return set(names)
 
     async def busy(self) -> set[str]:
         """The adapters of the requests vLLM runs or queues, read fresh (an eviction

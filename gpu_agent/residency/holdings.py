@@ -131,6 +131,8 @@ class TierHoldings:
         def over() -> bool:
             return not self.shortfall(spec.size_bytes).met
 
+        if over():
+            await self._unload_dropped(spec, over)
         if hints:
             await self._evict_hinted(spec, hints, over)
         if not over():   # always, with a self-managed engine: its pool makes the rest of the room
@@ -223,9 +225,44 @@ class TierHoldings:
         busy = (await self.connector.busy() if busy is None else busy) | self.spared()
         short = Shortfall(count=len(self.device) - self.device_count)
         evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._loading  # noqa: E731
-        order = hinted_first(ordered(self.device, self.device.__getitem__, evictable), self.ranking())
+        dropped = await self._dropped(evictable, busy)
+        order = hinted_first(ordered(self.device, self.device.__getitem__, evictable), (*dropped, *self.ranking()))
         for victim in plan_evictions(order, short):
-            await self.unload(victim, EvictReason.BUDGET, why="the device tier is over its budget")
+            if victim in dropped:
+                await self.unload(victim, EvictReason.ENGINE_DROPPED, why="its weights had left the engine's cache")
+            else:
+                await self.unload(victim, EvictReason.BUDGET, why="the device tier is over its budget")
+
+    async def _dropped(self, evictable: Callable[[str], bool], busy: set[str] | None = None) -> list[str]:
+        """Adapters the engine still names whose weights its own cache dropped
+        (``connector.cached``; vLLM's CPU LRU, on a read the ranking did not steer), least
+        recently used first: unregistering one loses no weights (its next request reads
+        them either way) where any other victim would. Never a busy one (a queued request
+        waits for it: vLLM reads it again for that request). Asked only when the tier is
+        over its budget."""
+        cached = await self.connector.cached()
+        if cached is None:
+            return []
+        names = [n for n in self.device if n not in cached and evictable(n)]
+        if names and busy is None:
+            busy = await self.connector.busy()
+        return [n for n in names if n not in (busy or ())]
+
+    async def _unload_dropped(self, spec: Adapter, over: Callable[[], bool]) -> None:
+        """Room for the agent's load of `spec` from the adapters whose weights the engine's
+        cache already dropped (``_dropped``), before any named victim or the LRU."""
+        protected = set(self._loading) | self.spared()
+        evictable = lambda n: n != spec.name and not self._states[n].pinned and n not in protected  # noqa: E731
+        for name in await self._dropped(evictable):
+            if not over():
+                return
+            try:
+                await self.unload(name, EvictReason.ENGINE_DROPPED, why=f"room for {spec.name}; its weights "
+                                  "had left the engine's cache")
+            except EngineUnavailable:
+                raise
+            except ConnectorError as exc:   # it became busy meanwhile: the next one, hints, or LRU
+                log.info("unload of %s (dropped from the engine's cache) refused: %s", name, exc)
 
     async def unload(self, name: str, reason: EvictReason, publish: bool = True, why: str = "") -> None:
         """Take `name` off the device (the engine unloads it) and count why."""

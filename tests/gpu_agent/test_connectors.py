@@ -16,7 +16,7 @@ from aiohttp import web
 from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import ConnectorError, EngineUnavailable
 from gpu_agent.connectors.sglang import SGLangConnector
-from gpu_agent.connectors.vllm import EVICTED, RANK_PATH, RANKED, VLLMConnector, parse_lora_metrics
+from gpu_agent.connectors.vllm import CACHE_PATH, EVICTED, RANK_PATH, RANKED, VLLMConnector, parse_lora_metrics
 from tests.gpu_agent.agent_support import serve
 from tests.support.procs import free_port
 from tests.support.wait import async_wait_until
@@ -238,7 +238,8 @@ def test_the_evicting_plugins_mark_is_the_connectors():
     """The plugin (installed into vLLM's venv) and the connector agree on the marks and
     the ranking route."""
     from tools.vllm_evict import ace_vllm_evict as plugin
-    assert (plugin.EVICTED, plugin.RANKED, plugin.RANK_PATH) == (EVICTED, RANKED, RANK_PATH)
+    assert (plugin.EVICTED, plugin.RANKED, plugin.RANK_PATH, plugin.CACHE_PATH) == (EVICTED, RANKED, RANK_PATH,
+                                                                                   CACHE_PATH)
 
 
 @pytest.mark.parametrize("route", [True, False])
@@ -282,6 +283,48 @@ def test_vllm_gets_the_gateways_victims_as_its_caches_ranking(route, caplog):
     assert len(errors) == (0 if route else 1)
     if not route:
         assert RANK_PATH in errors[0].getMessage()
+
+
+@pytest.mark.parametrize("answer", ["listed", "no_route", "garbled"])
+def test_vllm_lists_what_its_cpu_cache_holds_through_the_plugin(answer, caplog):
+    """``cached``: the plugin's listing of vLLM's CPU cache. Without the route (an older
+    plugin: 404) the agent stops asking, with one error logged; an answer it cannot read
+    is None (every registered adapter held, as before); without ``unload_evicts`` nothing
+    is asked."""
+    async def main():
+        asked: list[str] = []
+
+        async def listing(request):
+            asked.append(request.method)
+            if answer == "garbled":
+                return web.json_response({"cached": "a"})
+            return web.json_response({"cached": ["a", "c"]})
+
+        app = web.Application()
+        if answer != "no_route":
+            app.router.add_get(CACHE_PATH, listing)
+        async with serve(app) as url:
+            conn = VLLMConnector(url, unload_evicts=True)
+            plain = VLLMConnector(url)
+            try:
+                first = await conn.cached()
+                second = await conn.cached()
+                assert await plain.cached() is None
+                return first, second, conn.lists_cache, asked
+            finally:
+                await conn.close()
+                await plain.close()
+    with caplog.at_level("WARNING", logger="gpu_agent.connectors.vllm"):
+        first, second, lists, asked = asyncio.run(main())
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    if answer == "listed":
+        assert first == second == {"a", "c"} and lists and asked == ["GET", "GET"] and not errors
+    elif answer == "no_route":
+        assert first is second is None and not lists and asked == []
+        assert len(errors) == 1 and CACHE_PATH in errors[0].getMessage()
+    else:
+        assert first is second is None and lists and len(asked) == 2 and not errors
+        assert any(CACHE_PATH in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
 def test_the_plugins_ranked_victim_skips_what_the_cache_must_keep():

@@ -365,6 +365,75 @@ def test_the_shrink_after_an_engine_load_evicts_by_the_gateways_latest_ranking(t
     run(main())
 
 
+class ListingConnector(RankingConnector):
+    """vLLM with ace's evicting plugin, which also lists its CPU cache: ``dropped`` names
+    stay registered (``held``) but their weights left the cache."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.dropped: set[str] = set()
+        self.listings = 0
+
+    async def cached(self):
+        self.listings += 1
+        return set(self.held) - self.dropped
+
+
+def test_the_shrink_unregisters_a_name_whose_weights_vllms_cache_dropped_before_the_ranked_one(tmp_path):
+    """The resolver's read into vLLM's full cache took a2's weights, not the ranked a3's
+    (the ranking did not steer it): the shrink after the reconcile unregisters a2, which
+    loses nothing (its next request reads it either way), not the cached a3 its ranking
+    names (a hit lost). A dropped adapter a request waits for is never unregistered."""
+    async def main():
+        now = [1000.0]
+        eng = ListingConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng, clock=lambda: now[0])
+        try:
+            mgr.prefetch("a4", priority=1, reason="request_cold", evict=["a3", "a1"])
+            await async_wait_until(lambda: not mgr.pipeline._ahead, what="the fetch ahead done")
+            eng.held["a4"] = eng.held["a1"]
+            eng.dropped = {"a2"}
+            now[0] += 30.0
+            await mgr.reconcile()
+            assert unloads(eng) == ["a2"] and set(eng.held) == {"a1", "a3", "a4"}
+            m = mgr.metrics
+            assert m.counter("ace_agent_evictions_total", tier="device", reason="engine_dropped") == 1
+            assert m.counter("ace_agent_evictions_total", tier="device", reason="budget") == 0
+            # dropped, but a queued request waits for it: the ranking's victim goes instead
+            mgr.prefetch("a2", priority=1, reason="request_cold", evict=["a3"])
+            eng.held["a2"] = eng.held["a4"]
+            eng.dropped, eng.busy_set = {"a1"}, {"a1"}
+            now[0] += 30.0
+            await mgr.reconcile()
+            assert unloads(eng) == ["a2", "a3"] and set(eng.held) == {"a1", "a2", "a4"}
+        finally:
+            await mgr.close()
+    run(main())
+
+
+def test_the_agents_own_load_makes_room_from_a_dropped_name_before_its_named_victim(tmp_path):
+    """A prefetch's load into a full vLLM registry: a1's weights already left the cache,
+    so its name goes first and the hinted a3 (cached) stays. The cache is listed only when
+    a load needs room."""
+    async def main():
+        eng = ListingConnector(capacity=3)
+        mgr = await pool_of(tmp_path, eng, "a1", "a2")
+        try:
+            eng.dropped = {"a1"}
+            assert mgr.prefetch("a3", evict=["a2"]).outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view("a3").tier is Tier.DEVICE, what="a3 loaded into room")
+            assert unloads(eng) == [] and eng.listings == 0
+            assert mgr.prefetch("a4", evict=["a3"]).outcome is ResidencyOutcome.ACCEPTED
+            await async_wait_until(lambda: mgr.view("a4").tier is Tier.DEVICE, what="a4 loaded")
+            assert unloads(eng) == ["a1"] and set(eng.held) == {"a2", "a3", "a4"}
+            m = mgr.metrics
+            assert m.counter("ace_agent_evictions_total", tier="device", reason="engine_dropped") == 1
+            assert m.counter("ace_agent_evictions_total", tier="device", reason="hint") == 0
+        finally:
+            await mgr.close()
+    run(main())
+
+
 class OwnLRUConnector(FakeConnector):
     """An engine whose cache evicts its own least recently used adapter, whatever the
     agent unloads (vLLM's CPU cache)."""

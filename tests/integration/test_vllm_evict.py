@@ -21,7 +21,7 @@ from tests.support.agent import AUTH, agent_process
 from tests.support.fixtures import fixtures_dir
 from tests.support.vllm import VLLMServer, vllm_python
 from tests.support.wait import wait_until
-from tools.vllm_evict.ace_vllm_evict import EVICTED, RANK_PATH, RANKED, RANKED_MARK, REGISTERED
+from tools.vllm_evict.ace_vllm_evict import CACHE_PATH, EVICTED, RANK_PATH, RANKED, RANKED_MARK, REGISTERED
 from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ
 
 pytestmark = pytest.mark.vllm
@@ -59,6 +59,12 @@ def unload(vllm, name: str) -> str:
     resp = httpx.post(vllm.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.text
+
+
+def cached(vllm) -> list[str]:
+    resp = httpx.get(vllm.url + CACHE_PATH, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["cached"]
 
 
 def clear(vllm) -> None:
@@ -107,6 +113,7 @@ def test_vllms_full_cache_evicts_the_ranked_victim_before_its_lru(vllm, fixtures
     vllm.complete(b, "Quarterly revenue", max_tokens=1)
     assert reads(vllm, b) == b_reads
     assert set(vllm.adapters()) == {a, b, c}   # the names stay; only the weights left
+    assert cached(vllm) == [b, c]              # the plugin's listing says which
     vllm.complete(a, "def f(x):", max_tokens=1)
     assert reads(vllm, a) == a_reads + 1
     bad = httpx.post(vllm.url + RANK_PATH, json={"lora_names": "a"}, timeout=60)
@@ -139,3 +146,30 @@ def test_the_agent_evicts_the_victim_the_gateway_names(vllm, fixtures, tmp_path)
         assert agent.metric('ace_agent_evictions_total{reason="hint",tier="device"}') >= 1
         vllm.complete(lru, "def f(x):", max_tokens=1)
         assert reads(vllm, lru) == lru_reads
+
+
+def test_the_agent_unregisters_the_adapter_whose_weights_vllms_cache_dropped(vllm, fixtures, tmp_path):
+    """A read into vLLM's full cache that the agent did not steer (here a registration
+    made beside the agent, as the resolver makes one) took B's weights, not those of the
+    agent's least recently used A. The shrink after the reconcile adopts C unregisters B,
+    whose weights are gone, and keeps A, whose weights are cached: A is served without a
+    read. (Before the plugin's listing the agent unloaded its LRU A, leaving B registered
+    without weights and both A and B to be read again.)"""
+    clear(vllm)
+    with agent_process(fixtures / "catalog.yaml", tmp_path, "vllm", engine_url=vllm.url,
+                       extra=["--max-cpu-loras", str(vllm.max_cpu_loras), "--vllm-unload-evicts",
+                              "--reconcile-interval-s", "0.5"]) as agent:
+        a, b, c = "code-python", "fin-reports", "med-triage"
+        for name in (a, b):
+            rpc(agent, "Prefetch", pb.PrefetchRequest(adapter=name))
+            wait_until(lambda n=name: rpc(agent, "Status", pb.StatusRequest(adapter=n)).tier == pb.TIER_DEVICE)
+        resp = httpx.post(vllm.url + RANK_PATH, json={"lora_names": [b]}, timeout=60)
+        assert resp.status_code == 200 and "1 of 1" in resp.text, resp.text
+        load(vllm, fixtures, c)
+        assert cached(vllm) == [a, c]
+        wait_until(lambda: set(vllm.adapters()) == {a, c}, timeout=60)
+        assert rpc(agent, "Status", pb.StatusRequest(adapter=b)).tier != pb.TIER_DEVICE
+        wait_until(lambda: agent.metric('ace_agent_evictions_total{reason="engine_dropped",tier="device"}') == 1)
+        a_reads = reads(vllm, a)
+        vllm.complete(a, "def f(x):", max_tokens=1)
+        assert reads(vllm, a) == a_reads

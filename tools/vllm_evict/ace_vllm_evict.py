@@ -18,6 +18,11 @@ things there ignore the gateway's choice of victim:
   not in the step being set up, and not used since the ranking came (``RANKED_MARK``
   in vLLM's log), and the LRU only when none is. The agent sends the gateway's victims
   ahead of the loads they are for.
+- A read the ranking did not steer (no ranked adapter could go, or the ranking changed
+  since) still drops an adapter whose name stays registered. ``GET /v1/ace/lora_cache``
+  (``CACHE_PATH``) answers ``{"cached": [name, ...]}``: the registered names whose weights
+  the cache holds now (``EngineClient.list_loras``), so that the agent unregisters a
+  dropped name before a cached one.
 
 Deploy: ``pip install ./tools/vllm_evict`` into vLLM's environment and name it in
 ``VLLM_PLUGINS`` (with the resolver: ``VLLM_PLUGINS=lora_filesystem_resolver,ace_evict``);
@@ -34,6 +39,8 @@ REGISTERED = "ace-evict: plugin registered"
 #: the ranking route, and the start of its answer
 RANK_PATH = "/v1/ace/lora_victims"
 RANKED = "ace: victims ranked"
+#: the cache's listing route
+CACHE_PATH = "/v1/ace/lora_cache"
 #: logged in the engine's process when the cache evicts a ranked adapter (then its id)
 RANKED_MARK = "ace-evict: cache evicted the ranked victim"
 #: the most names one ranking holds
@@ -141,7 +148,7 @@ def _patch_api() -> None:
 
 
 def _add_rank_route() -> None:
-    """``RANK_PATH`` on the router of vLLM's runtime LoRA routes (included by the app only
+    """``RANK_PATH`` and ``CACHE_PATH`` on the router of vLLM's runtime LoRA routes (included by the app only
     where those are on)."""
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
@@ -172,7 +179,14 @@ def _add_rank_route() -> None:
                                                    args=([r.lora_int_id for r in known],))
         return Response(status_code=200, content=f"{RANKED}: {len(known)} of {len(names)} registered")
 
+    async def list_lora_cache(raw_request: Request):
+        handler = models(raw_request)
+        ids = await handler.engine_client.list_loras()
+        cached = sorted(name for name, r in list(handler.lora_requests.items()) if r.lora_int_id in ids)
+        return JSONResponse(content={"cached": cached})
+
     api_router.router.add_api_route(RANK_PATH, rank_lora_victims, methods=["POST"])
+    api_router.router.add_api_route(CACHE_PATH, list_lora_cache, methods=["GET"])
 
 
 def register() -> None:
