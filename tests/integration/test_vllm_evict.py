@@ -127,17 +127,27 @@ def rpc(agent, method, request):
     return asyncio.run(call())
 
 
+def evicting_agent(vllm, fixtures, tmp_path):
+    """An agent for this vLLM with ``--vllm-unload-evicts``, its registry at vLLM's cache size."""
+    return agent_process(fixtures / "catalog.yaml", tmp_path, "vllm", engine_url=vllm.url,
+                         extra=["--max-cpu-loras", str(vllm.max_cpu_loras), "--vllm-unload-evicts",
+                                "--reconcile-interval-s", "0.5"])
+
+
+def resident(agent, *names: str) -> None:
+    """Prefetch ``names`` through the agent, one after the other (the first is its LRU)."""
+    for name in names:
+        rpc(agent, "Prefetch", pb.PrefetchRequest(adapter=name))
+        wait_until(lambda n=name: rpc(agent, "Status", pb.StatusRequest(adapter=n)).tier == pb.TIER_DEVICE)
+
+
 def test_the_agent_evicts_the_victim_the_gateway_names(vllm, fixtures, tmp_path):
     """``--vllm-unload-evicts``: a prefetch that names a victim unloads that one, not the
     agent's LRU, and vLLM's cache follows: the LRU adapter is served without a read."""
     clear(vllm)
-    with agent_process(fixtures / "catalog.yaml", tmp_path, "vllm", engine_url=vllm.url,
-                       extra=["--max-cpu-loras", str(vllm.max_cpu_loras), "--vllm-unload-evicts",
-                              "--reconcile-interval-s", "0.5"]) as agent:
+    with evicting_agent(vllm, fixtures, tmp_path) as agent:
         lru, named, incoming = "code-python", "fin-reports", "tr-de-en"
-        for name in (lru, named):
-            rpc(agent, "Prefetch", pb.PrefetchRequest(adapter=name))
-            wait_until(lambda n=name: rpc(agent, "Status", pb.StatusRequest(adapter=n)).tier == pb.TIER_DEVICE)
+        resident(agent, lru, named)
         lru_reads = reads(vllm, lru)
         rpc(agent, "Prefetch", pb.PrefetchRequest(adapter=incoming, evict=[named]))
         wait_until(lambda: rpc(agent, "Status", pb.StatusRequest(adapter=incoming)).tier == pb.TIER_DEVICE)
@@ -156,13 +166,9 @@ def test_the_agent_unregisters_the_adapter_whose_weights_vllms_cache_dropped(vll
     read. (Before the plugin's listing the agent unloaded its LRU A, leaving B registered
     without weights and both A and B to be read again.)"""
     clear(vllm)
-    with agent_process(fixtures / "catalog.yaml", tmp_path, "vllm", engine_url=vllm.url,
-                       extra=["--max-cpu-loras", str(vllm.max_cpu_loras), "--vllm-unload-evicts",
-                              "--reconcile-interval-s", "0.5"]) as agent:
+    with evicting_agent(vllm, fixtures, tmp_path) as agent:
         a, b, c = "code-python", "fin-reports", "med-triage"
-        for name in (a, b):
-            rpc(agent, "Prefetch", pb.PrefetchRequest(adapter=name))
-            wait_until(lambda n=name: rpc(agent, "Status", pb.StatusRequest(adapter=n)).tier == pb.TIER_DEVICE)
+        resident(agent, a, b)
         resp = httpx.post(vllm.url + RANK_PATH, json={"lora_names": [b]}, timeout=60)
         assert resp.status_code == 200 and "1 of 1" in resp.text, resp.text
         load(vllm, fixtures, c)
