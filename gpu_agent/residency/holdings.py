@@ -225,44 +225,53 @@ class TierHoldings:
         busy = (await self.connector.busy() if busy is None else busy) | self.spared()
         short = Shortfall(count=len(self.device) - self.device_count)
         evictable = lambda n: not self._states[n].pinned and n not in busy and n not in self._loading  # noqa: E731
-        dropped = await self._dropped(evictable, busy)
+        dropped = await self._dropped(evictable)
         order = hinted_first(ordered(self.device, self.device.__getitem__, evictable), (*dropped, *self.ranking()))
         for victim in plan_evictions(order, short):
-            if victim in dropped:
-                await self.unload(victim, EvictReason.ENGINE_DROPPED, why="its weights had left the engine's cache")
-            else:
-                await self.unload(victim, EvictReason.BUDGET, why="the device tier is over its budget")
+            await self.unload(victim, *((EvictReason.ENGINE_DROPPED, "its weights had left the engine's cache")
+                                        if victim in dropped else
+                                        (EvictReason.BUDGET, "the device tier is over its budget")))
 
-    async def _dropped(self, evictable: Callable[[str], bool], busy: set[str] | None = None) -> list[str]:
-        """Adapters the engine still names whose weights its own cache dropped
-        (``connector.cached``; vLLM's CPU LRU, on a read the ranking did not steer), least
-        recently used first: unregistering one loses no weights (its next request reads
-        them either way) where any other victim would. Never a busy one (a queued request
-        waits for it: vLLM reads it again for that request). Asked only when the tier is
-        over its budget."""
+    async def _dropped(self, evictable: Callable[[str], bool]) -> list[str]:
+        """The ``evictable`` adapters the engine still names whose weights its own cache
+        dropped (``connector.cached``; vLLM's CPU LRU, on a read the ranking did not steer),
+        least recently used first: unregistering one loses no weights (its next request
+        reads them either way) where any other victim would. Asked only when the tier is
+        over its budget; ``evictable`` must leave out busy adapters (a queued request waits
+        for one: vLLM reads it again for that request)."""
         cached = await self.connector.cached()
-        if cached is None:
-            return []
-        names = [n for n in self.device if n not in cached and evictable(n)]
-        if names and busy is None:
-            busy = await self.connector.busy()
-        return [n for n in names if n not in (busy or ())]
+        return [] if cached is None else [n for n in self.device if n not in cached and evictable(n)]
 
     async def _unload_dropped(self, spec: Adapter, over: Callable[[], bool]) -> None:
         """Room for the agent's load of `spec` from the adapters whose weights the engine's
-        cache already dropped (``_dropped``), before any named victim or the LRU."""
+        cache already dropped (``_dropped``), before any named victim or the LRU. The busy
+        set is read only when there are such adapters."""
         protected = set(self._loading) | self.spared()
-        evictable = lambda n: n != spec.name and not self._states[n].pinned and n not in protected  # noqa: E731
+        busy: set[str] | None = None
+
+        def evictable(n: str) -> bool:
+            return n != spec.name and not self._states[n].pinned and n not in protected
+
         for name in await self._dropped(evictable):
+            if busy is None:
+                busy = await self.connector.busy()
             if not over():
                 return
-            try:
-                await self.unload(name, EvictReason.ENGINE_DROPPED, why=f"room for {spec.name}; its weights "
-                                  "had left the engine's cache")
-            except EngineUnavailable:
-                raise
-            except ConnectorError as exc:   # it became busy meanwhile: the next one, hints, or LRU
-                log.info("unload of %s (dropped from the engine's cache) refused: %s", name, exc)
+            if name not in busy:
+                await self._unload_for(spec, name, EvictReason.ENGINE_DROPPED)
+
+    async def _unload_for(self, spec: Adapter, name: str, reason: EvictReason) -> bool:
+        """Unload `name` to make room for `spec`; False when the engine refused (it became
+        busy meanwhile: the caller goes on to its next victim). An engine that cannot be
+        reached fails the load."""
+        try:
+            await self.unload(name, reason, why=f"room for {spec.name}")
+        except EngineUnavailable:
+            raise
+        except ConnectorError as exc:
+            log.info("eviction of %s (%s) for %s refused: %s", name, reason.value, spec.name, exc)
+            return False
+        return True
 
     async def unload(self, name: str, reason: EvictReason, publish: bool = True, why: str = "") -> None:
         """Take `name` off the device (the engine unloads it) and count why."""
@@ -307,11 +316,5 @@ class TierHoldings:
         for victim in victims:
             if not over() and not await self.connector.needs_room(spec):
                 return
-            try:
-                await self.unload(victim, EvictReason.HINT, why=f"room for {spec.name}")
-            except EngineUnavailable:
-                raise
-            except ConnectorError as exc:  # it became busy meanwhile: the next hint, or LRU
-                log.info("hinted eviction of %s for %s refused: %s", victim, spec.name, exc)
+            if not await self._unload_for(spec, victim, EvictReason.HINT):  # the next hint, or LRU
                 self.metrics.inc("ace_agent_prefetch_victims_skipped_total", reason="in_use")
-                continue

@@ -144,12 +144,12 @@ def _patch_api() -> None:
 
     unload_lora_adapter.ace_evicts = True
     OpenAIServingModels.unload_lora_adapter = unload_lora_adapter
-    _add_rank_route()
+    _add_routes()
 
 
-def _add_rank_route() -> None:
-    """``RANK_PATH`` and ``CACHE_PATH`` on the router of vLLM's runtime LoRA routes (included by the app only
-    where those are on)."""
+def _add_routes() -> None:
+    """``RANK_PATH`` and ``CACHE_PATH`` on the router of vLLM's runtime LoRA routes
+    (included by the app only where those are on)."""
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
 
