@@ -25,6 +25,10 @@ Arms:
   above the catalog, so they unload nothing (vLLM's own CPU LRU does what it does in a
   deployment with no agent; when they unloaded at ``S`` they raced requests nobody told
   them of, a 404 in 2026-12-04's committed run).
+- a gateway arm's name + ``+keep`` (``ace+keep``, ``affinity+keep``): the same, with agents
+  that keep evicted adapters registered and drop only their weights
+  (``--vllm-keep-registered``); its ``registration_check`` is against the hosts' CPU
+  caches (the plugin's listing), the agents' device tier in that mode.
 
 Measured from the engines' side: per host, the requests vLLM served
 (``vllm:request_success_total``), every read of an adapter into its CPU cache (ace's
@@ -87,7 +91,7 @@ from bench.trace import load_trace
 from bench.vllm_router import ROUTER_ARMS, vllm_router
 from ace_common.proto.ace.agent.v1 import agent_pb2 as pb
 from ace_common.proto.ace.agent.v1 import agent_pb2_grpc as pb_grpc
-from tools.vllm_evict.ace_vllm_evict import RANKED_MARK, REGISTERED as EVICT_REGISTERED
+from tools.vllm_evict.ace_vllm_evict import CACHE_PATH, RANKED_MARK, READ_MARK, REGISTERED as EVICT_REGISTERED
 from tools.vllm_fleet import BASE_MODEL, RESOLVED_MARK, VLLM_PLUGINS, VLLMFlags, cpu_seconds, vllm_fleet, vllm_hosts
 from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ_MARK, REGISTERED as MEASURE_REGISTERED
 from tools.localstack import run_until_stopped
@@ -95,8 +99,11 @@ from tools.localstack import run_until_stopped
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-agent-token"
 ARMS = ("round_robin", "vllm_router", "vllm_router_session", "affinity", "ace")
+#: a gateway arm's name + this: its agents keep evicted adapters registered in vLLM and drop
+#: only their weights (``--vllm-keep-registered``), e.g. ``ace+keep``
+KEEP = "+keep"
 #: the arms ``--replays`` repeats: those a target compares ace with (round_robin is only shown)
-REPLAYED = ("vllm_router", "vllm_router_session", "affinity", "ace")
+REPLAYED = ("vllm_router", "vllm_router_session", "affinity", "ace", "affinity" + KEEP, "ace" + KEEP)
 AGENT_LOADED_MARK = "Loaded new LoRA adapter"
 REMOVED_MARK = "Removed LoRA adapter"
 
@@ -171,7 +178,11 @@ class ResidencyViews:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def listed(client: httpx.AsyncClient, host: dict) -> set[str]:
+async def listed(client: httpx.AsyncClient, host: dict, cached: bool = False) -> set[str]:
+    """What the host's vLLM has registered (``/v1/models``), or ``cached``: the registered
+    names whose weights its CPU cache holds (ace's evicting plugin's ``CACHE_PATH``)."""
+    if cached:
+        return set((await client.get(host["engine_url"] + CACHE_PATH)).json()["cached"])
     data = (await client.get(host["engine_url"] + "/v1/models")).json()["data"]
     return {m["id"] for m in data if m.get("parent")}
 
@@ -198,8 +209,10 @@ async def one_request(client: httpx.AsyncClient, base: str, key: str, r: dict, s
 
 
 async def replay(requests: list[dict], base: str, keys: dict, hosts: list[dict], speed: float,
-                 sample_every: int) -> tuple[list[dict], dict]:
-    """Closed-loop sessions; each row also holds what each agent's view said when it left."""
+                 sample_every: int, cached: bool = False) -> tuple[list[dict], dict]:
+    """Closed-loop sessions; each row also holds what each agent's view said when it left,
+    checked against the hosts' registrations (``cached``: their CPU caches, where the
+    agents keep names registered and the device tier is the cache)."""
     views = ResidencyViews(hosts)
     views.start()
     rows: list[dict] = []
@@ -215,7 +228,7 @@ async def replay(requests: list[dict], base: str, keys: dict, hosts: list[dict],
             seq = counter[0]
             seen = {n: set(v) for n, v in views.device.items()}
             if sample_every and counter[0] % sample_every == 0:
-                truth = dict(zip(views.device, await asyncio.gather(*(listed(client, h) for h in hosts))))
+                truth = dict(zip(views.device, await asyncio.gather(*(listed(client, h, cached) for h in hosts))))
                 for n in truth:
                     check["sampled"] += 1
                     if truth[n] == views.device[n]:
@@ -259,7 +272,8 @@ def engine_counts(host: dict) -> dict:
     text = v.log.read_text(errors="replace")
     return {"served": served(httpx.get(v.url + "/metrics", timeout=10).text),
             "cpu_cache_reads": text.count(CPU_CACHE_READ_MARK), "resolver_loads": text.count(RESOLVED_MARK),
-            "agent_loads": text.count(AGENT_LOADED_MARK), "unloads": text.count(REMOVED_MARK),
+            "agent_loads": text.count(AGENT_LOADED_MARK) + text.count(READ_MARK),
+            "unloads": text.count(REMOVED_MARK),
             "ranked_evictions": text.count(RANKED_MARK), "cpu_s": cpu_seconds(v.proc.pid)}
 
 
@@ -355,7 +369,8 @@ def vllm_prefetch_reference(rows: list[dict], requests: list[dict], capacity: in
 def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path, work: Path,
             engines: list, replay_no: int = 1) -> tuple[dict, list]:
     tenants = sorted({r["tenant"] for r in requests})
-    policy, prefetch = GATEWAY_ARMS.get(arm, ("extproc.policy.routing:route", False))
+    keep = arm.endswith(KEEP)
+    policy, prefetch = GATEWAY_ARMS.get(arm.removesuffix(KEEP), ("extproc.policy.routing:route", False))
     flags = VLLMFlags(args.max_loras, args.max_cpu_loras, args.max_lora_rank)
     run_dir = work / (arm if replay_no == 1 else f"{arm}#{replay_no}")
     run_dir.mkdir(parents=True)
@@ -372,7 +387,8 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         # the re-reads). Unloading at S raced requests nobody told them of (a 404).
         flags = VLLMFlags(args.max_loras, len({r["adapter"] for r in requests}), args.max_lora_rank)
     with vllm_fleet(run_dir, catalog, fixtures / "model", fixtures / "adapters", args.vllm_python, args.hosts,
-                    flags, write_state, token=TOKEN, agent_args=["--reconcile-interval-s", "0.2"],
+                    flags, write_state, token=TOKEN,
+                    agent_args=["--reconcile-interval-s", "0.2", *(["--vllm-keep-registered"] if keep else [])],
                     extproc_args=["--routing-policy", policy], engines=engines) as st:
         log(f"{arm}: agents and gateway up in {time.monotonic() - t_run:.0f}s")
         with contextlib.ExitStack() as front:
@@ -387,7 +403,7 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
             t0 = time.monotonic()
             with pace_probe(run_dir / "pace.txt"):
                 rows, check = asyncio.run(replay(requests, base, st["state"], st["hosts"], args.speed,
-                                                 args.sample_every))
+                                                 args.sample_every, cached=keep))
             elapsed = time.monotonic() - t0
             cpu = proc_cpu.account(cpu_before, proc_cpu.snapshot())
             after = {h["name"]: engine_counts(h) for h in st["hosts"]}
@@ -415,7 +431,8 @@ def run_arm(args, arm: str, requests: list[dict], catalog: Path, fixtures: Path,
         "unloads": sum(h["unloads"] for h in per_host.values()),
         "ranked_evictions": sum(h["ranked_evictions"] for h in per_host.values()),
         "registered_at_arrival": ({"requests": len(registered), "registered": sum(registered)} if registered else None),
-        "registration_check": check,
+        "registration_check": {**check, "against": "vLLM's CPU cache" if keep else "vLLM's /v1/models"},
+        "agents_keep_registered": keep,
         "agents": {k: round(v) for k, v in sorted(agents.items())},
         "speculation": None if arm in ROUTER_ARMS else speculation_counters(run_dir / "extproc.log"),
         "bounds": bounds(rows, args.max_cpu_loras, args.hosts),
@@ -553,9 +570,11 @@ def main(argv=None) -> int:
     p.add_argument("--router-bin", default=str(ROOT / ".venv-router" / "bin" / "vllm-router"))
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(arms) - set(ARMS))
+    unknown = sorted({a for a in arms if a.removesuffix(KEEP) not in ARMS
+                      or (a.endswith(KEEP) and a.removesuffix(KEEP) in ROUTER_ARMS)})
     if unknown:
-        p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+        p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)} (a gateway arm + {KEEP!r}: "
+                "its agents keep names registered)")
     if args.replays < 1:
         p.error("--replays must be at least 1")
     requests = first_requests(load_trace(args.trace), args.requests)

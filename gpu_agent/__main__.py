@@ -57,7 +57,8 @@ async def run(settings) -> None:
     if settings.engine == "vllm":
         connector = make_connector("vllm", url=settings.engine_url, max_cpu_loras=settings.max_cpu_loras,
                                    api_key=api_key, resolver=settings.vllm_resolver,
-                                   unload_evicts=settings.vllm_unload_evicts)
+                                   unload_evicts=settings.vllm_unload_evicts,
+                                   keep_registered=settings.vllm_keep_registered)
     elif settings.engine == "sglang":
         connector = make_connector("sglang", url=settings.engine_url,
                                    max_loaded_loras=settings.max_loaded_loras or None, api_key=api_key)

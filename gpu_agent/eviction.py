@@ -40,7 +40,7 @@ class EvictReason(str, Enum):
     BUDGET = "budget"              # the tier's budget needed room for another adapter (policy order)
     HINT = "hint"                  # named by a Prefetch's ``evict`` list (the gateway's choice)
     OPERATOR = "operator"          # an explicit Evict (gRPC) / unload (engine HTTP) call
-    ENGINE_GONE = "engine_gone"    # the engine no longer holds it: its own pool evicted it
+    ENGINE_GONE = "engine_gone"    # the engine no longer holds it: its own pool (or cache) evicted it
     ENGINE_DROPPED = "engine_dropped"  # registered, but the engine's cache had dropped its weights
     LEFT_DEVICE = "left_device"    # a resident-only disk tier drops what left the device
 

@@ -30,7 +30,7 @@ class AgentMetrics:
     _HELP = {
         "ace_agent_tier_hits_total": ("counter", "Residency requests answered from this tier (tier = where the adapter was found)."),
         "ace_agent_tier_misses_total": ("counter", "Residency requests that did not find the adapter in this tier."),
-        "ace_agent_evictions_total": ("counter", "Adapters evicted from a tier (device, host, disk), by reason: budget (room for a load, LRU), hint (named by a Prefetch's evict list), operator (Evict), engine_gone (the builtin engine's pool evicted it itself), engine_dropped (unregistered first: vLLM's CPU cache had already dropped its weights), left_device (a resident-only disk tier)."),
+        "ace_agent_evictions_total": ("counter", "Adapters evicted from a tier (device, host, disk), by reason: budget (room for a load, LRU), hint (named by a Prefetch's evict list), operator (Evict), engine_gone (the builtin engine's pool evicted it itself, or vLLM's cache dropped the weights of a name the agent keeps registered), engine_dropped (unregistered first: vLLM's CPU cache had already dropped its weights), left_device (a resident-only disk tier)."),
         "ace_agent_load_seconds": ("histogram", "Measured time of one load stage (fetch, verify, read, device) or a whole cold load (cold)."),
         "ace_agent_prefetch_total": ("counter", "Prefetch requests by outcome (left_to_engine: a request's own prefetch to an engine that loads it itself when the request arrives; its files fetched ahead, nothing loaded)."),
         "ace_agent_load_failures_total": ("counter", "Loads that failed, by reason."),

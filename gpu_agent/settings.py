@@ -68,6 +68,13 @@ class AgentSettings:
                                          "room, and sends them as its cache's ranking (read by vLLM's own loads), instead "
                                          "of leaving the choice to vLLM's LRU. Checked on every unload: an answer "
                                          "without the plugin's mark turns it off, with an error logged")
+    vllm_keep_registered: bool = _f(False, "vllm, with --vllm-unload-evicts (plugin 1.3): an evicted adapter keeps "
+                                           "its registration and leaves vLLM's CPU cache only (its next request "
+                                           "re-reads it, +0.9 ms, instead of the resolver's registration, +2.2 "
+                                           "ms); the device tier is that cache. Not for adapters the agent "
+                                           "registered from its disk cache of a remote store (unregistered as "
+                                           "before); an engine whose plugin lacks the routes turns it off, with "
+                                           "an error logged")
     max_loaded_loras: int = _f(0, "sglang: the engine's --max-loaded-loras (0 = no count limit)")
     queue_size: int = _f(64, "pending prefetches beyond which new ones are rejected")
     workers: int = _f(1, "concurrent background loads")
@@ -136,6 +143,9 @@ class AgentSettings:
         if self.engine == "builtin" and self.device_budget_mb:
             raise SettingsError("--device-budget-mb: the builtin engine's device tier is its pool; size it "
                                 "with --pool-mb (and --device-max-adapters for a count)")
+        if self.vllm_keep_registered and not (self.engine == "vllm" and self.vllm_unload_evicts):
+            raise SettingsError("--vllm-keep-registered needs --engine vllm and --vllm-unload-evicts (ace's evicting "
+                                "plugin, version 1.3, in vLLM: docs/engine.md)")
         if self.device_max_adapters < 0:
             raise SettingsError("--device-max-adapters must be >= 0 (0 = the engine's)")
         if not 0 <= self.load_interval_s <= MAX_LOAD_INTERVAL_S:

@@ -111,6 +111,22 @@ class EngineConnector(abc.ABC):
     async def loaded(self) -> set[str]:
         """Adapter names the engine holds now; EngineUnavailable when it cannot tell."""
 
+    #: The engine keeps an adapter's name when the agent evicts it and drops only its
+    #: weights (vLLM with ace's plugin, ``--vllm-keep-registered``): ``loaded`` then names
+    #: what its cache holds, ``registered`` what it serves by name, and a name its cache
+    #: dropped by itself is a tier lost, not an engine reset (the reconcile).
+    keeps_registered: bool = False
+
+    async def registered(self) -> set[str]:
+        """The adapters the engine serves by name, their weights cached or not; what
+        ``loaded`` names where the two are one."""
+        return await self.loaded()
+
+    def keeps_name(self, name: str) -> bool:
+        """``keeps_registered``, and `name`'s files stay where the engine reads them again
+        (not the agent's disk cache of a remote store, whose budget may delete them)."""
+        return False
+
     async def cached(self) -> set[str] | None:
         """The adapters whose weights the engine's own cache holds now, where its registry
         can name more than that cache holds (vLLM: a registered adapter its CPU LRU dropped

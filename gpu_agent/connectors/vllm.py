@@ -38,6 +38,18 @@ one (a hit lost, while the dropped one's next request re-reads it anyway). The a
 unregisters such dropped names first (``reason="engine_dropped"``); an engine without the
 route (404: an older plugin) is not asked again.
 
+``keep_registered`` (agent flag ``--vllm-keep-registered``, plugin 1.3): the agent never
+unregisters an adapter to make room, it drops only its weights (``DROP_PATH``), so the
+name's next request re-reads them (+0.9 ms over a cached adapter on the fixtures' model)
+instead of going through the filesystem resolver (+2.2 ms, ``make bench-vllm-paths``),
+and a load of a registered name reads its weights back (``READ_PATH``). The device tier
+is then what vLLM's cache holds (``loaded`` lists it, ``CACHE_PATH``), ``registered``
+what vLLM serves by name; a name the cache dropped is a tier lost, not an engine reset.
+Only names whose files cannot leave are kept so: an adapter the agent registered from
+its disk cache of a remote store (whose budget may delete the files) is unregistered as
+before. An engine whose plugin lacks those routes (404) turns the mode off, with an
+error logged.
+
 A load or an unload runs on vLLM's engine core between two steps, so every request it
 is running waits for it (12-73 ms per load in `make bench ENGINE=vllm` on the shared
 CPUs, docs/engine.md). A prefetch's load is therefore put off until the engine runs and
@@ -61,7 +73,8 @@ from gpu_agent.connectors.base import (ConnectorError, EngineConnector, EngineLo
                                        listed_adapters)
 from gpu_agent.connectors.prometheus import VLLM_LOAD, MetricsScraper
 
-__all__ = ["CACHE_PATH", "EVICTED", "RANKED", "RANK_PATH", "VLLMConnector", "parse_lora_metrics"]
+__all__ = ["CACHE_PATH", "DROPPED", "DROP_PATH", "EVICTED", "NOT_REGISTERED", "RANKED", "RANK_PATH", "READ",
+           "READ_PATH", "VLLMConnector", "parse_lora_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +85,13 @@ RANK_PATH = "/v1/ace/lora_victims"
 RANKED = "ace: victims ranked"
 #: the same plugin's listing of the adapters in vLLM's CPU cache: {"cached": [name, ...]}
 CACHE_PATH = "/v1/ace/lora_cache"
+#: the same plugin's routes that drop / read an adapter's weights and keep its name, and
+#: the starts of their answers
+DROP_PATH = "/v1/ace/lora_drop"
+DROPPED = "ace: weights dropped from vLLM's LoRA cache, name kept"
+NOT_REGISTERED = "ace: not registered"
+READ_PATH = "/v1/ace/lora_read"
+READ = "ace: read into vLLM's LoRA cache"
 
 _SERIES = re.compile(r'^(vllm:lora_requests_info|vllm:lora_adapter_loaded)\{([^}]*)\}\s+(\S+)', re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -107,7 +127,8 @@ class VLLMConnector(EngineConnector):
     def __init__(self, url: str, max_cpu_loras: int | None = 4, timeout_s: float = 30.0,
                  api_key: str | None = None, client: httpx.AsyncClient | None = None,
                  metrics_timeout_s: float = 1.0, idle_wait_s: float = 1.0, idle_poll_s: float = 0.1,
-                 metrics_max_age_s: float = 0.1, resolver: bool = False, unload_evicts: bool = False):
+                 metrics_max_age_s: float = 0.1, resolver: bool = False, unload_evicts: bool = False,
+                 keep_registered: bool = False):
         self._url = url.rstrip("/")
         # with ace's evicting plugin an unload frees the adapter's place in vLLM's CPU cache:
         # the agent's named victims leave it, not vLLM's LRU (checked on every unload)
@@ -116,6 +137,10 @@ class VLLMConnector(EngineConnector):
         self.ranks_victims = unload_evicts
         # and it lists what that cache holds (cached): registered names it dropped go first
         self.lists_cache = unload_evicts
+        # and it drops / reads weights while names stay registered: the device tier is its cache
+        self.keeps_registered = unload_evicts and keep_registered
+        # names the agent registered from files its disk tier may delete: unregistered on eviction
+        self._volatile: set[str] = set()
         self._ranking_sent: tuple[str, ...] = ()
         self._ranking_tasks: set[asyncio.Task] = set()
         # with a LoRA resolver vLLM registers a request's unknown adapter itself: the
@@ -183,17 +208,49 @@ class VLLMConnector(EngineConnector):
                    demand: bool = False) -> None:
         resp = await self._post("/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": str(path)})
         if resp.status_code == 200:
+            if spec.is_remote:
+                self._volatile.add(spec.name)
             return
         message = _error_message(resp)
         if resp.status_code == 400 and "already" in message.lower():
+            if self.keeps_registered and not await self._read(spec.name):
+                await self.unload(spec.name)   # the plugin cannot read it back: register it anew
+                await self.load(spec, path, pinned=pinned, demand=demand)
             return
         if resp.status_code == 404 and not message:
             raise ConnectorError("vLLM has no /v1/load_lora_adapter: start it with "
                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
         raise ConnectorError(f"vLLM load {spec.name}: HTTP {resp.status_code}: {message[:300]}")
 
+    async def _read(self, name: str) -> bool:
+        """A registered adapter's weights back into vLLM's cache (``READ_PATH``); False when
+        the plugin has no such route (the mode is then off, said once)."""
+        resp = await self._post(READ_PATH, {"lora_name": name})
+        if resp.status_code == 200 and resp.text.startswith(READ):
+            return True
+        if resp.status_code == 404 and NOT_REGISTERED in _error_message(resp):
+            raise ConnectorError(f"vLLM load {name}: registered, then not registered when read")
+        if resp.status_code in (404, 405):
+            self._keep_off(READ_PATH, resp.status_code)
+            return False
+        raise ConnectorError(f"vLLM read {name}: HTTP {resp.status_code}: {_error_message(resp)[:300]}")
+
+    def _keep_off(self, path: str, status: int) -> None:
+        if self.keeps_registered:
+            self.keeps_registered = False
+            log.error("vLLM %s has no %s (HTTP %s): ace's evicting plugin there predates it (reinstall "
+                      "tools/vllm_evict); evicted adapters are unregistered again", self._url, path, status)
+
     async def unload(self, name: str) -> None:
+        if self.keeps_name(name):
+            resp = await self._post(DROP_PATH, {"lora_name": name})
+            if resp.status_code == 200 and resp.text.startswith((DROPPED, NOT_REGISTERED)):
+                return
+            if resp.status_code not in (404, 405):
+                raise ConnectorError(f"vLLM drop {name}: HTTP {resp.status_code}: {_error_message(resp)[:300]}")
+            self._keep_off(DROP_PATH, resp.status_code)
         resp = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        self._volatile.discard(name)
         if resp.status_code == 200:
             self._check_evicted(name, resp.text)
             return
@@ -215,7 +272,26 @@ class VLLMConnector(EngineConnector):
                   "VLLM_PLUGINS); named victims are off, vLLM's LRU chooses what leaves its cache", self._url, name)
 
     async def loaded(self) -> set[str]:
+        """What the device tier holds: the registered adapters, or (``keeps_registered``)
+        those whose weights vLLM's cache holds."""
+        if self.keeps_registered:
+            try:
+                resp = await self._client.get(CACHE_PATH)
+            except httpx.HTTPError as exc:
+                raise EngineUnavailable(f"vLLM {self._url}{CACHE_PATH}: {exc!r}") from exc
+            names = self._cache_listing(resp)
+            if names is not None:
+                return names
+            if self.keeps_registered:   # unreadable, not missing: the reconcile tries again
+                raise EngineUnavailable(f"vLLM {CACHE_PATH}: HTTP {resp.status_code}")
+        return await self.registered()
+
+    async def registered(self) -> set[str]:
+        """The adapters vLLM serves by name (``GET /v1/models``)."""
         return await listed_adapters(self._client, "vLLM", self._url)
+
+    def keeps_name(self, name: str) -> bool:
+        return self.keeps_registered and name not in self._volatile
 
     async def cached(self) -> set[str] | None:
         """The registered adapters whose weights vLLM's CPU cache holds now (the plugin's
@@ -227,11 +303,17 @@ class VLLMConnector(EngineConnector):
         except httpx.HTTPError as exc:
             log.warning("vLLM %s%s: %r", self._url, CACHE_PATH, exc)
             return None
+        return self._cache_listing(resp)
+
+    def _cache_listing(self, resp: httpx.Response) -> set[str] | None:
+        """The names in a ``CACHE_PATH`` answer; None when it has none (404: the route is
+        missing, and it is not asked again)."""
         if resp.status_code in (404, 405):
             self.lists_cache = False
             log.error("vLLM %s has no %s (HTTP %s): ace's evicting plugin there predates it (reinstall "
                       "tools/vllm_evict); a registered adapter whose weights vLLM's cache dropped is no "
                       "longer unregistered first", self._url, CACHE_PATH, resp.status_code)
+            self._keep_off(CACHE_PATH, resp.status_code)
             return None
         try:
             names = resp.json()["cached"] if resp.status_code == 200 else None

@@ -25,7 +25,7 @@ import time
 from typing import Callable, Mapping
 
 from ace_common.tiers import Tier
-from gpu_agent.connectors.base import EngineConnector, EngineUnavailable
+from gpu_agent.connectors.base import ConnectorError, EngineConnector, EngineUnavailable
 from gpu_agent.eviction import EvictReason
 from gpu_agent.metrics import AgentMetrics
 from gpu_agent.residency.holdings import TierHoldings
@@ -98,6 +98,22 @@ class Reconciler:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    async def _dropped_by_engine(self, lost: list[str]) -> tuple[list[str], list[str]]:
+        """(dropped, reset) of the adapters missing from the device tier of an engine that
+        keeps names registered (``keeps_registered``): still registered, its cache dropped
+        their weights by itself (its own read into a full cache), which is a tier lost;
+        the others the engine forgot, which is a reset. A dropped name whose files the
+        agent's disk tier may delete is unregistered now (``keeps_name``)."""
+        registered = await self.connector.registered()
+        dropped = [n for n in lost if n in registered]
+        for name in dropped:
+            if not self.connector.keeps_name(name):
+                try:
+                    await self.connector.unload(name)
+                except ConnectorError as exc:
+                    log.warning("unregistering %s, whose weights vLLM dropped, failed: %s", name, exc)
+        return dropped, [n for n in lost if n not in registered]
+
     async def _align(self, names: set[str] | None) -> None:
         """``names`` None: every adapter (the interval); else only those (an event)."""
         holdings, device = self.holdings, self.holdings.device
@@ -113,7 +129,10 @@ class Reconciler:
             was_up, holdings.engine_up = holdings.engine_up, True
             lost = [n for n in device
                     if n not in loaded and n not in self._loading and (names is None or n in names)]
-            for name in lost:
+            dropped: list[str] = []
+            if lost and self.connector.keeps_registered:  # unreadable: nothing changes until the next try
+                dropped, lost = await self._dropped_by_engine(lost)
+            for name in (*dropped, *lost):
                 device.pop(name, None)
                 self._publish(name)
             adopted = sorted(n for n in (loaded if names is None else loaded & names)
@@ -138,6 +157,8 @@ class Reconciler:
                 await holdings.shrink_device(busy)  # adopted now, or adopted earlier and out of their grace
             if not was_up:
                 self.publish_all()
+        for name in dropped:  # published above
+            holdings.evicted(name, Tier.DEVICE, EvictReason.ENGINE_GONE, publish=False)
         if lost and self.connector.self_managed:
             for name in lost:  # published above
                 holdings.evicted(name, Tier.DEVICE, EvictReason.ENGINE_GONE, publish=False)

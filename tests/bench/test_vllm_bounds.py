@@ -149,3 +149,14 @@ def test_bounds_cli_rederives_a_vllm_reports_miss_causes(tmp_path):
     assert bounds.main([str(report)]) == 0
     m = json.loads(report.read_text())["fleets"]["1"]["ace"]["miss_causes"]
     assert (m["hits"], m["misses"], m["causes"]["compulsory"]) == (2, 2, 2)  # the first run's rows only
+
+
+@pytest.mark.parametrize("arms", ["vllm_router+keep", "nope", "ace+nope"])
+def test_keep_variants_exist_only_for_the_gateways_arms(arms, capsys):
+    """``ace+keep`` / ``affinity+keep`` run agents that keep names registered; a vllm-router
+    arm has no agent that evicts, so ``+keep`` there (or any other suffix) is refused
+    before anything starts."""
+    from bench.vllm_eval import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--arms", f"ace,{arms}"])
+    assert exc.value.code == 2 and arms in capsys.readouterr().err

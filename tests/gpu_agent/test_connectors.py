@@ -16,7 +16,8 @@ from aiohttp import web
 from ace_common.catalog import Adapter
 from gpu_agent.connectors.base import ConnectorError, EngineUnavailable
 from gpu_agent.connectors.sglang import SGLangConnector
-from gpu_agent.connectors.vllm import CACHE_PATH, EVICTED, RANK_PATH, RANKED, VLLMConnector, parse_lora_metrics
+from gpu_agent.connectors.vllm import (CACHE_PATH, DROP_PATH, DROPPED, EVICTED, NOT_REGISTERED, RANK_PATH, RANKED,
+                                       READ, READ_PATH, VLLMConnector, parse_lora_metrics)
 from tests.gpu_agent.agent_support import serve
 from tests.support.procs import free_port
 from tests.support.wait import async_wait_until
@@ -240,6 +241,121 @@ def test_the_evicting_plugins_mark_is_the_connectors():
     from tools.vllm_evict import ace_vllm_evict as plugin
     assert (plugin.EVICTED, plugin.RANKED, plugin.RANK_PATH, plugin.CACHE_PATH) == (EVICTED, RANKED, RANK_PATH,
                                                                                    CACHE_PATH)
+    assert (plugin.DROP_PATH, plugin.DROPPED, plugin.NOT_REGISTERED, plugin.READ_PATH, plugin.READ) == (
+        DROP_PATH, DROPPED, NOT_REGISTERED, READ_PATH, READ)
+
+
+class FakeVLLM:
+    """vLLM's registry and CPU cache as the plugin's routes see them (pure bookkeeping:
+    the real routes run in tests/integration/test_vllm_evict.py)."""
+
+    def __init__(self, routes: bool = True):
+        self.registered: dict[str, str] = {}
+        self.cached: set[str] = set()
+        self.calls: list[str] = []
+        self.app = web.Application()
+        self.app.router.add_post("/v1/load_lora_adapter", self.load)
+        self.app.router.add_post("/v1/unload_lora_adapter", self.unload)
+        self.app.router.add_get("/v1/models", self.models)
+        if routes:
+            self.app.router.add_post(DROP_PATH, self.drop)
+            self.app.router.add_post(READ_PATH, self.read)
+            self.app.router.add_get(CACHE_PATH, self.listing)
+
+    async def load(self, request):
+        body = await request.json()
+        self.calls.append(f"load {body['lora_name']}")
+        if body["lora_name"] in self.registered:
+            return web.json_response({"error": {"message": f"The lora adapter '{body['lora_name']}' has already "
+                                                           "been loaded."}}, status=400)
+        self.registered[body["lora_name"]] = body["lora_path"]
+        self.cached.add(body["lora_name"])
+        return web.Response(text="Success")
+
+    async def unload(self, request):
+        name = (await request.json())["lora_name"]
+        self.calls.append(f"unload {name}")
+        self.registered.pop(name, None)
+        self.cached.discard(name)
+        return web.Response(text=f"Success {EVICTED}")
+
+    async def drop(self, request):
+        name = (await request.json())["lora_name"]
+        self.calls.append(f"drop {name}")
+        if name not in self.registered:
+            return web.Response(text=f"{NOT_REGISTERED}: {name}")
+        self.cached.discard(name)
+        return web.Response(text=f"{DROPPED}: {name}")
+
+    async def read(self, request):
+        name = (await request.json())["lora_name"]
+        self.calls.append(f"read {name}")
+        self.cached.add(name)
+        return web.Response(text=f"{READ}: {name}")
+
+    async def listing(self, request):
+        return web.json_response({"cached": sorted(self.cached & set(self.registered))})
+
+    async def models(self, request):
+        return web.json_response({"data": [{"id": n, "parent": "base", "root": p} for n, p in self.registered.items()]})
+
+
+def test_vllm_keeping_names_registered_moves_only_weights(tmp_path):
+    """``keep_registered``: an unload drops the weights and keeps the name; a load of a
+    registered name reads its weights back; ``loaded`` is what the cache holds and
+    ``registered`` what vLLM serves. An adapter the agent registered from its disk cache
+    of a remote store is unregistered as before (its files may be deleted)."""
+    local = spec("a")
+    remote = Adapter(name="r", base_model="base", rank=8, target_modules=(), size_bytes=1, owner="public",
+                     uri="https://store/r", sha256="1" * 64)
+
+    async def main():
+        fake = FakeVLLM()
+        async with serve(fake.app) as url:
+            conn = VLLMConnector(url, unload_evicts=True, keep_registered=True)
+            try:
+                await conn.load(local, tmp_path)
+                await conn.load(remote, tmp_path)
+                assert await conn.loaded() == {"a", "r"}
+                assert conn.keeps_name("a") and not conn.keeps_name("r")
+                await conn.unload("a")
+                await conn.unload("r")
+                assert await conn.loaded() == set()
+                assert await conn.registered() == {"a"}
+                await conn.load(local, tmp_path)
+                assert await conn.loaded() == {"a"}
+                await conn.unload("never-registered")
+                return fake.calls
+            finally:
+                await conn.close()
+    assert asyncio.run(main()) == ["load a", "load r", "drop a", "unload r", "load a", "read a",
+                                   "drop never-registered"]
+
+
+def test_vllm_keeping_names_needs_the_plugins_routes(tmp_path, caplog):
+    """An engine whose plugin predates the drop / read / listing routes (404): the agent
+    unregisters as before, lists ``/v1/models``, and says so once."""
+    local = spec("a")
+
+    async def main():
+        fake = FakeVLLM(routes=False)
+        async with serve(fake.app) as url:
+            conn = VLLMConnector(url, unload_evicts=True, keep_registered=True)
+            try:
+                await conn.load(local, tmp_path)
+                await conn.unload("a")
+                assert not conn.keeps_registered
+                assert await conn.loaded() == set()
+                await conn.load(local, tmp_path)
+                assert await conn.loaded() == {"a"}
+                return fake.calls
+            finally:
+                await conn.close()
+    with caplog.at_level("ERROR", logger="gpu_agent.connectors.vllm"):
+        calls = asyncio.run(main())
+    assert calls == ["load a", "unload a", "load a"]
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and DROP_PATH in errors[0].getMessage()
 
 
 @pytest.mark.parametrize("route", [True, False])

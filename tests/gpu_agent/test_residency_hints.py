@@ -480,3 +480,50 @@ def test_on_an_engine_that_evicts_its_own_lru_a_bet_whose_hinted_victim_is_busy_
         finally:
             await mgr.close()
     run(main())
+
+
+class KeepingConnector(FakeConnector):
+    """vLLM whose agent keeps names registered (``--vllm-keep-registered``): ``held`` is
+    its CPU cache, ``names`` what it serves by name; an unload drops only the weights."""
+
+    keeps_registered = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.names: set[str] = set()
+
+    async def load(self, spec, path, *, pinned=False, demand=False):
+        await super().load(spec, path, pinned=pinned, demand=demand)
+        self.names.add(spec.name)
+
+    async def registered(self):
+        return set(self.names)
+
+    def keeps_name(self, name):
+        return True
+
+
+def test_a_name_vllms_cache_dropped_while_it_stays_registered_is_a_tier_lost_not_a_reset(tmp_path):
+    """With names kept registered, an adapter missing from vLLM's cache but still served
+    by name lost its weights to one of vLLM's own reads: counted ``engine_gone``, not
+    reloaded. One vLLM no longer serves at all (it restarted) is a reset: reloaded."""
+    async def main():
+        eng = KeepingConnector(capacity=3)
+        mgr = await full_pool(tmp_path, eng)
+        try:
+            del eng.held["a2"]                     # vLLM's read took a2's weights
+            await mgr.reconcile()
+            m = mgr.metrics
+            assert mgr.view("a2").tier is not Tier.DEVICE
+            assert m.counter("ace_agent_evictions_total", tier="device", reason="engine_gone") == 1
+            assert m.counter("ace_agent_engine_resets_total") == 0
+            loads = [n for op, n in eng.calls if op == "load"]
+            del eng.held["a3"]
+            eng.names.discard("a3")                # forgotten: vLLM restarted under it
+            await mgr.reconcile()
+            assert m.counter("ace_agent_engine_resets_total") == 1
+            await async_wait_until(lambda: mgr.view("a3").tier is Tier.DEVICE, what="a3 reloaded")
+            assert [n for op, n in eng.calls if op == "load"] == [*loads, "a3"]
+        finally:
+            await mgr.close()
+    run(main())

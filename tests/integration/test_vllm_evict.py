@@ -21,7 +21,8 @@ from tests.support.agent import AUTH, agent_process
 from tests.support.fixtures import fixtures_dir
 from tests.support.vllm import VLLMServer, vllm_python
 from tests.support.wait import wait_until
-from tools.vllm_evict.ace_vllm_evict import CACHE_PATH, EVICTED, RANK_PATH, RANKED, RANKED_MARK, REGISTERED
+from tools.vllm_evict.ace_vllm_evict import (CACHE_PATH, DROP_PATH, DROPPED, EVICTED, NOT_REGISTERED, RANK_PATH,
+                                             RANKED, RANKED_MARK, READ, READ_MARK, READ_PATH, REGISTERED)
 from tools.vllm_measure.ace_vllm_measure import MARK as CPU_CACHE_READ
 
 pytestmark = pytest.mark.vllm
@@ -120,6 +121,38 @@ def test_vllms_full_cache_evicts_the_ranked_victim_before_its_lru(vllm, fixtures
     assert bad.status_code == 400 and "lora_names" in bad.json()["error"]["message"]
 
 
+def test_the_plugin_drops_and_reads_weights_while_the_name_stays_registered(vllm, fixtures):
+    """Cache of 2: A and B read; A's weights dropped (``DROP_PATH``), its name kept: C is
+    read into the freed place without evicting B, a request for A re-reads A (no
+    registration), and ``READ_PATH`` reads a registered adapter back ahead of a request."""
+    clear(vllm)
+    a, b, c = "code-python", "fin-reports", "med-triage"
+    load(vllm, fixtures, a)
+    load(vllm, fixtures, b)
+    resp = httpx.post(vllm.url + DROP_PATH, json={"lora_name": a}, timeout=60)
+    assert resp.status_code == 200 and resp.text.startswith(DROPPED), resp.text
+    assert set(vllm.adapters()) == {a, b} and cached(vllm) == [b]
+    b_reads, a_reads = reads(vllm, b), reads(vllm, a)
+    load(vllm, fixtures, c)
+    assert cached(vllm) == [b, c]
+    vllm.complete(b, "Quarterly revenue", max_tokens=1)
+    assert reads(vllm, b) == b_reads
+    resp = httpx.post(vllm.url + DROP_PATH, json={"lora_name": c}, timeout=60)
+    assert resp.status_code == 200 and cached(vllm) == [b]
+    vllm.complete(a, "def f(x):", max_tokens=1)   # registered, not cached: vLLM re-reads it
+    assert reads(vllm, a) == a_reads + 1 and cached(vllm) == [a, b]
+    resp = httpx.post(vllm.url + READ_PATH, json={"lora_name": c}, timeout=60)
+    assert resp.status_code == 200 and resp.text.startswith(READ), resp.text
+    assert f"{READ_MARK} {c}" in vllm.log.read_text(errors="replace")
+    assert c in cached(vllm) and len(cached(vllm)) == 2
+    gone = httpx.post(vllm.url + DROP_PATH, json={"lora_name": "not-registered"}, timeout=60)
+    assert gone.status_code == 200 and gone.text.startswith(NOT_REGISTERED)
+    unknown = httpx.post(vllm.url + READ_PATH, json={"lora_name": "not-registered"}, timeout=60)
+    assert unknown.status_code == 404 and NOT_REGISTERED in unknown.json()["error"]["message"]
+    bad = httpx.post(vllm.url + READ_PATH, json={"lora_names": [a]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_name"
+
+
 def rpc(agent, method, request):
     async def call():
         async with grpc.aio.insecure_channel(agent.target) as ch:
@@ -127,11 +160,11 @@ def rpc(agent, method, request):
     return asyncio.run(call())
 
 
-def evicting_agent(vllm, fixtures, tmp_path):
+def evicting_agent(vllm, fixtures, tmp_path, *extra: str):
     """An agent for this vLLM with ``--vllm-unload-evicts``, its registry at vLLM's cache size."""
     return agent_process(fixtures / "catalog.yaml", tmp_path, "vllm", engine_url=vllm.url,
                          extra=["--max-cpu-loras", str(vllm.max_cpu_loras), "--vllm-unload-evicts",
-                                "--reconcile-interval-s", "0.5"])
+                                "--reconcile-interval-s", "0.5", *extra])
 
 
 def resident(agent, *names: str) -> None:
@@ -179,3 +212,36 @@ def test_the_agent_unregisters_the_adapter_whose_weights_vllms_cache_dropped(vll
         a_reads = reads(vllm, a)
         vllm.complete(a, "def f(x):", max_tokens=1)
         assert reads(vllm, a) == a_reads
+
+
+def test_an_agent_that_keeps_names_registered_moves_only_weights(vllm, fixtures, tmp_path):
+    """``--vllm-keep-registered``: the victim of a prefetch keeps its registration and
+    leaves vLLM's cache only, so a request for it later is a re-read, not a registration;
+    a prefetch of a registered name whose weights left reads them back; a read vLLM makes
+    itself (that request's) into the full cache is a device tier lost, not an engine reset.
+    (Without the flag the victim is unregistered: the first assertion fails.)"""
+    clear(vllm)
+    with evicting_agent(vllm, fixtures, tmp_path, "--vllm-keep-registered") as agent:
+        a, b, c = "code-python", "fin-reports", "med-triage"
+        resident(agent, a, b)
+        rpc(agent, "Prefetch", pb.PrefetchRequest(adapter=c, evict=[a]))
+        wait_until(lambda: rpc(agent, "Status", pb.StatusRequest(adapter=c)).tier == pb.TIER_DEVICE)
+        assert set(vllm.adapters()) == {a, b, c}
+        assert cached(vllm) == [b, c]
+        assert rpc(agent, "Status", pb.StatusRequest(adapter=a)).tier != pb.TIER_DEVICE
+        # a prefetch of the dropped (still registered) name reads its weights back
+        reads_a = reads(vllm, a)
+        rpc(agent, "Prefetch", pb.PrefetchRequest(adapter=a, evict=[b]))
+        wait_until(lambda: rpc(agent, "Status", pb.StatusRequest(adapter=a)).tier == pb.TIER_DEVICE)
+        assert reads(vllm, a) == reads_a + 1 and cached(vllm) == [a, c]
+        assert f"{READ_MARK} {a}" in vllm.log.read_text(errors="replace")
+        # a request for B (registered, not cached) is vLLM's own re-read: the agent adopts
+        # B and loses what that read evicted, with no engine reset and no reload
+        resolved = vllm.log.read_text(errors="replace").count("Resolved and loaded")
+        vllm.complete(b, "Quarterly revenue", max_tokens=1)
+        wait_until(lambda: rpc(agent, "Status", pb.StatusRequest(adapter=b)).tier == pb.TIER_DEVICE, timeout=60)
+        wait_until(lambda: agent.metric('ace_agent_evictions_total{reason="engine_gone",tier="device"}') == 1)
+        assert agent.metric("ace_agent_engine_resets_total") == 0
+        assert set(vllm.adapters()) == {a, b, c}
+        assert len(cached(vllm)) == 2
+        assert vllm.log.read_text(errors="replace").count("Resolved and loaded") == resolved

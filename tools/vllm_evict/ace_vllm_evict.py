@@ -23,6 +23,14 @@ things there ignore the gateway's choice of victim:
   (``CACHE_PATH``) answers ``{"cached": [name, ...]}``: the registered names whose weights
   the cache holds now (``EngineClient.list_loras``), so that the agent unregisters a
   dropped name before a cached one.
+- A name that stays registered costs its next request a re-read (+0.9 ms on the
+  fixtures' model, ``make bench-vllm-paths``), one unregistered the filesystem resolver's
+  registration (+2.2 ms). ``POST /v1/ace/lora_drop {"lora_name"}`` (``DROP_PATH``) drops an
+  adapter's weights from the cache and keeps its name registered (``DROPPED`` in the
+  answer; an unknown name: ``NOT_REGISTERED``, nothing to drop), and ``POST
+  /v1/ace/lora_read {"lora_name"}`` (``READ_PATH``) reads a registered adapter into the
+  cache again (``READ_MARK`` in vLLM's log, the name after it), so that an agent can keep
+  every name registered and move only weights (``--vllm-keep-registered``).
 
 Deploy: ``pip install ./tools/vllm_evict`` into vLLM's environment and name it in
 ``VLLM_PLUGINS`` (with the resolver: ``VLLM_PLUGINS=lora_filesystem_resolver,ace_evict``);
@@ -41,6 +49,15 @@ RANK_PATH = "/v1/ace/lora_victims"
 RANKED = "ace: victims ranked"
 #: the cache's listing route
 CACHE_PATH = "/v1/ace/lora_cache"
+#: drop a registered adapter's weights, keep its name; the start of the answer, and the
+#: answer for a name that is not registered
+DROP_PATH = "/v1/ace/lora_drop"
+DROPPED = "ace: weights dropped from vLLM's LoRA cache, name kept"
+NOT_REGISTERED = "ace: not registered"
+#: read a registered adapter into the cache; the start of the answer, and the log line
+READ_PATH = "/v1/ace/lora_read"
+READ = "ace: read into vLLM's LoRA cache"
+READ_MARK = "ace-evict: read registered LoRA adapter"
 #: logged in the engine's process when the cache evicts a ranked adapter (then its id)
 RANKED_MARK = "ace-evict: cache evicted the ranked victim"
 #: the most names one ranking holds
@@ -148,7 +165,7 @@ def _patch_api() -> None:
 
 
 def _add_routes() -> None:
-    """``RANK_PATH`` and ``CACHE_PATH`` on the router of vLLM's runtime LoRA routes
+    """``RANK_PATH``, ``CACHE_PATH``, ``DROP_PATH`` and ``READ_PATH`` on the router of vLLM's runtime LoRA routes
     (included by the app only where those are on)."""
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
@@ -159,9 +176,22 @@ def _add_routes() -> None:
     if any(getattr(route, "path", None) == RANK_PATH for route in api_router.router.routes):
         return
 
-    def bad(message: str) -> JSONResponse:
+    def bad(message: str, param: str = "lora_names") -> JSONResponse:
         return JSONResponse(status_code=400, content={"error": {
-            "message": message, "type": "BadRequestError", "param": "lora_names", "code": 400}})
+            "message": message, "type": "BadRequestError", "param": param, "code": 400}})
+
+    async def registered_one(raw_request: Request):
+        """(the handler, the name, its registration or None) of a ``{"lora_name"}`` body, or
+        the 400 answer to a body that is not one."""
+        try:
+            body = json.loads(await raw_request.body())
+        except ValueError:
+            return bad("the body is not JSON", "lora_name")
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            return bad('expected {"lora_name": name}', "lora_name")
+        handler = models(raw_request)
+        return handler, name, handler.lora_requests.get(name)
 
     async def rank_lora_victims(raw_request: Request):
         try:
@@ -185,8 +215,31 @@ def _add_routes() -> None:
         cached = sorted(name for name, r in list(handler.lora_requests.items()) if r.lora_int_id in ids)
         return JSONResponse(content={"cached": cached})
 
+    def by_name(act):
+        """A route of a ``{"lora_name"}`` body: ``act(handler, name, registration or None)``."""
+        async def route(raw_request: Request):
+            got = await registered_one(raw_request)
+            return await act(*got) if isinstance(got, tuple) else got
+        return route
+
+    async def drop_lora(handler, name, known):
+        if known is None:
+            return Response(status_code=200, content=f"{NOT_REGISTERED}: {name}")
+        await handler.engine_client.remove_lora(known.lora_int_id)
+        return Response(status_code=200, content=f"{DROPPED}: {name}")
+
+    async def read_lora(handler, name, known):
+        if known is None:
+            return JSONResponse(status_code=404, content={"error": {
+                "message": f"{NOT_REGISTERED}: {name}", "type": "NotFoundError", "param": "lora_name", "code": 404}})
+        print(f"{READ_MARK} {name}", flush=True)
+        await handler.engine_client.add_lora(known)
+        return Response(status_code=200, content=f"{READ}: {name}")
+
     api_router.router.add_api_route(RANK_PATH, rank_lora_victims, methods=["POST"])
     api_router.router.add_api_route(CACHE_PATH, list_lora_cache, methods=["GET"])
+    api_router.router.add_api_route(DROP_PATH, by_name(drop_lora), methods=["POST"])
+    api_router.router.add_api_route(READ_PATH, by_name(read_lora), methods=["POST"])
 
 
 def register() -> None:
