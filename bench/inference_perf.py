@@ -21,6 +21,9 @@ gets a fresh fleet of real vLLM hosts with the same flags (``tools.vllm_fleet``,
   every engine registers the 15 adapters at start-up (``--lora-modules name=path``);
   vLLM's CPU cache (3) then re-reads the others from disk as they are used, which vLLM
   0.32 neither logs nor counts. No agent runs beside them.
+- ``ace+keep`` (not in the default targets): ``ace`` with agents that keep evicted
+  adapters registered and drop only their weights (``--vllm-keep-registered``), so its
+  misses are re-reads, as vllm-router's are, instead of the resolver's registrations.
 
 The report holds, per target, the tool's own reports as it wrote them (its
 ``summary_lifecycle_metrics.json`` and per-adapter files, by file name) and what the
@@ -47,7 +50,9 @@ from tools.vllm_fleet import BASE_MODEL, VLLMFlags, vllm_fleet, vllm_hosts
 from tools.localstack import run_until_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = ("ace", "vllm_router")
+TARGETS = ("ace", "vllm_router", "ace+keep")
+#: what ``make bench-inference-perf`` runs
+DEFAULT_TARGETS = ("ace", "vllm_router")
 KEY = "sk-bench-inference-perf-0001"
 GROUPS = ((5, 0.60), (5, 0.30), (5, 0.10))  # (adapters, share of the traffic)
 FRONTS = {
@@ -55,6 +60,8 @@ FRONTS = {
            "(agent prefetch, else vLLM's filesystem resolver)",
     "vllm_router": "vllm-router 0.1.17 (cache_aware), every adapter registered at vLLM start-up "
                    "(--lora-modules), no agent",
+    "ace+keep": "ace, with agents that keep evicted adapters registered and drop only their weights "
+                "(--vllm-keep-registered)",
 }
 
 
@@ -114,11 +121,12 @@ def run_target(args, target: str, catalog: Path, work: Path) -> dict:
     fixtures = catalog.parent
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
-        if target == "ace":
+        if target.startswith("ace"):
             st = stack.enter_context(vllm_fleet(
                 run_dir, catalog, fixtures / "model", fixtures / "adapters", args.vllm_python, args.hosts, flags,
                 lambda path, hosts: state_yaml(path, catalog, hosts, True), token=TOKEN,
-                agent_args=["--reconcile-interval-s", "0.2"]))
+                agent_args=["--reconcile-interval-s", "0.2",
+                            *(["--vllm-keep-registered"] if target == "ace+keep" else [])]))
             base, hosts = st["gateway"], st["hosts"]
         else:
             # What a vLLM user fronting vLLM with vllm-router does: every adapter of the
@@ -182,7 +190,7 @@ def summarize(tool_reports: dict) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     host_args(p, "inference_perf.json")
-    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"any of {', '.join(TARGETS)}")
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (constant load)")
     p.add_argument("--duration", type=int, default=120, help="seconds")
     p.add_argument("--tool", default=str(ROOT / ".venv-inference-perf" / "bin" / "inference-perf"))
