@@ -275,15 +275,11 @@ class VLLMConnector(EngineConnector):
         """What the device tier holds: the registered adapters, or (``keeps_registered``)
         those whose weights vLLM's cache holds."""
         if self.keeps_registered:
-            try:
-                resp = await self._client.get(CACHE_PATH)
-            except httpx.HTTPError as exc:
-                raise EngineUnavailable(f"vLLM {self._url}{CACHE_PATH}: {exc!r}") from exc
-            names = self._cache_listing(resp)
+            names = await self._listing()
             if names is not None:
                 return names
             if self.keeps_registered:   # unreadable, not missing: the reconcile tries again
-                raise EngineUnavailable(f"vLLM {CACHE_PATH}: HTTP {resp.status_code}")
+                raise EngineUnavailable(f"vLLM {self._url}{CACHE_PATH}: no listing")
         return await self.registered()
 
     async def registered(self) -> set[str]:
@@ -295,14 +291,23 @@ class VLLMConnector(EngineConnector):
 
     async def cached(self) -> set[str] | None:
         """The registered adapters whose weights vLLM's CPU cache holds now (the plugin's
-        ``CACHE_PATH``); None without the plugin's route, or when it could not be read."""
-        if not self.lists_cache or self.evicts_own_lru:
+        ``CACHE_PATH``); None without the plugin's route, or when it could not be read, and
+        where ``loaded`` already lists that cache (``keeps_registered``)."""
+        if not self.lists_cache or self.evicts_own_lru or self.keeps_registered:
             return None
+        try:
+            return await self._listing()
+        except EngineUnavailable as exc:
+            log.warning("%s", exc)
+            return None
+
+    async def _listing(self) -> set[str] | None:
+        """``GET CACHE_PATH`` read by ``_cache_listing``; EngineUnavailable when vLLM does
+        not answer."""
         try:
             resp = await self._client.get(CACHE_PATH)
         except httpx.HTTPError as exc:
-            log.warning("vLLM %s%s: %r", self._url, CACHE_PATH, exc)
-            return None
+            raise EngineUnavailable(f"vLLM {self._url}{CACHE_PATH}: {exc!r}") from exc
         return self._cache_listing(resp)
 
     def _cache_listing(self, resp: httpx.Response) -> set[str] | None:

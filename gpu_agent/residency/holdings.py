@@ -253,10 +253,10 @@ class TierHoldings:
             return n != spec.name and not self._states[n].pinned and n not in protected
 
         for name in await self._dropped(evictable):
-            if busy is None:
-                busy = await self.connector.busy()
             if not over():
                 return
+            if busy is None:
+                busy = await self.connector.busy()
             if name not in busy:
                 await self._unload_for(spec, name, EvictReason.ENGINE_DROPPED)
 

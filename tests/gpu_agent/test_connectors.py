@@ -317,6 +317,7 @@ def test_vllm_keeping_names_registered_moves_only_weights(tmp_path):
                 await conn.load(local, tmp_path)
                 await conn.load(remote, tmp_path)
                 assert await conn.loaded() == {"a", "r"}
+                assert await conn.cached() is None     # loaded() already is the cache
                 assert conn.keeps_name("a") and not conn.keeps_name("r")
                 await conn.unload("a")
                 await conn.unload("r")
