@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                              tls=settings.agent_tls(), queue_size=settings.prefetch_queue).start()
             popularity = PopularityFile(popularity_path(settings.db))
             _, slots = popularity.load()
-            planner = SpeculationPlanner(SpeculationSettings(context_steps=settings.prediction_context_steps),
+            planner = SpeculationPlanner(SpeculationSettings(context_steps=settings.prediction_context_steps,
+                                                             smoothing=settings.prediction_smoothing),
                                          route=route_by_policy(route), slots=slots, hold_s=settings.prefetch_hold_s)
             speculation = GatewaySpeculation(store, link.board, link, planner, popularity=popularity,
                                              fill=settings.startup_fill == "on").start()

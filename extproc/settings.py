@@ -47,6 +47,9 @@ _HELP = {
     "prediction_context_steps": "prediction also counts, per tenant, a session's distinct adapters so far "
                                 "-> its next one, for sessions of up to this many steps (docs/prediction.md, "
                                 "\"Prediction\"); 0: only the last two steps",
+    "prediction_smoothing": "prediction weighs a tenant's transition rows seen fewer than twice against the "
+                            "coarser rows (all tenants'), with this weight (docs/prediction.md, \"Prediction\"); "
+                            "0: such rows are ignored until seen twice",
     "log_level": "logging level (DEBUG, INFO, WARNING, ...)",
     "server": "gRPC server flavour: h2 (default: gRPC on a bare asyncio HTTP/2 loop, fewest "
               "syscalls, see docs/gateway.md), aio (grpc.aio) or threads (grpc thread pool)",
@@ -122,6 +125,7 @@ class Settings:
     startup_fill: str = "on"
     prefetch_hold_s: float = 0.5    # extproc.fleet.speculation.HOLD_S (not imported: it pulls in the planner)
     prediction_context_steps: int = 12  # extproc.policy.speculator.SpeculationSettings.context_steps
+    prediction_smoothing: float = 1.0  # extproc.policy.speculator.SpeculationSettings.smoothing
     log_level: str = "INFO"
     server: str = "h2"
     h2_max_streams: int = 4096      # extproc.transport.h2server.MAX_STREAMS (not imported: it pulls in grpc)
@@ -167,6 +171,8 @@ class Settings:
             raise ConfigError(f"--prefetch-hold-s must be in 0..60 seconds, got {self.prefetch_hold_s!r}")
         if not 0 <= self.prediction_context_steps <= 64:
             raise ConfigError(f"--prediction-context-steps must be in 0..64, got {self.prediction_context_steps}")
+        if not 0 <= self.prediction_smoothing <= 100:
+            raise ConfigError(f"--prediction-smoothing must be in 0..100, got {self.prediction_smoothing}")
         if self.workers < 1 or self.prefetch_queue < 1:
             raise ConfigError("--workers and --prefetch-queue must be positive")
         if not 1 <= self.h2_max_streams <= (1 << 31) - 1:
@@ -271,6 +277,7 @@ class Settings:
                        prefetch_queue=int(ns["prefetch_queue"]), startup_fill=str(ns["startup_fill"]).lower(),
                        prefetch_hold_s=float(ns["prefetch_hold_s"]),
                        prediction_context_steps=int(ns["prediction_context_steps"]),
+                       prediction_smoothing=float(ns["prediction_smoothing"]),
                        log_level=str(ns["log_level"]),
                        server=str(ns["server"]), h2_max_streams=int(ns["h2_max_streams"]),
                        **{name: Path(ns[name]) if ns[name] else None

@@ -214,6 +214,7 @@ class TransitionModel:
         order: int = 2,
         max_rows: int = 4096,
         context_steps: int = 12,
+        smoothing: float = 1.0,
     ) -> None:
         """``order=2``: also count ``(before, adapter) -> next`` (the two latest steps of a
         session), used when it has ``min_support`` observations; ``predict_next`` backs off
@@ -229,9 +230,24 @@ class TransitionModel:
         (0: off). ``predict_session`` uses that row when it has ``min_support``
         observations: it tells two workflows apart where their last two steps agree (after
         sql -> code, one workflow goes on to review, another, which opened with code, to
-        sql). Bounded: ``max_rows`` such rows per tenant, least recently counted first out."""
+        sql). Bounded: ``max_rows`` such rows per tenant, least recently counted first out.
+
+        ``smoothing`` (> 0, the default 1): a row with fewer than ``min_support``
+        observations is not ignored but weighed against the rows coarser than it (the
+        session's last two steps for this tenant, then its last step, then all tenants'
+        last two steps, then all tenants' last step): ``p(b) = (count(b) + smoothing *
+        p_coarser(b)) / (total + smoothing)``, where ``p_coarser`` is what the finest
+        coarser row with ``min_support`` observations says (itself so weighed by any
+        sparser rows between). So a tenant's habit seen once already shifts the guess,
+        without being taken as a certainty. ``0``: such a row is ignored (the finest row
+        with ``min_support`` observations speaks alone, and the all-tenant pair rows are
+        not used). The session's-steps rows speak alone from ``min_support`` either way.
+        """
         if order not in (1, 2):
             raise ValueError(f"order must be 1 or 2, got {order}")
+        if not (smoothing >= 0.0 and math.isfinite(smoothing)):
+            raise ValueError(f"smoothing must be a finite number >= 0, got {smoothing}")
+        self.smoothing = float(smoothing)
         if context_steps < 0:
             raise ValueError(f"context_steps must be >= 0, got {context_steps}")
         self.context_steps = context_steps
@@ -329,9 +345,19 @@ class TransitionModel:
         the tenant's ``(before, adapter)`` row is used when it has ``min_support``
         observations. Else the tenant's own counts when it has ``min_support``
         observations after this adapter, else the all-tenant counts; empty when neither
-        knows the adapter.
+        knows the adapter. With ``smoothing`` > 0 (the default), the all-tenant
+        ``(before, adapter)`` row also counts, and a row with fewer than ``min_support``
+        observations is weighed against the coarser rows rather than ignored
+        (``_interpolated``).
         """
         rows = self._tenants.get(tenant)
+        if self.smoothing > 0.0:
+            pair = (before, adapter) if before is not None and self.order == 2 else None
+            chain = [rows.get(pair) if rows is not None and pair is not None else None,
+                     rows.get(adapter) if rows is not None else None,
+                     self._global.get(pair) if pair is not None else None,
+                     self._global.get(adapter)]
+            return self._interpolated(chain, k)
         row = None
         if before is not None and self.order == 2 and rows is not None:
             row = rows.get((before, adapter))
@@ -368,6 +394,32 @@ class TransitionModel:
                 ranked = sorted(row.counts.items(), key=lambda kv: -kv[1])[:k]
                 return [(a, c / row.total) for a, c in ranked]
         return self.predict_next(tenant, last, k, before=self._before.get(key))
+
+    def _interpolated(self, chain: list, k: int) -> list[tuple[Hashable, float]]:
+        """The ``k`` likeliest next adapters over ``chain`` (rows, finest first; None: a
+        row not there). From the coarsest row up: a row with ``min_support`` observations
+        speaks alone; a sparser one is weighed against what the coarser rows say,
+        ``(count(b) + smoothing * p(b | coarser)) / (total + smoothing)``. Ties keep the
+        finest row's order. Empty when no row is there."""
+        a = self.smoothing
+        dist: dict[Hashable, float] = {}
+        for row in reversed(chain):
+            if row is None or row.total <= 0.0:
+                continue
+            if not dist or row.total >= self.min_support:
+                dist = {b: c / row.total for b, c in row.counts.items()}
+                continue
+            scale = 1.0 / (row.total + a)
+            mixed = {b: c * scale for b, c in row.counts.items()}
+            for b, p in dist.items():
+                mixed[b] = mixed.get(b, 0.0) + a * scale * p
+            dist = mixed
+        if not dist:
+            return []
+        if k == 1:
+            best = max(dist, key=dist.__getitem__)
+            return [(best, dist[best])]
+        return sorted(dist.items(), key=lambda kv: -kv[1])[:k]
 
     def last_adapter(self, tenant: Hashable, session: Hashable) -> Hashable | None:
         return self._last.get((tenant, session))

@@ -76,13 +76,15 @@ class SpeculationSettings:
     max_inflight: int = 2  # per host: no new prefetch while this many are loading (0 = no limit)
     lookahead: int = 1  # 2: also offer the step after the next (P(b) x P(c | b)) when at least min_p
     working_set: int = 2  # SessionDemand also expects the session's last N other adapters back (0 = off)
-    min_support: float = 2.0  # observations a tenant's transition row needs before it is trusted over all tenants'
+    min_support: float = 2.0  # smoothing 0 only: observations a row needs before it speaks instead of coarser ones
+    smoothing: float = 1.0  # TransitionModel: each row weighed against the coarser ones (0: the min_support rule)
     context_steps: int = 12  # the session's steps so far as a context, up to this many distinct steps (0 = off)
     opener_min_p: float | None = None  # least use probability of a session opener worth a load (None: min_p)
 
     def transition_model(self) -> TransitionModel:
         """A new transition model with these settings (the one place they are passed on)."""
-        return TransitionModel(order=self.order, min_support=self.min_support, context_steps=self.context_steps)
+        return TransitionModel(order=self.order, min_support=self.min_support, context_steps=self.context_steps,
+                               smoothing=self.smoothing)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.policy.prediction import (
     FirstSteps,
@@ -55,6 +57,63 @@ def test_new_tenant_falls_back_to_global_model():
         model.observe("old", s, "a")
         model.observe("old", s, "b")
     assert model.predict_next("new", "a", 1) == [("b", 1.0)]
+
+
+def _habits(model: TransitionModel) -> None:
+    """Five sessions of other tenants go a -> c, and t1's one session a -> b."""
+    for s in range(5):
+        model.observe(f"other{s}", s, "a")
+        model.observe(f"other{s}", s, "c")
+    model.observe("t1", "s", "a")
+    model.observe("t1", "s", "b")
+
+
+def test_a_tenants_habit_seen_once_is_weighed_against_all_tenants_not_ignored():
+    smoothed = TransitionModel(min_support=2)  # smoothing 1 by default
+    _habits(smoothed)
+    # all tenants: a -> c 5 of 6, a -> b 1 of 6; t1's row (1 observation): a -> b.
+    # b: (1 + 1/6) / 2, c: (0 + 5/6) / 2
+    (first, p_first), (second, p_second) = smoothed.predict_next("t1", "a", 2)
+    assert (first, second) == ("b", "c")
+    assert p_first == pytest.approx(7 / 12) and p_second == pytest.approx(5 / 12)
+    hard = TransitionModel(min_support=2, smoothing=0)  # the rule before: t1's row is ignored
+    _habits(hard)
+    assert hard.predict_next("t1", "a", 1) == [("c", pytest.approx(5 / 6))]
+    # a tenant with no row of its own gets all tenants' in both
+    assert smoothed.predict_next("new", "a", 1) == hard.predict_next("new", "a", 1)
+
+
+def test_a_row_with_min_support_observations_speaks_alone_with_smoothing():
+    model = TransitionModel(min_support=2)
+    _habits(model)
+    model.observe("t1", "s2", "a")
+    model.observe("t1", "s2", "b")
+    assert model.predict_next("t1", "a", 2) == [("b", 1.0)]
+
+
+def test_a_sessions_own_sparse_pair_row_is_weighed_against_its_tenants_row():
+    model = TransitionModel(min_support=2, context_steps=0)
+    for s in range(3):  # t: x -> a -> c, three times
+        for step in ("x", "a", "c"):
+            model.observe("t", s, step)
+    for step in ("y", "a", "d"):  # and once y -> a -> d
+        model.observe("t", "once", step)
+    model.observe("t", "now", "y")
+    model.observe("t", "now", "a")
+    # the (y, a) pair row (1 observation) says d; t's a row (4) says c 3, d 1:
+    # d: (1 + 1/4) / 2, c: (3/4) / 2
+    assert model.predict_session("t", "now", 2) == [("d", pytest.approx(5 / 8)), ("c", pytest.approx(3 / 8))]
+    hard = TransitionModel(min_support=2, context_steps=0, smoothing=0)
+    for s, steps in [(0, "xac"), (1, "xac"), (2, "xac"), ("once", "yad"), ("now", "ya")]:
+        for step in steps:
+            hard.observe("t", s, step)
+    assert hard.predict_session("t", "now", 1) == [("c", 0.75)]  # the rule before: the pair row is ignored
+
+
+@pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf])
+def test_smoothing_must_be_a_finite_number_at_least_0(bad):
+    with pytest.raises(ValueError, match="smoothing"):
+        TransitionModel(smoothing=bad)
 
 
 def test_probabilities_and_aging():
@@ -522,3 +581,19 @@ def test_session_demand_expects_the_sessions_working_set_back_at_the_measured_re
         off.step("t", "s", a)
         off.expect("t", "s", [], float(i))
     assert off.need("plan", 2.0) == 0.0 and off.need("code", 2.0) == 0.0
+
+
+@given(st.lists(st.tuples(st.sampled_from("tuv"), st.integers(0, 5), st.sampled_from("abcde")), max_size=60),
+       st.sampled_from([0.0, 0.5, 1.0, 4.0]), st.sampled_from([1.0, 2.0, 3.0]))
+@settings(max_examples=200, deadline=None)
+def test_predictions_are_a_ranked_distribution_whatever_was_observed(steps, smoothing, min_support):
+    model = TransitionModel(min_support=min_support, smoothing=smoothing)
+    for tenant, session, adapter in steps:
+        model.observe(tenant, session, adapter)
+    for tenant, session, _ in steps:
+        ranked = model.predict_session(tenant, session, 5)
+        probabilities = [p for _, p in ranked]
+        assert all(0.0 < p <= 1.0 for p in probabilities)
+        assert probabilities == sorted(probabilities, reverse=True)
+        assert sum(probabilities) <= 1.0 + 1e-9
+        assert len({a for a, _ in ranked}) == len(ranked)

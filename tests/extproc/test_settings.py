@@ -24,7 +24,9 @@ def test_flags_beat_env_beat_file(tmp_path, state_file, monkeypatch):
                                   ["--prefetch-hold-s", "-0.1"], ["--prefetch-hold-s", "61"],
                                   ["--prefetch-hold-s", "nan"], ["--prefetch-hold-s", "soon"],
                                   ["--prediction-context-steps", "-1"], ["--prediction-context-steps", "65"],
-                                  ["--prediction-context-steps", "many"]])
+                                  ["--prediction-context-steps", "many"], ["--prediction-smoothing", "-1"],
+                                  ["--prediction-smoothing", "101"], ["--prediction-smoothing", "nan"],
+                                  ["--prediction-smoothing", "some"]])
 def test_invalid_settings_are_config_errors(state_file, args):
     with pytest.raises(ConfigError):
         Settings.from_args(["--config", str(state_file), *args])
@@ -47,6 +49,14 @@ def test_the_request_path_waits_half_a_millisecond_at_most_for_the_gil_by_defaul
     assert Settings.from_args(["--config", str(state_file), "--gil-switch-ms", "0"]).gil_switch_ms == 0.0
     assert Settings.from_args(["--config", str(state_file)]).prediction_context_steps == 12
     assert Settings.from_args(["--config", str(state_file), "--prediction-context-steps", "0"]).prediction_context_steps == 0
+
+
+def test_prediction_smoothing_defaults_to_1_and_reaches_the_planners_model(state_file):
+    from extproc.policy.speculator import SpeculationSettings
+
+    assert Settings.from_args(["--config", str(state_file)]).prediction_smoothing == 1.0
+    assert Settings.from_args(["--config", str(state_file), "--prediction-smoothing", "0"]).prediction_smoothing == 0.0
+    assert SpeculationSettings(smoothing=0.5).transition_model().smoothing == 0.5
 
 
 def test_the_state_database_is_the_postgres_url_when_set_else_the_sqlite_file(tmp_path, state_file, monkeypatch):
