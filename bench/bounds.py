@@ -191,14 +191,14 @@ def miss_causes(rows: Sequence[Mapping], slots: int, *, labels: Mapping[str, str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.bounds REPORT``: (re)derive every fleet entry's ``miss_causes`` (and, for
-    a vLLM report, its ``prefetch_reference``) of a ``bench.multi_lora_eval`` or ``bench.vllm_eval`` report from the rows it wrote beside it
+    """``python -m bench.bounds REPORT``: (re)derive every fleet entry's ``miss_causes`` and
+    ``prefetch_reference`` of a ``bench.multi_lora_eval`` or ``bench.vllm_eval`` report from the rows it wrote beside it
     (``<report>_rows.jsonl``; each arm's first run) and its trace; rewrites the report."""
     import argparse
     import json
     from pathlib import Path
 
-    from bench.multi_lora_eval import ok_rows, stack_miss_causes
+    from bench.multi_lora_eval import ok_rows, stack_miss_causes, stack_prefetch_reference
     from bench.report import first_replay_rows
     from bench.trace import load_trace
 
@@ -227,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         rows[(str(r.pop("hosts")), r.pop("arm"))].append(r)
     for n, arms in report["fleets"].items():
         for arm, entry in arms.items():
-            entry["miss_causes"] = stack_miss_causes(ok_rows(rows[(n, arm)]), requests, report["pool_adapters"])
+            ok = ok_rows(rows[(n, arm)])
+            entry["miss_causes"] = stack_miss_causes(ok, requests, report["pool_adapters"])
+            entry["prefetch_reference"] = stack_prefetch_reference(ok, requests, report["pool_adapters"])
     path.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

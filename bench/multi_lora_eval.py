@@ -104,6 +104,7 @@ import httpx
 import yaml
 
 from bench.bounds import fleet_bounds, miss_causes
+from bench.prefetch_reference import prefetch_reference
 from bench import cores, proc_cpu
 from bench.pace import pace_probe, read_probe
 from bench.pacing import engine_seconds, pilot_compute_s, replay_speed
@@ -765,7 +766,8 @@ def run_arm(args, requests: list[dict], work: Path, catalog: Path, names: set[st
                "gc_pauses": gc_replay, "loop_lag": loop_lag["agents"], "gateway_loop_lag": loop_lag["gateway"],
                "client_loop_lag": loop_lag["client"],
                "ttft_breakdown": ttft_breakdown(ok), "bounds": fleet_bounds(ok, pool),
-               "miss_causes": stack_miss_causes(ok, requests, pool)})
+               "miss_causes": stack_miss_causes(ok, requests, pool),
+               "prefetch_reference": stack_prefetch_reference(ok, requests, pool)})
     log(f"{label}done in {time.monotonic() - t_run:.0f}s: resident {entry['resident_hits']}/{entry['total']}, "
         f"effective {entry['effective_hits']}, errors {entry['errors']}, stall p99 {entry['stall_ms']['p99']}, "
         f"ttft p99 {entry['ttft_ms']['p99']}, per host {entry['requests_per_host']}, loads {loads}, "
@@ -781,6 +783,16 @@ def stack_miss_causes(ok: list[dict], requests: list[dict], pool: int, stall_eps
     rows = [{**r, "hit": r["wait_ms"] <= stall_eps_ms,
              "late": r["wait_ms"] > stall_eps_ms and r.get("action") == "adapter_prefetched_applied"} for r in ok]
     return miss_causes(rows, pool, labels={r.get("id"): r.get("workflow", "") for r in requests})
+
+
+def stack_prefetch_reference(ok: list[dict], requests: list[dict], pool: int) -> dict:
+    """``bench.prefetch_reference`` over an arm's rows (its hosts, in the order sent, on the
+    trace's clock, with its ``workflow`` labels) at ``pool`` slots a host: what each
+    predictor is worth on this arm's routing with loads that take no time."""
+    by_id = {r["id"]: r for r in requests}
+    rows = [{"id": r["id"], "host": r["host"], "adapter": r["adapter"], "session": r["session"],
+             "sent_s": r["sent_s"], "at_s": by_id[r["id"]]["t"]} for r in ok]
+    return prefetch_reference(rows, pool, labels={r["id"]: by_id[r["id"]].get("workflow", "") for r in ok})
 
 
 PAIR = ("affinity", "ace")  # the arms the checks compare: the ones --replays repeats

@@ -218,3 +218,17 @@ def test_vllm_section_says_when_the_arms_were_compared_pooled():
     text = "\n".join(vllm_eval(r))
     assert "compare affinity and ace pooled over 2 runs each, palindromic order" in text
     assert "the machine's pace in their runs" in text and "ace 1.00, 1.10" in text
+
+
+def test_the_hundreds_section_says_what_prediction_is_worth_against_each_target():
+    from tools.report_tables import hundreds_reference
+
+    report = json.loads((REPO / "reports" / "hundreds_eval.json").read_text())
+    ace = report["fleets"][str(report["fleet_hosts"])]["ace"]
+    line = "\n".join(hundreds_reference(report))
+    assert f"ace's own first run: {ace['effective_hits']} effective hits" in line
+    assert f">= its own per-host Belady {ace['bounds']['belady_hits']}" in line
+    for name in ("none", "learned", "workflow", "next_step"):
+        assert str(ace["prefetch_reference"]["predictors"][name]["hits"]) in line
+    del ace["prefetch_reference"]
+    assert hundreds_reference(report) == []  # a report from before the reference: no line

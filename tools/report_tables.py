@@ -468,11 +468,26 @@ def hundreds(r: dict) -> list[str]:
         *fleet(r),
         "",
         *miss_table(r),
+        *hundreds_reference(r),
         "",
         *where_time_goes(r),
         "",
         f"![TTFT distributions per arm, {r['fleet_hosts']} hosts, hundreds of adapters](reports/hundreds_eval.png)",
     ]
+
+
+def hundreds_reference(r: dict) -> list[str]:
+    """What prediction is worth on ace's routing at the fleet the targets name, against the
+    hits each issue-21 target needs (reports from before ``prefetch_reference``: nothing)."""
+    arms = r["fleets"].get(str(r["fleet_hosts"])) or {}
+    ace, aff = arms.get("ace"), arms.get("affinity")
+    if not ace or not aff or not ace.get("prefetch_reference"):
+        return []
+    n = ace["total"]
+    needs = {"ace >= 90%": 0.9 * n, "+12 over affinity": aff["effective_hits"] + 0.12 * n,
+             ">= its own per-host Belady": ace["bounds"]["belady_hits"]}
+    return ["", _reference_line(ace["prefetch_reference"], needs, held="pool slots")[2:]
+            + f" ace's own first run: {ace['effective_hits']} effective hits."]
 
 
 def _requests(r: dict) -> int:
@@ -673,9 +688,10 @@ def _vllm_causes(m: dict | None, need: float) -> str:
             f"under that ceiling, so the evicted, capacity and opener misses are what it misses by.")
 
 
-def _vllm_reference(ref: dict | None, needs: dict[str, float]) -> str:
+def _reference_line(ref: dict | None, needs: dict[str, float], held: str = "registrations") -> str:
     """The line on what prediction is worth on ace's routing (its first run's
-    ``prefetch_reference``), against the hits each target ``needs``."""
+    ``prefetch_reference``), against the hits each target ``needs``; ``held``: what a
+    host's ``slots`` are (vLLM's registrations, the builtin pool's slots)."""
     if not ref:
         return ""
     p = ref["predictors"]
@@ -689,7 +705,7 @@ def _vllm_reference(ref: dict | None, needs: dict[str, float]) -> str:
     reached = {name: [t for t, need in needs.items() if p[name]["hits"] >= need] for name in p}
     met = "; ".join(f"{name}: {', '.join(t) if t else 'none'}" for name, t in reached.items())
     return ("- What prediction is worth on that routing (`prefetch_reference`, bench/prefetch_reference.py: ace's "
-            f"first run replayed in the order sent through the same {ref['slots']} registrations a host, with loads "
+            f"first run replayed in the order sent through the same {ref['slots']} {held} a host, with loads "
             "that take no time and one rule: evict the adapter the fewest live predictions name, prefetch a "
             f"predicted one when its victim is named by fewer; references, not bounds): of {ref['requests']} "
             "requests, " + one("none", "no prediction (LRU)") + "; "
@@ -829,7 +845,7 @@ def vllm_eval(r: dict) -> list[str]:
         if routers:
             needs["+30 over the best vllm-router arm"] = max(per_run(r, "hits") for r in routers) + 0.30 * n
         if ace.get("prefetch_reference"):
-            lines.append(_vllm_reference(ace["prefetch_reference"], needs))
+            lines.append(_reference_line(ace["prefetch_reference"], needs))
         by_reg = ace.get("ttft_ms_by_registration") or {}
         reg, unreg = by_reg.get("registered") or {}, by_reg.get("not_registered") or {}
         if reg.get("p50") is not None and unreg.get("p50") is not None:

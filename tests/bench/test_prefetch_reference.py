@@ -129,3 +129,25 @@ def test_learnability_splits_first_sessions_of_a_workflow_from_later_ones():
     # s2 follows the plan s1 taught: both models name both its steps (the gateway's from its
     # all-tenant rows, the tenant's own having fewer than min_support observations)
     assert got["later"] == {"steps": 2, "learned": 2, "gateway": 2, "workflow": 2}
+
+
+def test_the_builtin_benchs_rows_are_replayed_on_the_traces_clock_in_the_order_sent():
+    """``bench.multi_lora_eval.stack_prefetch_reference``: an arm's rows (sent out of the
+    trace's order) and the trace (its ``t`` and ``workflow`` labels) give the same reference
+    as the rows ``prefetch_reference`` takes directly."""
+    from bench.multi_lora_eval import stack_prefetch_reference
+
+    trace = [{"id": f"r{i}", "t": 10.0 * i, "workflow": "a->b->c"} for i in range(6)]
+    sent = [("r1", 2.0), ("r0", 1.0), ("r2", 3.0), ("r4", 5.0), ("r3", 4.0), ("r5", 6.0)]
+    steps = {"r0": ("s0", "a"), "r1": ("s0", "b"), "r2": ("s0", "c"), "r3": ("s1", "a"), "r4": ("s1", "b"),
+             "r5": ("s1", "c")}
+    ok = [{"id": i, "session": steps[i][0], "adapter": steps[i][1], "host": "h0", "sent_s": at, "wait_ms": 0.0}
+          for i, at in sent]
+    got = stack_prefetch_reference(ok, trace, 2)
+    direct = prefetch_reference([{"id": r["id"], "session": r["session"], "adapter": r["adapter"], "host": "h0",
+                                  "sent_s": r["sent_s"], "at_s": 10.0 * int(r["id"][1:])} for r in ok], 2,
+                                labels={f"r{i}": "a->b->c" for i in range(6)})
+    assert got == direct
+    assert got["requests"] == 6 and got["slots"] == 2
+    # with the plan known, the second session's b and c are prefetched behind its a
+    assert got["predictors"]["workflow"]["hits"] > got["predictors"]["none"]["hits"]
