@@ -142,7 +142,7 @@ bench: $(if $(findstring vllm_router,$(ARMS)),$(ROUTER_STAMP),)
 # generator's previous day (WARM_FROM's default when TRACE is not given); WARM_FROM= : cold.
 # make bench SCENARIO=hundreds [SEED=N] [HOSTS=4] [SLOTS=16]: the mission's scale (226 adapters,
 # 48 tenants), every arm cold, into reports/hundreds_eval.json; SEED= another generator seed
-# (held-out: 20261207, 20261208; 20261202, 20261203, 20261205 and 20261211 were looked at while tuning), generated into var/ and reported there.
+# (held-out: 20261207, 20261208, 20261213, 20261214; 20261202, 20261203, 20261205 and 20261211 were looked at while tuning), generated into var/ and reported there.
 # make bench SCENARIO=sixteen [SEED=N] [HOSTS=4] [SLOTS=8]: 16 adapters, 12 tenants, 1,200
 # requests (data/multi_lora_eval/sixteen.json), every arm cold, into reports/sixteen_eval.json.
 SCENARIO ?=
