@@ -486,7 +486,7 @@ def hundreds_reference(r: dict) -> list[str]:
     n = ace["total"]
     needs = {"ace >= 90%": 0.9 * n, "+12 over affinity": aff["effective_hits"] + 0.12 * n,
              ">= its own per-host Belady": ace["bounds"]["belady_hits"]}
-    return ["", _reference_line(ace["prefetch_reference"], needs, held="pool slots")[2:]
+    return ["", _reference_line(ace["prefetch_reference"], needs, held="pool slots")
             + f" ace's own first run: {ace['effective_hits']} effective hits."]
 
 
@@ -704,7 +704,7 @@ def _reference_line(ref: dict | None, needs: dict[str, float], held: str = "regi
 
     reached = {name: [t for t, need in needs.items() if p[name]["hits"] >= need] for name in p}
     met = "; ".join(f"{name}: {', '.join(t) if t else 'none'}" for name, t in reached.items())
-    return ("- What prediction is worth on that routing (`prefetch_reference`, bench/prefetch_reference.py: ace's "
+    return ("What prediction is worth on that routing (`prefetch_reference`, bench/prefetch_reference.py: ace's "
             f"first run replayed in the order sent through the same {ref['slots']} {held} a host, with loads "
             "that take no time and one rule: evict the adapter the fewest live predictions name, prefetch a "
             f"predicted one when its victim is named by fewer; references, not bounds): of {ref['requests']} "
@@ -845,7 +845,7 @@ def vllm_eval(r: dict) -> list[str]:
         if routers:
             needs["+30 over the best vllm-router arm"] = max(per_run(r, "hits") for r in routers) + 0.30 * n
         if ace.get("prefetch_reference"):
-            lines.append(_reference_line(ace["prefetch_reference"], needs))
+            lines.append("- " + _reference_line(ace["prefetch_reference"], needs))
         by_reg = ace.get("ttft_ms_by_registration") or {}
         reg, unreg = by_reg.get("registered") or {}, by_reg.get("not_registered") or {}
         if reg.get("p50") is not None and unreg.get("p50") is not None:

@@ -351,31 +351,12 @@ class TransitionModel:
         (``_interpolated``).
         """
         rows = self._tenants.get(tenant)
-        if self.smoothing > 0.0:
-            pair = (before, adapter) if before is not None and self.order == 2 else None
-            chain = [rows.get(pair) if rows is not None and pair is not None else None,
-                     rows.get(adapter) if rows is not None else None,
-                     self._global.get(pair) if pair is not None else None,
-                     self._global.get(adapter)]
-            return self._interpolated(chain, k)
-        row = None
-        if before is not None and self.order == 2 and rows is not None:
-            row = rows.get((before, adapter))
-            if row is not None and row.total < self.min_support:
-                row = None
-        if row is None:
-            row = rows.get(adapter) if rows is not None else None
-        if row is None or row.total < self.min_support:
-            row = self._global.get(adapter)
-            if row is None or row.total <= 0.0:
-                return []
-        total = row.total
-        counts = row.counts
-        if k == 1:
-            best = max(counts, key=counts.__getitem__)
-            return [(best, counts[best] / total)]
-        ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:k]
-        return [(a, c / total) for a, c in ranked]
+        pair = (before, adapter) if before is not None and self.order == 2 else None
+        return self._interpolated(
+            [rows.get(pair) if rows is not None and pair is not None else None,
+             rows.get(adapter) if rows is not None else None,
+             self._global.get(pair) if pair is not None and self.smoothing > 0.0 else None,
+             self._global.get(adapter)], k)
 
     def predict_session(self, tenant: Hashable, session: Hashable, k: int = 2) -> list[tuple[Hashable, float]]:
         """The ``k`` likeliest next adapters of the session (tenant, session) after its last
@@ -397,10 +378,11 @@ class TransitionModel:
 
     def _interpolated(self, chain: list, k: int) -> list[tuple[Hashable, float]]:
         """The ``k`` likeliest next adapters over ``chain`` (rows, finest first; None: a
-        row not there). From the coarsest row up: a row with ``min_support`` observations
-        speaks alone; a sparser one is weighed against what the coarser rows say,
-        ``(count(b) + smoothing * p(b | coarser)) / (total + smoothing)``. Ties keep the
-        finest row's order. Empty when no row is there."""
+        row not there). From the coarsest row up: the coarsest row there, and any row
+        with ``min_support`` observations, speaks alone; a sparser one is weighed against
+        what the coarser rows say, ``(count(b) + smoothing * p(b | coarser)) / (total +
+        smoothing)``, or skipped with ``smoothing`` 0. Ties keep the finest row's order.
+        Empty when no row is there."""
         a = self.smoothing
         dist: dict[Hashable, float] = {}
         for row in reversed(chain):
@@ -408,6 +390,8 @@ class TransitionModel:
                 continue
             if not dist or row.total >= self.min_support:
                 dist = {b: c / row.total for b, c in row.counts.items()}
+                continue
+            if a == 0.0:
                 continue
             scale = 1.0 / (row.total + a)
             mixed = {b: c * scale for b, c in row.counts.items()}
