@@ -38,7 +38,7 @@ class AgentMetrics:
         "ace_agent_engine_resets_total": ("counter", "Times the engine lost adapters the agent had loaded (restart) and residency was rebuilt."),
         "ace_agent_prefetch_preemptions_total": ("counter", "Prefetch loads that paused for a request's load or the engine's compute, by the stage where they stopped (agent_fetch: before the agent fetched its files; agent: before the device stage; fetch, read, copy: in the builtin engine, copy = a partial pool copy discarded)."),
         "ace_agent_prefetch_compute_waits_total": ("counter", "Builtin engine: prefetch loads that waited for the engine's compute (a request accepted, queued or running); outcome=overrun: went on after the engine's compute_defer_s."),
-        "ace_agent_prefetch_node_waits_total": ("counter", "Builtin engine: prefetch loads that waited (at most 100 ms) because every core of the node ran another task (the engines beside this one; --prefetch-node-cpu)."),
+        "ace_agent_prefetch_node_waits_total": ("counter", "Builtin engine: prefetch loads that waited (at most 100 ms) because the cores the engine runs on were taken by other tasks (the engines beside this one; --prefetch-node-cpu)."),
         "ace_agent_prefetch_cancelled_total": ("counter", "Prefetch loads given up, by reason (no_room, builtin engine: room only by evicting what requests hold or are about to use; victim_in_use: a priced prefetch whose hinted victims a request is about to use)."),
         "ace_agent_prefetch_victims_skipped_total": ("counter", "Hinted victims (Prefetch.evict) not evicted because a request was about to use them (reason=in_use)."),
     }

@@ -70,7 +70,7 @@ class EngineSettings:
                 "for compute (gpu_agent/engine/load_order.py)"})
     prefetch_node_cpu: bool = field(default=True, metadata={
         "help": "a prefetch also waits (at most 100 ms, and within prefetch_compute_defer_ms) while "
-                "every core of the node runs another task: the engines beside this one "
+                "the cores this process runs on are taken by other tasks: the engines beside this one "
                 "(gpu_agent/engine/node_cpu.py)"})
     max_adapters: int | None = field(default=None, metadata={
         "help": "most adapters resident in the pool at once (LRU eviction on every load); "

@@ -22,7 +22,7 @@ CPU) with the forward; deferred behind a request's load only, it resumed exactly
 request's first forward pass began, and delayed it (docs/bench-history.md, 2026-12-02,
 "Prefetch off the compute"). The engines beside this one on the node are not in its
 batcher: with ``node_busy`` set (``gpu_agent.engine.node_cpu``), a prefetch also waits
-while every core of the node runs another task, for at most ``NODE_DEFER_S`` (looking again
+while the cores it runs on are taken by other tasks, for at most ``NODE_DEFER_S`` (looking again
 every ``NODE_POLL_S``, since nothing notifies when another engine's pass ends).
 
 A request that needs an adapter a prefetch is loading joins that load and promotes it
@@ -100,7 +100,7 @@ class LoadOrder:
         self.compute_defer_s = compute_defer_s
         # the engine has a request accepted, queued or running (read from load threads too)
         self.compute_busy: Callable[[], bool] = compute_busy or (lambda: False)
-        # every core of the node runs something else (``gpu_agent.engine.node_cpu``): no
+        # the cores this process runs on are taken by others (``gpu_agent.engine.node_cpu``): no
         # notify() says when that ends, so a prefetch waiting on it looks again every
         # NODE_POLL_S; None: the node is not watched
         self.node_busy: Callable[[], bool] | None = node_busy

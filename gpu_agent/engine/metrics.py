@@ -73,8 +73,8 @@ def render_metrics(engine: Any, http_stats: Any) -> str:
              "running); overrun: went on after compute_defer_s",
              [({"outcome": k}, v) for k, v in res.order.compute_wait_outcomes().items()])
     t.metric("ace_engine_prefetch_node_waits_total", "counter",
-             "Prefetch loads that waited (at most 100 ms) while every core of the node ran another "
-             "task (prefetch_node_cpu)",
+             "Prefetch loads that waited (at most 100 ms) while the cores the engine runs on were "
+             "taken by other tasks (prefetch_node_cpu)",
              [({}, res.order.node_waits)])
     t.metric("ace_engine_prefetch_cancelled_total", "counter",
              "Prefetch loads given up (no_room: room only by evicting what requests use)",

@@ -19,11 +19,144 @@ def _loadavg(tmp_path, running: int, total: int = 120):
     return p
 
 
+def _stat(tmp_path, ran: dict[int, int]):
+    """A /proc/stat whose core ``c`` ran ``ran[c]`` ticks (user 1/2, system 1/2; idle,
+    iowait and steal beside them so that only the right fields are summed)."""
+    p = tmp_path / "stat"
+    lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
+    for c, t in sorted(ran.items()):
+        lines.append(f"cpu{c} {t // 2} 0 {t - t // 2} 99999 777 0 0 0 0 0")
+    lines += ["intr 1 2 3", "ctxt 42", "procs_running 3"]
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+class _Clock:
+    """Whole milliseconds, so that ten 10 ms steps are exactly the 100 ms window."""
+
+    def __init__(self) -> None:
+        self.ms, self.own_ms = 1_000_000, 5_000
+
+    @property
+    def now(self) -> float:
+        return self.ms / 1000
+
+    @property
+    def own(self) -> float:
+        return self.own_ms / 1000
+
+    def advance(self, s: float, own_s: float = 0.0) -> None:
+        self.ms += round(s * 1000)
+        self.own_ms += round(own_s * 1000)
+
+
+def _node(tmp_path, running: int, clock: _Clock, cpus=(1,), **kw) -> NodeCpu:
+    return NodeCpu(cores=len(cpus), path=str(_loadavg(tmp_path, running)), cpus=cpus,
+                   stat_path=str(tmp_path / "stat"), clock=lambda: clock.now,
+                   own_cpu_s=lambda: clock.own, ticks_per_s=100, **kw)
+
+
 @pytest.mark.parametrize("running,busy", [(1, False), (2, False), (3, True), (9, True)])
 def test_busy_when_the_others_fill_every_core(tmp_path, running, busy):
-    """Two cores: the caller is one runnable task; two others fill both cores."""
-    node = NodeCpu(cores=2, path=str(_loadavg(tmp_path, running)))
+    """Two cores: the caller is one runnable task; two others fill both cores (no per-core
+    counts here: the count alone decides)."""
+    node = NodeCpu(cores=2, path=str(_loadavg(tmp_path, running)), stat_path=str(tmp_path / "absent"))
     assert node.busy() is busy
+
+
+def test_others_on_other_cores_do_not_hold_a_prefetch(tmp_path):
+    """Pinned to core 1 while core 0 runs the request path: the machine's count says busy,
+    but over the last window only this process ran on core 1, so the prefetch goes. Fails
+    on the count-only rule (busy whenever anything else on the machine runs)."""
+    clock = _Clock()
+    node = _node(tmp_path, 3, clock)
+    _stat(tmp_path, {0: 0, 1: 0})
+    assert node.busy() is True                  # no earlier look: the count alone decides
+    clock.advance(0.2, own_s=0.18)              # this process ran 180 ms of the 200 on core 1
+    _stat(tmp_path, {0: 20, 1: 18})             # core 0 ran 200 ms: not this process's core
+    assert node.others_share() == pytest.approx(0.0)
+    clock.advance(0.2, own_s=0.18)
+    _stat(tmp_path, {0: 40, 1: 36})
+    assert node.busy() is False
+
+
+def test_others_on_this_process_cores_hold_it(tmp_path):
+    """The other engines on the same core used it for 150 of the last 200 ms (this process
+    30): share 0.75 >= 0.5, busy; with the count low, never busy."""
+    clock = _Clock()
+    node = _node(tmp_path, 3, clock)
+    _stat(tmp_path, {0: 0, 1: 0})
+    node.busy()
+    clock.advance(0.2, own_s=0.03)
+    _stat(tmp_path, {0: 0, 1: 18})
+    assert node.busy() is True
+    assert node.others_share() is not None
+    _loadavg(tmp_path, 1)
+    clock.advance(0.2, own_s=0.03)
+    _stat(tmp_path, {0: 0, 1: 36})
+    assert node.busy() is False
+
+
+def test_the_share_is_over_the_newest_look_at_least_a_window_old(tmp_path):
+    """Looks every 10 ms: each is measured against the newest look at least ``window_s``
+    (100 ms) before it, never a younger one (a tick is 10 ms: a shorter span is noise)."""
+    clock = _Clock()
+    node = _node(tmp_path, 3, clock)
+    ran = 0
+    _stat(tmp_path, {1: ran})
+    assert node.others_share() is None
+    for _ in range(9):                          # 10..90 ms: nothing a window old yet
+        clock.advance(0.01)
+        ran += 1                                # others run the core the whole time
+        _stat(tmp_path, {1: ran})
+        assert node.others_share() is None
+    clock.advance(0.01)
+    ran += 1
+    _stat(tmp_path, {1: ran})
+    assert node.others_share() == pytest.approx(1.0)   # 100 ms against the first look
+    for _ in range(10):                         # others stop: the share falls look by look
+        clock.advance(0.01)
+        _stat(tmp_path, {1: ran})
+        share = node.others_share()
+    assert share == pytest.approx(0.0)
+
+
+def test_two_cores_share_is_over_both(tmp_path):
+    clock = _Clock()
+    node = _node(tmp_path, 5, clock, cpus=(1, 2))
+    _stat(tmp_path, {0: 0, 1: 0, 2: 0})
+    node.others_share()
+    clock.advance(0.1, own_s=0.05)
+    _stat(tmp_path, {0: 10, 1: 10, 2: 0})      # others: 100 + 0 - 50 ms of 200: 0.25
+    assert node.others_share() == pytest.approx(0.25)
+
+
+def test_a_look_older_than_max_age_is_dropped(tmp_path):
+    clock = _Clock()
+    node = _node(tmp_path, 3, clock, max_age_s=1.0)
+    _stat(tmp_path, {1: 0})
+    node.others_share()
+    clock.advance(2.0)
+    assert node.others_share() is None and node.busy() is True
+
+
+def test_per_core_counts_that_lack_this_process_core_leave_the_count_alone(tmp_path):
+    clock = _Clock()
+    node = _node(tmp_path, 3, clock, cpus=(3,))
+    _stat(tmp_path, {0: 0, 1: 0})
+    node.busy()
+    clock.advance(0.2)
+    assert node.others_share() is None and node.busy() is True
+    node = _node(tmp_path, 3, clock)
+    (tmp_path / "stat").write_text("cpu1 garbage\n")
+    assert node.others_share() is None and node.busy() is True
+
+
+@pytest.mark.parametrize("kw", [{"share": 0.0}, {"share": 1.5}, {"window_s": 0.0},
+                                {"window_s": 2.0, "max_age_s": 1.0}, {"cpus": ()}])
+def test_settings_out_of_range_are_refused(kw):
+    with pytest.raises(ValueError):
+        NodeCpu(**kw)
 
 
 def test_an_unreadable_or_odd_file_means_never_busy(tmp_path):
@@ -39,11 +172,17 @@ def test_cores_must_be_positive():
         NodeCpu(cores=0)
 
 
-def test_the_real_file_reads_on_linux():
+def test_the_real_files_read_on_linux():
     node = NodeCpu()
     n = node.runnable()
     assert n is None or n >= 1   # the caller itself runs
     assert node.cores >= 1
+    node.others_share()
+    deadline = time.monotonic() + node.window_s
+    while time.monotonic() < deadline:   # spins this process: its own time is not others'
+        pass
+    share = node.others_share()
+    assert share is None or 0.0 <= share <= 1.0
 
 
 def test_a_prefetch_waits_for_the_node_and_goes_when_a_core_frees_without_a_notify():
@@ -191,3 +330,22 @@ def test_a_compute_deadline_that_passed_before_the_wait_returns_at_once_without_
         await load
         await async_wait_until(waiting.done, what="the wait ends with the request's load")
     asyncio.run(main())
+
+
+def test_a_look_within_a_tick_gives_the_last_answer_without_reading(tmp_path):
+    """The per-core counts move in 10 ms ticks: asked again sooner, the answer is the last
+    one and the file is not read (a waiting prefetch looks every 5 ms, and a copy asks at
+    every checkpoint)."""
+    clock = _Clock()
+    node = _node(tmp_path, 3, clock)
+    _stat(tmp_path, {1: 0})
+    node.others_share()
+    clock.advance(0.1)
+    _stat(tmp_path, {1: 10})
+    assert node.others_share() == pytest.approx(1.0)
+    clock.advance(0.005)
+    (tmp_path / "stat").write_text("not read\n")     # read now, it would turn the reading off
+    assert node.others_share() == pytest.approx(1.0) and node.busy() is True
+    clock.advance(0.005)
+    _stat(tmp_path, {1: 10})
+    assert node.others_share() == pytest.approx(0.1 / 0.11)   # a tick on: read again
