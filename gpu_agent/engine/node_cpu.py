@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from collections.abc import Callable, Collection
 
@@ -89,6 +90,8 @@ class NodeCpu:
         self._looks: collections.deque[tuple[float, int, float]] = collections.deque()
         #: the last answer: asked again within a tick, nothing new can be read
         self._last: tuple[float, float | None] | None = None
+        #: the looks are shared by the event loop and the load threads (a copy's checkpoint)
+        self._lock = threading.Lock()
 
     def runnable(self) -> int | None:
         """Runnable tasks on the node now, the caller included; None when unreadable."""
@@ -130,7 +133,11 @@ class NodeCpu:
     def others_share(self) -> float | None:
         """The share of this process's cores that other tasks used since the newest earlier
         look at least ``window_s`` old (this look is kept for the next); None without one
-        (or no per-core counts)."""
+        (or no per-core counts). Thread-safe."""
+        with self._lock:
+            return self._others_share()
+
+    def _others_share(self) -> float | None:
         now = self._clock()
         if self._last is not None and 0.0 <= now - self._last[0] < 0.99 * self._tick_s:
             return self._last[1]           # the counts move in ticks: a look now adds nothing

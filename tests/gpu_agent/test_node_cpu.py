@@ -53,7 +53,7 @@ class _Clock:
 def _node(tmp_path, running: int, clock: _Clock, cpus=(1,), **kw) -> NodeCpu:
     return NodeCpu(cores=len(cpus), path=str(_loadavg(tmp_path, running)), cpus=cpus,
                    stat_path=str(tmp_path / "stat"), clock=lambda: clock.now,
-                   own_cpu_s=lambda: clock.own, ticks_per_s=100, **kw)
+                   own_cpu_s=lambda: clock.own, **{"ticks_per_s": 100, **kw})
 
 
 @pytest.mark.parametrize("running,busy", [(1, False), (2, False), (3, True), (9, True)])
@@ -349,3 +349,26 @@ def test_a_look_within_a_tick_gives_the_last_answer_without_reading(tmp_path):
     clock.advance(0.005)
     _stat(tmp_path, {1: 10})
     assert node.others_share() == pytest.approx(0.1 / 0.11)   # a tick on: read again
+
+
+def test_a_look_holds_the_lock_while_it_reads_and_changes_the_looks(tmp_path):
+    """The event loop and a load thread (a copy's checkpoint) ask at once, and the looks
+    they share are popped and indexed in several steps: a look runs under the node's lock
+    (checked from inside it, where a second caller would interleave)."""
+    clock = _Clock()
+    held: list[bool] = []
+
+    def own_cpu() -> float:
+        free = node._lock.acquire(blocking=False)
+        if free:
+            node._lock.release()
+        held.append(not free)
+        return clock.own
+
+    node = NodeCpu(cores=1, path=str(_loadavg(tmp_path, 3)), cpus=(1,),
+                   stat_path=str(_stat(tmp_path, {1: 0})), clock=lambda: clock.now,
+                   own_cpu_s=own_cpu, ticks_per_s=100)
+    node.busy()
+    clock.advance(0.2)
+    node.busy()
+    assert held == [True, True]
